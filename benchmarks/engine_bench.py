@@ -1,0 +1,163 @@
+"""``kvrelay bench engine``: the engine against transformers' ``generate`` on
+the same model, dtype and thread count, in one run, plus the memory-bandwidth
+bound of batch-1 decode.
+
+Decode figures for both sides are (batch x new tokens) / wall time of a
+whole generate call on 32-token prompts, prefill included, as in the
+platform baselines; the engine's decode-only rate is reported as well.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+CORPUS = ("Research and education networks connect universities, laboratories and hospitals across "
+          "cities and countries. They carry physics data, genomes, climate models and lecture videos, "
+          "and now they are asked to carry the working memory of language models between sites. ")
+
+
+@dataclass(slots=True)
+class EngineBenchResult:
+    dtype: str
+    threads: int
+    prefill_tokens: int
+    ours_prefill_tok_s: float
+    hf_prefill_tok_s: float | None
+    decode: dict[int, dict[str, float | None]] = field(default_factory=dict)
+    """batch -> {ours, ours_decode_only, hf} tokens/s."""
+    memcpy_gb_s: float = 0.0
+    read_gb_s: float = 0.0
+    b1_bytes_per_step: int = 0
+    b1_bound_tok_s: float = 0.0
+
+
+def _prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    ids = tokenizer.encode(CORPUS * (1 + (n * length) // 40), add_special_tokens=False)
+    return [ids[i * 7:i * 7 + length] for i in range(n)]
+
+
+def measure_bandwidth(gib: float = 1.0) -> tuple[float, float]:
+    """(copy GB/s counted as bytes copied, read-only GB/s) with torch."""
+    n = int(gib * 2**30) // 4
+    a = torch.ones(n)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    copy = []
+    read = []
+    for _ in range(3):
+        t = time.perf_counter()
+        b.copy_(a)
+        copy.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        a.sum()
+        read.append(time.perf_counter() - t)
+    nbytes = n * 4
+    return nbytes / min(copy) / 1e9, nbytes / min(read) / 1e9
+
+
+def _time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_ours(eng: LLMEngine, prompt512: list[int], batches: list[int], new_tokens: int,
+               repeat: int) -> tuple[float, dict[int, tuple[float, float]]]:
+    eng.pool.enable_prefix_caching = False
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    eng.generate([prompt512], one)  # warm-up
+    prefill = len(prompt512) / _time(lambda: eng.generate([prompt512], one), repeat)
+    decode: dict[int, tuple[float, float]] = {}
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    for b in batches:
+        prompts = _prompts(eng.tokenizer, b, 32)
+        eng.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+        total = _time(lambda: eng.generate(prompts, params), repeat)
+        first = _time(lambda: eng.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True)), repeat)
+        decode[b] = (b * new_tokens / total, b * (new_tokens - 1) / max(1e-9, total - first))
+    return prefill, decode
+
+
+def bench_hf(path: Path, dtype: torch.dtype, tokenizer, prompt512: list[int], batches: list[int],
+             new_tokens: int, repeat: int) -> tuple[float, dict[int, float]]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    x = torch.tensor([prompt512])
+    with torch.inference_mode():
+        model(x)
+        prefill = len(prompt512) / _time(lambda: model(x), repeat)
+        out: dict[int, float] = {}
+        for b in batches:
+            ids = torch.tensor(_prompts(tokenizer, b, 32))
+            mask = torch.ones_like(ids)
+
+            def run():
+                model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               do_sample=False, pad_token_id=0)
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            out[b] = b * new_tokens / _time(run, repeat)
+    return prefill, out
+
+
+def run_engine_bench(model_path: Path, dtype: str = "float32", threads: int = 2, batches: tuple[int, ...] = (1, 8, 32),
+                     new_tokens: int = 64, repeat: int = 3, with_hf: bool = True) -> EngineBenchResult:
+    torch.set_num_threads(threads)
+    eng = LLMEngine(EngineConfig(model_path=model_path, dtype=dtype, cache=CacheConfig(memory_gib=1.0),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64)))
+    prompt512 = _prompts(eng.tokenizer, 1, 512)[0]
+    ours_prefill, ours_decode = bench_ours(eng, prompt512, list(batches), new_tokens, repeat)
+    hf_prefill, hf_decode = None, {}
+    if with_hf:
+        hf_prefill, hf_decode = bench_hf(model_path, eng.model.dtype, eng.tokenizer, prompt512, list(batches),
+                                         new_tokens, repeat)
+    copy_bw, read_bw = measure_bandwidth()
+    ctx = 32 + new_tokens // 2
+    step_bytes = eng.model.weight_bytes() + ctx * eng.layout.bytes_per_token
+    res = EngineBenchResult(dtype=dtype, threads=threads, prefill_tokens=len(prompt512),
+                            ours_prefill_tok_s=ours_prefill, hf_prefill_tok_s=hf_prefill,
+                            memcpy_gb_s=copy_bw, read_gb_s=read_bw, b1_bytes_per_step=step_bytes,
+                            b1_bound_tok_s=read_bw * 1e9 / step_bytes)
+    for b in batches:
+        res.decode[b] = {"ours": ours_decode[b][0], "ours_decode_only": ours_decode[b][1],
+                         "hf": hf_decode.get(b)}
+    return res
+
+
+def format_result(r: EngineBenchResult) -> str:
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if b else "n/a"
+
+    def num(v):
+        return "n/a" if v is None else f"{v:,.0f}"
+
+    lines = [f"## engine bench: SmolLM2-135M-Instruct, {r.dtype}, {r.threads} threads",
+             "", "| measure | kvrelay | transformers | ratio |", "|---|---|---|---|",
+             f"| prefill {r.prefill_tokens} tok (tok/s) | {num(r.ours_prefill_tok_s)} | {num(r.hf_prefill_tok_s)} | "
+             f"{ratio(r.ours_prefill_tok_s, r.hf_prefill_tok_s)} |"]
+    for b, d in r.decode.items():
+        lines.append(f"| decode batch {b} (tok/s) | {num(d['ours'])} (decode only {num(d['ours_decode_only'])}) | "
+                     f"{num(d['hf'])} | {ratio(d['ours'], d['hf'])} |")
+    b1 = r.decode.get(1, {}).get("ours_decode_only")
+    lines += ["", f"memory: copy {r.memcpy_gb_s:.1f} GB/s, read {r.read_gb_s:.1f} GB/s; batch-1 decode reads "
+              f"{r.b1_bytes_per_step / 1e6:.0f} MB/step -> bound {r.b1_bound_tok_s:.0f} tok/s"
+              + (f"; engine at {b1 / r.b1_bound_tok_s:.0%} of it" if b1 else "")]
+    return "\n".join(lines)
+
+
+def to_json(r: EngineBenchResult) -> str:
+    return json.dumps(asdict(r), indent=2)

@@ -1,0 +1,210 @@
+"""Typed configuration of the engine: the model (from a checkpoint's
+config.json), the KV cache and the scheduler. Parsed once, validated in
+``__post_init__``; everything below receives these objects, never raw dicts."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from engine.errors import CheckpointError
+
+#: Architectures (config.json ``architectures[0]``) that the Llama-family
+#: implementation covers, with the quirks each one turns on.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(slots=True, frozen=True)
+class RopeConfig:
+    """Rotary position embedding parameters."""
+
+    theta: float
+    """Base frequency (``rope_theta``)."""
+    kind: Literal["default", "linear", "llama3"] = "default"
+    """Scaling scheme; ``llama3`` is Llama 3.1's frequency-dependent scaling."""
+    factor: float = 1.0
+    """Scaling factor for ``linear`` and ``llama3``."""
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, raw: dict) -> RopeConfig:
+        """Reads both the legacy (``rope_theta`` + ``rope_scaling``) and the
+        transformers 5 (``rope_parameters``) spellings."""
+        params = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or {}
+        merged = {**scaling, **params}
+        theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise CheckpointError(f"config.json: unsupported rope scaling type {kind!r} "
+                                  "(supported: default, linear, llama3)")
+        return cls(
+            theta=theta,
+            kind=kind,
+            factor=float(merged.get("factor", 1.0)),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                merged.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))),
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family model, read from config.json."""
+
+    architecture: str
+    """Family flavour: ``llama``, ``mistral`` or ``qwen2``."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool
+    """Bias on the q/k/v projections (Qwen2, some Llama variants)."""
+    sliding_window: int | None
+    """Attention window (Mistral v0.1); ``None`` means full attention."""
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        for fname in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, fname) <= 0:
+                raise CheckpointError(f"config.json: {fname} must be positive, got {getattr(self, fname)}")
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(f"config.json: num_attention_heads ({self.num_heads}) is not a multiple "
+                                  f"of num_key_value_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_dict(cls, raw: dict, name: str = "model") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch_name = archs[0] if archs else None
+        if arch_name not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(f"config.json: unknown architecture {arch_name!r}; "
+                                  f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        arch = SUPPORTED_ARCHITECTURES[arch_name]
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            window = raw.get("sliding_window")
+            if arch == "qwen2" and not raw.get("use_sliding_window", False):
+                window = None
+            return cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                rope=RopeConfig.from_hf(raw),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
+                sliding_window=int(window) if window else None,
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                name=name,
+            )
+        except KeyError as exc:
+            raise CheckpointError(f"config.json: missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"config.json: bad value: {exc}") from None
+
+    @classmethod
+    def from_file(cls, path: Path, name: str | None = None) -> ModelConfig:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: config.json not found") from None
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path}: config.json is not valid JSON ({exc})") from None
+        return cls.from_dict(raw, name=name or Path(path).parent.name)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """The paged KV cache of one worker."""
+
+    block_size: int = 16
+    """Tokens per KV block: the unit of allocation, prefix caching and transfer."""
+    num_blocks: int | None = None
+    """Blocks to preallocate; when ``None`` they are derived from ``memory_gib``."""
+    memory_gib: float = 1.0
+    """KV memory budget used when ``num_blocks`` is not given."""
+    enable_prefix_caching: bool = True
+    """Reuse blocks of earlier requests whose chained hashes match."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"cache.block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"cache.num_blocks must be >= 2, got {self.num_blocks}")
+        if not math.isfinite(self.memory_gib) or self.memory_gib <= 0:
+            raise ValueError(f"cache.memory_gib must be positive, got {self.memory_gib}")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Batching limits of one engine step."""
+
+    max_num_batched_tokens: int = 2048
+    """Token budget per step (decode tokens + prefill chunk tokens)."""
+    max_num_seqs: int = 64
+    """Most sequences running at once."""
+    max_model_len: int | None = None
+    """Context window; defaults to the model's ``max_position_embeddings``."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("scheduler.max_num_batched_tokens must be positive")
+        if self.max_num_seqs <= 0:
+            raise ValueError("scheduler.max_num_seqs must be positive")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError("scheduler.max_model_len must be positive")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything an engine instance needs."""
+
+    model_path: Path
+    """Hugging Face style checkpoint folder."""
+    dtype: DType = "float32"
+    device: str = "cpu"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_threads: int | None = None
+    """torch intra-op threads on CPU; ``None`` keeps torch's default."""
+
+    def __post_init__(self) -> None:
+        self.model_path = Path(self.model_path)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"engine.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype == "float16" and not self.device.startswith("cuda"):
+            raise ValueError("engine.dtype float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"engine.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -1,0 +1,108 @@
+"""The paged KV cache: one preallocated tensor holding K and V of every layer
+in blocks of ``block_size`` tokens, and the layout descriptor that says how
+its bytes are arranged.
+
+Shape: ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``,
+contiguous. So "K (or V) of layer L, block b" is one contiguous run of
+``block_bytes`` bytes at a computable offset, and "layer L of blocks [b...]"
+is addressable without copying: exactly what a transport needs to register
+the memory once and move blocks by offset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+@dataclass(slots=True, frozen=True)
+class KVLayout:
+    """What two workers must agree on before KV bytes can move between them."""
+
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, dtype: str, block_size: int) -> KVLayout:
+        return cls(cfg.name, dtype, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size)
+
+    @property
+    def element_size(self) -> int:
+        return torch.tensor([], dtype=torch_dtype(self.dtype)).element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of K (or of V) of one layer of one block."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers, K and V."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_size
+
+    def compat_hash(self) -> str:
+        """Hex digest identifying the layout; equal hashes mean byte-compatible KV."""
+        text = (f"{self.model}|{self.dtype}|{self.num_layers}|{self.num_kv_heads}|"
+                f"{self.head_dim}|{self.block_size}|kvrelay-kv-v1")
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryRegion:
+    """A registrable range of KV memory."""
+
+    address: int
+    nbytes: int
+    device: str
+
+
+class KVCache:
+    """The KV tensor of one worker and the arithmetic to address it."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str = "cpu") -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.device = device
+        self.kv = torch.zeros(layout.num_layers, 2, num_blocks, layout.block_size,
+                              layout.num_kv_heads, layout.head_dim,
+                              dtype=torch_dtype(layout.dtype), device=device)
+
+    @staticmethod
+    def blocks_for_budget(layout: KVLayout, memory_bytes: int) -> int:
+        per_block = 2 * layout.num_layers * layout.block_bytes
+        return max(2, memory_bytes // per_block)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views of one layer, each ``[num_blocks, block_size, H, D]``."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def regions(self) -> list[MemoryRegion]:
+        """The memory a transport registers (one region: the whole tensor)."""
+        return [MemoryRegion(self.kv.data_ptr(), self.kv.numel() * self.kv.element_size(),
+                             str(self.kv.device))]
+
+    def block_offset(self, layer: int, kind: int, block: int) -> int:
+        """Byte offset of K (``kind=0``) or V (``kind=1``) of ``layer``, ``block``."""
+        return ((layer * 2 + kind) * self.num_blocks + block) * self.layout.block_bytes
+
+    def block_view(self, layer: int, kind: int, block: int) -> torch.Tensor:
+        """Zero-copy view of one (layer, K/V, block) run."""
+        return self.kv[layer, kind, block]
+
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """Copy of the given blocks, every layer: ``[L, 2, n, bs, H, D]`` (tests, migration)."""
+        return self.kv[:, :, blocks].clone()

@@ -1,0 +1,262 @@
+"""The engine: a model, its paged KV cache and a scheduler, stepped by the
+caller (a worker's loop, a benchmark or a test).
+
+Lifecycle of a request: ``add_request`` validates and queues it; each
+``step`` schedules a batch, runs it, samples, and returns a
+:class:`RequestOutput` per request that advanced; a request ends with
+``finished=True`` (stop, length) or through ``abort_request``, and its
+blocks go back to the pool at once.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.checkpoint import load_checkpoint
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache import KVCache, KVLayout, torch_dtype
+from engine.model_runner import ModelRunner
+from engine.models.llama import LlamaModel
+from engine.sampler import SampleRequest, Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    """``stop`` (EOS, stop token or stop string), ``length`` or ``abort``."""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    new_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preemptions: int
+    prefix_hit_blocks: int
+    prefix_query_blocks: int
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.cfg = cfg
+        ckpt = load_checkpoint(cfg.model_path)
+        self.model_config = ckpt.config
+        self.tokenizer = Tokenizer(cfg.model_path)
+        self.model = LlamaModel.from_checkpoint(ckpt, torch_dtype(cfg.dtype), cfg.device)
+        self.layout = KVLayout.for_model(ckpt.config, cfg.dtype, cfg.cache.block_size)
+        num_blocks = cfg.cache.num_blocks or KVCache.blocks_for_budget(
+            self.layout, int(cfg.cache.memory_gib * 2**30))
+        self.cache = KVCache(self.layout, num_blocks, cfg.device)
+        self.pool = BlockPool(num_blocks, cfg.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg.scheduler, self.pool, cfg.cache.block_size)
+        self.runner = ModelRunner(self.model, self.cache)
+        self.sampler = Sampler()
+        self.max_model_len = min(cfg.scheduler.max_model_len or ckpt.config.max_position_embeddings,
+                                 ckpt.config.max_position_embeddings)
+        eos = set(ckpt.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._rng = random.Random()
+
+    # -- requests ------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidRequestError when the request cannot be served."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(f"prompt is {n} tokens; the context window is {self.max_model_len} "
+                                      "tokens (prompt + output)")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                      f"context window of {self.max_model_len} tokens")
+        capacity = self.pool.num_blocks * self.layout.block_size
+        if n + params.max_tokens > capacity:
+            raise InvalidRequestError(f"prompt + max_tokens ({n + params.max_tokens} tokens) exceeds this "
+                                      f"worker's KV cache ({capacity} tokens)")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    salt: str = "") -> None:
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, salt)
+        self._seqs[request_id] = seq
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stops a request and frees its blocks; False if it is unknown."""
+        seq = self._seqs.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping ------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        logits = self.runner.execute(sched.decode, sched.prefill)
+        entries = [e for e in sched.entries]
+        for e in entries:
+            e.seq.num_computed_tokens += e.num_new_tokens
+            self._register_full_blocks(e.seq)
+        sampled = [e.seq for e in entries if e.sample]
+        if not sampled:
+            return []
+        rows = [SampleRequest(s.params, s.seed, len(s.output_token_ids)) for s in sampled]
+        tokens, logprobs = self.sampler(logits, rows)
+        outputs = []
+        for i, seq in enumerate(sampled):
+            outputs.append(self._append_token(seq, tokens[i], None if logprobs is None else logprobs[i]))
+        return outputs
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        bs = self.layout.block_size
+        full = seq.num_computed_tokens // bs
+        if full > seq.num_registered_blocks:
+            hashes = seq.hashes_up_to(full, bs)
+            for j in range(seq.num_registered_blocks, full):
+                self.pool.cache_block(seq.block_table[j], hashes[j])
+            seq.num_registered_blocks = full
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> RequestOutput:
+        params = seq.params
+        seq.output_token_ids.append(token)
+        if logprob is not None and params.logprobs:
+            seq.output_logprobs.append(logprob)
+        detok = self._detok[seq.request_id]
+        reason = None
+        if not params.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in params.stop_token_ids:
+            reason = "stop"
+        else:
+            detok.add(token)
+            if detok.stopped:
+                reason = "stop"
+            elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._seqs.pop(seq.request_id, None)
+            self._detok.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=[token], new_text=detok.take(final=reason is not None),
+            finished=reason is not None, finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            new_logprobs=[logprob] if (logprob is not None and params.logprobs) else [])
+
+    # -- convenience ---------------------------------------------------------
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams],
+                 deadline_s: float = 600.0) -> list[CompletedRequest]:
+        """Runs prompts to completion (offline use, tests, benchmarks)."""
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        done: dict[str, CompletedRequest] = {i: CompletedRequest(i) for i in ids}
+        for rid, p, sp in zip(ids, prompts, plist):
+            self.add_request(rid, p, sp)
+        end = time.monotonic() + deadline_s
+        while any(not c.finished for c in done.values()):
+            if time.monotonic() > end:
+                for rid in ids:
+                    self.abort_request(rid)
+                raise TimeoutError(f"generate did not finish within {deadline_s} s")
+            for out in self.step():
+                c = done[out.request_id]
+                c.token_ids += out.new_token_ids
+                c.text += out.new_text
+                c.logprobs += out.new_logprobs
+                c.num_cached_tokens = out.num_cached_tokens
+                if out.finished:
+                    c.finished, c.finish_reason = True, out.finish_reason
+        return [done[i] for i in ids]
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt_token_ids: list[int], salt: str = "") -> tuple[torch.Tensor, int]:
+        """fp32 logits of every prompt position the engine computes (those
+        after the cached prefix), and the number of cached tokens. Runs on an
+        idle engine, through the same scheduler, chunking and prefix cache as
+        ``step``; the prompt's full blocks stay cached afterwards."""
+        if self.scheduler.has_work():
+            raise RuntimeError("prompt_logits needs an idle engine")
+        params = SamplingParams(max_tokens=1)
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(f"logits-{time.monotonic_ns()}", list(prompt_token_ids), params, 0, salt)
+        self.scheduler.add(seq)
+        chunks = []
+        try:
+            while seq.num_computed_tokens < seq.num_tokens:
+                sched = self.scheduler.schedule()
+                chunks.append(self.runner.execute(sched.decode, sched.prefill, all_logits=True))
+                for e in sched.entries:
+                    e.seq.num_computed_tokens += e.num_new_tokens
+                    self._register_full_blocks(e.seq)
+        finally:
+            self.scheduler.finish(seq, "abort")
+        return torch.cat(chunks), seq.num_cached_tokens
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.pool.num_free, num_blocks=self.pool.num_blocks,
+            num_prefill_tokens=self.runner.num_prefill_tokens, num_decode_tokens=self.runner.num_decode_tokens,
+            num_preemptions=self.scheduler.num_preemptions, prefix_hit_blocks=self.pool.prefix_hits,
+            prefix_query_blocks=self.pool.prefix_queries)
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+
+@dataclass(slots=True)
+class CompletedRequest:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+__all__ = ["LLMEngine", "RequestOutput", "CompletedRequest", "EngineStats", "SequenceStatus"]

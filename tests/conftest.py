@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random checkpoints, the embedded default model, and
+engines that are checked for leaked KV blocks when a test ends."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.default_model import prepare_default_model
+from engine.llm_engine import LLMEngine
+from engine.tiny import TINY_ARCHS, write_tiny_checkpoint
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVRELAY_CACHE_DIR", Path.home() / ".cache" / "kvrelay"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: write_tiny_checkpoint(root / arch, arch, seed=7) for arch in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    return prepare_default_model(cache_dir())
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished(), "requests still queued or running"
+    pool = engine.pool
+    held = [b for b in range(pool.num_blocks) if pool.ref_count(b)]
+    assert not held, f"blocks still referenced after the test: {held[:10]}"
+    assert pool.num_free == pool.num_blocks
+
+
+@pytest.fixture
+def make_engine():
+    """Factory for engines; every engine made is checked for leaked blocks."""
+    made: list[LLMEngine] = []
+
+    def make(path: Path, *, dtype: str = "float32", num_blocks: int = 256, block_size: int = 16,
+             max_batched: int = 2048, max_seqs: int = 64, prefix_caching: bool = True,
+             device: str = "cpu") -> LLMEngine:
+        eng = LLMEngine(EngineConfig(
+            model_path=path, dtype=dtype, device=device,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                              enable_prefix_caching=prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs)))
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        assert_no_leaks(eng)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run only where CUDA is available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,70 @@
+"""The embedded default model, SmolLM2-135M-Instruct: the GGUF conversion
+agrees with transformers' own GGUF loader, and greedy generation is
+token-identical to transformers' ``generate`` (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.default_model import embedded_gguf, prepare_default_model
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.model
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a network router does, in two sentences.",
+    "List three prime numbers greater than 100.",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+]
+
+
+def test_prepare_reuses_folder(smollm_path):
+    before = (smollm_path / "model.safetensors").stat().st_mtime_ns
+    again = prepare_default_model(smollm_path.parent.parent)
+    assert again == smollm_path
+    assert (smollm_path / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_conversion_matches_transformers_gguf_loader(smollm_path):
+    gguf = embedded_gguf()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32).state_dict()
+    from safetensors.torch import load_file
+    ours = load_file(str(smollm_path / "model.safetensors"))
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, ref[name]), name
+    ref_tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = Tokenizer(smollm_path)
+    for text in ["Hello, world!", "1234567 + 89 = ?", "  leading spaces\tand\ttabs\n",
+                 "<|im_start|>user\nhi<|im_end|>", "naïve café — 東京 🚀", "def f(x):\n    return x**2"]:
+        assert tok.encode(text) == ref_tok.encode(text), text
+        assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+
+
+def test_greedy_generation_matches_transformers(smollm_path, make_engine):
+    eng = make_engine(smollm_path, num_blocks=512)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32)
+    ref_tok = transformers.AutoTokenizer.from_pretrained(smollm_path)
+    prompts = []
+    for text in CHATS:
+        msgs = [{"role": "user", "content": text}]
+        ids = eng.tokenizer.encode_chat(msgs)
+        ref_ids = ref_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ref_ids, list):
+            ref_ids = ref_ids["input_ids"]
+        assert ids == list(ref_ids), "chat template renders differently from transformers"
+        prompts.append(ids)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=32))
+    for ids, out in zip(prompts, outs):
+        x = torch.tensor([ids])
+        with torch.no_grad():  # the mask must be explicit: the prompt contains the pad id (<|im_end|>)
+            ref = ref_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False)
+        assert out.token_ids == ref[0, len(ids):].tolist(), eng.tokenizer.decode(ids)
+        assert len(out.token_ids) == 32 or out.finish_reason == "stop"
+    assert "Paris" in outs[0].text
