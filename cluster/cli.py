@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     be = bench.add_parser("engine", help="engine vs transformers: prefill and decode throughput")
     be.add_argument("--model", help="checkpoint folder (default: the embedded model)")
-    be.add_argument("--dtype", default="float32,bfloat16", help="comma-separated dtypes")
+    be.add_argument("--dtype", default="float32", help="comma-separated dtypes (float32, bfloat16)")
     be.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     be.add_argument("--batches", default="1,8,32")
     be.add_argument("--new-tokens", type=int, default=64)

@@ -20,7 +20,7 @@ import torch
 from engine.block_pool import BlockPool
 from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.kv_cache import KVCache, KVLayout, torch_dtype
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
@@ -83,6 +83,11 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self._seqs: dict[str, Sequence] = {}
+        self._reserved: dict[str, Sequence] = {}
+        """Sequences whose blocks wait for KV computed elsewhere."""
+        self._held: dict[str, list[int]] = {}
+        """Blocks of finished sequences kept for a transfer, by request id."""
+        self._hold: set[str] = set()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._rng = random.Random()
 
@@ -106,28 +111,98 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt + max_tokens ({n + params.max_tokens} tokens) exceeds this "
                                       f"worker's KV cache ({capacity} tokens)")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    salt: str = "") -> None:
-        if request_id in self._seqs:
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      salt: str) -> Sequence:
+        if request_id in self._seqs or request_id in self._held:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, salt)
         self._seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
+        return seq
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    salt: str = "", hold_blocks: bool = False) -> None:
+        """Queues a request. With ``hold_blocks`` its blocks are kept when it
+        finishes (for a KV transfer) until ``release_blocks``."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, salt)
+        if hold_blocks:
+            self._hold.add(request_id)
         self.scheduler.add(seq)
 
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                salt: str = "") -> tuple[list[int], int]:
+        """Allocates blocks for a prompt whose KV will be computed elsewhere.
+
+        Returns the block table and how many leading blocks this engine's
+        prefix cache already holds (those need no transfer). The request
+        does not run until ``commit_prefilled``; ``abort_request`` frees it.
+
+        Raises:
+            OutOfBlocksError: not enough free blocks now.
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params, salt)
+        bs = self.layout.block_size
+        n = seq.num_prompt_tokens
+        hit = self.pool.match_prefix(seq.hashes_up_to((n - 1) // bs, bs))
+        try:
+            fresh = self.pool.allocate(-(-n // bs) - len(hit))
+        except OutOfBlocksError:
+            self.pool.free(hit)
+            self._seqs.pop(request_id)
+            self._detok.pop(request_id)
+            raise
+        seq.block_table = hit + fresh
+        seq.num_cached_tokens = len(hit) * bs
+        self._reserved[request_id] = seq
+        return list(seq.block_table), len(hit)
+
+    def commit_prefilled(self, request_id: str, first_token: int, logprob: float | None) -> RequestOutput:
+        """The reserved request's prompt KV has landed: it joins the running
+        batch with ``first_token`` (sampled by the prefill worker) as its first output."""
+        seq = self._reserved.pop(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self._register_full_blocks(seq)
+        self.scheduler.add_running(seq)
+        return self._append_token(seq, first_token, logprob)
+
+    def release_blocks(self, request_id: str) -> bool:
+        """Frees the blocks a finished ``hold_blocks`` request kept."""
+        blocks = self._held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(blocks)
+        return True
+
+    def held_blocks(self, request_id: str) -> list[int] | None:
+        return self._held.get(request_id)
+
     def abort_request(self, request_id: str) -> bool:
-        """Stops a request and frees its blocks; False if it is unknown."""
+        """Stops a request (queued, running, reserved or held) and frees its
+        blocks; False if it is unknown."""
+        if self.release_blocks(request_id):
+            return True
         seq = self._seqs.pop(request_id, None)
         self._detok.pop(request_id, None)
+        self._reserved.pop(request_id, None)
+        self._hold.discard(request_id)
         if seq is None:
             return False
         self.scheduler.finish(seq, "abort")
         return True
 
     def has_unfinished(self) -> bool:
+        """Requests queued or running (reserved and held ones excluded)."""
         return self.scheduler.has_work()
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
 
     # -- stepping ------------------------------------------------------------
     @torch.inference_mode()
@@ -177,7 +252,12 @@ class LLMEngine:
             elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            hold = seq.request_id in self._hold
+            self.scheduler.finish(seq, reason, free_blocks=not hold)
+            if hold:
+                self._hold.discard(seq.request_id)
+                self._held[seq.request_id] = seq.block_table
+                seq.block_table = []
             self._seqs.pop(seq.request_id, None)
             self._detok.pop(seq.request_id, None)
         return RequestOutput(

@@ -147,15 +147,23 @@ class Scheduler:
         else:
             out.prefill.append(entry)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Ends a sequence (any state) and returns its blocks to the pool."""
+    def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
+        """Ends a sequence (any state). Its blocks go back to the pool unless
+        ``free_blocks`` is False (the caller then owns ``seq.block_table``)."""
         if seq.status is SequenceStatus.FINISHED:
             return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+        if free_blocks:
+            self.pool.free(seq.block_table)
+            seq.block_table = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def add_running(self, seq: Sequence) -> None:
+        """Joins a sequence whose KV is already in its blocks (received from a
+        prefill worker) to the running batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)

@@ -69,6 +69,13 @@ def build_prefill_mask(context_start: int, num_tokens: int, window: int | None,
     return mask[None, None]
 
 
+def gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Copies the blocks named by ``table`` (any shape) out of one layer's
+    ``[num_blocks, ...]`` cache, as ``[table.numel(), block elements]``.
+    index_select on a 2-D view is several times faster than advanced indexing."""
+    return torch.index_select(cache.view(cache.shape[0], -1), 0, table.reshape(-1))
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata) -> torch.Tensor:
@@ -89,9 +96,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gqa = kv_heads != heads
     nd = meta.num_decode
     if nd:
-        tables = meta.decode_block_tables
-        kd = k_cache[tables].view(nd, -1, kv_heads, dim).transpose(1, 2)
-        vd = v_cache[tables].view(nd, -1, kv_heads, dim).transpose(1, 2)
+        kd = gather_blocks(k_cache, meta.decode_block_tables).view(nd, -1, kv_heads, dim).transpose(1, 2)
+        vd = gather_blocks(v_cache, meta.decode_block_tables).view(nd, -1, kv_heads, dim).transpose(1, 2)
         od = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), kd, vd,
                                             attn_mask=meta.decode_mask, enable_gqa=gqa)
         out[:nd] = od.squeeze(2)
@@ -102,8 +108,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ks, vs = k[s:s + t], v[s:s + t]
         else:
             ctx = seg.context_start + t
-            ks = k_cache[seg.block_table].view(-1, kv_heads, dim)[:ctx]
-            vs = v_cache[seg.block_table].view(-1, kv_heads, dim)[:ctx]
+            ks = gather_blocks(k_cache, seg.block_table).view(-1, kv_heads, dim)[:ctx]
+            vs = gather_blocks(v_cache, seg.block_table).view(-1, kv_heads, dim)[:ctx]
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         if seg.mask is None:

@@ -14,6 +14,7 @@ from engine.checkpoint import Checkpoint
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.layers.attention import AttentionMetadata, paged_attention
+from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
 
 LayerHook = Callable[[int], None]
@@ -24,13 +25,12 @@ LayerHook = Callable[[int], None]
 class LayerWeights:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: torch.Tensor
-    """``[(H + 2 * H_kv) * D, hidden]``"""
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    gate_up: torch.Tensor
+    qkv: Linear
+    """``[(H + 2 * H_kv) * D, hidden]`` (+ bias for Qwen2)"""
+    o: Linear
+    gate_up: Linear
     """``[2 * intermediate, hidden]``"""
-    down: torch.Tensor
+    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,21 +45,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaModel:
     """Weights and forward pass of one model replica."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str, pack_weights: bool = True) -> None:
         self.cfg = cfg
+        self.pack_weights = pack_weights
         self.dtype = dtype
         self.device = device
         self.layers: list[LayerWeights] = []
         self.embed: torch.Tensor | None = None
-        self.lm_head: torch.Tensor | None = None
+        self.lm_head: Linear | None = None
         self.norm: torch.Tensor | None = None
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, dtype, device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str) -> LlamaModel:
-        model = cls(ckpt.config, dtype, device)
+    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str,
+                        pack_weights: bool = True) -> LlamaModel:
+        model = cls(ckpt.config, dtype, device, pack_weights)
         raw = dict(ckpt.tensors())
         model.load(raw)
         return model
@@ -70,8 +72,9 @@ class LlamaModel:
         def t(name: str) -> torch.Tensor:
             return raw[name].to(dtype=self.dtype, device=self.device)
 
+        pack = self.pack_weights
         self.embed = t("model.embed_tokens.weight").contiguous()
-        self.lm_head = self.embed if cfg.tie_word_embeddings else t("lm_head.weight").contiguous()
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else t("lm_head.weight"), pack=pack)
         self.norm = t("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_layers):
@@ -83,20 +86,19 @@ class LlamaModel:
             self.layers.append(LayerWeights(
                 input_norm=t(p + "input_layernorm.weight"),
                 post_norm=t(p + "post_attention_layernorm.weight"),
-                qkv=torch.cat([t(a + "q_proj.weight"), t(a + "k_proj.weight"), t(a + "v_proj.weight")]),
-                qkv_bias=bias,
-                o=t(a + "o_proj.weight").contiguous(),
-                gate_up=torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]),
-                down=t(p + "mlp.down_proj.weight").contiguous(),
+                qkv=Linear(torch.cat([t(a + "q_proj.weight"), t(a + "k_proj.weight"), t(a + "v_proj.weight")]),
+                           bias, pack=pack),
+                o=Linear(t(a + "o_proj.weight"), pack=pack),
+                gate_up=Linear(torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]), pack=pack),
+                down=Linear(t(p + "mlp.down_proj.weight"), pack=pack),
             ))
 
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (embedding rows excluded)."""
-        total = self.lm_head.numel() * self.lm_head.element_size() + self.norm.numel() * self.norm.element_size()
+        total = self.lm_head.nbytes() + self.norm.numel() * self.norm.element_size()
         for lw in self.layers:
-            for w in (lw.input_norm, lw.post_norm, lw.qkv, lw.qkv_bias, lw.o, lw.gate_up, lw.down):
-                if w is not None:
-                    total += w.numel() * w.element_size()
+            total += sum(lin.nbytes() for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
+            total += sum(w.numel() * w.element_size() for w in (lw.input_norm, lw.post_norm))
         return total
 
     @torch.inference_mode()
@@ -113,7 +115,7 @@ class LlamaModel:
         inter = cfg.intermediate_size
         for i, lw in enumerate(self.layers):
             h = rms_norm(x, lw.input_norm, eps)
-            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+            qkv = lw.qkv(h)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = rot(q.view(n, heads, dim), cos, sin)
             k = rot(k.view(n, kv_heads, dim), cos, sin)
@@ -121,12 +123,12 @@ class LlamaModel:
             attn = paged_attention(q, k, v.view(n, kv_heads, dim), k_cache, v_cache, meta)
             if hook is not None:
                 hook(i)
-            x = x + F.linear(attn, lw.o)
+            x = x + lw.o(attn)
             h = rms_norm(x, lw.post_norm, eps)
-            gu = F.linear(h, lw.gate_up)
-            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], lw.down)
+            gu = lw.gate_up(h)
+            x = x + lw.down(F.silu(gu[:, :inter]) * gu[:, inter:])
         return rms_norm(x, self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for selected hidden states."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -1,0 +1,198 @@
+"""The cluster config file: YAML parsed once into typed, validated
+dataclasses. Any problem raises :class:`ConfigError` naming the field.
+
+Example::
+
+    model:
+      path: null            # checkpoint folder; null = the embedded SmolLM2-135M-Instruct
+      dtype: float32
+    router:
+      host: 127.0.0.1
+      port: 50051           # 0 = any free port
+    sites:
+      - name: local
+        jurisdiction: CA-ON
+        prefill: {replicas: 1}
+        decode: {replicas: 1}
+    cache: {block_size: 16, memory_gib: 1.0}
+    scheduler: {max_num_batched_tokens: 2048, max_num_seqs: 64}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import CacheConfig, SchedulerConfig
+
+
+class ConfigError(ValueError):
+    """The config file is invalid; the message names the field."""
+
+
+@dataclass(slots=True)
+class ModelSection:
+    path: str | None = None
+    """Checkpoint folder; ``None`` = the embedded default model (prepared on first use)."""
+    dtype: str = "float32"
+    """float32 or bfloat16 on CPU; bfloat16 or float16 on CUDA."""
+    device: str = "cpu"
+    """cpu or cuda[:N]."""
+
+
+@dataclass(slots=True)
+class RouterSection:
+    host: str = "127.0.0.1"
+    """Address the router's gRPC server binds."""
+    port: int = 50051
+    """Port of the gRPC server; 0 picks a free one."""
+    heartbeat_interval_s: float = 1.0
+    """How often workers report load."""
+    worker_timeout_s: float = 5.0
+    """A worker silent this long is unhealthy and gets no requests."""
+    kv_lease_s: float = 30.0
+    """A decode worker frees a reservation whose KV has not arrived by then."""
+
+
+@dataclass(slots=True)
+class PoolSection:
+    replicas: int = 1
+    """Workers of this role at the site."""
+
+
+@dataclass(slots=True)
+class SiteSection:
+    name: str
+    """Site name, e.g. toronto."""
+    jurisdiction: str = "unspecified"
+    """Where data at this site is processed, e.g. CA-ON."""
+    prefill: PoolSection = field(default_factory=PoolSection)
+    decode: PoolSection = field(default_factory=PoolSection)
+
+
+@dataclass(slots=True)
+class WorkerSection:
+    host: str = "127.0.0.1"
+    """Address workers bind (gRPC and KV receiver)."""
+    threads: int | None = None
+    """torch threads per worker; None = torch's default."""
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    router: RouterSection = field(default_factory=RouterSection)
+    sites: list[SiteSection] = field(default_factory=lambda: [SiteSection(name="local")])
+    workers: WorkerSection = field(default_factory=WorkerSection)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+
+def _build(cls: type, raw: Any, where: str):
+    """Builds dataclass ``cls`` from a mapping, naming ``where`` in errors."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; expected {', '.join(fields)}")
+    kwargs = {}
+    for name, value in raw.items():
+        path = name if where == "config" else f"{where}.{name}"
+        kwargs[name] = _convert(fields[name].type, value, path)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+_NESTED = {"ModelSection": ModelSection, "RouterSection": RouterSection, "PoolSection": PoolSection,
+           "WorkerSection": WorkerSection, "CacheConfig": CacheConfig, "SchedulerConfig": SchedulerConfig}
+
+
+def _convert(type_str: Any, value: Any, path: str):
+    t = str(type_str)
+    if t in _NESTED:
+        return _build(_NESTED[t], value, path)
+    if t == "list[SiteSection]":
+        if not isinstance(value, list) or not value:
+            raise ConfigError(f"{path}: expected a non-empty list of sites")
+        return [_build(SiteSection, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if value is None:
+        if "None" in t:
+            return None
+        raise ConfigError(f"{path}: must not be null")
+    if t.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if t.startswith("float") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if t.startswith("bool") and not isinstance(value, bool):
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if t.startswith("str") and not isinstance(value, str):
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    return float(value) if t.startswith("float") else value
+
+
+def _validate(cfg: ClusterConfig) -> None:
+    if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"model.dtype: must be float32, bfloat16 or float16, got {cfg.model.dtype!r}")
+    if not 0 <= cfg.router.port <= 65535:
+        raise ConfigError(f"router.port: must be in [0, 65535], got {cfg.router.port}")
+    for name in ("heartbeat_interval_s", "worker_timeout_s", "kv_lease_s"):
+        if getattr(cfg.router, name) <= 0:
+            raise ConfigError(f"router.{name}: must be positive")
+    seen = set()
+    for i, site in enumerate(cfg.sites):
+        if not _NAME.match(site.name):
+            raise ConfigError(f"sites[{i}].name: {site.name!r} must be lowercase letters, digits, - or _")
+        if site.name in seen:
+            raise ConfigError(f"sites[{i}].name: duplicate site {site.name!r}")
+        seen.add(site.name)
+        for role in ("prefill", "decode"):
+            n = getattr(site, role).replicas
+            if n < 0 or n > 64:
+                raise ConfigError(f"sites[{i}].{role}.replicas: must be in [0, 64], got {n}")
+    if not any(s.decode.replicas for s in cfg.sites):
+        raise ConfigError("sites: at least one site needs a decode worker (decode.replicas >= 1)")
+
+
+def parse_config(raw: Any) -> ClusterConfig:
+    cfg = _build(ClusterConfig, raw, "config")
+    _validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None) -> ClusterConfig:
+    """The config in ``path``, or the embedded default when ``path`` is None."""
+    if path is None:
+        return parse_config({})
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    try:
+        return parse_config(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def dump_config(cfg: ClusterConfig, path: Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,198 @@
+from kvrelay.v1 import inference_pb2 as _inference_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_PREFILL: _ClassVar[Role]
+    ROLE_DECODE: _ClassVar[Role]
+ROLE_UNSPECIFIED: Role
+ROLE_PREFILL: Role
+ROLE_DECODE: Role
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "role", "site", "address", "kv_endpoint", "transport", "model", "layout_hash", "block_size", "num_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: Role
+    site: str
+    address: str
+    kv_endpoint: str
+    transport: str
+    model: str
+    layout_hash: str
+    block_size: int
+    num_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., site: _Optional[str] = ..., address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., model: _Optional[str] = ..., layout_hash: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("worker_id", "running", "waiting", "free_blocks", "total_blocks", "prefill_tokens_total", "decode_tokens_total", "kv_bytes_received", "kv_bytes_sent", "reservations", "prefix_hit_blocks", "prefix_query_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    prefill_tokens_total: int
+    decode_tokens_total: int
+    kv_bytes_received: int
+    kv_bytes_sent: int
+    reservations: int
+    prefix_hit_blocks: int
+    prefix_query_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., decode_tokens_total: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., reservations: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: WorkerInfo
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("heartbeat_interval_s",)
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_s: float
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("load",)
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    load: WorkerLoad
+    def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("info", "load", "healthy", "last_heartbeat_age_s")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    info: WorkerInfo
+    load: WorkerLoad
+    healthy: bool
+    last_heartbeat_age_s: float
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class WorkRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "salt")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _inference_pb2.SamplingParams
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., salt: _Optional[str] = ...) -> None: ...
+
+class KVTarget(_message.Message):
+    __slots__ = ("endpoint", "transfer_id", "start_block", "block_ids", "layout_hash", "transport")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    START_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    transfer_id: str
+    start_block: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    layout_hash: str
+    transport: str
+    def __init__(self, endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., start_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request", "colocated", "lease_s")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    request: WorkRequest
+    colocated: bool
+    lease_s: float
+    def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., colocated: _Optional[bool] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class DecodeEvent(_message.Message):
+    __slots__ = ("reservation", "output")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    reservation: KVTarget
+    output: _inference_pb2.GenerateResponse
+    def __init__(self, reservation: _Optional[_Union[KVTarget, _Mapping]] = ..., output: _Optional[_Union[_inference_pb2.GenerateResponse, _Mapping]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request", "target")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    request: WorkRequest
+    target: KVTarget
+    def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token_id", "first_logprob", "kv_bytes", "prefill_ms", "transfer_ms", "cached_tokens")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    first_logprob: float
+    kv_bytes: int
+    prefill_ms: float
+    transfer_ms: float
+    cached_tokens: int
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
