@@ -6,7 +6,6 @@ BIN    := $(VENV)/bin
 # CPU machines: torch 2.13.0 (a CPU wheel here; anything newer pulls a
 # multi-GB CUDA build). On a CUDA host: make TORCH=torch test
 TORCH  ?= torch==2.13.0
-PROMPT ?= What is the capital of France?
 
 .PHONY: install run test bench-engine clean
 
@@ -22,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 run: install
 	$(BIN)/kvrelay model prepare
-	$(BIN)/kvrelay generate-local "$(PROMPT)"
+	$(BIN)/kvrelay serve $(if $(CONFIG),--config $(CONFIG))
 
 test: install
 	$(BIN)/kvrelay model prepare

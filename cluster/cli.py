@@ -72,6 +72,102 @@ def cmd_generate_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Runs the cluster in the foreground until Ctrl-C / SIGTERM."""
+    import signal
+    import time
+
+    from cluster.config import load_config
+    from cluster.launch_local import LocalCluster
+
+    cfg = load_config(args.config)
+    if args.port is not None:
+        cfg.router.port = args.port
+    model_path = _resolve_model(cfg.model.path, args.cache_dir)
+    cluster = LocalCluster(cfg, model_path, log_level=args.log_level)
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    try:
+        addr = cluster.start()
+        n = len(cluster.children) - 1
+        print(f"kvrelay: serving {model_path.name} on {addr} with {n} workers "
+              f"(try: kvrelay generate --router {addr} \"What is the capital of France?\")", flush=True)
+        while not stop:
+            dead = cluster.dead_children()
+            if any(c.name == "router" for c in dead):
+                print("kvrelay: the router exited; stopping", file=sys.stderr)
+                return 1
+            for c in dead:
+                print(f"kvrelay: {c.name} exited with code {c.proc.returncode}", file=sys.stderr)
+                cluster.children.remove(c)
+            time.sleep(0.5)
+        return 0
+    finally:
+        cluster.stop()
+        print("kvrelay: stopped", flush=True)
+
+
+def _grpc_error(exc) -> int:
+    print(f"kvrelay: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    return 1
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Streams an answer from a running cluster."""
+    import grpc
+
+    from kvrelay.v1 import inference_pb2 as ipb
+    from kvrelay.v1 import inference_pb2_grpc as igrpc
+
+    req = ipb.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, raw_prompt=args.raw,
+                              allowed_jurisdictions=args.jurisdiction or [])
+    req.sampling.temperature = args.temperature
+    if args.seed is not None:
+        req.sampling.seed = args.seed
+    finish = None
+    with grpc.insecure_channel(args.router) as ch:
+        try:
+            for msg in igrpc.InferenceStub(ch).Generate(req, timeout=args.timeout):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                if msg.HasField("finish"):
+                    finish = msg.finish
+        except grpc.RpcError as exc:
+            sys.stdout.write("\n")
+            return _grpc_error(exc)
+    sys.stdout.write("\n")
+    if args.verbose and finish is not None:
+        pl = finish.placement
+        print(f"[{finish.usage.prompt_tokens} prompt + {finish.usage.completion_tokens} tokens; "
+              f"prefill {pl.prefill_worker}, decode {pl.decode_worker}, ttft {pl.ttft_ms:.0f} ms, "
+              f"kv {pl.kv_bytes} bytes]", file=sys.stderr)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvrelay.v1 import worker_pb2 as wpb
+    from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+    with grpc.insecure_channel(args.router) as ch:
+        try:
+            resp = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            return _grpc_error(exc)
+    rows = [("WORKER", "SITE", "ROLE", "HEALTH", "RUNNING", "WAITING", "KV FREE/TOTAL", "TRANSPORT", "ADDRESS")]
+    for w in resp.workers:
+        role = "prefill" if w.info.role == wpb.ROLE_PREFILL else "decode"
+        rows.append((w.info.worker_id, w.info.site, role, "ok" if w.healthy else "UNHEALTHY",
+                     str(w.load.running), str(w.load.waiting), f"{w.load.free_blocks}/{w.load.total_blocks}",
+                     w.info.transport, w.info.address))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvrelay", description="Disaggregated, multi-site LLM inference.")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
@@ -99,6 +195,29 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--no-reference", action="store_true", help="skip transformers")
     be.add_argument("--json", help="also write results to this path (.<dtype>.json)")
     be.set_defaults(func=cmd_bench_engine)
+
+    serve = sub.add_parser("serve", help="run the cluster (router + workers) in the foreground")
+    serve.add_argument("--config", help="cluster config YAML (default: one site, one prefill + one decode worker, "
+                                        "the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--port", type=int, help="router port (overrides the config; 0 = any free port)")
+    serve.add_argument("--log-level", default="WARNING")
+    serve.set_defaults(func=cmd_serve)
+
+    g = sub.add_parser("generate", help="stream an answer from a running cluster")
+    g.add_argument("prompt")
+    g.add_argument("--router", default="127.0.0.1:50051")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
+    g.add_argument("--jurisdiction", action="append", help="allowed jurisdiction (repeatable)")
+    g.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    g.add_argument("-v", "--verbose", action="store_true", help="print usage and placement")
+    g.set_defaults(func=cmd_generate)
+
+    st = sub.add_parser("status", help="workers, their site, role and load")
+    st.add_argument("--router", default="127.0.0.1:50051")
+    st.set_defaults(func=cmd_status)
 
     gen = sub.add_parser("generate-local", help="generate with an in-process engine (no cluster)")
     gen.add_argument("prompt")

@@ -25,7 +25,7 @@ from engine.kv_cache import KVCache, KVLayout, torch_dtype
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
 from engine.sampler import SampleRequest, Sampler
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, check_request_length
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -95,17 +95,10 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError when the request cannot be served."""
         n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("prompt is empty")
+        check_request_length(n, params.max_tokens, self.max_model_len)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(f"prompt is {n} tokens; the context window is {self.max_model_len} "
-                                      "tokens (prompt + output)")
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                                      f"context window of {self.max_model_len} tokens")
         capacity = self.pool.num_blocks * self.layout.block_size
         if n + params.max_tokens > capacity:
             raise InvalidRequestError(f"prompt + max_tokens ({n + params.max_tokens} tokens) exceeds this "

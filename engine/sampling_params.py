@@ -64,3 +64,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_request_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Raises InvalidRequestError when a prompt and its output cannot fit the
+    context window. Shared by the engine and every front end."""
+    if num_prompt_tokens == 0:
+        raise InvalidRequestError("prompt is empty")
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError(f"prompt is {num_prompt_tokens} tokens; the context window is {max_model_len} "
+                                  "tokens (prompt + output)")
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                  f"context window of {max_model_len} tokens")

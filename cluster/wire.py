@@ -1,0 +1,41 @@
+"""Conversions between protobuf messages and engine types, shared by the
+router and the workers so both read a request the same way."""
+
+from __future__ import annotations
+
+from engine.llm_engine import RequestOutput
+from engine.sampling_params import SamplingParams
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import worker_pb2 as wpb
+
+DEFAULT_MAX_TOKENS = 128
+
+_FINISH = {"stop": ipb.FINISH_REASON_STOP, "length": ipb.FINISH_REASON_LENGTH, "abort": ipb.FINISH_REASON_ABORT}
+
+
+def sampling_params(sampling: ipb.SamplingParams, max_tokens: int, stop: list[str], stop_token_ids: list[int],
+                    ignore_eos: bool) -> SamplingParams:
+    """Validated engine parameters (raises InvalidRequestError)."""
+    return SamplingParams(
+        max_tokens=max_tokens if max_tokens else DEFAULT_MAX_TOKENS,
+        temperature=float(sampling.temperature),
+        top_p=float(sampling.top_p) if sampling.top_p else 1.0,
+        top_k=int(sampling.top_k),
+        seed=int(sampling.seed) if sampling.HasField("seed") else None,
+        stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+        logprobs=sampling.logprobs)
+
+
+def work_params(wr: wpb.WorkRequest, max_tokens: int | None = None) -> SamplingParams:
+    return sampling_params(wr.sampling, max_tokens or wr.max_tokens, list(wr.stop), list(wr.stop_token_ids),
+                           wr.ignore_eos)
+
+
+def output_to_proto(out: RequestOutput) -> ipb.GenerateResponse:
+    msg = ipb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text,
+                               logprobs=out.new_logprobs)
+    if out.finished:
+        msg.finish.reason = _FINISH.get(out.finish_reason or "", ipb.FINISH_REASON_UNSPECIFIED)
+        msg.finish.usage.prompt_tokens = out.num_prompt_tokens
+        msg.finish.usage.cached_prompt_tokens = out.num_cached_tokens
+    return msg

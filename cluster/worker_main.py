@@ -1,0 +1,72 @@
+"""Entry point of a worker process (``python -m prefill_worker`` /
+``python -m decode_worker``): parse arguments and the config once, build
+the engine, serve gRPC, register with the router, heartbeat."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import grpc
+
+from cluster.config import load_config
+from cluster.worker_runtime import (GRPC_OPTIONS, WorkerIdentity, build_engine, register_and_heartbeat,
+                                    serve_until_signal)
+from engine.async_engine import AsyncEngine
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+
+def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"{role}_worker")
+    p.add_argument("--config", help="cluster config YAML (default: the embedded default)")
+    p.add_argument("--model-path", required=True, help="checkpoint folder")
+    p.add_argument("--router", required=True, help="router address host:port")
+    p.add_argument("--site", required=True)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+async def run(role: str, args: argparse.Namespace) -> None:
+    from decode_worker.server import DecodeService
+    from kvtransfer.tcp import TcpKVReceiver
+    from prefill_worker.server import PrefillService
+
+    cfg = load_config(args.config)
+    engine = build_engine(cfg, args.model_path)
+    aengine = AsyncEngine(engine)
+    await aengine.start()
+    role_enum = wpb.ROLE_PREFILL if role == "prefill" else wpb.ROLE_DECODE
+    ident = WorkerIdentity(f"{args.site}/{role}/{args.index}", role_enum, args.site)
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    host = cfg.workers.host
+    port = server.add_insecure_port(f"{host}:0")
+    kv_endpoint = ""
+    if role == "decode":
+        receiver = TcpKVReceiver(engine.cache, host)
+        kv_endpoint = await receiver.start()
+        service = DecodeService(aengine, ident, receiver, kv_endpoint, cfg.router.kv_lease_s)
+        wgrpc.add_DecodeWorkerServicer_to_server(service, server)
+    else:
+        service = PrefillService(aengine, ident)
+        wgrpc.add_PrefillWorkerServicer_to_server(service, server)
+    await server.start()
+    info = wpb.WorkerInfo(worker_id=ident.worker_id, role=role_enum, site=args.site, address=f"{host}:{port}",
+                          kv_endpoint=kv_endpoint, transport="tcp", model=engine.model_config.name,
+                          layout_hash=engine.layout.compat_hash(), block_size=engine.layout.block_size,
+                          num_blocks=engine.pool.num_blocks)
+    logging.getLogger(__name__).info("%s serving on %s (kv %s)", ident.worker_id, info.address, kv_endpoint or "-")
+    stop = asyncio.Event()
+    hb = asyncio.create_task(register_and_heartbeat(args.router, info, service.load, stop))
+    await serve_until_signal(server, aengine, stop, [hb])
+
+
+def main(role: str, argv: list[str] | None = None) -> int:
+    args = parse_args(role, argv)
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s {role}[{args.site}/{args.index}] %(levelname)s "
+                        "%(name)s: %(message)s", stream=sys.stderr)
+    asyncio.run(run(role, args))
+    return 0

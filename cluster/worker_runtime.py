@@ -1,0 +1,93 @@
+"""What prefill and decode workers share: building the engine from the
+cluster config, registering with the router and heartbeating load."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from cluster.config import ClusterConfig
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+log = logging.getLogger(__name__)
+
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+@dataclass(slots=True)
+class WorkerIdentity:
+    worker_id: str
+    role: int
+    site: str
+
+
+def build_engine(cfg: ClusterConfig, model_path: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path=model_path, dtype=cfg.model.dtype, device=cfg.model.device,
+                                  cache=cfg.cache, scheduler=cfg.scheduler, num_threads=cfg.workers.threads))
+
+
+def worker_load(ident: WorkerIdentity, engine: LLMEngine, kv_in: int = 0, kv_out: int = 0) -> wpb.WorkerLoad:
+    st = engine.stats()
+    return wpb.WorkerLoad(
+        worker_id=ident.worker_id, running=st.num_running, waiting=st.num_waiting,
+        free_blocks=st.num_free_blocks, total_blocks=st.num_blocks,
+        prefill_tokens_total=st.num_prefill_tokens, decode_tokens_total=st.num_decode_tokens,
+        kv_bytes_received=kv_in, kv_bytes_sent=kv_out, reservations=engine.num_reserved + engine.num_held,
+        prefix_hit_blocks=st.prefix_hit_blocks, prefix_query_blocks=st.prefix_query_blocks)
+
+
+async def register_and_heartbeat(router: str, info: wpb.WorkerInfo, load_fn, stop: asyncio.Event,
+                                 register_deadline_s: float = 60.0) -> None:
+    """Registers with the router (retrying until the deadline), then sends a
+    heartbeat every interval until ``stop`` is set; re-registers when the
+    router has forgotten this worker (router restart)."""
+    async with grpc.aio.insecure_channel(router, options=GRPC_OPTIONS) as ch:
+        stub = wgrpc.RegistryStub(ch)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + register_deadline_s
+        interval = 1.0
+        registered = False
+        while not stop.is_set():
+            try:
+                if not registered:
+                    resp = await stub.Register(wpb.RegisterRequest(info=info), timeout=5.0)
+                    interval = resp.heartbeat_interval_s or 1.0
+                    registered = True
+                    log.info("registered %s with router %s", info.worker_id, router)
+                hb = await stub.Heartbeat(wpb.HeartbeatRequest(load=load_fn()), timeout=5.0)
+                registered = hb.known
+            except grpc.aio.AioRpcError as exc:
+                if not registered and loop.time() > end:
+                    raise RuntimeError(f"could not register with router {router}: {exc.details()}") from None
+                log.debug("router %s unreachable: %s", router, exc.code())
+            try:
+                await asyncio.wait_for(stop.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def serve_until_signal(server: grpc.aio.Server, aengine: AsyncEngine, stop: asyncio.Event,
+                             tasks: list[asyncio.Task]) -> None:
+    """Runs until SIGTERM/SIGINT, then shuts down gracefully."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    for t in done:
+        if t is not waiter and t.exception() is not None:
+            log.error("worker task failed: %s", t.exception())
+    stop.set()
+    await server.stop(grace=2.0)
+    for t in tasks:
+        t.cancel()
+    await aengine.stop()

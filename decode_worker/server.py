@@ -1,0 +1,98 @@
+"""Decode worker: reserves KV blocks, receives KV, decodes in a continuous batch.
+
+Lifecycle of one disaggregated request (``Decode``): reserve blocks for the
+prompt (its own prefix cache may already hold the leading blocks) -> send
+the reservation to the router as the first event -> wait for the KV (at
+most the lease) -> join the running batch with the prefill's first token ->
+stream tokens. A colocated request skips the reservation and computes its
+prompt here. Cancellation, a failed transfer or an expired lease frees
+every block of the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from cluster.wire import output_to_proto, work_params
+from cluster.worker_runtime import WorkerIdentity, worker_load
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError, OutOfBlocksError
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+from kvtransfer.errors import KVTransferError
+from kvtransfer.tcp import TcpKVReceiver
+
+log = logging.getLogger(__name__)
+
+
+class DecodeService(wgrpc.DecodeWorkerServicer):
+    def __init__(self, aengine: AsyncEngine, ident: WorkerIdentity, receiver: TcpKVReceiver, kv_endpoint: str,
+                 default_lease_s: float = 30.0) -> None:
+        self.aengine = aengine
+        self.engine = aengine.engine
+        self.ident = ident
+        self.receiver = receiver
+        self.kv_endpoint = kv_endpoint
+        self.default_lease_s = default_lease_s
+
+    def load(self) -> wpb.WorkerLoad:
+        return worker_load(self.ident, self.engine, kv_in=self.receiver.bytes_received)
+
+    async def Stats(self, request, context) -> wpb.WorkerLoad:
+        return self.load()
+
+    async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext):
+        wr = request.request
+        rid = wr.request_id
+        try:
+            params = work_params(wr)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        prompt = list(wr.prompt_token_ids)
+        if request.colocated:
+            try:
+                async for out in self.aengine.generate(rid, prompt, params, wr.salt):
+                    yield wpb.DecodeEvent(output=output_to_proto(out))
+            except InvalidRequestError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        async for event in self._disaggregated(rid, prompt, params, wr.salt, request.lease_s, context):
+            yield event
+
+    async def _disaggregated(self, rid, prompt, params, salt, lease_s, context):
+        q = self.aengine.open_stream(rid)
+        finished = False
+        try:
+            try:
+                blocks, start = await self.aengine.call(self.engine.reserve, rid, prompt, params, salt)
+            except InvalidRequestError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except OutOfBlocksError as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker is full: {exc}")
+            fut = self.receiver.expect(rid, blocks[start:])
+            yield wpb.DecodeEvent(reservation=wpb.KVTarget(
+                endpoint=self.kv_endpoint, transfer_id=rid, start_block=start, block_ids=blocks[start:],
+                layout_hash=self.engine.layout.compat_hash(), transport="tcp"))
+            try:
+                res = await asyncio.wait_for(fut, lease_s or self.default_lease_s)
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "KV did not arrive before the lease expired")
+            except KVTransferError as exc:
+                await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {exc.reason}")
+            first = await self.aengine.call(self.engine.commit_prefilled, rid, res.first_token_id,
+                                            res.first_logprob if params.logprobs else None)
+            finished = first.finished
+            yield wpb.DecodeEvent(output=output_to_proto(first))
+            if finished:
+                return
+            async for out in self.aengine.outputs(rid, q):
+                finished = out.finished
+                yield wpb.DecodeEvent(output=output_to_proto(out))
+        finally:
+            self.receiver.cancel(rid)
+            self.aengine.close_stream(rid)
+            if not finished:
+                await asyncio.shield(self.aengine.call(self.engine.abort_request, rid))

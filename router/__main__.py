@@ -1,0 +1,5 @@
+import sys
+
+from router.main import main
+
+sys.exit(main())

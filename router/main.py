@@ -1,0 +1,57 @@
+"""Entry point of the router process (``python -m router``). Prints
+``READY host:port`` on stdout once serving, for the launcher."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+
+from cluster.config import load_config
+from cluster.worker_runtime import GRPC_OPTIONS
+from engine.config import ModelConfig
+from engine.tokenizer import Tokenizer
+from router.requests import ModelLimits
+from router.server import RouterService, add_router_to_server
+
+
+async def run(args: argparse.Namespace) -> None:
+    cfg = load_config(args.config)
+    model_cfg = ModelConfig.from_file(f"{args.model_path}/config.json")
+    max_len = min(cfg.scheduler.max_model_len or model_cfg.max_position_embeddings,
+                  model_cfg.max_position_embeddings)
+    limits = ModelLimits(name=args.model_name or model_cfg.name, max_model_len=max_len,
+                         vocab_size=model_cfg.vocab_size)
+    service = RouterService(cfg, Tokenizer(args.model_path), limits)
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    add_router_to_server(service, server)
+    host = cfg.router.host
+    port = server.add_insecure_port(f"{host}:{cfg.router.port}")
+    if port == 0:
+        raise SystemExit(f"router: cannot bind {host}:{cfg.router.port}")
+    await server.start()
+    print(f"READY {host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2.0)
+    await service.registry.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="router")
+    p.add_argument("--config")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--model-name", help="name clients use (default: the checkpoint folder's name)")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    asyncio.run(run(args))
+    return 0

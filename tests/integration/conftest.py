@@ -1,0 +1,66 @@
+"""A real cluster (router + prefill + decode worker processes on loopback)
+serving the embedded SmolLM2-135M-Instruct, shared by a module's tests."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from cluster.config import parse_config
+from cluster.launch_local import LocalCluster
+from engine.config import CacheConfig, EngineConfig
+from engine.llm_engine import LLMEngine
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+CLUSTER_YAML = {
+    "router": {"port": 0},
+    "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
+    "workers": {"threads": 1},
+    "cache": {"memory_gib": 0.25},
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm_path):
+    lc = LocalCluster(parse_config(CLUSTER_YAML), smollm_path)
+    lc.start()
+    yield lc
+    lc.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        yield igrpc.InferenceStub(ch)
+
+
+@pytest.fixture(scope="module")
+def reference_engine(smollm_path):
+    return LLMEngine(EngineConfig(model_path=smollm_path, cache=CacheConfig(num_blocks=512)))
+
+
+def workers(cluster) -> dict[str, wpb.WorkerStatus]:
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        resp = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)
+    return {w.info.worker_id: w for w in resp.workers}
+
+
+def worker_stats(cluster, worker_id: str) -> wpb.WorkerLoad:
+    """Asks the worker itself (not the router's cached heartbeat)."""
+    info = workers(cluster)[worker_id].info
+    with grpc.insecure_channel(info.address) as ch:
+        stub = (wgrpc.DecodeWorkerStub(ch) if info.role == wpb.ROLE_DECODE else wgrpc.PrefillWorkerStub(ch))
+        return stub.Stats(wpb.StatsRequest(), timeout=10)
+
+
+def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.1) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(interval_s)
+    return pred()

@@ -1,0 +1,56 @@
+"""Cluster config parsing and the checked-in protobuf stubs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ConfigError, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_default_config():
+    cfg = load_config(None)
+    assert [s.name for s in cfg.sites] == ["local"]
+    assert cfg.sites[0].prefill.replicas == 1 and cfg.sites[0].decode.replicas == 1
+    assert cfg.model.path is None
+
+
+@pytest.mark.parametrize("raw,match", [
+    ({"sites": [{"name": "a", "decode": {"replicas": -1}}]}, r"sites\[0\]\.decode\.replicas: must be in \[0, 64\]"),
+    ({"router": {"port": "x"}}, r"router\.port: expected an integer"),
+    ({"router": {"port": 70000}}, r"router\.port"),
+    ({"routr": {}}, r"config: unknown field\(s\) routr"),
+    ({"sites": [{"name": "a"}, {"name": "a"}]}, r"sites\[1\]\.name: duplicate site 'a'"),
+    ({"sites": [{"name": "Bad Name"}]}, r"sites\[0\]\.name"),
+    ({"sites": []}, r"sites: expected a non-empty list"),
+    ({"sites": [{"name": "a", "decode": {"replicas": 0}}]}, r"at least one site needs a decode worker"),
+    ({"cache": {"block_size": 3}}, r"cache: .*block_size must be a positive power of two"),
+    ({"model": {"dtype": "int4"}}, r"model\.dtype"),
+    ({"sites": [{"name": "a", "prefill": {"replicas": True}}]}, r"sites\[0\]\.prefill\.replicas: expected an integer"),
+])
+def test_invalid_config_names_the_field(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(raw)
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sites: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("router:\n  port: -1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: router.port"):
+        load_config(bad)
+
+
+def test_generated_stubs_are_fresh():
+    r = subprocess.run([sys.executable, str(ROOT / "proto" / "codegen.py"), "--check"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
