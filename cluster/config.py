@@ -84,11 +84,27 @@ class WorkerSection:
 
 
 @dataclass(slots=True)
+class KVSection:
+    transport: str = "auto"
+    """KV transport: auto (nixl where the host has RDMA, else tcp), tcp, nixl or local."""
+    streams: int = 4
+    """Parallel TCP connections per peer."""
+    socket_buffer_bytes: int | None = None
+    """TCP socket buffers; size to the link's bandwidth-delay product (None = kernel default)."""
+    secret_file: str | None = None
+    """File holding the deployment secret that authenticates KV connections;
+    None = `kvrelay serve` makes a random one per run and hands it to its workers."""
+    transfer_timeout_s: float = 30.0
+    """A prefill worker gives up on (and frees the blocks of) a transfer not acknowledged by then."""
+
+
+@dataclass(slots=True)
 class ClusterConfig:
     model: ModelSection = field(default_factory=ModelSection)
     router: RouterSection = field(default_factory=RouterSection)
     sites: list[SiteSection] = field(default_factory=lambda: [SiteSection(name="local")])
     workers: WorkerSection = field(default_factory=WorkerSection)
+    kv: KVSection = field(default_factory=KVSection)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -122,7 +138,7 @@ def _build(cls: type, raw: Any, where: str):
 
 
 _NESTED = {"ModelSection": ModelSection, "RouterSection": RouterSection, "PoolSection": PoolSection,
-           "WorkerSection": WorkerSection, "CacheConfig": CacheConfig, "SchedulerConfig": SchedulerConfig}
+           "WorkerSection": WorkerSection, "KVSection": KVSection, "CacheConfig": CacheConfig, "SchedulerConfig": SchedulerConfig}
 
 
 def _convert(type_str: Any, value: Any, path: str):
@@ -156,6 +172,14 @@ def _validate(cfg: ClusterConfig) -> None:
     for name in ("heartbeat_interval_s", "worker_timeout_s", "kv_lease_s"):
         if getattr(cfg.router, name) <= 0:
             raise ConfigError(f"router.{name}: must be positive")
+    if cfg.kv.transport not in ("auto", "tcp", "nixl", "local"):
+        raise ConfigError(f"kv.transport: must be auto, tcp, nixl or local, got {cfg.kv.transport!r}")
+    if cfg.kv.transport in ("nixl", "local"):
+        raise ConfigError(f"kv.transport: {cfg.kv.transport!r} is not implemented yet; use tcp or auto")
+    if not 1 <= cfg.kv.streams <= 64:
+        raise ConfigError(f"kv.streams: must be in [1, 64], got {cfg.kv.streams}")
+    if cfg.kv.transfer_timeout_s <= 0:
+        raise ConfigError("kv.transfer_timeout_s: must be positive")
     seen = set()
     for i, site in enumerate(cfg.sites):
         if not _NAME.match(site.name):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import secrets
 import select
 import signal
 import subprocess
@@ -49,10 +51,15 @@ class LocalCluster:
         self.router_address = ""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-")
         self.config_path = Path(self._tmp.name) / "cluster.yaml"
+        self._secret = secrets.token_hex(32)
+        """Per-run KV secret for the workers when the config names no secret file."""
 
     def _spawn(self, name: str, args: list[str], **kw) -> subprocess.Popen:
+        env = dict(os.environ)
+        if not self.cfg.kv.secret_file:
+            env["KVRELAY_KV_SECRET"] = self._secret
         proc = subprocess.Popen([sys.executable, "-m", *args, "--log-level", self.log_level],
-                                preexec_fn=_die_with_parent, **kw)
+                                preexec_fn=_die_with_parent, env=env, **kw)
         self.children.append(Child(name, proc))
         return proc
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+from pathlib import Path
 
 import grpc
 
@@ -30,12 +32,27 @@ def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def read_secret(cfg_path: str | None) -> bytes:
+    """The KV deployment secret: the config's secret_file, else the launcher's
+    per-run secret in $KVRELAY_KV_SECRET."""
+    if cfg_path:
+        return Path(cfg_path).read_bytes().strip()
+    secret = os.environ.get("KVRELAY_KV_SECRET", "")
+    if not secret:
+        logging.getLogger(__name__).warning("no KV secret configured: KV connections are not authenticated")
+    return secret.encode()
+
+
 async def run(role: str, args: argparse.Namespace) -> None:
     from decode_worker.server import DecodeService
-    from kvtransfer.tcp import TcpKVReceiver
+    from kvtransfer.select import choose_transport, make_receiver, make_sender
+    from kvtransfer.tcp import TcpConfig
     from prefill_worker.server import PrefillService
 
     cfg = load_config(args.config)
+    transport = choose_transport(cfg.kv.transport)
+    tcp_cfg = TcpConfig(secret=read_secret(cfg.kv.secret_file), streams=cfg.kv.streams,
+                        socket_buffer_bytes=cfg.kv.socket_buffer_bytes)
     engine = build_engine(cfg, args.model_path)
     aengine = AsyncEngine(engine)
     await aengine.start()
@@ -46,16 +63,17 @@ async def run(role: str, args: argparse.Namespace) -> None:
     port = server.add_insecure_port(f"{host}:0")
     kv_endpoint = ""
     if role == "decode":
-        receiver = TcpKVReceiver(engine.cache, host)
-        kv_endpoint = await receiver.start()
-        service = DecodeService(aengine, ident, receiver, kv_endpoint, cfg.router.kv_lease_s)
+        receiver = make_receiver(transport, engine.cache, host, tcp_cfg)
+        kv_endpoint = receiver.endpoint
+        service = DecodeService(aengine, ident, receiver, cfg.router.kv_lease_s)
         wgrpc.add_DecodeWorkerServicer_to_server(service, server)
     else:
-        service = PrefillService(aengine, ident)
+        service = PrefillService(aengine, ident, make_sender(transport, engine.cache, tcp_cfg),
+                                 cfg.kv.transfer_timeout_s)
         wgrpc.add_PrefillWorkerServicer_to_server(service, server)
     await server.start()
     info = wpb.WorkerInfo(worker_id=ident.worker_id, role=role_enum, site=args.site, address=f"{host}:{port}",
-                          kv_endpoint=kv_endpoint, transport="tcp", model=engine.model_config.name,
+                          kv_endpoint=kv_endpoint, transport=transport, model=engine.model_config.name,
                           layout_hash=engine.layout.compat_hash(), block_size=engine.layout.block_size,
                           num_blocks=engine.pool.num_blocks)
     logging.getLogger(__name__).info("%s serving on %s (kv %s)", ident.worker_id, info.address, kv_endpoint or "-")

@@ -22,20 +22,19 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
-from kvtransfer.errors import KVTransferError
-from kvtransfer.tcp import TcpKVReceiver
+from kvtransfer.base import KVReceiver, wait_async
+from kvtransfer.errors import KVTransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
 
 
 class DecodeService(wgrpc.DecodeWorkerServicer):
-    def __init__(self, aengine: AsyncEngine, ident: WorkerIdentity, receiver: TcpKVReceiver, kv_endpoint: str,
+    def __init__(self, aengine: AsyncEngine, ident: WorkerIdentity, receiver: KVReceiver,
                  default_lease_s: float = 30.0) -> None:
         self.aengine = aengine
         self.engine = aengine.engine
         self.ident = ident
         self.receiver = receiver
-        self.kv_endpoint = kv_endpoint
         self.default_lease_s = default_lease_s
 
     def load(self) -> wpb.WorkerLoad:
@@ -72,13 +71,13 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except OutOfBlocksError as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker is full: {exc}")
-            fut = self.receiver.expect(rid, blocks[start:])
+            handle = self.receiver.expect(rid, blocks[start:])
             yield wpb.DecodeEvent(reservation=wpb.KVTarget(
-                endpoint=self.kv_endpoint, transfer_id=rid, start_block=start, block_ids=blocks[start:],
-                layout_hash=self.engine.layout.compat_hash(), transport="tcp"))
+                endpoint=self.receiver.endpoint, transfer_id=rid, start_block=start, block_ids=blocks[start:],
+                layout_hash=self.engine.layout.compat_hash(), transport=self.receiver.name))
             try:
-                res = await asyncio.wait_for(fut, lease_s or self.default_lease_s)
-            except asyncio.TimeoutError:
+                res = await wait_async(handle, lease_s or self.default_lease_s)
+            except TransferTimeout:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "KV did not arrive before the lease expired")
             except KVTransferError as exc:
                 await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {exc.reason}")

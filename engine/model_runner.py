@@ -3,6 +3,8 @@ cache, and returns logits for the tokens to sample."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.kv_cache import KVCache
@@ -11,11 +13,25 @@ from engine.models.llama import LayerHook, LlamaModel
 from engine.scheduler import ScheduledSeq
 
 
+@dataclass(slots=True, frozen=True)
+class StepSlice:
+    """One prefill chunk of the running step, for layer hooks."""
+
+    request_id: str
+    start: int
+    """First token position computed in this step."""
+    end: int
+    """One past the last position computed in this step."""
+    num_prompt_tokens: int
+    block_table: list[int]
+
+
 class ModelRunner:
     """Runs steps of one model over one KV cache.
 
     ``layer_hook`` (optional) is called with each layer index as soon as that
-    layer's KV of the step is written: the transfer layer streams from it.
+    layer's KV of the step is written; ``step_slices`` then describes the
+    step's prefill chunks. The transfer layer streams from it.
     """
 
     def __init__(self, model: LlamaModel, cache: KVCache) -> None:
@@ -24,6 +40,7 @@ class ModelRunner:
         self.block_size = cache.layout.block_size
         self.device = model.device
         self.layer_hook: LayerHook | None = None
+        self.step_slices: list[StepSlice] = []
         self.num_prefill_tokens = 0
         """Prompt (or recomputed) tokens computed by this runner since start."""
         self.num_decode_tokens = 0
@@ -81,6 +98,10 @@ class ModelRunner:
         """Runs one step; returns fp32 logits of the sampling entries
         (``[num_samples, vocab]``), or of every token when ``all_logits``."""
         input_ids, positions, meta, sample_idx = self.prepare(decode, prefill)
+        if self.layer_hook is not None:
+            self.step_slices = [StepSlice(e.seq.request_id, e.seq.num_computed_tokens,
+                                          e.seq.num_computed_tokens + e.num_new_tokens, e.seq.num_prompt_tokens,
+                                          e.seq.block_table) for e in prefill]
         hidden = self.model.forward(input_ids, positions, meta, self.cache, self.layer_hook)
         self.num_decode_tokens += len(decode)
         self.num_prefill_tokens += sum(e.num_new_tokens for e in prefill)

@@ -15,3 +15,7 @@ class KVTransferError(Exception):
 
 class HandshakeRefused(KVTransferError):
     """The receiver refused the connection (version, layout, credentials, unknown transfer)."""
+
+
+class TransferTimeout(KVTransferError):
+    """The transfer did not complete before its deadline (or lease)."""

@@ -1,206 +1,419 @@
-"""TCP KV transport: a decode worker's receiver writes incoming KV straight
-into reserved blocks; a prefill worker's sender streams its blocks, one
-(layer, K/V) run per frame, each with a CRC32.
+"""TCP KV transport: our own, zero-copy, several streams per peer.
 
-Handshake: the sender's ``KVHello`` carries the protocol version, the
-layout compatibility hash and the transfer id; the receiver checks all
-three before it accepts a single KV byte.
+Sender: per receiver endpoint a pool of ``streams`` authenticated
+connections, each with a writer thread (frames + ``sendall`` straight from
+the KV tensor's memory, one call per run of consecutive blocks) and a
+reader thread (acknowledgements). Layers go round-robin over the streams.
+
+Receiver: a listener thread, and per connection a thread that checks the
+handshake, then ``recv_into``s each run of blocks straight into the
+reserved blocks' memory and verifies every block's CRC32C. Bytes for a
+transfer that is unknown or was cancelled are read into scratch memory and
+dropped: a freed reservation is never written.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import queue
+import socket
+import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 
-import torch
+import crc32c
 
 from engine.kv_cache import KVCache
-from engine.layers.attention import gather_blocks
 from kvrelay.v1 import kv_wire_pb2 as pb
-from kvtransfer.errors import HandshakeRefused, KVTransferError
-from kvtransfer.framing import encode_frame, read_frame
+from kvtransfer.base import (KVReceiver, KVSender, SendHandle, TransferHandle, TransferResult, TransferState,
+                             TransferTarget, coalesce, kv_memory)
+from kvtransfer.wire import (ProtocolError, client_handshake, recv_exact_into, recv_frame, send_frame,
+                             server_handshake, tune_socket)
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
-
 
 @dataclass(slots=True)
-class TransferResult:
-    first_token_id: int
-    first_logprob: float
-    nbytes: int
-    seconds: float
+class TcpConfig:
+    secret: bytes = b""
+    """Deployment secret both ends prove they hold (HMAC challenge-response)."""
+    streams: int = 4
+    """Parallel connections per peer."""
+    socket_buffer_bytes: int | None = None
+    """SO_SNDBUF/SO_RCVBUF; size it to the link's bandwidth-delay product."""
+    connect_timeout_s: float = 5.0
+    """Deadline for connecting and for the handshake."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.streams <= 64:
+            raise ValueError(f"streams must be in [1, 64], got {self.streams}")
 
 
+def _block_crcs(view: memoryview, block_bytes: int) -> list[int]:
+    return [crc32c.crc32c(view[i:i + block_bytes]) for i in range(0, len(view), block_bytes)]
+
+
+# ---------------------------------------------------------------- receiver
 @dataclass(slots=True)
-class _Expected:
+class _Incoming:
+    handle: TransferHandle
     block_ids: list[int]
-    future: asyncio.Future
-    received: dict[tuple[int, int], int] = field(default_factory=dict)
+    need: int
+    landed: set = field(default_factory=set)
     nbytes: int = 0
     started: float = 0.0
+    done: pb.KVDone | None = None
+    done_conn: _Conn | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class TcpKVReceiver:
-    """Accepts KV for registered reservations (``expect``) into ``cache``."""
+class _Conn:
+    """One accepted connection; ``send`` may be called from other threads."""
 
-    def __init__(self, cache: KVCache, host: str = "127.0.0.1", io_timeout_s: float = 30.0) -> None:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.transfers: set[str] = set()
+
+    def send(self, frame: pb.KVFrame) -> None:
+        with self.lock:
+            try:
+                send_frame(self.sock, frame)
+            except OSError:
+                pass
+
+
+class TcpKVReceiver(KVReceiver):
+    name = "tcp"
+
+    def __init__(self, cache: KVCache, host: str = "127.0.0.1", cfg: TcpConfig | None = None) -> None:
         self.cache = cache
-        self.host = host
-        self.io_timeout_s = io_timeout_s
-        self._expected: dict[str, _Expected] = {}
-        self._server: asyncio.base_events.Server | None = None
-        self.port = 0
+        self.cfg = cfg or TcpConfig()
+        self.layout_hash = cache.layout.compat_hash()
+        self._expected: dict[str, _Incoming] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._listener = socket.create_server((host, 0), backlog=128)
+        self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
         self.bytes_received = 0
+        self.refused = 0
+        """Connections refused at the handshake."""
+        self._conns: set[socket.socket] = set()
+        threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
 
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._handle, self.host, 0, limit=1 << 22)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return f"{self.host}:{self.port}"
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-
-    def expect(self, transfer_id: str, block_ids: list[int]) -> asyncio.Future:
-        """Registers a reservation; the future resolves to a TransferResult."""
-        fut = asyncio.get_running_loop().create_future()
-        self._expected[transfer_id] = _Expected(list(block_ids), fut)
-        return fut
+    def expect(self, transfer_id: str, block_ids: list[int]) -> TransferHandle:
+        h = TransferHandle(transfer_id)
+        h.advance(TransferState.WAITING)
+        layers = self.cache.layout.num_layers
+        with self._lock:
+            self._expected[transfer_id] = _Incoming(h, list(block_ids), 2 * layers * len(block_ids),
+                                                    started=time.perf_counter())
+        return h
 
     def cancel(self, transfer_id: str) -> None:
-        exp = self._expected.pop(transfer_id, None)
-        if exp is not None and not exp.future.done():
-            exp.future.cancel()
+        with self._lock:
+            inc = self._expected.pop(transfer_id, None)
+        if inc is not None:
+            with inc.lock:  # waits for a write into its blocks to end
+                inc.handle.fail("cancelled by the receiver")
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        tid = "?"
-        exp = None
-        try:
-            hello = (await read_frame(reader, self.io_timeout_s)).hello
-            tid = hello.transfer_id
-            reason = self._check_hello(hello)
-            writer.write(encode_frame(pb.KVFrame(hello_ack=pb.KVHelloAck(accepted=not reason, reason=reason))))
-            await writer.drain()
-            if reason:
-                log.warning("refused KV transfer %s: %s", tid, reason)
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        for s in list(self._conns):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
                 return
-            exp = self._expected[tid]
-            exp.started = time.perf_counter()
-            while True:
-                frame = await read_frame(reader, self.io_timeout_s)
+            threading.Thread(target=self._serve, args=(sock,), name="kv-recv", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        conn = _Conn(sock)
+        self._conns.add(sock)
+        try:
+            tune_socket(sock, self.cfg.socket_buffer_bytes)
+            sock.settimeout(self.cfg.connect_timeout_s)
+            try:
+                server_handshake(sock, self.cfg.secret, self.layout_hash)
+            except (ProtocolError, OSError) as exc:  # incl. a sender that hung up on our proof
+                self.refused += 1
+                log.warning("refused KV connection: %s", exc)
+                return
+            sock.settimeout(None)
+            while not self._closed.is_set():
+                frame = recv_frame(sock)
                 kind = frame.WhichOneof("body")
                 if kind == "blocks":
-                    await self._receive_blocks(reader, exp, frame.blocks)
+                    self._on_blocks(conn, frame.blocks)
                 elif kind == "done":
-                    self._finish(tid, exp, frame.done)
-                    writer.write(encode_frame(pb.KVFrame(done_ack=pb.KVDoneAck(ok=True))))
-                    await writer.drain()
-                    return
+                    self._on_done(conn, frame.done)
                 else:
-                    raise ValueError(f"unexpected frame {kind!r}")
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as exc:
-            self._fail(tid, exp, f"connection lost or timed out ({type(exc).__name__})")
-        except (ValueError, KVTransferError) as exc:
-            self._fail(tid, exp, str(exc))
-            try:
-                writer.write(encode_frame(pb.KVFrame(done_ack=pb.KVDoneAck(ok=False, reason=str(exc)))))
-                await writer.drain()
-            except ConnectionError:
-                pass
+                    raise ProtocolError(f"unexpected {kind!r} frame")
+        except (OSError, ConnectionError, ProtocolError) as exc:
+            for tid in list(conn.transfers):
+                inc = self._expected.get(tid)
+                if inc is not None:
+                    inc.handle.fail(f"sender connection lost ({exc})")
         finally:
-            writer.close()
+            self._conns.discard(sock)
+            sock.close()
 
-    def _check_hello(self, hello: pb.KVHello) -> str:
-        if hello.protocol_version != PROTOCOL_VERSION:
-            return f"protocol version {hello.protocol_version} unsupported (receiver speaks {PROTOCOL_VERSION})"
-        if hello.layout_hash != self.cache.layout.compat_hash():
-            return "KV layout mismatch (model, dtype, layers, heads, head dim or block size differ)"
-        if hello.transfer_id not in self._expected:
-            return f"no reservation named {hello.transfer_id!r}"
-        return ""
+    def _drain(self, sock: socket.socket, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 20)))
+        while n:
+            k = min(n, len(scratch))
+            recv_exact_into(sock, scratch[:k])
+            n -= k
 
-    async def _receive_blocks(self, reader: asyncio.StreamReader, exp: _Expected, hdr: pb.KVBlocks) -> None:
+    def _on_blocks(self, conn: _Conn, hdr: pb.KVBlocks) -> None:
         layout = self.cache.layout
-        if hdr.layer >= layout.num_layers or hdr.kind > 1:
-            raise ValueError(f"layer {hdr.layer} / kind {hdr.kind} out of range")
-        if hdr.count == 0 or hdr.first + hdr.count > len(exp.block_ids):
-            raise ValueError(f"blocks [{hdr.first}, {hdr.first + hdr.count}) outside the reservation")
-        if hdr.payload_bytes != hdr.count * layout.block_bytes:
-            raise ValueError(f"payload of {hdr.payload_bytes} bytes for {hdr.count} blocks")
-        data = await asyncio.wait_for(reader.readexactly(hdr.payload_bytes), self.io_timeout_s)
-        if zlib.crc32(data) != hdr.crc32:
-            raise KVTransferError("", f"checksum mismatch in layer {hdr.layer} kind {hdr.kind}",
-                                  exp.block_ids[hdr.first:hdr.first + hdr.count])
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.cache.kv.dtype)
-        dest = torch.tensor(exp.block_ids[hdr.first:hdr.first + hdr.count], dtype=torch.long)
-        target = self.cache.kv[hdr.layer, hdr.kind]
-        target.index_copy_(0, dest, src.view(hdr.count, *target.shape[1:]).to(target.device))
-        key = (hdr.layer, hdr.kind)
-        exp.received[key] = exp.received.get(key, 0) + hdr.count
-        exp.nbytes += hdr.payload_bytes
-        self.bytes_received += hdr.payload_bytes
-
-    def _finish(self, tid: str, exp: _Expected, done: pb.KVDone) -> None:
-        want = len(exp.block_ids)
-        layers = self.cache.layout.num_layers
-        missing = [(l, k) for l in range(layers) for k in (0, 1) if exp.received.get((l, k), 0) != want]
-        if missing:
-            raise KVTransferError(tid, f"transfer incomplete: {len(missing)} (layer, K/V) runs missing")
-        self._expected.pop(tid, None)
-        if not exp.future.done():
-            exp.future.set_result(TransferResult(done.first_token_id, done.first_logprob, exp.nbytes,
-                                                 time.perf_counter() - exp.started))
-
-    def _fail(self, tid: str, exp: _Expected | None, reason: str) -> None:
-        if exp is None:
+        inc = self._expected.get(hdr.transfer_id)
+        bad = ""
+        if hdr.payload_bytes != hdr.count * layout.block_bytes or len(hdr.crc32c) != hdr.count:
+            raise ProtocolError(f"blocks frame of {hdr.payload_bytes} bytes for {hdr.count} blocks")
+        if inc is not None and (hdr.layer >= layout.num_layers or hdr.kind > 1 or hdr.count == 0
+                                or hdr.first + hdr.count > len(inc.block_ids)):
+            bad = f"blocks [{hdr.first}, {hdr.first + hdr.count}) of layer {hdr.layer} outside the reservation"
+        if inc is None or bad:
+            self._drain(conn.sock, hdr.payload_bytes)
+            if inc is not None:
+                inc.handle.fail(bad)
             return
-        self._expected.pop(tid, None)
-        if not exp.future.done():
-            exp.future.set_exception(KVTransferError(tid, reason))
+        conn.transfers.add(hdr.transfer_id)
+        dest = inc.block_ids[hdr.first:hdr.first + hdr.count]
+        with inc.lock:
+            if inc.handle.poll() is TransferState.FAILED:
+                self._drain(conn.sock, hdr.payload_bytes)
+                return
+            inc.handle.advance(TransferState.TRANSFERRING)
+            crcs = []
+            for _, first_id, n in coalesce(dest):
+                view = kv_memory(self.cache, hdr.layer, hdr.kind, first_id, n)
+                recv_exact_into(conn.sock, view)
+                crcs += _block_crcs(view, layout.block_bytes)
+            bad_blocks = [dest[i] for i, (a, b) in enumerate(zip(crcs, hdr.crc32c)) if a != b]
+            if bad_blocks:
+                inc.handle.fail(f"checksum mismatch in layer {hdr.layer} {'KV'[hdr.kind]} of "
+                                f"{len(bad_blocks)} block(s)", bad_blocks)
+                return
+            for i in range(hdr.first, hdr.first + hdr.count):
+                inc.landed.add((hdr.layer, hdr.kind, i))
+            inc.nbytes += hdr.payload_bytes
+            self.bytes_received += hdr.payload_bytes
+        self._maybe_complete(hdr.transfer_id, inc)
+
+    def _on_done(self, conn: _Conn, done: pb.KVDone) -> None:
+        inc = self._expected.get(done.transfer_id)
+        if inc is None:
+            conn.send(pb.KVFrame(done_ack=pb.KVDoneAck(transfer_id=done.transfer_id, ok=False,
+                                                       reason="no such reservation (expired or cancelled)")))
+            return
+        inc.done, inc.done_conn = done, conn
+        self._maybe_complete(done.transfer_id, inc)
+
+    def _maybe_complete(self, tid: str, inc: _Incoming) -> None:
+        if inc.done is None:
+            return
+        state = inc.handle.poll()
+        if state is not TransferState.FAILED and len(inc.landed) < inc.need:
+            return
+        if state is not TransferState.FAILED:
+            inc.handle.complete(TransferResult(inc.done.first_token_id, inc.done.first_logprob, inc.nbytes,
+                                               time.perf_counter() - inc.started))
+        err = inc.handle.failure()
+        inc.done_conn.send(pb.KVFrame(done_ack=pb.KVDoneAck(transfer_id=tid, ok=err is None,
+                                                            reason=err.reason if err else "")))
 
 
-async def send_kv(endpoint: str, transfer_id: str, layout_hash: str, cache: KVCache, src_blocks: list[int],
-                  first_token_id: int, first_logprob: float, timeout_s: float = 30.0) -> int:
-    """Pushes every layer's K and V of ``src_blocks`` to the receiver at
-    ``endpoint``; returns the KV bytes sent once the receiver acknowledged."""
-    host, _, port = endpoint.rpartition(":")
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
-    except (OSError, asyncio.TimeoutError) as exc:
-        raise KVTransferError(transfer_id, f"cannot connect to {endpoint}: {exc}") from None
-    try:
-        writer.write(encode_frame(pb.KVFrame(hello=pb.KVHello(
-            protocol_version=PROTOCOL_VERSION, layout_hash=layout_hash, transfer_id=transfer_id))))
-        await writer.drain()
-        ack = (await read_frame(reader, timeout_s)).hello_ack
-        if not ack.accepted:
-            raise HandshakeRefused(transfer_id, ack.reason)
-        idx = torch.tensor(src_blocks, dtype=torch.long, device=cache.kv.device)
-        total = 0
-        for layer in range(cache.layout.num_layers):
-            for kind in (0, 1):
-                data = gather_blocks(cache.kv[layer, kind], idx).cpu().contiguous()
-                payload = memoryview(data.view(torch.uint8).numpy())
-                hdr = pb.KVBlocks(layer=layer, kind=kind, first=0, count=len(src_blocks),
-                                  payload_bytes=payload.nbytes, crc32=zlib.crc32(payload))
-                writer.write(encode_frame(pb.KVFrame(blocks=hdr)))
-                writer.write(payload)
-                await asyncio.wait_for(writer.drain(), timeout_s)
-                total += payload.nbytes
-        writer.write(encode_frame(pb.KVFrame(done=pb.KVDone(first_token_id=first_token_id,
-                                                             first_logprob=first_logprob))))
-        await writer.drain()
-        ack = (await read_frame(reader, timeout_s)).done_ack
-        if not ack.ok:
-            raise KVTransferError(transfer_id, f"receiver rejected the transfer: {ack.reason}")
-        return total
-    except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as exc:
-        raise KVTransferError(transfer_id, f"connection to {endpoint} failed ({type(exc).__name__})") from None
-    finally:
-        writer.close()
+# ------------------------------------------------------------------ sender
+class _Stream:
+    """One authenticated connection to a peer, with writer and reader threads."""
+
+    def __init__(self, pool: _PeerPool, index: int) -> None:
+        self.pool = pool
+        self.index = index
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.sock: socket.socket | None = None
+        self.inflight: set[str] = set()
+        threading.Thread(target=self._write_loop, name=f"kv-send-{index}", daemon=True).start()
+
+    def _connect(self) -> None:
+        cfg = self.pool.cfg
+        host, _, port = self.pool.endpoint.rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=cfg.connect_timeout_s)
+        tune_socket(sock, cfg.socket_buffer_bytes)
+        client_handshake(sock, cfg.secret, self.pool.layout_hash)
+        sock.settimeout(None)
+        self.sock = sock
+        threading.Thread(target=self._read_loop, args=(sock,), name=f"kv-ack-{self.index}", daemon=True).start()
+
+    def _broken(self, reason: str) -> None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        for tid in list(self.inflight):
+            h = self.pool.handles.get(tid)
+            if h is not None:
+                h.fail(reason)
+        self.inflight.clear()
+
+    def _write_loop(self) -> None:
+        cache = self.pool.cache
+        bb = cache.layout.block_bytes
+        while True:
+            item = self.q.get()
+            if item is None:
+                self._broken("sender closed")
+                return
+            h = item[1]
+            if not h.enter():
+                continue
+            self.inflight.add(h.transfer_id)
+            try:
+                if self.sock is None:
+                    self._connect()
+                if item[0] == "blocks":
+                    _, _, layer, src, first = item
+                    for kind in (0, 1):
+                        views = [kv_memory(cache, layer, kind, b, n) for _, b, n in coalesce(src)]
+                        crcs = [c for v in views for c in _block_crcs(v, bb)]
+                        send_frame(self.sock, pb.KVFrame(blocks=pb.KVBlocks(
+                            transfer_id=h.transfer_id, layer=layer, kind=kind, first=first, count=len(src),
+                            payload_bytes=len(src) * bb, crc32c=crcs)))
+                        for v in views:
+                            self.sock.sendall(v)
+                        h.add_bytes(len(src) * bb)
+                else:
+                    _, _, token, logprob = item
+                    send_frame(self.sock, pb.KVFrame(done=pb.KVDone(
+                        transfer_id=h.transfer_id, first_token_id=token, first_logprob=logprob)))
+            except ProtocolError as exc:
+                self._broken(f"handshake with {self.pool.endpoint} failed: {exc}")
+            except OSError as exc:
+                self._broken(f"connection to {self.pool.endpoint} failed: {exc}")
+            finally:
+                h.leave()
+
+    def _read_loop(self, sock: socket.socket) -> None:
+        try:
+            while True:
+                frame = recv_frame(sock)
+                if frame.WhichOneof("body") != "done_ack":
+                    raise ProtocolError("unexpected frame from receiver")
+                ack = frame.done_ack
+                h = self.pool.handles.pop(ack.transfer_id, None)
+                for s in self.pool.streams:
+                    s.inflight.discard(ack.transfer_id)
+                if h is None:
+                    continue
+                if ack.ok:
+                    h.complete(TransferResult(h.first_token, h.first_logprob, h.nbytes,
+                                              time.perf_counter() - h.started))
+                else:
+                    h.fail(f"receiver rejected the transfer: {ack.reason}")
+        except (OSError, ConnectionError, ProtocolError) as exc:
+            if self.sock is sock:
+                self._broken(f"connection to {self.pool.endpoint} lost ({exc})")
+
+
+class _PeerPool:
+    def __init__(self, endpoint: str, cache: KVCache, cfg: TcpConfig) -> None:
+        self.endpoint = endpoint
+        self.cache = cache
+        self.cfg = cfg
+        self.layout_hash = cache.layout.compat_hash()
+        self.handles: dict[str, _TcpSendHandle] = {}
+        self.streams = [_Stream(self, i) for i in range(cfg.streams)]
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.q.put(None)
+
+
+class _TcpSendHandle(SendHandle):
+    def __init__(self, pool: _PeerPool, target: TransferTarget) -> None:
+        super().__init__(target.transfer_id)
+        self.pool = pool
+        self.target = target
+        self.nbytes = 0
+        self.started = time.perf_counter()
+        self.first_token = 0
+        self.first_logprob = 0.0
+        self._busy = threading.Condition()
+        self._readers = 0
+        self.advance(TransferState.WAITING)
+
+    def add_bytes(self, n: int) -> None:
+        with self._busy:
+            self.nbytes += n
+
+    def enter(self) -> bool:
+        """A stream thread starts an item; False when the transfer already failed."""
+        with self._busy:
+            if self.poll() is TransferState.FAILED:
+                return False
+            self._readers += 1
+            return True
+
+    def leave(self) -> None:
+        with self._busy:
+            self._readers -= 1
+            self._busy.notify_all()
+
+    def quiesce(self, timeout_s: float) -> bool:
+        with self._busy:
+            return self._busy.wait_for(lambda: self._readers == 0, timeout_s)
+
+    def send_layer(self, layer: int, src_blocks: list[int], first: int) -> None:
+        if not src_blocks:
+            return
+        if first + len(src_blocks) > len(self.target.block_ids):
+            self.fail(f"layer {layer}: blocks [{first}, {first + len(src_blocks)}) beyond the target's "
+                      f"{len(self.target.block_ids)}")
+            return
+        self.advance(TransferState.TRANSFERRING)
+        streams = self.pool.streams
+        streams[layer % len(streams)].q.put(("blocks", self, layer, list(src_blocks), first))
+
+    def finish(self, first_token_id: int, first_logprob: float) -> None:
+        self.first_token, self.first_logprob = first_token_id, first_logprob
+        self.pool.streams[0].q.put(("done", self, first_token_id, first_logprob))
+
+
+class TcpKVSender(KVSender):
+    name = "tcp"
+
+    def __init__(self, cache: KVCache, cfg: TcpConfig | None = None) -> None:
+        self.cache = cache
+        self.cfg = cfg or TcpConfig()
+        self._pools: dict[str, _PeerPool] = {}
+        self._lock = threading.Lock()
+
+    def open(self, target: TransferTarget) -> SendHandle:
+        with self._lock:
+            pool = self._pools.get(target.endpoint)
+            if pool is None:
+                pool = self._pools[target.endpoint] = _PeerPool(target.endpoint, self.cache, self.cfg)
+        h = _TcpSendHandle(pool, target)
+        if target.layout_hash != pool.layout_hash:
+            h.fail("KV layout of the target differs from this sender's")
+            return h
+        pool.handles[target.transfer_id] = h
+        h.add_done_callback(lambda done: pool.handles.pop(done.transfer_id, None))
+        return h
+
+    def close(self) -> None:
+        with self._lock:
+            for pool in self._pools.values():
+                pool.close()
+            self._pools.clear()

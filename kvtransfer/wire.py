@@ -1,0 +1,118 @@
+"""Blocking-socket framing and the authenticated handshake of the TCP
+transport (see proto/kvrelay/v1/kv_wire.proto for the frame sequence)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+from kvrelay.v1 import kv_wire_pb2 as pb
+
+PROTOCOL_VERSION = 2
+MAX_FRAME = 1 << 20
+"""Largest header frame accepted (payloads are not frames)."""
+NONCE_BYTES = 16
+
+
+class ProtocolError(Exception):
+    """The peer broke the wire protocol or the handshake."""
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fills ``view`` from the socket (zero-copy into its memory)."""
+    got = 0
+    n = len(view)
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise ConnectionError("peer closed the connection")
+        got += r
+
+
+def send_frame(sock: socket.socket, frame: pb.KVFrame) -> None:
+    body = frame.SerializeToString()
+    sock.sendall(struct.pack("<I", len(body)) + body)
+
+
+def recv_frame(sock: socket.socket) -> pb.KVFrame:
+    head = bytearray(4)
+    recv_exact_into(sock, memoryview(head))
+    (n,) = struct.unpack("<I", head)
+    if n > MAX_FRAME:
+        raise ProtocolError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
+    body = bytearray(n)
+    recv_exact_into(sock, memoryview(body))
+    frame = pb.KVFrame()
+    try:
+        frame.ParseFromString(bytes(body))
+    except Exception as exc:  # protobuf's DecodeError has no stable import path
+        raise ProtocolError(f"undecodable frame: {exc}") from None
+    return frame
+
+
+def _proof(secret: bytes, role: bytes, first: bytes, second: bytes, layout_hash: str) -> bytes:
+    return hmac.new(secret, role + first + second + layout_hash.encode(), hashlib.sha256).digest()
+
+
+def client_handshake(sock: socket.socket, secret: bytes, layout_hash: str) -> None:
+    """Sender side: proves the secret and checks the receiver's proof."""
+    nonce_s = os.urandom(NONCE_BYTES)
+    send_frame(sock, pb.KVFrame(hello=pb.KVHello(protocol_version=PROTOCOL_VERSION, layout_hash=layout_hash,
+                                                 nonce=nonce_s)))
+    ack = recv_frame(sock)
+    if ack.WhichOneof("body") != "hello_ack":
+        raise ProtocolError("expected hello_ack")
+    if not ack.hello_ack.accepted:
+        raise ProtocolError(f"refused by receiver: {ack.hello_ack.reason}")
+    nonce_r = ack.hello_ack.nonce
+    if not hmac.compare_digest(ack.hello_ack.proof, _proof(secret, b"R", nonce_s, nonce_r, layout_hash)):
+        raise ProtocolError("receiver failed authentication (wrong deployment secret?)")
+    send_frame(sock, pb.KVFrame(auth=pb.KVAuth(proof=_proof(secret, b"S", nonce_r, nonce_s, layout_hash))))
+    ack = recv_frame(sock)
+    if ack.WhichOneof("body") != "auth_ack" or not ack.auth_ack.accepted:
+        raise ProtocolError(f"refused by receiver: {ack.auth_ack.reason or 'authentication failed'}")
+
+
+def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str) -> None:
+    """Receiver side: checks version, layout and the sender's proof before
+    anything else is read. Raises ProtocolError (after telling the peer why)."""
+    hello = recv_frame(sock)
+    if hello.WhichOneof("body") != "hello":
+        raise ProtocolError("expected hello")
+    h = hello.hello
+    reason = ""
+    if h.protocol_version != PROTOCOL_VERSION:
+        reason = f"protocol version {h.protocol_version} unsupported (receiver speaks {PROTOCOL_VERSION})"
+    elif h.layout_hash != layout_hash:
+        reason = "KV layout mismatch (model, dtype, layers, KV heads, head dim or block size differ)"
+    elif len(h.nonce) != NONCE_BYTES:
+        reason = "bad nonce"
+    if reason:
+        send_frame(sock, pb.KVFrame(hello_ack=pb.KVHelloAck(accepted=False, reason=reason)))
+        raise ProtocolError(reason)
+    nonce_r = os.urandom(NONCE_BYTES)
+    send_frame(sock, pb.KVFrame(hello_ack=pb.KVHelloAck(
+        accepted=True, nonce=nonce_r, proof=_proof(secret, b"R", h.nonce, nonce_r, layout_hash))))
+    auth = recv_frame(sock)
+    ok = auth.WhichOneof("body") == "auth" and hmac.compare_digest(
+        auth.auth.proof, _proof(secret, b"S", nonce_r, h.nonce, layout_hash))
+    if not ok:
+        send_frame(sock, pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=False, reason="authentication failed")))
+        raise ProtocolError("sender failed authentication (wrong deployment secret?)")
+    send_frame(sock, pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=True)))
+
+
+def tune_socket(sock: socket.socket, buffer_bytes: int | None) -> None:
+    """No Nagle delay; socket buffers sized to the link's bandwidth-delay product."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+
+
+def bdp_bytes(gbps: float, rtt_ms: float, floor: int = 4 << 20) -> int:
+    """Bandwidth-delay product of a link (at least ``floor``)."""
+    return max(floor, int(gbps * 1e9 / 8 * rtt_ms / 1e3))

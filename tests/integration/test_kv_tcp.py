@@ -1,0 +1,233 @@
+"""The TCP KV transport on loopback: integrity, handshake refusals,
+corruption on the wire, and a peer killed mid-transfer."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.kv_cache import KVCache, KVLayout
+from kvrelay.v1 import kv_wire_pb2 as pb
+from kvtransfer.base import TransferState, TransferTarget
+from kvtransfer.tcp import TcpConfig, TcpKVReceiver, TcpKVSender
+from kvtransfer.wire import recv_frame, send_frame
+from tests.integration.conftest import wait_until
+from tests.integration.kv_peer import SECRET
+
+CFG = TcpConfig(secret=SECRET, streams=2)
+
+
+def make_cache(layout: KVLayout, blocks: int, seed: int | None) -> KVCache:
+    cache = KVCache(layout, blocks)
+    if seed is not None:
+        cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(seed)).to(cache.kv.dtype))
+    return cache
+
+
+def transfer(src: KVCache, dst: KVCache, src_blocks, dst_blocks, cfg=CFG, rx_cfg=None, layers=None,
+             timeout=60.0):
+    rx = TcpKVReceiver(dst, cfg=rx_cfg or cfg)
+    tx = TcpKVSender(src, cfg)
+    try:
+        rh = rx.expect("t", list(dst_blocks))
+        h = tx.open(TransferTarget(rx.endpoint, "t", tuple(dst_blocks), src.layout.compat_hash()))
+        for layer in layers if layers is not None else range(src.layout.num_layers):
+            h.send_layer(layer, list(src_blocks), 0)
+        h.finish(7, -0.5)
+        h.wait(timeout)
+        rh.wait(timeout)
+        return h, rh, rx
+    finally:
+        tx.close()
+        rx.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.integers(1, 4), heads=st.integers(1, 4), dim=st.sampled_from([8, 16, 64]),
+       bs=st.sampled_from([1, 4, 16]), dtype=st.sampled_from(["float32", "bfloat16"]),
+       data=st.data(), streams=st.integers(1, 3))
+def test_received_bytes_equal_sent_bytes(layers, heads, dim, bs, dtype, data, streams):
+    layout = KVLayout("m", dtype, layers, heads, dim, bs)
+    n = data.draw(st.integers(1, 24))
+    src_blocks = data.draw(st.lists(st.integers(0, 31), min_size=n, max_size=n, unique=True))
+    dst_blocks = data.draw(st.lists(st.integers(0, 39), min_size=n, max_size=n, unique=True))
+    src, dst = make_cache(layout, 32, 1), make_cache(layout, 40, None)
+    h, rh, _ = transfer(src, dst, src_blocks, dst_blocks, cfg=TcpConfig(secret=SECRET, streams=streams))
+    assert h.poll() is TransferState.DONE and rh.poll() is TransferState.DONE, (h.failure(), rh.failure())
+    assert rh.result().first_token_id == 7
+    assert torch.equal(dst.kv[:, :, dst_blocks], src.kv[:, :, src_blocks])
+    untouched = [b for b in range(40) if b not in dst_blocks]
+    assert not dst.kv[:, :, untouched].any()
+
+
+def test_256_mib_transfer_integrity():
+    layout = KVLayout("m", "float32", 2, 8, 128, 16)  # 64 KiB per (layer, K/V, block)
+    n = 1024  # 2 layers x 2 x 1024 x 64 KiB = 256 MiB
+    src, dst = make_cache(layout, n, 3), make_cache(layout, n, None)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    h, rh, _ = transfer(src, dst, list(range(n)), perm, cfg=TcpConfig(secret=SECRET, streams=4), timeout=120)
+    assert rh.poll() is TransferState.DONE, rh.failure()
+    assert h.result().nbytes == 256 << 20
+    assert torch.equal(dst.kv[:, :, perm], src.kv)
+
+
+LAYOUT = KVLayout("m", "float32", 2, 2, 16, 4)
+
+
+def test_layout_mismatch_refused_before_any_byte():
+    other = KVLayout("m", "float32", 2, 2, 16, 8)
+    src, dst = make_cache(LAYOUT, 8, 1), make_cache(other, 8, None)
+    rx = TcpKVReceiver(dst, cfg=CFG)
+    tx = TcpKVSender(src, CFG)
+    try:
+        rh = rx.expect("t", [0, 1])
+        # The sender checks the target's layout hash itself...
+        h = tx.open(TransferTarget(rx.endpoint, "t", (0, 1), other.compat_hash()))
+        assert h.poll() is TransferState.FAILED and "layout" in h.failure().reason
+        # ...and the receiver refuses a sender that claims otherwise.
+        h = tx.open(TransferTarget(rx.endpoint, "t2", (0, 1), LAYOUT.compat_hash()))
+        h.send_layer(0, [0, 1], 0)
+        h.finish(1, 0.0)
+        assert h.wait(10) is TransferState.FAILED
+        assert "KV layout mismatch" in h.failure().reason
+        assert rh.poll() is TransferState.WAITING
+        assert wait_until(lambda: rx.refused == 1, 5)
+        assert not dst.kv.any()
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_wrong_secret_refused_before_any_byte():
+    src, dst = make_cache(LAYOUT, 8, 1), make_cache(LAYOUT, 8, None)
+    h, rh, rx = transfer(src, dst, [0, 1], [2, 3], cfg=TcpConfig(secret=b"wrong", streams=1), rx_cfg=CFG,
+                         timeout=5)
+    assert h.poll() is TransferState.FAILED and "authentication" in h.failure().reason
+    assert rh.poll() is TransferState.FAILED  # never completed; timed out waiting
+    assert wait_until(lambda: rx.refused >= 1, 5)
+    assert not dst.kv.any()
+
+
+def test_wrong_protocol_version_refused():
+    dst = make_cache(LAYOUT, 8, None)
+    rx = TcpKVReceiver(dst, cfg=CFG)
+    try:
+        host, port = rx.endpoint.split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            send_frame(s, pb.KVFrame(hello=pb.KVHello(protocol_version=99, layout_hash=LAYOUT.compat_hash(),
+                                                      nonce=b"x" * 16)))
+            ack = recv_frame(s).hello_ack
+        assert not ack.accepted and "protocol version 99 unsupported" in ack.reason
+    finally:
+        rx.close()
+
+
+class FlippingProxy:
+    """Forwards a TCP connection, flipping one byte at ``offset`` of the
+    sender-to-receiver stream."""
+
+    def __init__(self, target: str, offset: int) -> None:
+        self.target = target
+        self.offset = offset
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        client, _ = self.listener.accept()
+        host, port = self.target.split(":")
+        server = socket.create_connection((host, int(port)))
+        threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket, flip: bool) -> None:
+        seen = 0
+        try:
+            while data := a.recv(65536):
+                if flip and seen <= self.offset < seen + len(data):
+                    data = bytearray(data)
+                    data[self.offset - seen] ^= 0x40
+                seen += len(data)
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            b.close()
+
+
+def test_flipped_byte_fails_the_transfer():
+    layout = KVLayout("m", "float32", 2, 8, 128, 16)
+    src, dst = make_cache(layout, 16, 1), make_cache(layout, 16, None)
+    rx = TcpKVReceiver(dst, cfg=CFG)
+    proxy = FlippingProxy(rx.endpoint, offset=300_000)  # well inside the KV payload
+    tx = TcpKVSender(src, TcpConfig(secret=SECRET, streams=1))
+    try:
+        rh = rx.expect("t", list(range(16)))
+        h = tx.open(TransferTarget(proxy.endpoint, "t", tuple(range(16)), layout.compat_hash()))
+        for layer in range(2):
+            h.send_layer(layer, list(range(16)), 0)
+        h.finish(1, 0.0)
+        assert rh.wait(10) is TransferState.FAILED
+        assert "checksum mismatch" in rh.failure().reason and rh.failure().blocks
+        assert h.wait(10) is TransferState.FAILED
+    finally:
+        tx.close()
+        rx.close()
+
+
+def _peer(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.integration.kv_peer", *args], stdout=subprocess.PIPE,
+                            text=True)
+
+
+def test_sender_killed_mid_transfer_fails_receiver_promptly():
+    spec = "2,8,128,16,64"
+    layout = KVLayout("peer", "float32", 2, 8, 128, 16)
+    dst = make_cache(layout, 64, None)
+    rx = TcpKVReceiver(dst, cfg=CFG)
+    rh = rx.expect("t", list(range(64)))
+    peer = _peer("sender", spec, rx.endpoint, "t", "64", "1")  # sends 1 of 2 layers, never finishes
+    try:
+        assert peer.stdout.readline().strip() == "SENT"
+        assert rh.poll() is TransferState.TRANSFERRING
+        peer.kill()
+        t0 = time.monotonic()
+        assert rh.wait(5.0) is TransferState.FAILED
+        assert time.monotonic() - t0 < 2.0
+        assert "connection lost" in rh.failure().reason
+    finally:
+        peer.kill()
+        peer.wait()
+        rx.close()
+
+
+def test_receiver_killed_mid_transfer_fails_sender_promptly():
+    layout = KVLayout("peer", "float32", 2, 8, 128, 16)
+    n = 2048  # 256 MiB: long enough to kill the receiver in the middle
+    src = make_cache(layout, n, 1)
+    peer = _peer("receiver", f"2,8,128,16,{n}")
+    tx = TcpKVSender(src, TcpConfig(secret=SECRET, streams=1))
+    try:
+        endpoint = peer.stdout.readline().split()[1]
+        h = tx.open(TransferTarget(endpoint, "t1", tuple(range(n)), layout.compat_hash()))
+        for layer in range(2):
+            h.send_layer(layer, list(range(n)), 0)
+        h.finish(1, 0.0)
+        deadline = time.monotonic() + 30
+        while h.nbytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        peer.kill()
+        assert h.wait(5.0) is TransferState.FAILED
+        assert "connection" in h.failure().reason
+    finally:
+        peer.kill()
+        peer.wait()
+        tx.close()
