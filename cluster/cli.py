@@ -51,6 +51,16 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_kv(args: argparse.Namespace) -> int:
+    from benchmarks.kv_bench import format_kv, run_kv_bench
+
+    streams = [int(s) for s in args.streams.split(",")]
+    model = None if args.no_overlap else _resolve_model(args.model, args.cache_dir)
+    res = run_kv_bench([int(m) for m in args.sizes.split(",")], streams, args.repeat, model)
+    print(format_kv(res, streams))
+    return 0
+
+
 def cmd_generate_local(args: argparse.Namespace) -> int:
     """Runs the engine in this process (no cluster) and streams the answer."""
     from engine.config import EngineConfig
@@ -218,6 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="workers, their site, role and load")
     st.add_argument("--router", default="127.0.0.1:50051")
     st.set_defaults(func=cmd_status)
+
+    bk = bench.add_parser("kv", help="KV transfer throughput vs raw sockets and memcpy; layer-wise overlap")
+    bk.add_argument("--sizes", default="1,16,256,1024", help="MiB of KV per transfer, comma-separated")
+    bk.add_argument("--streams", default="1,4")
+    bk.add_argument("--repeat", type=int, default=3)
+    bk.add_argument("--model", help="checkpoint for the overlap measurement (default: the embedded model)")
+    bk.add_argument("--no-overlap", action="store_true", help="skip the 4k-token layer-wise overlap run")
+    bk.set_defaults(func=cmd_bench_kv)
 
     gen = sub.add_parser("generate-local", help="generate with an in-process engine (no cluster)")
     gen.add_argument("prompt")

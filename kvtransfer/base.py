@@ -215,7 +215,18 @@ def coalesce(block_ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def kv_memory(cache: KVCache, layer: int, kind: int, first_block: int, count: int) -> memoryview:
-    """Zero-copy byte view of K or V of ``layer`` for blocks [first, first+count)."""
-    t = cache.kv[layer, kind, first_block:first_block + count]
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+class KVBytes:
+    """Zero-copy byte views into a (host) KV cache, by offset arithmetic:
+    slicing one memoryview costs ~0.1 us, a torch view ~20 us."""
+
+    def __init__(self, cache: KVCache) -> None:
+        if cache.kv.device.type != "cpu":
+            raise ValueError("KVBytes needs the KV cache in host memory")
+        self.cache = cache
+        self.mem = memoryview(cache.kv.view(-1).view(torch.uint8).numpy())
+        self.block_bytes = cache.layout.block_bytes
+
+    def run(self, layer: int, kind: int, first_block: int, count: int) -> memoryview:
+        """K (kind 0) or V (kind 1) of ``layer`` for blocks [first, first + count)."""
+        off = self.cache.block_offset(layer, kind, first_block)
+        return self.mem[off:off + count * self.block_bytes]

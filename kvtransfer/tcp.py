@@ -26,7 +26,7 @@ import crc32c
 from engine.kv_cache import KVCache
 from kvrelay.v1 import kv_wire_pb2 as pb
 from kvtransfer.base import (KVReceiver, KVSender, SendHandle, TransferHandle, TransferResult, TransferState,
-                             TransferTarget, coalesce, kv_memory)
+                             TransferTarget, coalesce, KVBytes)
 from kvtransfer.wire import (ProtocolError, client_handshake, recv_exact_into, recv_frame, send_frame,
                              server_handshake, tune_socket)
 
@@ -50,7 +50,8 @@ class TcpConfig:
 
 
 def _block_crcs(view: memoryview, block_bytes: int) -> list[int]:
-    return [crc32c.crc32c(view[i:i + block_bytes]) for i in range(0, len(view), block_bytes)]
+    # gil_release_mode=1: other transport threads run while a block is summed.
+    return [crc32c.crc32c(view[i:i + block_bytes], 0, 1) for i in range(0, len(view), block_bytes)]
 
 
 # ---------------------------------------------------------------- receiver
@@ -88,6 +89,7 @@ class TcpKVReceiver(KVReceiver):
 
     def __init__(self, cache: KVCache, host: str = "127.0.0.1", cfg: TcpConfig | None = None) -> None:
         self.cache = cache
+        self.mem = KVBytes(cache)
         self.cfg = cfg or TcpConfig()
         self.layout_hash = cache.layout.compat_hash()
         self._expected: dict[str, _Incoming] = {}
@@ -176,11 +178,15 @@ class TcpKVReceiver(KVReceiver):
         layout = self.cache.layout
         inc = self._expected.get(hdr.transfer_id)
         bad = ""
-        if hdr.payload_bytes != hdr.count * layout.block_bytes or len(hdr.crc32c) != hdr.count:
-            raise ProtocolError(f"blocks frame of {hdr.payload_bytes} bytes for {hdr.count} blocks")
-        if inc is not None and (hdr.layer >= layout.num_layers or hdr.kind > 1 or hdr.count == 0
+        runs = max(1, hdr.num_layers) * 2 * hdr.count
+        if hdr.payload_bytes != runs * layout.block_bytes or len(hdr.crc32c) != runs:
+            raise ProtocolError(f"blocks frame of {hdr.payload_bytes} bytes for {hdr.count} blocks "
+                                f"x {hdr.num_layers} layers")
+        layers = range(hdr.layer, hdr.layer + max(1, hdr.num_layers))
+        if inc is not None and (layers.stop > layout.num_layers or hdr.count == 0
                                 or hdr.first + hdr.count > len(inc.block_ids)):
-            bad = f"blocks [{hdr.first}, {hdr.first + hdr.count}) of layer {hdr.layer} outside the reservation"
+            bad = f"blocks [{hdr.first}, {hdr.first + hdr.count}) of layers {layers.start}-{layers.stop - 1} " \
+                  "outside the reservation or the model"
         if inc is None or bad:
             self._drain(conn.sock, hdr.payload_bytes)
             if inc is not None:
@@ -194,17 +200,23 @@ class TcpKVReceiver(KVReceiver):
                 return
             inc.handle.advance(TransferState.TRANSFERRING)
             crcs = []
-            for _, first_id, n in coalesce(dest):
-                view = kv_memory(self.cache, hdr.layer, hdr.kind, first_id, n)
-                recv_exact_into(conn.sock, view)
-                crcs += _block_crcs(view, layout.block_bytes)
-            bad_blocks = [dest[i] for i, (a, b) in enumerate(zip(crcs, hdr.crc32c)) if a != b]
-            if bad_blocks:
-                inc.handle.fail(f"checksum mismatch in layer {hdr.layer} {'KV'[hdr.kind]} of "
+            dest_runs = coalesce(dest)
+            for layer in layers:
+                for kind in (0, 1):
+                    for _, first_id, n in dest_runs:
+                        view = self.mem.run(layer, kind, first_id, n)
+                        recv_exact_into(conn.sock, view)
+                        crcs += _block_crcs(view, layout.block_bytes)
+            bad = [i for i, (a, b) in enumerate(zip(crcs, hdr.crc32c)) if a != b]
+            if bad:
+                bad_blocks = sorted({dest[i % hdr.count] for i in bad})
+                inc.handle.fail(f"checksum mismatch in layers {layers.start}-{layers.stop - 1} of "
                                 f"{len(bad_blocks)} block(s)", bad_blocks)
                 return
-            for i in range(hdr.first, hdr.first + hdr.count):
-                inc.landed.add((hdr.layer, hdr.kind, i))
+            for layer in layers:
+                for kind in (0, 1):
+                    for i in range(hdr.first, hdr.first + hdr.count):
+                        inc.landed.add((layer, kind, i))
             inc.nbytes += hdr.payload_bytes
             self.bytes_received += hdr.payload_bytes
         self._maybe_complete(hdr.transfer_id, inc)
@@ -267,11 +279,30 @@ class _Stream:
                 h.fail(reason)
         self.inflight.clear()
 
-    def _write_loop(self) -> None:
-        cache = self.pool.cache
-        bb = cache.layout.block_bytes
+    def _batches(self):
+        """Yields queued items, merging runs of "blocks" items of one transfer
+        for the same blocks and consecutive layers into one multi-layer item."""
         while True:
-            item = self.q.get()
+            items = [self.q.get()]
+            while True:
+                try:
+                    items.append(self.q.get_nowait())
+                except queue.Empty:
+                    break
+            merged: list = []
+            for it in items:
+                prev = merged[-1] if merged else None
+                if (it is not None and prev is not None and it[0] == prev[0] == "blocks" and it[1] is prev[1]
+                        and it[3] == prev[3] and it[4] == prev[4] and it[2] == prev[2] + prev[5]):
+                    merged[-1] = (*prev[:5], prev[5] + 1)
+                else:
+                    merged.append(it if it is None or it[0] != "blocks" else (*it, 1))
+            yield from merged
+
+    def _write_loop(self) -> None:
+        mem = self.pool.mem
+        bb = mem.block_bytes
+        for item in self._batches():
             if item is None:
                 self._broken("sender closed")
                 return
@@ -283,16 +314,18 @@ class _Stream:
                 if self.sock is None:
                     self._connect()
                 if item[0] == "blocks":
-                    _, _, layer, src, first = item
-                    for kind in (0, 1):
-                        views = [kv_memory(cache, layer, kind, b, n) for _, b, n in coalesce(src)]
-                        crcs = [c for v in views for c in _block_crcs(v, bb)]
-                        send_frame(self.sock, pb.KVFrame(blocks=pb.KVBlocks(
-                            transfer_id=h.transfer_id, layer=layer, kind=kind, first=first, count=len(src),
-                            payload_bytes=len(src) * bb, crc32c=crcs)))
-                        for v in views:
-                            self.sock.sendall(v)
-                        h.add_bytes(len(src) * bb)
+                    _, _, layer, src, first, num_layers = item
+                    runs = coalesce(src)
+                    views = [mem.run(lyr, kind, b, n) for lyr in range(layer, layer + num_layers)
+                             for kind in (0, 1) for _, b, n in runs]
+                    crcs = [c for v in views for c in _block_crcs(v, bb)]
+                    nbytes = num_layers * 2 * len(src) * bb
+                    send_frame(self.sock, pb.KVFrame(blocks=pb.KVBlocks(
+                        transfer_id=h.transfer_id, layer=layer, num_layers=num_layers, first=first,
+                        count=len(src), payload_bytes=nbytes, crc32c=crcs)))
+                    for v in views:
+                        self.sock.sendall(v)
+                    h.add_bytes(nbytes)
                 else:
                     _, _, token, logprob = item
                     send_frame(self.sock, pb.KVFrame(done=pb.KVDone(
@@ -330,6 +363,7 @@ class _PeerPool:
     def __init__(self, endpoint: str, cache: KVCache, cfg: TcpConfig) -> None:
         self.endpoint = endpoint
         self.cache = cache
+        self.mem = KVBytes(cache)
         self.cfg = cfg
         self.layout_hash = cache.layout.compat_hash()
         self.handles: dict[str, _TcpSendHandle] = {}

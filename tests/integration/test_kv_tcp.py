@@ -20,7 +20,7 @@ from kvtransfer.base import TransferState, TransferTarget
 from kvtransfer.tcp import TcpConfig, TcpKVReceiver, TcpKVSender
 from kvtransfer.wire import recv_frame, send_frame
 from tests.integration.conftest import wait_until
-from tests.integration.kv_peer import SECRET
+from benchmarks.kv_peer import SECRET
 
 CFG = TcpConfig(secret=SECRET, streams=2)
 
@@ -184,12 +184,12 @@ def test_flipped_byte_fails_the_transfer():
 
 
 def _peer(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.integration.kv_peer", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.kv_peer", *args], stdout=subprocess.PIPE,
                             text=True)
 
 
 def test_sender_killed_mid_transfer_fails_receiver_promptly():
-    spec = "2,8,128,16,64"
+    spec = "float32,2,8,128,16,64"
     layout = KVLayout("peer", "float32", 2, 8, 128, 16)
     dst = make_cache(layout, 64, None)
     rx = TcpKVReceiver(dst, cfg=CFG)
@@ -213,11 +213,11 @@ def test_receiver_killed_mid_transfer_fails_sender_promptly():
     layout = KVLayout("peer", "float32", 2, 8, 128, 16)
     n = 2048  # 256 MiB: long enough to kill the receiver in the middle
     src = make_cache(layout, n, 1)
-    peer = _peer("receiver", f"2,8,128,16,{n}")
+    peer = _peer("receiver", f"float32,2,8,128,16,{n}", "1")
     tx = TcpKVSender(src, TcpConfig(secret=SECRET, streams=1))
     try:
         endpoint = peer.stdout.readline().split()[1]
-        h = tx.open(TransferTarget(endpoint, "t1", tuple(range(n)), layout.compat_hash()))
+        h = tx.open(TransferTarget(endpoint, "t0", tuple(range(n)), layout.compat_hash()))
         for layer in range(2):
             h.send_layer(layer, list(range(n)), 0)
         h.finish(1, 0.0)

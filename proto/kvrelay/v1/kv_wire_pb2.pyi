@@ -43,22 +43,22 @@ class KVAuthAck(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class KVBlocks(_message.Message):
-    __slots__ = ("transfer_id", "layer", "kind", "first", "count", "payload_bytes", "crc32c")
+    __slots__ = ("transfer_id", "layer", "num_layers", "first", "count", "payload_bytes", "crc32c")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
-    KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
-    kind: int
+    num_layers: int
     first: int
     count: int
     payload_bytes: int
     crc32c: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., kind: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVDone(_message.Message):
     __slots__ = ("transfer_id", "first_token_id", "first_logprob")

@@ -1,0 +1,89 @@
+"""A KV transport peer in its own process, for benchmarks and for tests that
+kill one side. SPEC is ``dtype,layers,kv_heads,head_dim,block_size,num_blocks[,model]``.
+
+    python -m benchmarks.kv_peer receiver SPEC COUNT
+        expects transfers t0..t{COUNT-1}, each into every block;
+        prints "ENDPOINT host:port", then serves until killed
+    python -m benchmarks.kv_peer raw-receiver NBYTES STREAMS ROUNDS
+        accepts STREAMS connections per round and recv_into's its share of
+        NBYTES, answering one byte per stream; prints "ENDPOINT host:port"
+    python -m benchmarks.kv_peer sender SPEC ENDPOINT TRANSFER_ID N_BLOCKS LAYERS
+        sends LAYERS layers of N_BLOCKS blocks, prints "SENT", then hangs
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+
+import torch
+
+from engine.kv_cache import KVCache, KVLayout
+from kvtransfer.base import TransferTarget
+from kvtransfer.tcp import TcpConfig, TcpKVReceiver, TcpKVSender
+from kvtransfer.wire import recv_exact_into
+
+SECRET = b"test-secret"
+
+
+def make_cache(spec: str, seed: int | None = 5) -> KVCache:
+    dtype, *rest = spec.split(",")
+    model = rest.pop() if len(rest) == 6 else "peer"
+    layers, heads, dim, bs, blocks = (int(x) for x in rest)
+    cache = KVCache(KVLayout(model, dtype, layers, heads, dim, bs), blocks)
+    if seed is not None:
+        cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(seed)))
+    return cache
+
+
+def raw_receiver(nbytes: int, streams: int, rounds: int) -> None:
+    srv = socket.create_server(("127.0.0.1", 0), backlog=64)
+    print("ENDPOINT", f"127.0.0.1:{srv.getsockname()[1]}", flush=True)
+    buf = memoryview(bytearray(nbytes))
+    share = nbytes // streams
+    for _ in range(rounds):
+        conns = [srv.accept()[0] for _ in range(streams)]
+
+        def pull(i: int, c: socket.socket) -> None:
+            end = nbytes if i == streams - 1 else (i + 1) * share
+            recv_exact_into(c, buf[i * share:end])
+            c.sendall(b"k")
+
+        ts = [threading.Thread(target=pull, args=(i, c)) for i, c in enumerate(conns)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        for c in conns:
+            c.close()
+
+
+def main() -> None:
+    role = sys.argv[1]
+    if role == "raw-receiver":
+        raw_receiver(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        return
+    spec = sys.argv[2]
+    if role == "receiver":
+        cache = make_cache(spec, seed=None)
+        rx = TcpKVReceiver(cache, cfg=TcpConfig(secret=SECRET))
+        for i in range(int(sys.argv[3])):
+            rx.expect(f"t{i}", list(range(cache.num_blocks)))
+        print("ENDPOINT", rx.endpoint, flush=True)
+        time.sleep(3600)
+    else:
+        cache = make_cache(spec)
+        endpoint, tid, n, layers = sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+        tx = TcpKVSender(cache, TcpConfig(secret=SECRET, streams=1))
+        h = tx.open(TransferTarget(endpoint, tid, tuple(range(n)), cache.layout.compat_hash()))
+        for layer in range(layers):
+            h.send_layer(layer, list(range(n)), 0)
+        time.sleep(1.0)
+        print("SENT", flush=True)
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()
