@@ -134,5 +134,8 @@ class LocalCluster:
         for c in routers:
             if c.proc.stdout:
                 c.proc.stdout.close()
+        for c in workers:  # shared-memory KV of workers that could not clean up
+            for f in Path("/dev/shm").glob(f"kvrelay-*-{c.proc.pid}"):
+                f.unlink(missing_ok=True)
         self.children.clear()
         self._tmp.cleanup()

@@ -45,6 +45,7 @@ def read_secret(cfg_path: str | None) -> bytes:
 
 async def run(role: str, args: argparse.Namespace) -> None:
     from decode_worker.server import DecodeService
+    from kvtransfer.local import shm_path_for
     from kvtransfer.select import choose_transport, make_receiver, make_sender
     from kvtransfer.tcp import TcpConfig
     from prefill_worker.server import PrefillService
@@ -53,11 +54,12 @@ async def run(role: str, args: argparse.Namespace) -> None:
     transport = choose_transport(cfg.kv.transport)
     tcp_cfg = TcpConfig(secret=read_secret(cfg.kv.secret_file), streams=cfg.kv.streams,
                         socket_buffer_bytes=cfg.kv.socket_buffer_bytes)
-    engine = build_engine(cfg, args.model_path)
-    aengine = AsyncEngine(engine)
-    await aengine.start()
     role_enum = wpb.ROLE_PREFILL if role == "prefill" else wpb.ROLE_DECODE
     ident = WorkerIdentity(f"{args.site}/{role}/{args.index}", role_enum, args.site)
+    shm = shm_path_for(ident.worker_id, os.getpid()) if transport == "local" and role == "prefill" else None
+    engine = build_engine(cfg, args.model_path, shm)
+    aengine = AsyncEngine(engine)
+    await aengine.start()
     server = grpc.aio.server(options=GRPC_OPTIONS)
     host = cfg.workers.host
     port = server.add_insecure_port(f"{host}:0")
@@ -79,7 +81,10 @@ async def run(role: str, args: argparse.Namespace) -> None:
     logging.getLogger(__name__).info("%s serving on %s (kv %s)", ident.worker_id, info.address, kv_endpoint or "-")
     stop = asyncio.Event()
     hb = asyncio.create_task(register_and_heartbeat(args.router, info, service.load, stop))
-    await serve_until_signal(server, aengine, stop, [hb])
+    try:
+        await serve_until_signal(server, aengine, stop, [hb])
+    finally:
+        engine.cache.unlink()
 
 
 def main(role: str, argv: list[str] | None = None) -> int:

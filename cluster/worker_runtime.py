@@ -28,9 +28,10 @@ class WorkerIdentity:
     site: str
 
 
-def build_engine(cfg: ClusterConfig, model_path: str) -> LLMEngine:
+def build_engine(cfg: ClusterConfig, model_path: str, kv_shm_path: str | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(model_path=model_path, dtype=cfg.model.dtype, device=cfg.model.device,
-                                  cache=cfg.cache, scheduler=cfg.scheduler, num_threads=cfg.workers.threads))
+                                  cache=cfg.cache, scheduler=cfg.scheduler, num_threads=cfg.workers.threads,
+                                  kv_shm_path=kv_shm_path))
 
 
 def worker_load(ident: WorkerIdentity, engine: LLMEngine, kv_in: int = 0, kv_out: int = 0) -> wpb.WorkerLoad:

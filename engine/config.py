@@ -199,6 +199,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None
     """torch intra-op threads on CPU; ``None`` keeps torch's default."""
+    kv_shm_path: str | None = None
+    """Put the KV cache in this shared-memory file (local KV transport)."""
 
     def __post_init__(self) -> None:
         self.model_path = Path(self.model_path)

@@ -12,6 +12,7 @@ the memory once and move blocks by offset.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -73,13 +74,42 @@ class MemoryRegion:
 class KVCache:
     """The KV tensor of one worker and the arithmetic to address it."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: str = "cpu") -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str = "cpu",
+                 shm_path: str | None = None, create: bool = True) -> None:
+        """``shm_path`` (host memory only) backs the tensor with a shared file,
+        e.g. under /dev/shm, so a transport on the same host can map it."""
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = device
-        self.kv = torch.zeros(layout.num_layers, 2, num_blocks, layout.block_size,
-                              layout.num_kv_heads, layout.head_dim,
-                              dtype=torch_dtype(layout.dtype), device=device)
+        self.shm_path = shm_path
+        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        if shm_path is None:
+            self.kv = torch.zeros(shape, dtype=torch_dtype(layout.dtype), device=device)
+        else:
+            if device != "cpu":
+                raise ValueError("a shared-memory KV cache must be in host memory")
+            if create and os.path.exists(shm_path):
+                os.unlink(shm_path)  # a stale file of a dead process; start clean
+            numel = 1
+            for d in shape:
+                numel *= d
+            self.kv = torch.from_file(shm_path, shared=True, size=numel,
+                                      dtype=torch_dtype(layout.dtype)).view(shape)
+
+    @classmethod
+    def attach(cls, layout: KVLayout, num_blocks: int, shm_path: str) -> KVCache:
+        """Maps another process's shared-memory KV cache (same layout)."""
+        if not os.path.exists(shm_path):
+            raise FileNotFoundError(f"{shm_path}: no such shared KV cache")
+        expected = 2 * layout.num_layers * num_blocks * layout.block_bytes
+        if os.path.getsize(shm_path) != expected:
+            raise ValueError(f"{shm_path}: {os.path.getsize(shm_path)} bytes, layout implies {expected}")
+        return cls(layout, num_blocks, "cpu", shm_path, create=False)
+
+    def unlink(self) -> None:
+        """Removes the shared file (mappings stay valid until closed)."""
+        if self.shm_path and os.path.exists(self.shm_path):
+            os.unlink(self.shm_path)
 
     @staticmethod
     def blocks_for_budget(layout: KVLayout, memory_bytes: int) -> int:

@@ -71,7 +71,7 @@ class LLMEngine:
         self.layout = KVLayout.for_model(ckpt.config, cfg.dtype, cfg.cache.block_size)
         num_blocks = cfg.cache.num_blocks or KVCache.blocks_for_budget(
             self.layout, int(cfg.cache.memory_gib * 2**30))
-        self.cache = KVCache(self.layout, num_blocks, cfg.device)
+        self.cache = KVCache(self.layout, num_blocks, cfg.device, shm_path=cfg.kv_shm_path)
         self.pool = BlockPool(num_blocks, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.pool, cfg.cache.block_size)
         self.runner = ModelRunner(self.model, self.cache)

@@ -7,11 +7,12 @@ from pathlib import Path
 
 from engine.kv_cache import KVCache
 from kvtransfer.base import KVReceiver, KVSender
+from kvtransfer.local import LocalKVSender
 from kvtransfer.tcp import TcpConfig, TcpKVReceiver, TcpKVSender
 
 log = logging.getLogger(__name__)
 
-IMPLEMENTED = ("tcp",)
+IMPLEMENTED = ("tcp", "local")
 
 
 def host_has_rdma(sysfs: Path = Path("/sys/class/infiniband")) -> bool:
@@ -34,8 +35,9 @@ def choose_transport(requested: str) -> str:
 
 
 def make_sender(name: str, cache: KVCache, cfg: TcpConfig) -> KVSender:
-    return {"tcp": TcpKVSender}[name](cache, cfg)
+    return {"tcp": TcpKVSender, "local": LocalKVSender}[name](cache, cfg)
 
 
 def make_receiver(name: str, cache: KVCache, host: str, cfg: TcpConfig) -> KVReceiver:
-    return {"tcp": TcpKVReceiver}[name](cache, host, cfg)
+    """The TCP receiver serves tcp and local senders alike."""
+    return {"tcp": TcpKVReceiver, "local": TcpKVReceiver}[name](cache, host, cfg)

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import crc32c
+import torch
 
 from engine.kv_cache import KVCache
 from kvrelay.v1 import kv_wire_pb2 as pb
@@ -43,6 +44,10 @@ class TcpConfig:
     """SO_SNDBUF/SO_RCVBUF; size it to the link's bandwidth-delay product."""
     connect_timeout_s: float = 5.0
     """Deadline for connecting and for the handshake."""
+    shared_memory: bool = False
+    """Local transport: offer receivers on this host the sender's shared-memory
+    KV (its cache must have an shm_path); they copy from it, so only frame
+    headers cross the socket."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.streams <= 64:
@@ -75,6 +80,8 @@ class _Conn:
         self.sock = sock
         self.lock = threading.Lock()
         self.transfers: set[str] = set()
+        self.peer_kv: KVCache | None = None
+        """The sender's shared-memory KV, when it offered it (local transport)."""
 
     def send(self, frame: pb.KVFrame) -> None:
         with self.lock:
@@ -101,6 +108,7 @@ class TcpKVReceiver(KVReceiver):
         self.refused = 0
         """Connections refused at the handshake."""
         self._conns: set[socket.socket] = set()
+        self._peers: dict[str, KVCache] = {}
         threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
 
     def expect(self, transfer_id: str, block_ids: list[int]) -> TransferHandle:
@@ -143,7 +151,7 @@ class TcpKVReceiver(KVReceiver):
             tune_socket(sock, self.cfg.socket_buffer_bytes)
             sock.settimeout(self.cfg.connect_timeout_s)
             try:
-                server_handshake(sock, self.cfg.secret, self.layout_hash)
+                conn.peer_kv = server_handshake(sock, self.cfg.secret, self.layout_hash, self._map_shm)
             except (ProtocolError, OSError) as exc:  # incl. a sender that hung up on our proof
                 self.refused += 1
                 log.warning("refused KV connection: %s", exc)
@@ -167,6 +175,13 @@ class TcpKVReceiver(KVReceiver):
             self._conns.discard(sock)
             sock.close()
 
+    def _map_shm(self, path: str, num_blocks: int) -> KVCache:
+        with self._lock:
+            peer = self._peers.get(path)
+            if peer is None or peer.num_blocks != num_blocks:
+                peer = self._peers[path] = KVCache.attach(self.cache.layout, num_blocks, path)
+            return peer
+
     def _drain(self, sock: socket.socket, n: int) -> None:
         scratch = memoryview(bytearray(min(n, 1 << 20)))
         while n:
@@ -179,9 +194,14 @@ class TcpKVReceiver(KVReceiver):
         inc = self._expected.get(hdr.transfer_id)
         bad = ""
         runs = max(1, hdr.num_layers) * 2 * hdr.count
-        if hdr.payload_bytes != runs * layout.block_bytes or len(hdr.crc32c) != runs:
+        pulled = len(hdr.src_blocks) > 0
+        payload = 0 if pulled else runs * layout.block_bytes
+        if hdr.payload_bytes != payload or len(hdr.crc32c) != runs:
             raise ProtocolError(f"blocks frame of {hdr.payload_bytes} bytes for {hdr.count} blocks "
                                 f"x {hdr.num_layers} layers")
+        if pulled and (conn.peer_kv is None or len(hdr.src_blocks) != hdr.count
+                       or max(hdr.src_blocks) >= conn.peer_kv.num_blocks):
+            raise ProtocolError("shared-memory blocks frame without a valid shared KV mapping")
         layers = range(hdr.layer, hdr.layer + max(1, hdr.num_layers))
         if inc is not None and (layers.stop > layout.num_layers or hdr.count == 0
                                 or hdr.first + hdr.count > len(inc.block_ids)):
@@ -201,11 +221,14 @@ class TcpKVReceiver(KVReceiver):
             inc.handle.advance(TransferState.TRANSFERRING)
             crcs = []
             dest_runs = coalesce(dest)
+            if pulled:
+                self._pull(conn.peer_kv, layers, list(hdr.src_blocks), dest)
             for layer in layers:
                 for kind in (0, 1):
                     for _, first_id, n in dest_runs:
                         view = self.mem.run(layer, kind, first_id, n)
-                        recv_exact_into(conn.sock, view)
+                        if not pulled:
+                            recv_exact_into(conn.sock, view)
                         crcs += _block_crcs(view, layout.block_bytes)
             bad = [i for i, (a, b) in enumerate(zip(crcs, hdr.crc32c)) if a != b]
             if bad:
@@ -220,6 +243,14 @@ class TcpKVReceiver(KVReceiver):
             inc.nbytes += hdr.payload_bytes
             self.bytes_received += hdr.payload_bytes
         self._maybe_complete(hdr.transfer_id, inc)
+
+    def _pull(self, peer: KVCache, layers: range, src: list[int], dest: list[int]) -> None:
+        """Copies blocks of a same-host sender's shared KV into ours (one memcpy)."""
+        s = torch.tensor(src, dtype=torch.long)
+        d = torch.tensor(dest, dtype=torch.long)
+        for layer in layers:
+            for kind in (0, 1):
+                self.cache.kv[layer, kind].index_copy_(0, d, peer.kv[layer, kind].index_select(0, s))
 
     def _on_done(self, conn: _Conn, done: pb.KVDone) -> None:
         inc = self._expected.get(done.transfer_id)
@@ -253,6 +284,8 @@ class _Stream:
         self.index = index
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.sock: socket.socket | None = None
+        self.shared = False
+        """The receiver copies from our shared-memory KV (local transport)."""
         self.inflight: set[str] = set()
         threading.Thread(target=self._write_loop, name=f"kv-send-{index}", daemon=True).start()
 
@@ -261,7 +294,9 @@ class _Stream:
         host, _, port = self.pool.endpoint.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=cfg.connect_timeout_s)
         tune_socket(sock, cfg.socket_buffer_bytes)
-        client_handshake(sock, cfg.secret, self.pool.layout_hash)
+        cache = self.pool.cache
+        offer = cache.shm_path if (cfg.shared_memory and cache.shm_path) else ""
+        self.shared = client_handshake(sock, cfg.secret, self.pool.layout_hash, offer, cache.num_blocks)
         sock.settimeout(None)
         self.sock = sock
         threading.Thread(target=self._read_loop, args=(sock,), name=f"kv-ack-{self.index}", daemon=True).start()
@@ -322,9 +357,11 @@ class _Stream:
                     nbytes = num_layers * 2 * len(src) * bb
                     send_frame(self.sock, pb.KVFrame(blocks=pb.KVBlocks(
                         transfer_id=h.transfer_id, layer=layer, num_layers=num_layers, first=first,
-                        count=len(src), payload_bytes=nbytes, crc32c=crcs)))
-                    for v in views:
-                        self.sock.sendall(v)
+                        count=len(src), payload_bytes=0 if self.shared else nbytes, crc32c=crcs,
+                        src_blocks=src if self.shared else [])))
+                    if not self.shared:
+                        for v in views:
+                            self.sock.sendall(v)
                     h.add_bytes(nbytes)
                 else:
                     _, _, token, logprob = item

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import socket
 import struct
 
@@ -15,6 +16,8 @@ PROTOCOL_VERSION = 2
 MAX_FRAME = 1 << 20
 """Largest header frame accepted (payloads are not frames)."""
 NONCE_BYTES = 16
+SHM_NAME = re.compile(r"/dev/shm/kvrelay-[A-Za-z0-9_.-]+")
+"""Shared-memory KV files a receiver agrees to map."""
 
 
 class ProtocolError(Exception):
@@ -57,11 +60,23 @@ def _proof(secret: bytes, role: bytes, first: bytes, second: bytes, layout_hash:
     return hmac.new(secret, role + first + second + layout_hash.encode(), hashlib.sha256).digest()
 
 
-def client_handshake(sock: socket.socket, secret: bytes, layout_hash: str) -> None:
-    """Sender side: proves the secret and checks the receiver's proof."""
+def host_id() -> str:
+    """Identifies this host (its kernel boot id): equal ids share /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def client_handshake(sock: socket.socket, secret: bytes, layout_hash: str, shm_path: str = "",
+                     shm_num_blocks: int = 0) -> bool:
+    """Sender side: proves the secret and checks the receiver's proof.
+    Returns True when the receiver mapped the offered shared-memory KV."""
     nonce_s = os.urandom(NONCE_BYTES)
     send_frame(sock, pb.KVFrame(hello=pb.KVHello(protocol_version=PROTOCOL_VERSION, layout_hash=layout_hash,
-                                                 nonce=nonce_s)))
+                                                 nonce=nonce_s, host_id=host_id() if shm_path else "",
+                                                 shm_path=shm_path, shm_num_blocks=shm_num_blocks)))
     ack = recv_frame(sock)
     if ack.WhichOneof("body") != "hello_ack":
         raise ProtocolError("expected hello_ack")
@@ -71,14 +86,19 @@ def client_handshake(sock: socket.socket, secret: bytes, layout_hash: str) -> No
     if not hmac.compare_digest(ack.hello_ack.proof, _proof(secret, b"R", nonce_s, nonce_r, layout_hash)):
         raise ProtocolError("receiver failed authentication (wrong deployment secret?)")
     send_frame(sock, pb.KVFrame(auth=pb.KVAuth(proof=_proof(secret, b"S", nonce_r, nonce_s, layout_hash))))
+    shared = ack.hello_ack.shared_memory
     ack = recv_frame(sock)
     if ack.WhichOneof("body") != "auth_ack" or not ack.auth_ack.accepted:
         raise ProtocolError(f"refused by receiver: {ack.auth_ack.reason or 'authentication failed'}")
+    return shared
 
 
-def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str) -> None:
+def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str, map_shm=None) -> object:
     """Receiver side: checks version, layout and the sender's proof before
-    anything else is read. Raises ProtocolError (after telling the peer why)."""
+    anything else is read. Raises ProtocolError (after telling the peer why).
+
+    ``map_shm(path, num_blocks)`` maps a same-host sender's shared KV; its
+    result (or None) is returned once the sender is authenticated."""
     hello = recv_frame(sock)
     if hello.WhichOneof("body") != "hello":
         raise ProtocolError("expected hello")
@@ -93,16 +113,30 @@ def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str) -> No
     if reason:
         send_frame(sock, pb.KVFrame(hello_ack=pb.KVHelloAck(accepted=False, reason=reason)))
         raise ProtocolError(reason)
+    # Offer shared memory to a same-host sender whose file is one of ours; map
+    # it only once the sender has proven the secret.
+    shared = bool(map_shm is not None and h.host_id and h.host_id == host_id()
+                  and SHM_NAME.fullmatch(h.shm_path) and os.path.exists(h.shm_path))
     nonce_r = os.urandom(NONCE_BYTES)
     send_frame(sock, pb.KVFrame(hello_ack=pb.KVHelloAck(
-        accepted=True, nonce=nonce_r, proof=_proof(secret, b"R", h.nonce, nonce_r, layout_hash))))
+        accepted=True, nonce=nonce_r, proof=_proof(secret, b"R", h.nonce, nonce_r, layout_hash),
+        shared_memory=shared)))
     auth = recv_frame(sock)
     ok = auth.WhichOneof("body") == "auth" and hmac.compare_digest(
         auth.auth.proof, _proof(secret, b"S", nonce_r, h.nonce, layout_hash))
     if not ok:
         send_frame(sock, pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=False, reason="authentication failed")))
         raise ProtocolError("sender failed authentication (wrong deployment secret?)")
+    peer_kv = None
+    if shared:
+        try:
+            peer_kv = map_shm(h.shm_path, h.shm_num_blocks)
+        except (OSError, ValueError) as exc:
+            send_frame(sock, pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=False,
+                                                              reason=f"cannot map shared KV: {exc}")))
+            raise ProtocolError(f"cannot map the sender's shared KV: {exc}") from None
     send_frame(sock, pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=True)))
+    return peer_kv
 
 
 def tune_socket(sock: socket.socket, buffer_bytes: int | None) -> None:

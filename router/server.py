@@ -111,7 +111,7 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                      context: grpc.aio.ServicerContext):
         placement = ipb.Placement(decode_worker=d.info.worker_id, decode_site=d.info.site,
                                   prefill_worker=(p or d).info.worker_id, prefill_site=(p or d).info.site,
-                                  colocated=p is None, transport="" if p is None else "tcp")
+                                  colocated=p is None, transport="" if p is None else p.info.transport)
         t0 = time.perf_counter()
         n_out = 0
         d.inflight += 1

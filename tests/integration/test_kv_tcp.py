@@ -3,6 +3,7 @@ corruption on the wire, and a peer killed mid-transfer."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from engine.kv_cache import KVCache, KVLayout
 from kvrelay.v1 import kv_wire_pb2 as pb
 from kvtransfer.base import TransferState, TransferTarget
+from kvtransfer.local import LocalKVSender
 from kvtransfer.tcp import TcpConfig, TcpKVReceiver, TcpKVSender
 from kvtransfer.wire import recv_frame, send_frame
 from tests.integration.conftest import wait_until
@@ -66,6 +68,36 @@ def test_received_bytes_equal_sent_bytes(layers, heads, dim, bs, dtype, data, st
     assert torch.equal(dst.kv[:, :, dst_blocks], src.kv[:, :, src_blocks])
     untouched = [b for b in range(40) if b not in dst_blocks]
     assert not dst.kv[:, :, untouched].any()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(["float32", "bfloat16"]), data=st.data())
+def test_local_transport_integrity(dtype, data, tmp_path_factory):
+    layout = KVLayout("m", dtype, 3, 2, 16, 4)
+    n = data.draw(st.integers(1, 20))
+    src_blocks = data.draw(st.lists(st.integers(0, 23), min_size=n, max_size=n, unique=True))
+    dst_blocks = data.draw(st.lists(st.integers(0, 29), min_size=n, max_size=n, unique=True))
+    src = KVCache(layout, 24, shm_path=f"/dev/shm/kvrelay-test-{os.getpid()}")
+    try:
+        src.kv.copy_(torch.randn(src.kv.shape, generator=torch.Generator().manual_seed(n)).to(src.kv.dtype))
+        dst = make_cache(layout, 30, None)
+        rx = TcpKVReceiver(dst, cfg=CFG)
+        tx = LocalKVSender(src, CFG)
+        try:
+            rh = rx.expect("t", dst_blocks)
+            h = tx.open(TransferTarget(rx.endpoint, "t", tuple(dst_blocks), layout.compat_hash()))
+            for layer in range(3):
+                h.send_layer(layer, src_blocks, 0)
+            h.finish(3, 0.0)
+            assert rh.wait(30) is TransferState.DONE, rh.failure()
+            assert h.wait(30) is TransferState.DONE, h.failure()
+            assert all(s.shared for s in h.pool.streams if s.sock is not None)  # no KV bytes on the socket
+            assert torch.equal(dst.kv[:, :, dst_blocks], src.kv[:, :, src_blocks])
+        finally:
+            tx.close()
+            rx.close()
+    finally:
+        src.unlink()
 
 
 def test_256_mib_transfer_integrity():

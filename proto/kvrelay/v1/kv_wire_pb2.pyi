@@ -7,26 +7,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHello(_message.Message):
-    __slots__ = ("protocol_version", "layout_hash", "nonce")
+    __slots__ = ("protocol_version", "layout_hash", "nonce", "host_id", "shm_path", "shm_num_blocks")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    SHM_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     layout_hash: str
     nonce: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    host_id: str
+    shm_path: str
+    shm_num_blocks: int
+    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., shm_num_blocks: _Optional[int] = ...) -> None: ...
 
 class KVHelloAck(_message.Message):
-    __slots__ = ("accepted", "reason", "nonce", "proof")
+    __slots__ = ("accepted", "reason", "nonce", "proof", "shared_memory")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     nonce: bytes
     proof: bytes
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class KVAuth(_message.Message):
     __slots__ = ("proof",)
@@ -43,7 +51,7 @@ class KVAuthAck(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class KVBlocks(_message.Message):
-    __slots__ = ("transfer_id", "layer", "num_layers", "first", "count", "payload_bytes", "crc32c")
+    __slots__ = ("transfer_id", "layer", "num_layers", "first", "count", "payload_bytes", "crc32c", "src_blocks")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +59,7 @@ class KVBlocks(_message.Message):
     COUNT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
     num_layers: int
@@ -58,7 +67,8 @@ class KVBlocks(_message.Message):
     count: int
     payload_bytes: int
     crc32c: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
+    src_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., crc32c: _Optional[_Iterable[int]] = ..., src_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVDone(_message.Message):
     __slots__ = ("transfer_id", "first_token_id", "first_logprob")
