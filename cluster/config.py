@@ -174,8 +174,6 @@ def _validate(cfg: ClusterConfig) -> None:
             raise ConfigError(f"router.{name}: must be positive")
     if cfg.kv.transport not in ("auto", "tcp", "nixl", "local"):
         raise ConfigError(f"kv.transport: must be auto, tcp, nixl or local, got {cfg.kv.transport!r}")
-    if cfg.kv.transport == "nixl":
-        raise ConfigError("kv.transport: 'nixl' is not implemented yet; use auto, tcp or local")
     if not 1 <= cfg.kv.streams <= 64:
         raise ConfigError(f"kv.streams: must be in [1, 64], got {cfg.kv.streams}")
     if cfg.kv.transfer_timeout_s <= 0:

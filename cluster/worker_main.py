@@ -89,6 +89,10 @@ async def run(role: str, args: argparse.Namespace) -> None:
 
 def main(role: str, argv: list[str] | None = None) -> int:
     args = parse_args(role, argv)
+    from kvtransfer.select import host_has_rdma
+
+    if not host_has_rdma():  # UCX's InfiniBand module crashes processes at exit without devices
+        os.environ.setdefault("UCX_MODULES", "^ib")
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s {role}[{args.site}/{args.index}] %(levelname)s "
                         "%(name)s: %(message)s", stream=sys.stderr)
     asyncio.run(run(role, args))

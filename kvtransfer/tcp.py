@@ -15,6 +15,7 @@ dropped: a freed reservation is never written.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import threading
@@ -28,8 +29,8 @@ from engine.kv_cache import KVCache
 from kvrelay.v1 import kv_wire_pb2 as pb
 from kvtransfer.base import (KVReceiver, KVSender, SendHandle, TransferHandle, TransferResult, TransferState,
                              TransferTarget, coalesce, KVBytes)
-from kvtransfer.wire import (ProtocolError, client_handshake, recv_exact_into, recv_frame, send_frame,
-                             server_handshake, tune_socket)
+from kvtransfer.wire import (SHM_NAME, ProtocolError, client_handshake, host_id, recv_exact_into, recv_frame,
+                             send_frame, server_handshake, tune_socket)
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class TcpKVReceiver(KVReceiver):
             tune_socket(sock, self.cfg.socket_buffer_bytes)
             sock.settimeout(self.cfg.connect_timeout_s)
             try:
-                conn.peer_kv = server_handshake(sock, self.cfg.secret, self.layout_hash, self._map_shm)
+                conn.peer_kv = server_handshake(sock, self.cfg.secret, self.layout_hash, self)
             except (ProtocolError, OSError) as exc:  # incl. a sender that hung up on our proof
                 self.refused += 1
                 log.warning("refused KV connection: %s", exc)
@@ -175,11 +176,25 @@ class TcpKVReceiver(KVReceiver):
             self._conns.discard(sock)
             sock.close()
 
-    def _map_shm(self, path: str, num_blocks: int) -> KVCache:
+    # -- PeerAttacher: senders whose memory we pull from ---------------------
+    nixl = None
+    """A NixlAgent when this receiver can READ from NIXL senders."""
+
+    def can_attach(self, hello: pb.KVHello) -> bool:
+        if hello.nixl_metadata:
+            return self.nixl is not None
+        return bool(hello.shm_path and hello.host_id == host_id() and SHM_NAME.fullmatch(hello.shm_path)
+                    and os.path.exists(hello.shm_path))
+
+    def attach(self, hello: pb.KVHello) -> object:
+        if hello.nixl_metadata:
+            return self.nixl.add_peer(hello.nixl_metadata, hello.kv_base_address, hello.kv_device_id,
+                                      hello.shm_num_blocks)
         with self._lock:
-            peer = self._peers.get(path)
-            if peer is None or peer.num_blocks != num_blocks:
-                peer = self._peers[path] = KVCache.attach(self.cache.layout, num_blocks, path)
+            peer = self._peers.get(hello.shm_path)
+            if peer is None or peer.num_blocks != hello.shm_num_blocks:
+                peer = KVCache.attach(self.cache.layout, hello.shm_num_blocks, hello.shm_path)
+                self._peers[hello.shm_path] = peer
             return peer
 
     def _drain(self, sock: socket.socket, n: int) -> None:
@@ -244,8 +259,15 @@ class TcpKVReceiver(KVReceiver):
             self.bytes_received += hdr.payload_bytes
         self._maybe_complete(hdr.transfer_id, inc)
 
-    def _pull(self, peer: KVCache, layers: range, src: list[int], dest: list[int]) -> None:
-        """Copies blocks of a same-host sender's shared KV into ours (one memcpy)."""
+    def _pull(self, peer: object, layers: range, src: list[int], dest: list[int]) -> None:
+        """Copies the sender's blocks into ours: NIXL READ, or one memcpy from
+        a same-host sender's shared KV."""
+        if not isinstance(peer, KVCache):
+            try:
+                self.nixl.read(peer, layers, src, dest, self.cfg.connect_timeout_s * 6)
+            except RuntimeError as exc:
+                raise ProtocolError(str(exc)) from None
+            return
         s = torch.tensor(src, dtype=torch.long)
         d = torch.tensor(dest, dtype=torch.long)
         for layer in layers:
@@ -294,9 +316,7 @@ class _Stream:
         host, _, port = self.pool.endpoint.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=cfg.connect_timeout_s)
         tune_socket(sock, cfg.socket_buffer_bytes)
-        cache = self.pool.cache
-        offer = cache.shm_path if (cfg.shared_memory and cache.shm_path) else ""
-        self.shared = client_handshake(sock, cfg.secret, self.pool.layout_hash, offer, cache.num_blocks)
+        self.shared = client_handshake(sock, cfg.secret, self.pool.layout_hash, self.pool.offer())
         sock.settimeout(None)
         self.sock = sock
         threading.Thread(target=self._read_loop, args=(sock,), name=f"kv-ack-{self.index}", daemon=True).start()
@@ -397,14 +417,26 @@ class _Stream:
 
 
 class _PeerPool:
-    def __init__(self, endpoint: str, cache: KVCache, cfg: TcpConfig) -> None:
+    def __init__(self, endpoint: str, cache: KVCache, cfg: TcpConfig, nixl=None) -> None:
         self.endpoint = endpoint
         self.cache = cache
         self.mem = KVBytes(cache)
         self.cfg = cfg
+        self.nixl = nixl
         self.layout_hash = cache.layout.compat_hash()
         self.handles: dict[str, _TcpSendHandle] = {}
         self.streams = [_Stream(self, i) for i in range(cfg.streams)]
+
+    def offer(self) -> pb.KVHello | None:
+        """What lets the receiver pull from us instead of reading bytes."""
+        if not self.cfg.shared_memory:
+            return None
+        if self.nixl is not None:
+            return pb.KVHello(nixl_metadata=self.nixl.metadata, kv_base_address=self.nixl.base_address,
+                              kv_device_id=self.nixl.device_id, shm_num_blocks=self.cache.num_blocks)
+        if self.cache.shm_path:
+            return pb.KVHello(host_id=host_id(), shm_path=self.cache.shm_path, shm_num_blocks=self.cache.num_blocks)
+        return None
 
     def close(self) -> None:
         for s in self.streams:
@@ -463,6 +495,8 @@ class _TcpSendHandle(SendHandle):
 
 class TcpKVSender(KVSender):
     name = "tcp"
+    nixl = None
+    """A NixlAgent when receivers should READ our KV over NIXL."""
 
     def __init__(self, cache: KVCache, cfg: TcpConfig | None = None) -> None:
         self.cache = cache
@@ -474,7 +508,7 @@ class TcpKVSender(KVSender):
         with self._lock:
             pool = self._pools.get(target.endpoint)
             if pool is None:
-                pool = self._pools[target.endpoint] = _PeerPool(target.endpoint, self.cache, self.cfg)
+                pool = self._pools[target.endpoint] = _PeerPool(target.endpoint, self.cache, self.cfg, self.nixl)
         h = _TcpSendHandle(pool, target)
         if target.layout_hash != pool.layout_hash:
             h.fail("KV layout of the target differs from this sender's")

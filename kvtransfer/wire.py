@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import struct
+from typing import Protocol
 
 from kvrelay.v1 import kv_wire_pb2 as pb
 
@@ -69,14 +70,16 @@ def host_id() -> str:
         return ""
 
 
-def client_handshake(sock: socket.socket, secret: bytes, layout_hash: str, shm_path: str = "",
-                     shm_num_blocks: int = 0) -> bool:
+def client_handshake(sock: socket.socket, secret: bytes, layout_hash: str, offer: pb.KVHello | None = None) -> bool:
     """Sender side: proves the secret and checks the receiver's proof.
-    Returns True when the receiver mapped the offered shared-memory KV."""
+
+    ``offer`` carries the KVHello fields that let the receiver pull blocks
+    itself (shared memory, NIXL). Returns True when it will."""
     nonce_s = os.urandom(NONCE_BYTES)
-    send_frame(sock, pb.KVFrame(hello=pb.KVHello(protocol_version=PROTOCOL_VERSION, layout_hash=layout_hash,
-                                                 nonce=nonce_s, host_id=host_id() if shm_path else "",
-                                                 shm_path=shm_path, shm_num_blocks=shm_num_blocks)))
+    hello = pb.KVHello(protocol_version=PROTOCOL_VERSION, layout_hash=layout_hash, nonce=nonce_s)
+    if offer is not None:
+        hello.MergeFrom(offer)
+    send_frame(sock, pb.KVFrame(hello=hello))
     ack = recv_frame(sock)
     if ack.WhichOneof("body") != "hello_ack":
         raise ProtocolError("expected hello_ack")
@@ -93,12 +96,21 @@ def client_handshake(sock: socket.socket, secret: bytes, layout_hash: str, shm_p
     return shared
 
 
-def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str, map_shm=None) -> object:
+class PeerAttacher(Protocol):
+    """How a receiver pulls from a sender's memory (shared memory, NIXL)."""
+
+    def can_attach(self, hello: pb.KVHello) -> bool:
+        """Cheap checks before authentication: will we pull from this sender?"""
+
+    def attach(self, hello: pb.KVHello) -> object:
+        """After authentication: map or connect the sender's KV memory."""
+
+
+def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str,
+                     attacher: PeerAttacher | None = None) -> object:
     """Receiver side: checks version, layout and the sender's proof before
     anything else is read. Raises ProtocolError (after telling the peer why).
-
-    ``map_shm(path, num_blocks)`` maps a same-host sender's shared KV; its
-    result (or None) is returned once the sender is authenticated."""
+    Returns the attached sender memory, or None for bytes on the wire."""
     hello = recv_frame(sock)
     if hello.WhichOneof("body") != "hello":
         raise ProtocolError("expected hello")
@@ -113,10 +125,8 @@ def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str, map_s
     if reason:
         send_frame(sock, pb.KVFrame(hello_ack=pb.KVHelloAck(accepted=False, reason=reason)))
         raise ProtocolError(reason)
-    # Offer shared memory to a same-host sender whose file is one of ours; map
-    # it only once the sender has proven the secret.
-    shared = bool(map_shm is not None and h.host_id and h.host_id == host_id()
-                  and SHM_NAME.fullmatch(h.shm_path) and os.path.exists(h.shm_path))
+    # Agree to pull before authentication, but touch the sender's memory only after.
+    shared = attacher is not None and attacher.can_attach(h)
     nonce_r = os.urandom(NONCE_BYTES)
     send_frame(sock, pb.KVFrame(hello_ack=pb.KVHelloAck(
         accepted=True, nonce=nonce_r, proof=_proof(secret, b"R", h.nonce, nonce_r, layout_hash),
@@ -130,11 +140,11 @@ def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str, map_s
     peer_kv = None
     if shared:
         try:
-            peer_kv = map_shm(h.shm_path, h.shm_num_blocks)
-        except (OSError, ValueError) as exc:
+            peer_kv = attacher.attach(h)
+        except (OSError, ValueError, RuntimeError) as exc:
             send_frame(sock, pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=False,
-                                                              reason=f"cannot map shared KV: {exc}")))
-            raise ProtocolError(f"cannot map the sender's shared KV: {exc}") from None
+                                                              reason=f"cannot attach the sender's KV: {exc}")))
+            raise ProtocolError(f"cannot attach the sender's KV: {exc}") from None
     send_frame(sock, pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=True)))
     return peer_kv
 

@@ -15,6 +15,8 @@ from engine.llm_engine import LLMEngine
 from engine.tiny import TINY_ARCHS, write_tiny_checkpoint
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if not any(Path("/sys/class/infiniband").glob("*")):
+    os.environ.setdefault("UCX_MODULES", "^ib")  # before any NIXL agent exists (see kvtransfer/nixl.py)
 
 
 def cache_dir() -> Path:

@@ -19,6 +19,7 @@ from engine.kv_cache import KVCache, KVLayout
 from kvrelay.v1 import kv_wire_pb2 as pb
 from kvtransfer.base import TransferState, TransferTarget
 from kvtransfer.local import LocalKVSender
+from kvtransfer.nixl import NixlKVReceiver, NixlKVSender
 from kvtransfer.tcp import TcpConfig, TcpKVReceiver, TcpKVSender
 from kvtransfer.wire import recv_frame, send_frame
 from tests.integration.conftest import wait_until
@@ -98,6 +99,32 @@ def test_local_transport_integrity(dtype, data, tmp_path_factory):
             rx.close()
     finally:
         src.unlink()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(["float32", "bfloat16"]), data=st.data())
+def test_nixl_transport_integrity(dtype, data):
+    pytest.importorskip("nixl")
+    layout = KVLayout("m", dtype, 3, 2, 16, 4)
+    n = data.draw(st.integers(1, 20))
+    src_blocks = data.draw(st.lists(st.integers(0, 23), min_size=n, max_size=n, unique=True))
+    dst_blocks = data.draw(st.lists(st.integers(0, 29), min_size=n, max_size=n, unique=True))
+    src, dst = make_cache(layout, 24, n), make_cache(layout, 30, None)
+    rx = NixlKVReceiver(dst, cfg=CFG)
+    tx = NixlKVSender(src, CFG)
+    try:
+        rh = rx.expect("t", dst_blocks)
+        h = tx.open(TransferTarget(rx.endpoint, "t", tuple(dst_blocks), layout.compat_hash()))
+        for layer in range(3):
+            h.send_layer(layer, src_blocks, 0)
+        h.finish(3, 0.0)
+        assert rh.wait(30) is TransferState.DONE, rh.failure()
+        assert h.wait(30) is TransferState.DONE, h.failure()
+        assert all(s.shared for s in h.pool.streams if s.sock is not None)  # KV went over NIXL
+        assert torch.equal(dst.kv[:, :, dst_blocks], src.kv[:, :, src_blocks])
+    finally:
+        tx.close()
+        rx.close()
 
 
 def test_256_mib_transfer_integrity():

@@ -1,0 +1,150 @@
+"""NIXL transport: KV moves by NIXL (UCX backend: RDMA where the host has it,
+shared memory or TCP otherwise) from the prefill worker's registered KV
+tensor (DRAM on CPU, VRAM on CUDA) into the decode worker's.
+
+The decode worker READs: it learns the sender's agent metadata and KV
+address in the handshake of the TCP control connection, and each blocks
+frame names the sender's blocks; the receiver pulls them into the
+reservation it still holds, under the reservation's lock, then verifies
+their CRC32C. We read rather than let the prefill worker WRITE because a
+one-sided write cannot know that the reservation was not freed (lease
+expired, request cancelled) and handed to another request in the meantime;
+with READ, the side that owns the memory decides. Metadata travels over our
+own channel (no NIXL listener thread).
+
+Hosts without RDMA devices need ``UCX_MODULES=^ib`` in the environment of
+every process that creates an agent (set by the worker entry point), or
+processes can crash at exit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+
+from engine.kv_cache import KVCache
+from kvtransfer.tcp import TcpConfig, TcpKVReceiver, TcpKVSender
+
+
+def nixl_available() -> bool:
+    try:
+        from nixl._api import nixl_agent  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def paired_runs(src: list[int], dest: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs where source and destination blocks are both consecutive:
+    (first source block, first destination block, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dest):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            a, b, n = runs[-1]
+            runs[-1] = (a, b, n + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+@dataclass(slots=True)
+class NixlPeer:
+    """A sender's KV as the receiver's agent sees it."""
+
+    agent_name: str
+    base_address: int
+    device_id: int
+    num_blocks: int
+
+
+class NixlAgent:
+    """One NIXL agent per worker, with the worker's KV tensor registered."""
+
+    def __init__(self, cache: KVCache, name: str | None = None) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.cache = cache
+        self.name = name or f"kvrelay-{uuid.uuid4().hex[:12]}"
+        self.agent = nixl_agent(self.name, nixl_agent_config(True, False, 0, backends=["UCX"]))
+        self.registration = self.agent.register_memory(cache.kv)
+        self.mem_type = "VRAM" if cache.kv.is_cuda else "DRAM"
+        self.device_id = (cache.kv.device.index or 0) if cache.kv.is_cuda else 0
+        self._peers: dict[bytes, str] = {}
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.registration)
+
+    @property
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    @property
+    def base_address(self) -> int:
+        return self.cache.kv.data_ptr()
+
+    def add_peer(self, metadata: bytes, base_address: int, device_id: int, num_blocks: int) -> NixlPeer:
+        name = self._peers.get(metadata)
+        if name is None:
+            name = self.agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            self._peers[metadata] = name
+        return NixlPeer(name, base_address, device_id, num_blocks)
+
+    def read(self, peer: NixlPeer, layers: range, src: list[int], dest: list[int], timeout_s: float) -> None:
+        """READs K and V of ``layers`` for the sender's ``src`` blocks into our
+        ``dest`` blocks; raises RuntimeError on a NIXL error or the deadline."""
+        bb = self.cache.layout.block_bytes
+        local, remote = [], []
+        base = self.base_address
+        for layer in layers:
+            for kind in (0, 1):
+                for s, d, n in paired_runs(src, dest):
+                    local.append((base + self.cache.block_offset(layer, kind, d), n * bb, self.device_id))
+                    r_off = ((layer * 2 + kind) * peer.num_blocks + s) * bb
+                    remote.append((peer.base_address + r_off, n * bb, peer.device_id))
+        agent = self.agent
+        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, self.mem_type),
+                                       agent.get_xfer_descs(remote, self.mem_type), peer.agent_name)
+        try:
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + timeout_s
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"NIXL read not done within {timeout_s:.0f} s")
+                time.sleep(0)
+                state = agent.check_xfer_state(handle)
+            if state == "ERR":
+                raise RuntimeError("NIXL read failed")
+        finally:
+            agent.release_xfer_handle(handle)
+
+
+class NixlKVSender(TcpKVSender):
+    """Offers its registered KV to receivers; frames then carry block ids only."""
+
+    name = "nixl"
+
+    def __init__(self, cache: KVCache, cfg: TcpConfig | None = None) -> None:
+        self.nixl = NixlAgent(cache)
+        super().__init__(cache, dataclasses.replace(cfg or TcpConfig(), shared_memory=True))
+
+    def close(self) -> None:
+        super().close()
+        self.nixl.close()
+
+
+class NixlKVReceiver(TcpKVReceiver):
+    """The TCP receiver with an agent: pulls from NIXL senders, and still
+    accepts bytes from tcp senders and shared memory from local ones."""
+
+    name = "nixl"
+
+    def __init__(self, cache: KVCache, host: str = "127.0.0.1", cfg: TcpConfig | None = None) -> None:
+        self.nixl = NixlAgent(cache)
+        super().__init__(cache, host, cfg)
+
+    def close(self) -> None:
+        super().close()
+        self.nixl.close()
