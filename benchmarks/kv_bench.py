@@ -23,6 +23,7 @@ import torch
 from benchmarks.kv_peer import SECRET
 from engine.kv_cache import KVCache, KVLayout
 from kvtransfer.base import TransferState, TransferTarget
+from kvtransfer.nixl import nixl_available
 from kvtransfer.tcp import TcpConfig, TcpKVSender
 
 LAYOUT = KVLayout("peer", "float32", 30, 3, 64, 16)
@@ -42,19 +43,27 @@ def _spec(n: int) -> str:
 
 def _peer(*args: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.kv_peer", *args], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
+    for _ in range(50):  # NIXL logs to stdout before the peer is ready
+        line = proc.stdout.readline()
+        if line.startswith("ENDPOINT") or not line:
+            break
     if not line.startswith("ENDPOINT"):
         proc.kill()
         raise RuntimeError(f"benchmark peer failed to start: {line!r}")
     return proc, line.split()[1]
 
 
-def ours(n_blocks: int, streams: int, repeat: int) -> list[float]:
-    """Seconds per transfer of ``n_blocks`` (every layer) with our TCP backend."""
+def ours(n_blocks: int, streams: int, repeat: int, transport: str = "tcp") -> list[float]:
+    """Seconds per transfer of ``n_blocks`` (every layer) with our TCP or NIXL backend."""
     src = KVCache(LAYOUT, n_blocks)
     src.kv.normal_()
-    proc, endpoint = _peer("receiver", _spec(n_blocks), str(repeat + 1))
-    tx = TcpKVSender(src, TcpConfig(secret=SECRET, streams=streams))
+    proc, endpoint = _peer("receiver", _spec(n_blocks), str(repeat + 1), transport)
+    if transport == "nixl":
+        from kvtransfer.nixl import NixlKVSender
+
+        tx = NixlKVSender(src, TcpConfig(secret=SECRET, streams=streams))
+    else:
+        tx = TcpKVSender(src, TcpConfig(secret=SECRET, streams=streams))
     times = []
     try:
         for i in range(repeat + 1):
@@ -199,6 +208,8 @@ def run_kv_bench(sizes_mib: list[int], streams: list[int], repeat: int, model_pa
         for s in streams:
             row[f"ours_{s}"] = nbytes / statistics.median(ours(n, s, repeat)) / 1e9
             row[f"raw_{s}"] = nbytes / statistics.median(raw(nbytes, s, repeat)) / 1e9
+        if nixl_available():
+            row["nixl"] = nbytes / statistics.median(ours(n, 1, repeat, "nixl")) / 1e9
         res.rows.append(row)
     res.one_block_ms = one_block_latency_ms()
     if model_path is not None:
@@ -208,14 +219,15 @@ def run_kv_bench(sizes_mib: list[int], streams: list[int], repeat: int, model_pa
 
 def format_kv(res: KVBenchResult, streams: list[int]) -> str:
     head = "| KV size | " + " | ".join(f"ours {s} stream{'s' * (s > 1)} | raw {s} | ratio" for s in streams) \
-           + " | memcpy |"
+           + " | our nixl (UCX defaults) | memcpy |"
     lines = ["## kv bench: two processes on loopback, GB/s (median)", "", head,
-             "|" + "---|" * (2 + 3 * len(streams))]
+             "|" + "---|" * (3 + 3 * len(streams))]
     for r in res.rows:
         cells = []
         for s in streams:
             cells += [f"{r[f'ours_{s}']:.2f}", f"{r[f'raw_{s}']:.2f}", f"{r[f'ours_{s}'] / r[f'raw_{s}']:.0%}"]
-        lines.append(f"| {r['bytes'] / 2**20:.1f} MiB | " + " | ".join(cells) + f" | {r['memcpy']:.1f} |")
+        nixl = f"{r['nixl']:.2f}" if "nixl" in r else "not installed"
+        lines.append(f"| {r['bytes'] / 2**20:.1f} MiB | " + " | ".join(cells) + f" | {nixl} | {r['memcpy']:.1f} |")
     lines.append("")
     lines.append(f"one block (all 30 layers, {PER_BLOCK // 1024} KiB), warm connections: {res.one_block_ms:.2f} ms")
     if res.overlap:

@@ -1,7 +1,7 @@
 """A KV transport peer in its own process, for benchmarks and for tests that
 kill one side. SPEC is ``dtype,layers,kv_heads,head_dim,block_size,num_blocks[,model]``.
 
-    python -m benchmarks.kv_peer receiver SPEC COUNT
+    python -m benchmarks.kv_peer receiver SPEC COUNT [tcp|nixl]
         expects transfers t0..t{COUNT-1}, each into every block;
         prints "ENDPOINT host:port", then serves until killed
     python -m benchmarks.kv_peer raw-receiver NBYTES STREAMS ROUNDS
@@ -68,7 +68,12 @@ def main() -> None:
     spec = sys.argv[2]
     if role == "receiver":
         cache = make_cache(spec, seed=None)
-        rx = TcpKVReceiver(cache, cfg=TcpConfig(secret=SECRET))
+        if len(sys.argv) > 4 and sys.argv[4] == "nixl":
+            from kvtransfer.nixl import NixlKVReceiver
+
+            rx = NixlKVReceiver(cache, cfg=TcpConfig(secret=SECRET))
+        else:
+            rx = TcpKVReceiver(cache, cfg=TcpConfig(secret=SECRET))
         for i in range(int(sys.argv[3])):
             rx.expect(f"t{i}", list(range(cache.num_blocks)))
         print("ENDPOINT", rx.endpoint, flush=True)
