@@ -14,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -52,8 +53,6 @@ class AsyncEngine:
 
     # -- engine thread -------------------------------------------------------
     def _run(self) -> None:
-        import time
-
         eng = self.engine
         while not self._stopping.is_set():
             try:

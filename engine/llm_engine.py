@@ -204,7 +204,7 @@ class LLMEngine:
         if not sched:
             return []
         logits = self.runner.execute(sched.decode, sched.prefill)
-        entries = [e for e in sched.entries]
+        entries = sched.entries
         for e in entries:
             e.seq.num_computed_tokens += e.num_new_tokens
             self._register_full_blocks(e.seq)

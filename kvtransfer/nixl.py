@@ -20,6 +20,7 @@ processes can crash at exit.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -49,6 +50,40 @@ def paired_runs(src: list[int], dest: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+PROGRESS_DELAY_US = 500
+"""Pause of NIXL's progress thread between polls. The Python binding (1.5)
+hard-codes 0, a busy loop that costs a whole core per agent (measured: 2.0 s
+of CPU per 2 s idle) and halves a 2-core worker's compute."""
+
+_config_lock = threading.Lock()
+
+
+def _make_agent(nixl_agent, nixl_agent_config, name: str):
+    """An agent (UCX backend, progress thread) whose progress thread sleeps
+    PROGRESS_DELAY_US between polls: the binding's config class is swapped,
+    for this construction only, for one that keeps the delay from being zeroed."""
+    import nixl._api as api
+
+    base = api.nixlBind.nixlAgentConfig
+    prop = base.pthrDelay
+
+    class _DelayedConfig(base):
+        @property
+        def pthrDelay(self):
+            return prop.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value):
+            prop.__set__(self, max(value, PROGRESS_DELAY_US))
+
+    with _config_lock:
+        api.nixlBind.nixlAgentConfig = _DelayedConfig
+        try:
+            return nixl_agent(name, nixl_agent_config(True, False, 0, backends=["UCX"]))
+        finally:
+            api.nixlBind.nixlAgentConfig = base
+
+
 @dataclass(slots=True)
 class NixlPeer:
     """A sender's KV as the receiver's agent sees it."""
@@ -67,7 +102,7 @@ class NixlAgent:
 
         self.cache = cache
         self.name = name or f"kvrelay-{uuid.uuid4().hex[:12]}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(True, False, 0, backends=["UCX"]))
+        self.agent = _make_agent(nixl_agent, nixl_agent_config, self.name)
         self.registration = self.agent.register_memory(cache.kv)
         self.mem_type = "VRAM" if cache.kv.is_cuda else "DRAM"
         self.device_id = (cache.kv.device.index or 0) if cache.kv.is_cuda else 0

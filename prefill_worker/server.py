@@ -48,6 +48,30 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
     async def Stats(self, request, context) -> wpb.WorkerLoad:
         return self.load()
 
+    async def _prefill_unless_failed(self, rid, prompt, params, salt, handle):
+        """Runs the prompt; stops early (and raises) if the transfer fails
+        meanwhile, e.g. because the decode worker died."""
+        async def run():
+            out = None
+            async for out in self.aengine.generate(rid, prompt, params, salt, hold_blocks=True):
+                pass
+            return out
+
+        loop = asyncio.get_running_loop()
+        failed = loop.create_future()
+        handle.add_done_callback(lambda h: loop.call_soon_threadsafe(
+            lambda: failed.done() or failed.set_result(None)))
+        task = asyncio.ensure_future(run())
+        try:
+            await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not task.done():
+            task.cancel()
+            raise handle.failure() or KVTransferError(rid, "transfer ended before the prefill")
+        return task.result()
+
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext) -> wpb.PrefillResponse:
         wr, target = request.request, request.target
         rid = wr.request_id
@@ -68,10 +92,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         self.streamer.add(rid, handle, target.start_block, len(target.block_ids))
         t0 = time.perf_counter()
         try:
-            out = None
-            async for out in self.aengine.generate(rid, list(wr.prompt_token_ids), params, wr.salt,
-                                                   hold_blocks=True):
-                pass
+            out = await self._prefill_unless_failed(rid, list(wr.prompt_token_ids), params, wr.salt, handle)
             t1 = time.perf_counter()
             logprob = out.new_logprobs[0] if out.new_logprobs else 0.0
             handle.finish(out.new_token_ids[0], logprob)

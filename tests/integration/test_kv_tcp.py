@@ -71,47 +71,20 @@ def test_received_bytes_equal_sent_bytes(layers, heads, dim, bs, dtype, data, st
     assert not dst.kv[:, :, untouched].any()
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(dtype=st.sampled_from(["float32", "bfloat16"]), data=st.data())
-def test_local_transport_integrity(dtype, data, tmp_path_factory):
-    layout = KVLayout("m", dtype, 3, 2, 16, 4)
-    n = data.draw(st.integers(1, 20))
-    src_blocks = data.draw(st.lists(st.integers(0, 23), min_size=n, max_size=n, unique=True))
-    dst_blocks = data.draw(st.lists(st.integers(0, 29), min_size=n, max_size=n, unique=True))
-    src = KVCache(layout, 24, shm_path=f"/dev/shm/kvrelay-test-{os.getpid()}")
-    try:
-        src.kv.copy_(torch.randn(src.kv.shape, generator=torch.Generator().manual_seed(n)).to(src.kv.dtype))
-        dst = make_cache(layout, 30, None)
-        rx = TcpKVReceiver(dst, cfg=CFG)
-        tx = LocalKVSender(src, CFG)
-        try:
-            rh = rx.expect("t", dst_blocks)
-            h = tx.open(TransferTarget(rx.endpoint, "t", tuple(dst_blocks), layout.compat_hash()))
-            for layer in range(3):
-                h.send_layer(layer, src_blocks, 0)
-            h.finish(3, 0.0)
-            assert rh.wait(30) is TransferState.DONE, rh.failure()
-            assert h.wait(30) is TransferState.DONE, h.failure()
-            assert all(s.shared for s in h.pool.streams if s.sock is not None)  # no KV bytes on the socket
-            assert torch.equal(dst.kv[:, :, dst_blocks], src.kv[:, :, src_blocks])
-        finally:
-            tx.close()
-            rx.close()
-    finally:
-        src.unlink()
-
-
+@pytest.mark.parametrize("transport", ["local", "nixl"])
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dtype=st.sampled_from(["float32", "bfloat16"]), data=st.data())
-def test_nixl_transport_integrity(dtype, data):
-    pytest.importorskip("nixl")
+def test_pulled_transport_integrity(transport, dtype, data):
+    """local and nixl: the receiver pulls the sender's blocks; no KV bytes on the socket."""
     layout = KVLayout("m", dtype, 3, 2, 16, 4)
     n = data.draw(st.integers(1, 20))
     src_blocks = data.draw(st.lists(st.integers(0, 23), min_size=n, max_size=n, unique=True))
     dst_blocks = data.draw(st.lists(st.integers(0, 29), min_size=n, max_size=n, unique=True))
-    src, dst = make_cache(layout, 24, n), make_cache(layout, 30, None)
-    rx = NixlKVReceiver(dst, cfg=CFG)
-    tx = NixlKVSender(src, CFG)
+    shm = f"/dev/shm/kvrelay-test-{os.getpid()}" if transport == "local" else None
+    src, dst = KVCache(layout, 24, shm_path=shm), make_cache(layout, 30, None)
+    src.kv.copy_(torch.randn(src.kv.shape, generator=torch.Generator().manual_seed(n)).to(src.kv.dtype))
+    rx = (NixlKVReceiver if transport == "nixl" else TcpKVReceiver)(dst, cfg=CFG)
+    tx = (NixlKVSender if transport == "nixl" else LocalKVSender)(src, CFG)
     try:
         rh = rx.expect("t", dst_blocks)
         h = tx.open(TransferTarget(rx.endpoint, "t", tuple(dst_blocks), layout.compat_hash()))
@@ -120,11 +93,12 @@ def test_nixl_transport_integrity(dtype, data):
         h.finish(3, 0.0)
         assert rh.wait(30) is TransferState.DONE, rh.failure()
         assert h.wait(30) is TransferState.DONE, h.failure()
-        assert all(s.shared for s in h.pool.streams if s.sock is not None)  # KV went over NIXL
+        assert all(s.shared for s in h.pool.streams if s.sock is not None)
         assert torch.equal(dst.kv[:, :, dst_blocks], src.kv[:, :, src_blocks])
     finally:
         tx.close()
         rx.close()
+        src.unlink()
 
 
 def test_256_mib_transfer_integrity():
