@@ -57,8 +57,11 @@ def recv_frame(sock: socket.socket) -> pb.KVFrame:
     return frame
 
 
-def _proof(secret: bytes, role: bytes, first: bytes, second: bytes, layout_hash: str) -> bytes:
-    return hmac.new(secret, role + first + second + layout_hash.encode(), hashlib.sha256).digest()
+def _proof(secret: bytes, role: bytes, first: bytes, second: bytes, hello: pb.KVHello) -> bytes:
+    """HMAC over both nonces and the whole hello (layout hash and any offer of
+    shared memory or NIXL metadata), so none of it can be altered in flight."""
+    digest = hashlib.sha256(hello.SerializeToString(deterministic=True)).digest()
+    return hmac.new(secret, role + first + second + digest, hashlib.sha256).digest()
 
 
 def host_id() -> str:
@@ -86,9 +89,9 @@ def client_handshake(sock: socket.socket, secret: bytes, layout_hash: str, offer
     if not ack.hello_ack.accepted:
         raise ProtocolError(f"refused by receiver: {ack.hello_ack.reason}")
     nonce_r = ack.hello_ack.nonce
-    if not hmac.compare_digest(ack.hello_ack.proof, _proof(secret, b"R", nonce_s, nonce_r, layout_hash)):
+    if not hmac.compare_digest(ack.hello_ack.proof, _proof(secret, b"R", nonce_s, nonce_r, hello)):
         raise ProtocolError("receiver failed authentication (wrong deployment secret?)")
-    send_frame(sock, pb.KVFrame(auth=pb.KVAuth(proof=_proof(secret, b"S", nonce_r, nonce_s, layout_hash))))
+    send_frame(sock, pb.KVFrame(auth=pb.KVAuth(proof=_proof(secret, b"S", nonce_r, nonce_s, hello))))
     shared = ack.hello_ack.shared_memory
     ack = recv_frame(sock)
     if ack.WhichOneof("body") != "auth_ack" or not ack.auth_ack.accepted:
@@ -129,11 +132,11 @@ def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str,
     shared = attacher is not None and attacher.can_attach(h)
     nonce_r = os.urandom(NONCE_BYTES)
     send_frame(sock, pb.KVFrame(hello_ack=pb.KVHelloAck(
-        accepted=True, nonce=nonce_r, proof=_proof(secret, b"R", h.nonce, nonce_r, layout_hash),
+        accepted=True, nonce=nonce_r, proof=_proof(secret, b"R", h.nonce, nonce_r, h),
         shared_memory=shared)))
     auth = recv_frame(sock)
     ok = auth.WhichOneof("body") == "auth" and hmac.compare_digest(
-        auth.auth.proof, _proof(secret, b"S", nonce_r, h.nonce, layout_hash))
+        auth.auth.proof, _proof(secret, b"S", nonce_r, h.nonce, h))
     if not ok:
         send_frame(sock, pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=False, reason="authentication failed")))
         raise ProtocolError("sender failed authentication (wrong deployment secret?)")
