@@ -53,7 +53,7 @@ def _peer(*args: str) -> tuple[subprocess.Popen, str]:
     return proc, line.split()[1]
 
 
-def ours(n_blocks: int, streams: int, repeat: int, transport: str = "tcp") -> list[float]:
+def ours(n_blocks: int, streams: int, repeat: int, transport: str = "tcp", encrypt: bool = False) -> list[float]:
     """Seconds per transfer of ``n_blocks`` (every layer) with our TCP or NIXL backend."""
     src = KVCache(LAYOUT, n_blocks)
     src.kv.normal_()
@@ -63,7 +63,7 @@ def ours(n_blocks: int, streams: int, repeat: int, transport: str = "tcp") -> li
 
         tx = NixlKVSender(src, TcpConfig(secret=SECRET, streams=streams))
     else:
-        tx = TcpKVSender(src, TcpConfig(secret=SECRET, streams=streams))
+        tx = TcpKVSender(src, TcpConfig(secret=SECRET, streams=streams, encrypt=encrypt))
     times = []
     try:
         for i in range(repeat + 1):
@@ -210,6 +210,7 @@ def run_kv_bench(sizes_mib: list[int], streams: list[int], repeat: int, model_pa
             row[f"raw_{s}"] = nbytes / statistics.median(raw(nbytes, s, repeat)) / 1e9
         if nixl_available():
             row["nixl"] = nbytes / statistics.median(ours(n, 1, repeat, "nixl")) / 1e9
+        row["enc"] = nbytes / statistics.median(ours(n, streams[-1], repeat, encrypt=True)) / 1e9
         res.rows.append(row)
     res.one_block_ms = one_block_latency_ms()
     if model_path is not None:
@@ -219,15 +220,17 @@ def run_kv_bench(sizes_mib: list[int], streams: list[int], repeat: int, model_pa
 
 def format_kv(res: KVBenchResult, streams: list[int]) -> str:
     head = "| KV size | " + " | ".join(f"ours {s} stream{'s' * (s > 1)} | raw {s} | ratio" for s in streams) \
-           + " | our nixl (UCX defaults) | memcpy |"
+           + f" | ours {streams[-1]} streams encrypted | our nixl (UCX defaults) | memcpy |"
     lines = ["## kv bench: two processes on loopback, GB/s (median)", "", head,
-             "|" + "---|" * (3 + 3 * len(streams))]
+             "|" + "---|" * (4 + 3 * len(streams))]
     for r in res.rows:
         cells = []
         for s in streams:
             cells += [f"{r[f'ours_{s}']:.2f}", f"{r[f'raw_{s}']:.2f}", f"{r[f'ours_{s}'] / r[f'raw_{s}']:.0%}"]
         nixl = f"{r['nixl']:.2f}" if "nixl" in r else "not installed"
-        lines.append(f"| {r['bytes'] / 2**20:.1f} MiB | " + " | ".join(cells) + f" | {nixl} | {r['memcpy']:.1f} |")
+        enc = f"{r['enc']:.2f} ({r['enc'] / r[f'ours_{streams[-1]}']:.0%})"
+        lines.append(f"| {r['bytes'] / 2**20:.1f} MiB | " + " | ".join(cells) + f" | {enc} | {nixl} | "
+                     f"{r['memcpy']:.1f} |")
     lines.append("")
     lines.append(f"one block (all 30 layers, {PER_BLOCK // 1024} KiB), warm connections: {res.one_block_ms:.2f} ms")
     if res.overlap:

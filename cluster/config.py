@@ -96,6 +96,8 @@ class KVSection:
     None = `kvrelay serve` makes a random one per run and hands it to its workers."""
     transfer_timeout_s: float = 30.0
     """A prefill worker gives up on (and frees the blocks of) a transfer not acknowledged by then."""
+    encrypt: bool = False
+    """Encrypt KV payloads on the wire (AES-256-GCM); receivers then refuse plaintext senders."""
 
 
 @dataclass(slots=True)

@@ -53,7 +53,7 @@ async def run(role: str, args: argparse.Namespace) -> None:
     cfg = load_config(args.config)
     transport = choose_transport(cfg.kv.transport)
     tcp_cfg = TcpConfig(secret=read_secret(cfg.kv.secret_file), streams=cfg.kv.streams,
-                        socket_buffer_bytes=cfg.kv.socket_buffer_bytes)
+                        socket_buffer_bytes=cfg.kv.socket_buffer_bytes, encrypt=cfg.kv.encrypt)
     role_enum = wpb.ROLE_PREFILL if role == "prefill" else wpb.ROLE_DECODE
     ident = WorkerIdentity(f"{args.site}/{role}/{args.index}", role_enum, args.site)
     shm = shm_path_for(ident.worker_id, os.getpid()) if transport == "local" and role == "prefill" else None

@@ -29,8 +29,8 @@ from engine.kv_cache import KVCache
 from kvrelay.v1 import kv_wire_pb2 as pb
 from kvtransfer.base import (KVReceiver, KVSender, SendHandle, TransferHandle, TransferResult, TransferState,
                              TransferTarget, coalesce, KVBytes)
-from kvtransfer.wire import (SHM_NAME, ProtocolError, client_handshake, host_id, recv_exact_into, recv_frame,
-                             send_frame, server_handshake, tune_socket)
+from kvtransfer.wire import (SHM_NAME, PayloadCipher, ProtocolError, client_handshake, host_id, recv_exact_into,
+                             recv_frame, send_frame, server_handshake, tune_socket)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ class TcpConfig:
     """SO_SNDBUF/SO_RCVBUF; size it to the link's bandwidth-delay product."""
     connect_timeout_s: float = 5.0
     """Deadline for connecting and for the handshake."""
+    encrypt: bool = False
+    """Sender: encrypt KV payloads (AES-256-GCM) on links that leave a site.
+    Receiver: refuse senders that do not."""
     shared_memory: bool = False
     """Local transport: offer receivers on this host the sender's shared-memory
     KV (its cache must have an shm_path); they copy from it, so only frame
@@ -83,6 +86,8 @@ class _Conn:
         self.transfers: set[str] = set()
         self.peer_kv: KVCache | None = None
         """The sender's shared-memory KV, when it offered it (local transport)."""
+        self.cipher = None
+        """PayloadCipher when the sender encrypts its payloads."""
 
     def send(self, frame: pb.KVFrame) -> None:
         with self.lock:
@@ -152,7 +157,8 @@ class TcpKVReceiver(KVReceiver):
             tune_socket(sock, self.cfg.socket_buffer_bytes)
             sock.settimeout(self.cfg.connect_timeout_s)
             try:
-                conn.peer_kv = server_handshake(sock, self.cfg.secret, self.layout_hash, self)
+                conn.peer_kv, conn.cipher = server_handshake(sock, self.cfg.secret, self.layout_hash, self,
+                                                             self.cfg.encrypt)
             except (ProtocolError, OSError) as exc:  # incl. a sender that hung up on our proof
                 self.refused += 1
                 log.warning("refused KV connection: %s", exc)
@@ -197,6 +203,12 @@ class TcpKVReceiver(KVReceiver):
                 self._peers[hello.shm_path] = peer
             return peer
 
+    def _discard(self, conn: _Conn, n: int) -> None:
+        """Reads and drops a payload that must not land in any block."""
+        self._drain(conn.sock, n)
+        if conn.cipher is not None and n:
+            conn.cipher.skip()
+
     def _drain(self, sock: socket.socket, n: int) -> None:
         scratch = memoryview(bytearray(min(n, 1 << 20)))
         while n:
@@ -210,7 +222,7 @@ class TcpKVReceiver(KVReceiver):
         bad = ""
         runs = max(1, hdr.num_layers) * 2 * hdr.count
         pulled = len(hdr.src_blocks) > 0
-        payload = 0 if pulled else runs * layout.block_bytes
+        payload = 0 if pulled else runs * layout.block_bytes + (PayloadCipher.TAG if conn.cipher else 0)
         if hdr.payload_bytes != payload or len(hdr.crc32c) != runs:
             raise ProtocolError(f"blocks frame of {hdr.payload_bytes} bytes for {hdr.count} blocks "
                                 f"x {hdr.num_layers} layers")
@@ -223,7 +235,7 @@ class TcpKVReceiver(KVReceiver):
             bad = f"blocks [{hdr.first}, {hdr.first + hdr.count}) of layers {layers.start}-{layers.stop - 1} " \
                   "outside the reservation or the model"
         if inc is None or bad:
-            self._drain(conn.sock, hdr.payload_bytes)
+            self._discard(conn, hdr.payload_bytes)
             if inc is not None:
                 inc.handle.fail(bad)
             return
@@ -231,18 +243,27 @@ class TcpKVReceiver(KVReceiver):
         dest = inc.block_ids[hdr.first:hdr.first + hdr.count]
         with inc.lock:
             if inc.handle.poll() is TransferState.FAILED:
-                self._drain(conn.sock, hdr.payload_bytes)
+                self._discard(conn, hdr.payload_bytes)
                 return
             inc.handle.advance(TransferState.TRANSFERRING)
             crcs = []
             dest_runs = coalesce(dest)
+            plain = None
             if pulled:
                 self._pull(conn.peer_kv, layers, list(hdr.src_blocks), dest)
+            elif conn.cipher is not None:  # decrypt first, then place the plaintext
+                sealed = bytearray(hdr.payload_bytes)
+                recv_exact_into(conn.sock, memoryview(sealed))
+                plain = memoryview(conn.cipher.open(bytes(sealed)))
+            pos = 0
             for layer in layers:
                 for kind in (0, 1):
                     for _, first_id, n in dest_runs:
                         view = self.mem.run(layer, kind, first_id, n)
-                        if not pulled:
+                        if plain is not None:
+                            view[:] = plain[pos:pos + len(view)]
+                            pos += len(view)
+                        elif not pulled:
                             recv_exact_into(conn.sock, view)
                         crcs += _block_crcs(view, layout.block_bytes)
             bad = [i for i, (a, b) in enumerate(zip(crcs, hdr.crc32c)) if a != b]
@@ -308,6 +329,8 @@ class _Stream:
         self.sock: socket.socket | None = None
         self.shared = False
         """The receiver copies from our shared-memory KV (local transport)."""
+        self.cipher = None
+        """PayloadCipher when this connection encrypts."""
         self.inflight: set[str] = set()
         threading.Thread(target=self._write_loop, name=f"kv-send-{index}", daemon=True).start()
 
@@ -316,7 +339,8 @@ class _Stream:
         host, _, port = self.pool.endpoint.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=cfg.connect_timeout_s)
         tune_socket(sock, cfg.socket_buffer_bytes)
-        self.shared = client_handshake(sock, cfg.secret, self.pool.layout_hash, self.pool.offer())
+        self.shared, self.cipher = client_handshake(sock, cfg.secret, self.pool.layout_hash, self.pool.offer(),
+                                                    cfg.encrypt)
         sock.settimeout(None)
         self.sock = sock
         threading.Thread(target=self._read_loop, args=(sock,), name=f"kv-ack-{self.index}", daemon=True).start()
@@ -375,11 +399,17 @@ class _Stream:
                              for kind in (0, 1) for _, b, n in runs]
                     crcs = [c for v in views for c in _block_crcs(v, bb)]
                     nbytes = num_layers * 2 * len(src) * bb
+                    sealed = None
+                    if self.cipher is not None and not self.shared:
+                        sealed = self.cipher.seal(b"".join(views))
+                    wire_bytes = 0 if self.shared else (len(sealed) if sealed is not None else nbytes)
                     send_frame(self.sock, pb.KVFrame(blocks=pb.KVBlocks(
                         transfer_id=h.transfer_id, layer=layer, num_layers=num_layers, first=first,
-                        count=len(src), payload_bytes=0 if self.shared else nbytes, crc32c=crcs,
+                        count=len(src), payload_bytes=wire_bytes, crc32c=crcs,
                         src_blocks=src if self.shared else [])))
-                    if not self.shared:
+                    if sealed is not None:
+                        self.sock.sendall(sealed)
+                    elif not self.shared:
                         for v in views:
                             self.sock.sendall(v)
                     h.add_bytes(nbytes)

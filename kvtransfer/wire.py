@@ -73,13 +73,49 @@ def host_id() -> str:
         return ""
 
 
-def client_handshake(sock: socket.socket, secret: bytes, layout_hash: str, offer: pb.KVHello | None = None) -> bool:
+class PayloadCipher:
+    """AES-256-GCM for one connection's KV payloads, sender to receiver.
+    Nonces are a frame counter, so a replayed or reordered frame fails."""
+
+    TAG = 16
+
+    def __init__(self, secret: bytes, nonce_s: bytes, nonce_r: bytes) -> None:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        key = hmac.new(secret, b"kvrelay-kv-payload-key" + nonce_s + nonce_r, hashlib.sha256).digest()
+        self._aes = AESGCM(key)
+        self._counter = 0
+
+    def _nonce(self) -> bytes:
+        self._counter += 1
+        return self._counter.to_bytes(12, "big")
+
+    def skip(self) -> None:
+        """Keeps in step with the sender past a payload that was discarded unread."""
+        self._counter += 1
+
+    def seal(self, data: bytes) -> bytes:
+        return self._aes.encrypt(self._nonce(), data, None)
+
+    def open(self, data: bytes) -> bytes:
+        """Raises ProtocolError when the payload was altered."""
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            return self._aes.decrypt(self._nonce(), data, None)
+        except InvalidTag:
+            raise ProtocolError("encrypted KV payload failed authentication (altered in flight)") from None
+
+
+def client_handshake(sock: socket.socket, secret: bytes, layout_hash: str, offer: pb.KVHello | None = None,
+                     encrypt: bool = False) -> tuple[bool, PayloadCipher | None]:
     """Sender side: proves the secret and checks the receiver's proof.
 
     ``offer`` carries the KVHello fields that let the receiver pull blocks
-    itself (shared memory, NIXL). Returns True when it will."""
+    itself (shared memory, NIXL). Returns whether it will, and the payload
+    cipher when ``encrypt`` was asked for."""
     nonce_s = os.urandom(NONCE_BYTES)
-    hello = pb.KVHello(protocol_version=PROTOCOL_VERSION, layout_hash=layout_hash, nonce=nonce_s)
+    hello = pb.KVHello(protocol_version=PROTOCOL_VERSION, layout_hash=layout_hash, nonce=nonce_s, encrypt=encrypt)
     if offer is not None:
         hello.MergeFrom(offer)
     send_frame(sock, pb.KVFrame(hello=hello))
@@ -96,7 +132,7 @@ def client_handshake(sock: socket.socket, secret: bytes, layout_hash: str, offer
     ack = recv_frame(sock)
     if ack.WhichOneof("body") != "auth_ack" or not ack.auth_ack.accepted:
         raise ProtocolError(f"refused by receiver: {ack.auth_ack.reason or 'authentication failed'}")
-    return shared
+    return shared, (PayloadCipher(secret, nonce_s, nonce_r) if encrypt else None)
 
 
 class PeerAttacher(Protocol):
@@ -110,10 +146,12 @@ class PeerAttacher(Protocol):
 
 
 def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str,
-                     attacher: PeerAttacher | None = None) -> object:
+                     attacher: PeerAttacher | None = None, require_encryption: bool = False
+                     ) -> tuple[object, PayloadCipher | None]:
     """Receiver side: checks version, layout and the sender's proof before
     anything else is read. Raises ProtocolError (after telling the peer why).
-    Returns the attached sender memory, or None for bytes on the wire."""
+    Returns the attached sender memory (or None for bytes on the wire) and
+    the payload cipher when the sender encrypts."""
     hello = recv_frame(sock)
     if hello.WhichOneof("body") != "hello":
         raise ProtocolError("expected hello")
@@ -125,6 +163,8 @@ def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str,
         reason = "KV layout mismatch (model, dtype, layers, KV heads, head dim or block size differ)"
     elif len(h.nonce) != NONCE_BYTES:
         reason = "bad nonce"
+    elif require_encryption and not h.encrypt:
+        reason = "this receiver requires encrypted KV payloads"
     if reason:
         send_frame(sock, pb.KVFrame(hello_ack=pb.KVHelloAck(accepted=False, reason=reason)))
         raise ProtocolError(reason)
@@ -149,7 +189,7 @@ def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str,
                                                               reason=f"cannot attach the sender's KV: {exc}")))
             raise ProtocolError(f"cannot attach the sender's KV: {exc}") from None
     send_frame(sock, pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=True)))
-    return peer_kv
+    return peer_kv, (PayloadCipher(secret, h.nonce, nonce_r) if h.encrypt else None)
 
 
 def tune_socket(sock: socket.socket, buffer_bytes: int | None) -> None:

@@ -101,6 +101,28 @@ def test_pulled_transport_integrity(transport, dtype, data):
         src.unlink()
 
 
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(["float32", "bfloat16"]), data=st.data(), streams=st.integers(1, 3))
+def test_encrypted_transfer_integrity(dtype, data, streams):
+    layout = KVLayout("m", dtype, 3, 2, 16, 4)
+    n = data.draw(st.integers(1, 20))
+    src_blocks = data.draw(st.lists(st.integers(0, 23), min_size=n, max_size=n, unique=True))
+    dst_blocks = data.draw(st.lists(st.integers(0, 29), min_size=n, max_size=n, unique=True))
+    src, dst = make_cache(layout, 24, n), make_cache(layout, 30, None)
+    cfg = TcpConfig(secret=SECRET, streams=streams, encrypt=True)
+    h, rh, _ = transfer(src, dst, src_blocks, dst_blocks, cfg=cfg)
+    assert rh.poll() is TransferState.DONE and h.poll() is TransferState.DONE, (rh.failure(), h.failure())
+    assert torch.equal(dst.kv[:, :, dst_blocks], src.kv[:, :, src_blocks])
+
+
+def test_receiver_requiring_encryption_refuses_plaintext_sender():
+    src, dst = make_cache(LAYOUT, 8, 1), make_cache(LAYOUT, 8, None)
+    h, rh, _ = transfer(src, dst, [0, 1], [2, 3], cfg=TcpConfig(secret=SECRET, streams=1),
+                        rx_cfg=TcpConfig(secret=SECRET, encrypt=True), timeout=5)
+    assert h.poll() is TransferState.FAILED and "requires encrypted" in h.failure().reason
+    assert not dst.kv.any()
+
+
 def test_256_mib_transfer_integrity():
     layout = KVLayout("m", "float32", 2, 8, 128, 16)  # 64 KiB per (layer, K/V, block)
     n = 1024  # 2 layers x 2 x 1024 x 64 KiB = 256 MiB
@@ -196,12 +218,13 @@ class FlippingProxy:
             b.close()
 
 
-def test_flipped_byte_fails_the_transfer():
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_flipped_byte_fails_the_transfer(encrypt):
     layout = KVLayout("m", "float32", 2, 8, 128, 16)
     src, dst = make_cache(layout, 16, 1), make_cache(layout, 16, None)
     rx = TcpKVReceiver(dst, cfg=CFG)
     proxy = FlippingProxy(rx.endpoint, offset=300_000)  # well inside the KV payload
-    tx = TcpKVSender(src, TcpConfig(secret=SECRET, streams=1))
+    tx = TcpKVSender(src, TcpConfig(secret=SECRET, streams=1, encrypt=encrypt))
     try:
         rh = rx.expect("t", list(range(16)))
         h = tx.open(TransferTarget(proxy.endpoint, "t", tuple(range(16)), layout.compat_hash()))
@@ -209,7 +232,10 @@ def test_flipped_byte_fails_the_transfer():
             h.send_layer(layer, list(range(16)), 0)
         h.finish(1, 0.0)
         assert rh.wait(10) is TransferState.FAILED
-        assert "checksum mismatch" in rh.failure().reason and rh.failure().blocks
+        if encrypt:
+            assert "altered in flight" in rh.failure().reason
+        else:
+            assert "checksum mismatch" in rh.failure().reason and rh.failure().blocks
         assert h.wait(10) is TransferState.FAILED
     finally:
         tx.close()

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHello(_message.Message):
-    __slots__ = ("protocol_version", "layout_hash", "nonce", "host_id", "shm_path", "shm_num_blocks", "nixl_metadata", "kv_base_address", "kv_device_id")
+    __slots__ = ("protocol_version", "layout_hash", "nonce", "host_id", "shm_path", "shm_num_blocks", "nixl_metadata", "kv_base_address", "kv_device_id", "encrypt")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class KVHello(_message.Message):
     NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     KV_BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     layout_hash: str
     nonce: bytes
@@ -26,7 +27,8 @@ class KVHello(_message.Message):
     nixl_metadata: bytes
     kv_base_address: int
     kv_device_id: int
-    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., shm_num_blocks: _Optional[int] = ..., nixl_metadata: _Optional[bytes] = ..., kv_base_address: _Optional[int] = ..., kv_device_id: _Optional[int] = ...) -> None: ...
+    encrypt: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., shm_num_blocks: _Optional[int] = ..., nixl_metadata: _Optional[bytes] = ..., kv_base_address: _Optional[int] = ..., kv_device_id: _Optional[int] = ..., encrypt: _Optional[bool] = ...) -> None: ...
 
 class KVHelloAck(_message.Message):
     __slots__ = ("accepted", "reason", "nonce", "proof", "shared_memory")
