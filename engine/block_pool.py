@@ -66,9 +66,6 @@ class BlockHashMap:
     def get(self, h: BlockHash) -> BlockId | None:
         return self._by_hash.get(h)
 
-    def hash_of(self, block_id: BlockId) -> BlockHash | None:
-        return self._by_block.get(block_id)
-
     def put(self, h: BlockHash, block_id: BlockId) -> bool:
         """Registers ``block_id`` under ``h``; False when either is taken."""
         if h in self._by_hash or block_id in self._by_block:
@@ -118,9 +115,6 @@ class BlockPool:
 
     def ref_count(self, block_id: BlockId) -> int:
         return self._ref[block_id]
-
-    def block_hash(self, block_id: BlockId) -> BlockHash | None:
-        return self._cached.hash_of(block_id)
 
     def num_cached_prefix(self, hashes: Sequence[BlockHash]) -> int:
         """Leading blocks of ``hashes`` present in the cache (no references taken)."""
@@ -184,14 +178,6 @@ class BlockPool:
         """Returns and clears the stored/removed hashes since the last call."""
         ev, self._events = self._events, KVEvents()
         return ev
-
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached block that no request holds."""
-        for b in list(range(self.num_blocks)):
-            if self._ref[b] == 0:
-                h = self._cached.pop_block(b)
-                if h is not None:
-                    self._events.removed.append(h)
 
     def _take(self, b: BlockId) -> None:
         if self._ref[b] == 0:

@@ -128,11 +128,3 @@ class KVCache:
     def block_offset(self, layer: int, kind: int, block: int) -> int:
         """Byte offset of K (``kind=0``) or V (``kind=1``) of ``layer``, ``block``."""
         return ((layer * 2 + kind) * self.num_blocks + block) * self.layout.block_bytes
-
-    def block_view(self, layer: int, kind: int, block: int) -> torch.Tensor:
-        """Zero-copy view of one (layer, K/V, block) run."""
-        return self.kv[layer, kind, block]
-
-    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
-        """Copy of the given blocks, every layer: ``[L, 2, n, bs, H, D]`` (tests, migration)."""
-        return self.kv[:, :, blocks].clone()
