@@ -9,6 +9,8 @@ dim 64, 16-token blocks: 720 KiB per block over all layers).
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import statistics
 import subprocess
@@ -41,16 +43,62 @@ def _spec(n: int) -> str:
     return f"float32,{LAYOUT.num_layers},{LAYOUT.num_kv_heads},{LAYOUT.head_dim},{LAYOUT.block_size},{n}"
 
 
-def _peer(*args: str) -> tuple[subprocess.Popen, str]:
+def _peer(*args: str, full: bool = False) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.kv_peer", *args], stdout=subprocess.PIPE, text=True)
-    for _ in range(50):  # NIXL logs to stdout before the peer is ready
+    for _ in range(50):  # NIXL and Mooncake log to stdout before the peer is ready
         line = proc.stdout.readline()
         if line.startswith("ENDPOINT") or not line:
             break
     if not line.startswith("ENDPOINT"):
         proc.kill()
         raise RuntimeError(f"benchmark peer failed to start: {line!r}")
-    return proc, line.split()[1]
+    return proc, (line.split(maxsplit=1)[1].strip() if full else line.split()[1])
+
+
+def mooncake_available() -> bool:
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def mooncake(nbytes: int, repeat: int) -> list[float]:
+    """Seconds per READ of ``nbytes`` with the Mooncake transfer engine over TCP
+    (a peer to compare against; P2PHANDSHAKE needs no metadata server)."""
+    from benchmarks.kv_peer import mooncake_engine
+
+    proc, endpoint = _peer("mooncake-target", str(nbytes), full=True)
+    remote, addr = endpoint.split()
+    engine = mooncake_engine()
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    engine.register_memory(buf.data_ptr(), nbytes)
+    times = []
+    try:
+        for i in range(repeat + 1):
+            t = time.perf_counter()
+            if engine.transfer_sync_read(remote, buf.data_ptr(), int(addr), nbytes) != 0:
+                raise RuntimeError("Mooncake read failed")
+            if i:  # the first one also connects
+                times.append(time.perf_counter() - t)
+        if not bool((buf == 1).all()):
+            raise RuntimeError("Mooncake delivered wrong bytes")
+    finally:
+        engine.unregister_memory(buf.data_ptr())
+        proc.kill()
+        proc.wait()
+    return times
+
+
+def nixl_over_tcp(n_blocks: int, repeat: int) -> list[float]:
+    """Our NIXL transport with UCX restricted to TCP (``UCX_TLS=tcp``), in a
+    child process because UCX reads its environment once."""
+    env = {**os.environ, "UCX_TLS": "tcp"}
+    code = f"import json; from benchmarks.kv_bench import ours; print(json.dumps(ours({n_blocks}, 1, {repeat}, 'nixl')))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode:
+        raise RuntimeError(f"NIXL over TCP failed: {out.stderr[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def ours(n_blocks: int, streams: int, repeat: int, transport: str = "tcp", encrypt: bool = False) -> list[float]:
@@ -210,6 +258,9 @@ def run_kv_bench(sizes_mib: list[int], streams: list[int], repeat: int, model_pa
             row[f"raw_{s}"] = nbytes / statistics.median(raw(nbytes, s, repeat)) / 1e9
         if nixl_available():
             row["nixl"] = nbytes / statistics.median(ours(n, 1, repeat, "nixl")) / 1e9
+            row["nixl_tcp"] = nbytes / statistics.median(nixl_over_tcp(n, repeat)) / 1e9
+        if mooncake_available():
+            row["mooncake"] = nbytes / statistics.median(mooncake(nbytes, repeat)) / 1e9
         row["enc"] = nbytes / statistics.median(ours(n, streams[-1], repeat, encrypt=True)) / 1e9
         res.rows.append(row)
     res.one_block_ms = one_block_latency_ms()
@@ -220,16 +271,19 @@ def run_kv_bench(sizes_mib: list[int], streams: list[int], repeat: int, model_pa
 
 def format_kv(res: KVBenchResult, streams: list[int]) -> str:
     head = "| KV size | " + " | ".join(f"ours {s} stream{'s' * (s > 1)} | raw {s} | ratio" for s in streams) \
-           + f" | ours {streams[-1]} streams encrypted | our nixl (UCX defaults) | memcpy |"
+           + f" | ours {streams[-1]} streams encrypted | our nixl (UCX defaults) | our nixl (UCX_TLS=tcp) " \
+             "| Mooncake tcp (ours best / it) | memcpy |"
     lines = ["## kv bench: two processes on loopback, GB/s (median)", "", head,
-             "|" + "---|" * (4 + 3 * len(streams))]
+             "|" + "---|" * (6 + 3 * len(streams))]
     for r in res.rows:
         cells = []
         for s in streams:
             cells += [f"{r[f'ours_{s}']:.2f}", f"{r[f'raw_{s}']:.2f}", f"{r[f'ours_{s}'] / r[f'raw_{s}']:.0%}"]
-        nixl = f"{r['nixl']:.2f}" if "nixl" in r else "not installed"
+        nixl = f"{r['nixl']:.2f} | {r['nixl_tcp']:.2f}" if "nixl" in r else "not installed | not installed"
+        best = max(r[f"ours_{s}"] for s in streams)
+        moon = f"{r['mooncake']:.2f} ({best / r['mooncake']:.1f}x)" if "mooncake" in r else "not installed"
         enc = f"{r['enc']:.2f} ({r['enc'] / r[f'ours_{streams[-1]}']:.0%})"
-        lines.append(f"| {r['bytes'] / 2**20:.1f} MiB | " + " | ".join(cells) + f" | {enc} | {nixl} | "
+        lines.append(f"| {r['bytes'] / 2**20:.1f} MiB | " + " | ".join(cells) + f" | {enc} | {nixl} | {moon} | "
                      f"{r['memcpy']:.1f} |")
     lines.append("")
     lines.append(f"one block (all 30 layers, {PER_BLOCK // 1024} KiB), warm connections: {res.one_block_ms:.2f} ms")

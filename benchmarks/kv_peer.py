@@ -7,6 +7,9 @@ kill one side. SPEC is ``dtype,layers,kv_heads,head_dim,block_size,num_blocks[,m
     python -m benchmarks.kv_peer raw-receiver NBYTES STREAMS ROUNDS
         accepts STREAMS connections per round and recv_into's its share of
         NBYTES, answering one byte per stream; prints "ENDPOINT host:port"
+    python -m benchmarks.kv_peer mooncake-target NBYTES
+        registers NBYTES with a Mooncake transfer engine (P2PHANDSHAKE, tcp)
+        and prints "ENDPOINT host:rpc_port buffer_address"
     python -m benchmarks.kv_peer sender SPEC ENDPOINT TRANSFER_ID N_BLOCKS LAYERS
         sends LAYERS layers of N_BLOCKS blocks, prints "SENT", then hangs
 """
@@ -60,10 +63,32 @@ def raw_receiver(nbytes: int, streams: int, rounds: int) -> None:
             c.close()
 
 
+def mooncake_engine():
+    """A Mooncake transfer engine over TCP with no metadata server."""
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("Mooncake transfer engine failed to initialize")
+    return engine
+
+
+def mooncake_target(nbytes: int) -> None:
+    engine = mooncake_engine()
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    if engine.register_memory(buf.data_ptr(), nbytes) != 0:
+        raise RuntimeError("Mooncake failed to register memory")
+    print("ENDPOINT", f"127.0.0.1:{engine.get_rpc_port()}", buf.data_ptr(), flush=True)
+    time.sleep(3600)
+
+
 def main() -> None:
     role = sys.argv[1]
     if role == "raw-receiver":
         raw_receiver(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        return
+    if role == "mooncake-target":
+        mooncake_target(int(sys.argv[2]))
         return
     spec = sys.argv[2]
     if role == "receiver":

@@ -166,16 +166,26 @@ def cmd_status(args: argparse.Namespace) -> int:
             resp = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)
         except grpc.RpcError as exc:
             return _grpc_error(exc)
-    rows = [("WORKER", "SITE", "ROLE", "HEALTH", "RUNNING", "WAITING", "KV FREE/TOTAL", "TRANSPORT", "ADDRESS")]
+    rows = [("WORKER", "SITE", "ROLE", "HEALTH", "INFLIGHT", "RUNNING", "WAITING", "KV FREE/TOTAL", "CACHED",
+             "PREFILL TOK/S", "TRANSPORT", "ADDRESS")]
     for w in resp.workers:
         role = "prefill" if w.info.role == wpb.ROLE_PREFILL else "decode"
-        rows.append((w.info.worker_id, w.info.site, role, "ok" if w.healthy else "UNHEALTHY",
-                     str(w.load.running), str(w.load.waiting), f"{w.load.free_blocks}/{w.load.total_blocks}",
-                     w.info.transport, w.info.address))
+        health = "draining" if w.draining else "ok" if w.healthy else "UNHEALTHY"
+        rows.append((w.info.worker_id, w.info.site, role, health, str(w.inflight), str(w.load.running),
+                     str(w.load.waiting), f"{w.load.free_blocks}/{w.load.total_blocks}", str(w.cached_blocks),
+                     f"{w.load.prefill_tokens_per_s:.0f}", w.info.transport, w.info.address))
+    _table(rows)
+    print(f"\nplacement policy: {resp.policy}\n")
+    _table([("LINK", "RTT MS", "GBPS", "TRANSPORT", "ENCRYPT", "STATE")] + [
+        (lk.name, f"{lk.rtt_ms:g}", f"{lk.gbps:g}", lk.transport, "yes" if lk.encrypt else "no",
+         "up" if lk.up else "DOWN") for lk in resp.links])
+    return 0
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,11 +9,17 @@ Example::
     router:
       host: 127.0.0.1
       port: 50051           # 0 = any free port
+      policy: cost_model    # round_robin | least_loaded | prefix_aware | cost_model
     sites:
-      - name: local
+      - name: toronto
         jurisdiction: CA-ON
         prefill: {replicas: 1}
         decode: {replicas: 1}
+      - name: montreal
+        jurisdiction: CA-QC
+        decode: {replicas: 1, device: cpu}
+    links:                  # sites without a link never exchange KV
+      - {between: [toronto, montreal], rtt_ms: 9, gbps: 10, transport: tcp, encrypt: true}
     cache: {block_size: 16, memory_gib: 1.0}
     scheduler: {max_num_batched_tokens: 2048, max_num_seqs: 64}
 """
@@ -29,6 +35,7 @@ from typing import Any
 import yaml
 
 from engine.config import CacheConfig, SchedulerConfig
+from router.placement import POLICIES
 
 
 class ConfigError(ValueError):
@@ -57,12 +64,42 @@ class RouterSection:
     """A worker silent this long is unhealthy and gets no requests."""
     kv_lease_s: float = 30.0
     """A decode worker frees a reservation whose KV has not arrived by then."""
+    policy: str = "cost_model"
+    """Placement policy: round_robin, least_loaded, prefix_aware or cost_model."""
+    max_inflight_per_worker: int = 64
+    """Admission bound: requests the router keeps on one worker at once; when
+    every eligible worker is full, requests get RESOURCE_EXHAUSTED with a retry hint."""
+    colocate_below_tokens: int = 32
+    """Prompts shorter than this are prefilled by their decode worker."""
+    default_prefill_tokens_per_s: float = 1000.0
+    """Prefill throughput assumed for a worker until it has measured its own."""
+    herd_tolerance: float = 0.05
+    """cost_model picks at random among candidates within this fraction of the
+    best estimate, so simultaneous requests do not all pile onto one worker."""
 
 
 @dataclass(slots=True)
 class PoolSection:
     replicas: int = 1
     """Workers of this role at the site."""
+    device: str | None = None
+    """cpu or cuda[:N] for this pool; None = model.device."""
+
+
+@dataclass(slots=True)
+class LinkSection:
+    """A network link between two sites (or, as ``local_link``, within a site)."""
+
+    between: list[str] = field(default_factory=list)
+    """The two site names (empty for local_link)."""
+    rtt_ms: float = 0.2
+    """Round-trip time."""
+    gbps: float = 10.0
+    """Bandwidth available to KV transfers, Gbit/s."""
+    transport: str | None = None
+    """KV transport on this link: tcp, nixl or local; None = kv.transport."""
+    encrypt: bool | None = None
+    """Encrypt KV payloads on this link; None = kv.encrypt."""
 
 
 @dataclass(slots=True)
@@ -105,6 +142,10 @@ class ClusterConfig:
     model: ModelSection = field(default_factory=ModelSection)
     router: RouterSection = field(default_factory=RouterSection)
     sites: list[SiteSection] = field(default_factory=lambda: [SiteSection(name="local")])
+    links: list[LinkSection] = field(default_factory=list)
+    """Links between sites; a pair of sites without one never exchanges KV."""
+    local_link: LinkSection = field(default_factory=LinkSection)
+    """The network between workers of one site."""
     workers: WorkerSection = field(default_factory=WorkerSection)
     kv: KVSection = field(default_factory=KVSection)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -140,6 +181,7 @@ def _build(cls: type, raw: Any, where: str):
 
 
 _NESTED = {"ModelSection": ModelSection, "RouterSection": RouterSection, "PoolSection": PoolSection,
+           "LinkSection": LinkSection,
            "WorkerSection": WorkerSection, "KVSection": KVSection, "CacheConfig": CacheConfig, "SchedulerConfig": SchedulerConfig}
 
 
@@ -151,6 +193,16 @@ def _convert(type_str: Any, value: Any, path: str):
         if not isinstance(value, list) or not value:
             raise ConfigError(f"{path}: expected a non-empty list of sites")
         return [_build(SiteSection, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if t == "list[LinkSection]":
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list of links")
+        return [_build(LinkSection, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if t == "list[str]":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{path}: expected a list of strings")
+        return list(value)
     if value is None:
         if "None" in t:
             return None
@@ -191,8 +243,47 @@ def _validate(cfg: ClusterConfig) -> None:
             n = getattr(site, role).replicas
             if n < 0 or n > 64:
                 raise ConfigError(f"sites[{i}].{role}.replicas: must be in [0, 64], got {n}")
+            dev = getattr(site, role).device
+            if dev is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", dev):
+                raise ConfigError(f"sites[{i}].{role}.device: must be cpu or cuda[:N], got {dev!r}")
     if not any(s.decode.replicas for s in cfg.sites):
         raise ConfigError("sites: at least one site needs a decode worker (decode.replicas >= 1)")
+    r = cfg.router
+    if r.policy not in POLICIES:
+        raise ConfigError(f"router.policy: must be one of {', '.join(POLICIES)}, got {r.policy!r}")
+    if r.max_inflight_per_worker < 1:
+        raise ConfigError("router.max_inflight_per_worker: must be >= 1")
+    if r.colocate_below_tokens < 0:
+        raise ConfigError("router.colocate_below_tokens: must be >= 0")
+    if r.default_prefill_tokens_per_s <= 0:
+        raise ConfigError("router.default_prefill_tokens_per_s: must be positive")
+    if not 0 <= r.herd_tolerance <= 1:
+        raise ConfigError("router.herd_tolerance: must be in [0, 1]")
+    _check_link(cfg.local_link, "local_link")
+    if cfg.local_link.between:
+        raise ConfigError("local_link.between: must be empty (it is the network inside every site)")
+    pairs = set()
+    for i, link in enumerate(cfg.links):
+        where = f"links[{i}]"
+        _check_link(link, where)
+        if len(link.between) != 2 or link.between[0] == link.between[1]:
+            raise ConfigError(f"{where}.between: must name two different sites, got {link.between}")
+        for name in link.between:
+            if name not in seen:
+                raise ConfigError(f"{where}.between: unknown site {name!r} (sites: {', '.join(sorted(seen))})")
+        pair = frozenset(link.between)
+        if pair in pairs:
+            raise ConfigError(f"{where}: duplicate link between {link.between[0]} and {link.between[1]}")
+        pairs.add(pair)
+
+
+def _check_link(link: LinkSection, where: str) -> None:
+    if not link.rtt_ms >= 0:
+        raise ConfigError(f"{where}.rtt_ms: must be >= 0, got {link.rtt_ms}")
+    if not link.gbps > 0:
+        raise ConfigError(f"{where}.gbps: must be positive, got {link.gbps}")
+    if link.transport not in (None, "tcp", "nixl", "local"):
+        raise ConfigError(f"{where}.transport: must be tcp, nixl or local, got {link.transport!r}")
 
 
 def parse_config(raw: Any) -> ClusterConfig:

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from cluster.config import load_config
-from cluster.worker_runtime import (GRPC_OPTIONS, WorkerIdentity, build_engine, register_and_heartbeat,
+from cluster.worker_runtime import (GRPC_OPTIONS, WorkerIdentity, build_engine, kv_events, register_and_heartbeat,
                                     serve_until_signal)
 from engine.async_engine import AsyncEngine
 from kvrelay.v1 import worker_pb2 as wpb
@@ -57,7 +57,10 @@ async def run(role: str, args: argparse.Namespace) -> None:
     role_enum = wpb.ROLE_PREFILL if role == "prefill" else wpb.ROLE_DECODE
     ident = WorkerIdentity(f"{args.site}/{role}/{args.index}", role_enum, args.site)
     shm = shm_path_for(ident.worker_id, os.getpid()) if transport == "local" and role == "prefill" else None
-    engine = build_engine(cfg, args.model_path, shm)
+    site = {s.name: s for s in cfg.sites}.get(args.site)
+    if site is None:
+        raise SystemExit(f"--site {args.site!r} is not a site of the config ({', '.join(s.name for s in cfg.sites)})")
+    engine = build_engine(cfg, args.model_path, shm, getattr(site, role).device)
     aengine = AsyncEngine(engine)
     await aengine.start()
     server = grpc.aio.server(options=GRPC_OPTIONS)
@@ -77,10 +80,13 @@ async def run(role: str, args: argparse.Namespace) -> None:
     info = wpb.WorkerInfo(worker_id=ident.worker_id, role=role_enum, site=args.site, address=f"{host}:{port}",
                           kv_endpoint=kv_endpoint, transport=transport, model=engine.model_config.name,
                           layout_hash=engine.layout.compat_hash(), block_size=engine.layout.block_size,
-                          num_blocks=engine.pool.num_blocks)
+                          num_blocks=engine.pool.num_blocks, num_layers=engine.layout.num_layers,
+                          kv_block_bytes=2 * engine.layout.num_layers * engine.layout.block_bytes,
+                          device=str(engine.cache.kv.device))
     logging.getLogger(__name__).info("%s serving on %s (kv %s)", ident.worker_id, info.address, kv_endpoint or "-")
     stop = asyncio.Event()
-    hb = asyncio.create_task(register_and_heartbeat(args.router, info, service.load, stop))
+    hb = asyncio.create_task(register_and_heartbeat(args.router, info, service.load, stop,
+                                                    lambda snapshot: kv_events(aengine, snapshot)))
     try:
         await serve_until_signal(server, aengine, stop, [hb])
     finally:

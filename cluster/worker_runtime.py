@@ -28,8 +28,9 @@ class WorkerIdentity:
     site: str
 
 
-def build_engine(cfg: ClusterConfig, model_path: str, kv_shm_path: str | None = None) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=model_path, dtype=cfg.model.dtype, device=cfg.model.device,
+def build_engine(cfg: ClusterConfig, model_path: str, kv_shm_path: str | None = None,
+                 device: str | None = None) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path=model_path, dtype=cfg.model.dtype, device=device or cfg.model.device,
                                   cache=cfg.cache, scheduler=cfg.scheduler, num_threads=cfg.workers.threads,
                                   kv_shm_path=kv_shm_path))
 
@@ -41,29 +42,48 @@ def worker_load(ident: WorkerIdentity, engine: LLMEngine, kv_in: int = 0, kv_out
         free_blocks=st.num_free_blocks, total_blocks=st.num_blocks,
         prefill_tokens_total=st.num_prefill_tokens, decode_tokens_total=st.num_decode_tokens,
         kv_bytes_received=kv_in, kv_bytes_sent=kv_out, reservations=engine.num_reserved + engine.num_held,
-        prefix_hit_blocks=st.prefix_hit_blocks, prefix_query_blocks=st.prefix_query_blocks)
+        prefix_hit_blocks=st.prefix_hit_blocks, prefix_query_blocks=st.prefix_query_blocks,
+        queued_prefill_tokens=st.queued_prefill_tokens, prefill_tokens_per_s=st.prefill_tokens_per_s,
+        decode_step_ms=st.decode_step_s * 1e3)
+
+
+async def kv_events(aengine: AsyncEngine, snapshot: bool) -> wpb.KVCacheEvents:
+    """The engine's prefix-cache changes (or a full snapshot) for a heartbeat."""
+    ev = await aengine.call(aengine.engine.drain_kv_events, snapshot)
+    return wpb.KVCacheEvents(stored=ev.stored, removed=ev.removed, snapshot=snapshot)
 
 
 async def register_and_heartbeat(router: str, info: wpb.WorkerInfo, load_fn, stop: asyncio.Event,
-                                 register_deadline_s: float = 60.0) -> None:
+                                 events_fn=None, register_deadline_s: float = 60.0) -> None:
     """Registers with the router (retrying until the deadline), then sends a
     heartbeat every interval until ``stop`` is set; re-registers when the
-    router has forgotten this worker (router restart)."""
+    router has forgotten this worker (router restart).
+
+    ``events_fn(snapshot)`` returns the prefix-cache events to send; after a
+    heartbeat that did not arrive, or when the router asks, a full snapshot
+    replaces them, so the router's prefix index never drifts."""
     async with grpc.aio.insecure_channel(router, options=GRPC_OPTIONS) as ch:
         stub = wgrpc.RegistryStub(ch)
         loop = asyncio.get_running_loop()
         end = loop.time() + register_deadline_s
         interval = 1.0
         registered = False
+        snapshot = True
         while not stop.is_set():
             try:
                 if not registered:
                     resp = await stub.Register(wpb.RegisterRequest(info=info), timeout=5.0)
                     interval = resp.heartbeat_interval_s or 1.0
                     registered = True
+                    snapshot = True
                     log.info("registered %s with router %s", info.worker_id, router)
-                hb = await stub.Heartbeat(wpb.HeartbeatRequest(load=load_fn()), timeout=5.0)
+                req = wpb.HeartbeatRequest(load=load_fn())
+                if events_fn is not None:
+                    req.kv_events.CopyFrom(await events_fn(snapshot))
+                snapshot = True  # until this heartbeat is known to have arrived
+                hb = await stub.Heartbeat(req, timeout=5.0)
                 registered = hb.known
+                snapshot = hb.send_snapshot
             except grpc.aio.AioRpcError as exc:
                 if not registered and loop.time() > end:
                     raise RuntimeError(f"could not register with router {router}: {exc.details()}") from None

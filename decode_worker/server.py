@@ -91,7 +91,8 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 finished = out.finished
                 yield wpb.DecodeEvent(output=output_to_proto(out))
         finally:
-            self.receiver.cancel(rid)
+            # off the event loop: it waits for a receive into the blocks to end
+            await asyncio.shield(asyncio.to_thread(self.receiver.cancel, rid))
             self.aengine.close_stream(rid)
             if not finished:
                 await asyncio.shield(self.aengine.call(self.engine.abort_request, rid))

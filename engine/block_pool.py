@@ -174,6 +174,10 @@ class BlockPool:
             if self._ref[b] == 0:
                 self._free.push_back(b)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash the prefix cache holds now."""
+        return list(self._cached._by_hash)
+
     def drain_events(self) -> KVEvents:
         """Returns and clears the stored/removed hashes since the last call."""
         ev, self._events = self._events, KVEvents()

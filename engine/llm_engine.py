@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, KVEvents
 from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, OutOfBlocksError
@@ -57,6 +57,12 @@ class EngineStats:
     num_preemptions: int
     prefix_hit_blocks: int
     prefix_query_blocks: int
+    queued_prefill_tokens: int = 0
+    """Prompt tokens admitted or waiting but not computed yet."""
+    prefill_tokens_per_s: float = 0.0
+    """Measured prompt throughput (0 until a prompt was computed)."""
+    decode_step_s: float = 0.0
+    """Mean time of a decode-only step (0 until one ran)."""
 
 
 class LLMEngine:
@@ -310,12 +316,26 @@ class LLMEngine:
         return torch.cat(chunks), seq.num_cached_tokens
 
     def stats(self) -> EngineStats:
+        r = self.runner
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_free_blocks=self.pool.num_free, num_blocks=self.pool.num_blocks,
             num_prefill_tokens=self.runner.num_prefill_tokens, num_decode_tokens=self.runner.num_decode_tokens,
             num_preemptions=self.scheduler.num_preemptions, prefix_hit_blocks=self.pool.prefix_hits,
-            prefix_query_blocks=self.pool.prefix_queries)
+            prefix_query_blocks=self.pool.prefix_queries,
+            queued_prefill_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
+                                      for s in (*self.scheduler.waiting, *self.scheduler.running)),
+            prefill_tokens_per_s=(r.num_prefill_tokens / r.prefill_seconds if r.prefill_seconds else 0.0),
+            decode_step_s=(r.decode_seconds / r.decode_steps if r.decode_steps else 0.0))
+
+    def drain_kv_events(self, snapshot: bool = False) -> KVEvents:
+        """Prefix-cache changes since the last call, for the router's index;
+        with ``snapshot``, every cached hash as ``stored`` (and the pending
+        changes dropped), to resynchronise an index that missed some."""
+        ev = self.pool.drain_events()
+        if snapshot:
+            return KVEvents(stored=self.pool.cached_hashes(), removed=[])
+        return ev
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self._seqs.get(request_id)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import time
+
 import torch
 
 from engine.kv_cache import KVCache
@@ -44,6 +46,10 @@ class ModelRunner:
         self.num_prefill_tokens = 0
         """Prompt (or recomputed) tokens computed by this runner since start."""
         self.num_decode_tokens = 0
+        self.prefill_seconds = 0.0
+        """Wall time of steps that computed prompt tokens (for the router's cost model)."""
+        self.decode_seconds = 0.0
+        self.decode_steps = 0
 
     def prepare(self, decode: list[ScheduledSeq], prefill: list[ScheduledSeq]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -102,9 +108,19 @@ class ModelRunner:
             self.step_slices = [StepSlice(e.seq.request_id, e.seq.num_computed_tokens,
                                           e.seq.num_computed_tokens + e.num_new_tokens, e.seq.num_prompt_tokens,
                                           e.seq.block_table) for e in prefill]
+        t0 = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, meta, self.cache, self.layer_hook)
         self.num_decode_tokens += len(decode)
         self.num_prefill_tokens += sum(e.num_new_tokens for e in prefill)
         if not all_logits:
             hidden = hidden[torch.tensor(sample_idx, dtype=torch.long, device=self.device)]
-        return self.model.logits(hidden)
+        logits = self.model.logits(hidden)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        dt = time.perf_counter() - t0
+        if prefill:  # a mixed step counts as prefill: its cost is dominated by the prompt tokens
+            self.prefill_seconds += dt
+        else:
+            self.decode_seconds += dt
+            self.decode_steps += 1
+        return logits

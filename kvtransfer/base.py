@@ -55,6 +55,12 @@ class TransferTarget:
     block_ids: tuple[BlockId, ...]
     """Destination blocks; ``send_layer``'s ``first`` indexes into them."""
     layout_hash: str
+    socket_buffer_bytes: int | None = None
+    """Per link: socket buffers (the link's bandwidth-delay product); None = the sender's config."""
+    encrypt: bool | None = None
+    """Per link: encrypt the payloads; None = the sender's config."""
+    pull: bool | None = None
+    """Per link: offer the receiver to pull (shared memory, NIXL); False = bytes over TCP."""
 
 
 @dataclass(slots=True, frozen=True)

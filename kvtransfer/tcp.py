@@ -14,6 +14,7 @@ dropped: a freed reservation is never written.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -30,7 +31,7 @@ from kvrelay.v1 import kv_wire_pb2 as pb
 from kvtransfer.base import (KVReceiver, KVSender, SendHandle, TransferHandle, TransferResult, TransferState,
                              TransferTarget, coalesce, KVBytes)
 from kvtransfer.wire import (SHM_NAME, PayloadCipher, ProtocolError, client_handshake, host_id, recv_exact_into,
-                             recv_frame, send_frame, server_handshake, tune_socket)
+                             recv_frame, recv_views, send_frame, send_views, server_handshake, tune_socket)
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +59,21 @@ class TcpConfig:
             raise ValueError(f"streams must be in [1, 64], got {self.streams}")
 
 
-def _block_crcs(view: memoryview, block_bytes: int) -> list[int]:
+def _block_crcs(views: list[memoryview], block_bytes: int) -> list[int]:
     # gil_release_mode=1: other transport threads run while a block is summed.
-    return [crc32c.crc32c(view[i:i + block_bytes], 0, 1) for i in range(0, len(view), block_bytes)]
+    f = crc32c.crc32c
+    return [f(v[i:i + block_bytes], 0, 1) for v in views for i in range(0, len(v), block_bytes)]
+
+
+STICKY_BYTES = 4 << 20
+"""A transfer keeps using the stream that carried its previous layer while
+that stream has less than this queued (so small transfers merge into few
+frames); beyond it, the next layer goes to the least-loaded stream."""
+
+
+INLINE_VERIFY_BYTES = 1 << 20
+"""Frames up to this size are verified on the receiving thread (a thread
+hop costs more than summing them); larger ones on the verifier thread."""
 
 
 # ---------------------------------------------------------------- receiver
@@ -74,7 +87,25 @@ class _Incoming:
     started: float = 0.0
     done: pb.KVDone | None = None
     done_conn: _Conn | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    acked: bool = False
+    writers: dict = field(default_factory=dict)
+    """Connections writing into this reservation's blocks now (conn -> count)."""
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def enter(self, conn: _Conn) -> bool:
+        """A connection starts writing into the blocks; False once failed."""
+        with self.cond:
+            if self.handle.poll() is TransferState.FAILED:
+                return False
+            self.writers[conn] = self.writers.get(conn, 0) + 1
+            return True
+
+    def leave(self, conn: _Conn) -> None:
+        with self.cond:
+            self.writers[conn] -= 1
+            if not self.writers[conn]:
+                del self.writers[conn]
+            self.cond.notify_all()
 
 
 class _Conn:
@@ -86,8 +117,10 @@ class _Conn:
         self.transfers: set[str] = set()
         self.peer_kv: KVCache | None = None
         """The sender's shared-memory KV, when it offered it (local transport)."""
-        self.cipher = None
-        """PayloadCipher when the sender encrypts its payloads."""
+        self.cipher: PayloadCipher | None = None
+        """When the sender encrypts its payloads."""
+        self.verify: queue.SimpleQueue = queue.SimpleQueue()
+        """Frames whose bytes landed, for the verifier thread to checksum."""
 
     def send(self, frame: pb.KVFrame) -> None:
         with self.lock:
@@ -95,6 +128,13 @@ class _Conn:
                 send_frame(self.sock, frame)
             except OSError:
                 pass
+
+    def abort(self) -> None:
+        """Makes a receive blocked on this connection return at once."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 class TcpKVReceiver(KVReceiver):
@@ -113,7 +153,7 @@ class TcpKVReceiver(KVReceiver):
         self.bytes_received = 0
         self.refused = 0
         """Connections refused at the handshake."""
-        self._conns: set[socket.socket] = set()
+        self._conns: set[_Conn] = set()
         self._peers: dict[str, KVCache] = {}
         threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
 
@@ -127,20 +167,25 @@ class TcpKVReceiver(KVReceiver):
         return h
 
     def cancel(self, transfer_id: str) -> None:
+        """Fails the transfer and returns once nothing writes into its blocks
+        any more: a connection still writing is cut after a short grace."""
         with self._lock:
             inc = self._expected.pop(transfer_id, None)
-        if inc is not None:
-            with inc.lock:  # waits for a write into its blocks to end
-                inc.handle.fail("cancelled by the receiver")
+        if inc is None:
+            return
+        inc.handle.fail("cancelled by the receiver")
+        with inc.cond:
+            if inc.cond.wait_for(lambda: not inc.writers, 1.0):
+                return
+            for conn in inc.writers:
+                conn.abort()
+            inc.cond.wait_for(lambda: not inc.writers, self.cfg.connect_timeout_s)
 
     def close(self) -> None:
         self._closed.set()
         self._listener.close()
-        for s in list(self._conns):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        for conn in list(self._conns):
+            conn.abort()
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -152,7 +197,7 @@ class TcpKVReceiver(KVReceiver):
 
     def _serve(self, sock: socket.socket) -> None:
         conn = _Conn(sock)
-        self._conns.add(sock)
+        self._conns.add(conn)
         try:
             tune_socket(sock, self.cfg.socket_buffer_bytes)
             sock.settimeout(self.cfg.connect_timeout_s)
@@ -164,6 +209,7 @@ class TcpKVReceiver(KVReceiver):
                 log.warning("refused KV connection: %s", exc)
                 return
             sock.settimeout(None)
+            threading.Thread(target=self._verify_loop, args=(conn,), name="kv-verify", daemon=True).start()
             while not self._closed.is_set():
                 frame = recv_frame(sock)
                 kind = frame.WhichOneof("body")
@@ -178,8 +224,10 @@ class TcpKVReceiver(KVReceiver):
                 inc = self._expected.get(tid)
                 if inc is not None:
                     inc.handle.fail(f"sender connection lost ({exc})")
+                    self._maybe_complete(tid, inc)
         finally:
-            self._conns.discard(sock)
+            conn.verify.put(None)
+            self._conns.discard(conn)
             sock.close()
 
     # -- PeerAttacher: senders whose memory we pull from ---------------------
@@ -205,79 +253,95 @@ class TcpKVReceiver(KVReceiver):
 
     def _discard(self, conn: _Conn, n: int) -> None:
         """Reads and drops a payload that must not land in any block."""
-        self._drain(conn.sock, n)
-        if conn.cipher is not None and n:
-            conn.cipher.skip()
-
-    def _drain(self, sock: socket.socket, n: int) -> None:
         scratch = memoryview(bytearray(min(n, 1 << 20)))
         while n:
             k = min(n, len(scratch))
-            recv_exact_into(sock, scratch[:k])
+            recv_exact_into(conn.sock, scratch[:k])
             n -= k
+        if conn.cipher is not None:
+            conn.cipher.next_frame()
 
     def _on_blocks(self, conn: _Conn, hdr: pb.KVBlocks) -> None:
         layout = self.cache.layout
         inc = self._expected.get(hdr.transfer_id)
-        bad = ""
         runs = max(1, hdr.num_layers) * 2 * hdr.count
+        layers = range(hdr.layer, hdr.layer + max(1, hdr.num_layers))
         pulled = len(hdr.src_blocks) > 0
-        payload = 0 if pulled else runs * layout.block_bytes + (PayloadCipher.TAG if conn.cipher else 0)
-        if hdr.payload_bytes != payload or len(hdr.crc32c) != runs:
-            raise ProtocolError(f"blocks frame of {hdr.payload_bytes} bytes for {hdr.count} blocks "
-                                f"x {hdr.num_layers} layers")
+        sealed = conn.cipher is not None and not pulled
         if pulled and (conn.peer_kv is None or len(hdr.src_blocks) != hdr.count
                        or max(hdr.src_blocks) >= conn.peer_kv.num_blocks):
             raise ProtocolError("shared-memory blocks frame without a valid shared KV mapping")
-        layers = range(hdr.layer, hdr.layer + max(1, hdr.num_layers))
+        bad = ""
         if inc is not None and (layers.stop > layout.num_layers or hdr.count == 0
                                 or hdr.first + hdr.count > len(inc.block_ids)):
             bad = f"blocks [{hdr.first}, {hdr.first + hdr.count}) of layers {layers.start}-{layers.stop - 1} " \
                   "outside the reservation or the model"
-        if inc is None or bad:
+        views: list[memoryview] = []
+        dest: list[int] = []
+        if inc is not None and not bad:
+            dest = inc.block_ids[hdr.first:hdr.first + hdr.count]
+            dest_runs = coalesce(dest)
+            views = [self.mem.run(layer, kind, first_id, n) for layer in layers for kind in (0, 1)
+                     for _, first_id, n in dest_runs]
+        if pulled:
+            payload = 0
+        elif sealed:
+            payload = PayloadCipher.sealed_bytes(runs * layout.block_bytes)
+        else:
+            payload = runs * layout.block_bytes
+        if hdr.payload_bytes != payload or len(hdr.crc32c) != (0 if sealed else runs):
+            raise ProtocolError(f"blocks frame of {hdr.payload_bytes} bytes and {len(hdr.crc32c)} checksums "
+                                f"for {hdr.count} blocks x {hdr.num_layers} layers")
+        if inc is None or bad or not inc.enter(conn):
             self._discard(conn, hdr.payload_bytes)
-            if inc is not None:
+            if inc is not None and bad:
                 inc.handle.fail(bad)
+                self._maybe_complete(hdr.transfer_id, inc)
             return
         conn.transfers.add(hdr.transfer_id)
-        dest = inc.block_ids[hdr.first:hdr.first + hdr.count]
-        with inc.lock:
-            if inc.handle.poll() is TransferState.FAILED:
-                self._discard(conn, hdr.payload_bytes)
-                return
+        try:
             inc.handle.advance(TransferState.TRANSFERRING)
-            crcs = []
-            dest_runs = coalesce(dest)
-            plain = None
             if pulled:
                 self._pull(conn.peer_kv, layers, list(hdr.src_blocks), dest)
-            elif conn.cipher is not None:  # decrypt first, then place the plaintext
-                sealed = bytearray(hdr.payload_bytes)
-                recv_exact_into(conn.sock, memoryview(sealed))
-                plain = memoryview(conn.cipher.open(bytes(sealed)))
-            pos = 0
-            for layer in layers:
-                for kind in (0, 1):
-                    for _, first_id, n in dest_runs:
-                        view = self.mem.run(layer, kind, first_id, n)
-                        if plain is not None:
-                            view[:] = plain[pos:pos + len(view)]
-                            pos += len(view)
-                        elif not pulled:
-                            recv_exact_into(conn.sock, view)
-                        crcs += _block_crcs(view, layout.block_bytes)
-            bad = [i for i, (a, b) in enumerate(zip(crcs, hdr.crc32c)) if a != b]
-            if bad:
-                bad_blocks = sorted({dest[i % hdr.count] for i in bad})
-                inc.handle.fail(f"checksum mismatch in layers {layers.start}-{layers.stop - 1} of "
-                                f"{len(bad_blocks)} block(s)", bad_blocks)
-                return
+            elif sealed:
+                conn.cipher.recv_sealed(conn.sock, views)
+            else:
+                recv_views(conn.sock, views)
+        finally:
+            inc.leave(conn)
+        if sealed:  # the AEAD tags authenticated every byte
+            self._land(inc, hdr, layers)
+        elif hdr.payload_bytes <= INLINE_VERIFY_BYTES:
+            self._verify(inc, hdr, layers, views, dest)
+        else:
+            conn.verify.put((inc, hdr, layers, views, dest))
+
+    def _verify_loop(self, conn: _Conn) -> None:
+        """Checksums landed frames off the receiving thread, so the next
+        frame's bytes arrive while this one is summed."""
+        for item in iter(conn.verify.get, None):
+            self._verify(*item)
+
+    def _verify(self, inc: _Incoming, hdr: pb.KVBlocks, layers: range, views: list[memoryview],
+                dest: list[int]) -> None:
+        crcs = _block_crcs(views, self.cache.layout.block_bytes)
+        bad = [i for i, (a, b) in enumerate(zip(crcs, hdr.crc32c)) if a != b]
+        if bad:
+            bad_blocks = sorted({dest[i % hdr.count] for i in bad})
+            inc.handle.fail(f"checksum mismatch in layers {layers.start}-{layers.stop - 1} of "
+                            f"{len(bad_blocks)} block(s)", bad_blocks)
+            self._maybe_complete(hdr.transfer_id, inc)
+        else:
+            self._land(inc, hdr, layers)
+
+    def _land(self, inc: _Incoming, hdr: pb.KVBlocks, layers: range) -> None:
+        with inc.cond:
             for layer in layers:
                 for kind in (0, 1):
                     for i in range(hdr.first, hdr.first + hdr.count):
                         inc.landed.add((layer, kind, i))
             inc.nbytes += hdr.payload_bytes
-            self.bytes_received += hdr.payload_bytes
+        self.bytes_received += hdr.payload_bytes
         self._maybe_complete(hdr.transfer_id, inc)
 
     def _pull(self, peer: object, layers: range, src: list[int], dest: list[int]) -> None:
@@ -305,14 +369,20 @@ class TcpKVReceiver(KVReceiver):
         self._maybe_complete(done.transfer_id, inc)
 
     def _maybe_complete(self, tid: str, inc: _Incoming) -> None:
-        if inc.done is None:
-            return
-        state = inc.handle.poll()
-        if state is not TransferState.FAILED and len(inc.landed) < inc.need:
-            return
+        """Answers the sender's done once every block landed, or the transfer failed."""
+        with inc.cond:
+            if inc.done is None or inc.acked:
+                return
+            state = inc.handle.poll()
+            if state is not TransferState.FAILED and len(inc.landed) < inc.need:
+                return
+            inc.acked = True
         if state is not TransferState.FAILED:
             inc.handle.complete(TransferResult(inc.done.first_token_id, inc.done.first_logprob, inc.nbytes,
                                                time.perf_counter() - inc.started))
+            with self._lock:  # done: later frames for it are dropped unread
+                if self._expected.get(tid) is inc:
+                    del self._expected[tid]
         err = inc.handle.failure()
         inc.done_conn.send(pb.KVFrame(done_ack=pb.KVDoneAck(transfer_id=tid, ok=err is None,
                                                             reason=err.reason if err else "")))
@@ -320,19 +390,35 @@ class TcpKVReceiver(KVReceiver):
 
 # ------------------------------------------------------------------ sender
 class _Stream:
-    """One authenticated connection to a peer, with writer and reader threads."""
+    """One authenticated connection to a peer. A prepare thread merges
+    queued layers into frames and checksums them while the writer thread
+    sends the previous frame; a reader thread takes acknowledgements."""
 
     def __init__(self, pool: _PeerPool, index: int) -> None:
         self.pool = pool
         self.index = index
         self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.ready: queue.SimpleQueue = queue.SimpleQueue()
+        self.queued = 0
+        """Bytes queued on this stream and not sent yet."""
+        self._qlock = threading.Lock()
         self.sock: socket.socket | None = None
         self.shared = False
         """The receiver copies from our shared-memory KV (local transport)."""
-        self.cipher = None
-        """PayloadCipher when this connection encrypts."""
+        self.cipher: PayloadCipher | None = None
+        """When this connection encrypts."""
         self.inflight: set[str] = set()
+        threading.Thread(target=self._prepare_loop, name=f"kv-prep-{index}", daemon=True).start()
         threading.Thread(target=self._write_loop, name=f"kv-send-{index}", daemon=True).start()
+
+    def put(self, item: tuple | None, nbytes: int = 0) -> None:
+        with self._qlock:
+            self.queued += nbytes
+        self.q.put(item)
+
+    def _sent(self, nbytes: int) -> None:
+        with self._qlock:
+            self.queued -= nbytes
 
     def _connect(self) -> None:
         cfg = self.pool.cfg
@@ -340,7 +426,7 @@ class _Stream:
         sock = socket.create_connection((host, int(port)), timeout=cfg.connect_timeout_s)
         tune_socket(sock, cfg.socket_buffer_bytes)
         self.shared, self.cipher = client_handshake(sock, cfg.secret, self.pool.layout_hash, self.pool.offer(),
-                                                    cfg.encrypt)
+                                                    cfg.encrypt, cfg.socket_buffer_bytes)
         sock.settimeout(None)
         self.sock = sock
         threading.Thread(target=self._read_loop, args=(sock,), name=f"kv-ack-{self.index}", daemon=True).start()
@@ -378,41 +464,40 @@ class _Stream:
                     merged.append(it if it is None or it[0] != "blocks" else (*it, 1))
             yield from merged
 
-    def _write_loop(self) -> None:
+    def _prepare_loop(self) -> None:
         mem = self.pool.mem
         bb = mem.block_bytes
         for item in self._batches():
             if item is None:
-                self._broken("sender closed")
+                self.ready.put(None)
                 return
             h = item[1]
+            nbytes = item[5] * 2 * len(item[3]) * bb if item[0] == "blocks" else 0
             if not h.enter():
+                self._sent(nbytes)
                 continue
-            self.inflight.add(h.transfer_id)
+            views = crcs = None
+            if item[0] == "blocks":
+                _, _, layer, src, _, num_layers = item
+                runs = coalesce(src)
+                views = [mem.run(lyr, kind, b, n) for lyr in range(layer, layer + num_layers)
+                         for kind in (0, 1) for _, b, n in runs]
+                if not self.pool.cfg.encrypt:
+                    crcs = _block_crcs(views, bb)
+            self.ready.put((item, nbytes, views, crcs))
+
+    def _write_loop(self) -> None:
+        for prepared in iter(self.ready.get, None):
+            item, nbytes, views, crcs = prepared
+            h = item[1]
             try:
+                if h.poll() is TransferState.FAILED:
+                    continue
+                self.inflight.add(h.transfer_id)
                 if self.sock is None:
                     self._connect()
                 if item[0] == "blocks":
-                    _, _, layer, src, first, num_layers = item
-                    runs = coalesce(src)
-                    views = [mem.run(lyr, kind, b, n) for lyr in range(layer, layer + num_layers)
-                             for kind in (0, 1) for _, b, n in runs]
-                    crcs = [c for v in views for c in _block_crcs(v, bb)]
-                    nbytes = num_layers * 2 * len(src) * bb
-                    sealed = None
-                    if self.cipher is not None and not self.shared:
-                        sealed = self.cipher.seal(b"".join(views))
-                    wire_bytes = 0 if self.shared else (len(sealed) if sealed is not None else nbytes)
-                    send_frame(self.sock, pb.KVFrame(blocks=pb.KVBlocks(
-                        transfer_id=h.transfer_id, layer=layer, num_layers=num_layers, first=first,
-                        count=len(src), payload_bytes=wire_bytes, crc32c=crcs,
-                        src_blocks=src if self.shared else [])))
-                    if sealed is not None:
-                        self.sock.sendall(sealed)
-                    elif not self.shared:
-                        for v in views:
-                            self.sock.sendall(v)
-                    h.add_bytes(nbytes)
+                    self._send_blocks(h, item, views, crcs, nbytes)
                 else:
                     _, _, token, logprob = item
                     send_frame(self.sock, pb.KVFrame(done=pb.KVDone(
@@ -423,6 +508,27 @@ class _Stream:
                 self._broken(f"connection to {self.pool.endpoint} failed: {exc}")
             finally:
                 h.leave()
+                self._sent(nbytes)
+        self._broken("sender closed")
+
+    def _send_blocks(self, h: _TcpSendHandle, item: tuple, views: list[memoryview], crcs: list[int] | None,
+                     nbytes: int) -> None:
+        _, _, layer, src, first, num_layers = item
+        cipher = None if self.shared else self.cipher
+        if cipher is not None:
+            crcs, wire_bytes = [], PayloadCipher.sealed_bytes(nbytes)
+        else:
+            if crcs is None:  # encryption was configured, but the receiver pulls
+                crcs = _block_crcs(views, self.pool.mem.block_bytes)
+            wire_bytes = 0 if self.shared else nbytes
+        send_frame(self.sock, pb.KVFrame(blocks=pb.KVBlocks(
+            transfer_id=h.transfer_id, layer=layer, num_layers=num_layers, first=first, count=len(src),
+            payload_bytes=wire_bytes, crc32c=crcs, src_blocks=src if self.shared else [])))
+        if cipher is not None:
+            cipher.send_sealed(self.sock, views)
+        elif not self.shared:
+            send_views(self.sock, views)
+        h.add_bytes(nbytes)
 
     def _read_loop(self, sock: socket.socket) -> None:
         try:
@@ -468,9 +574,15 @@ class _PeerPool:
             return pb.KVHello(host_id=host_id(), shm_path=self.cache.shm_path, shm_num_blocks=self.cache.num_blocks)
         return None
 
+    def pick(self, previous: _Stream | None) -> _Stream:
+        """The stream for a transfer's next layer (see STICKY_BYTES)."""
+        if previous is not None and previous.queued < STICKY_BYTES:
+            return previous
+        return min(self.streams, key=lambda s: s.queued)
+
     def close(self) -> None:
         for s in self.streams:
-            s.q.put(None)
+            s.put(None)
 
 
 class _TcpSendHandle(SendHandle):
@@ -484,6 +596,7 @@ class _TcpSendHandle(SendHandle):
         self.first_logprob = 0.0
         self._busy = threading.Condition()
         self._readers = 0
+        self._stream: _Stream | None = None
         self.advance(TransferState.WAITING)
 
     def add_bytes(self, n: int) -> None:
@@ -515,12 +628,13 @@ class _TcpSendHandle(SendHandle):
                       f"{len(self.target.block_ids)}")
             return
         self.advance(TransferState.TRANSFERRING)
-        streams = self.pool.streams
-        streams[layer % len(streams)].q.put(("blocks", self, layer, list(src_blocks), first))
+        self._stream = self.pool.pick(self._stream)
+        self._stream.put(("blocks", self, layer, list(src_blocks), first),
+                         2 * len(src_blocks) * self.pool.mem.block_bytes)
 
     def finish(self, first_token_id: int, first_logprob: float) -> None:
         self.first_token, self.first_logprob = first_token_id, first_logprob
-        self.pool.streams[0].q.put(("done", self, first_token_id, first_logprob))
+        (self._stream or self.pool.streams[0]).put(("done", self, first_token_id, first_logprob))
 
 
 class TcpKVSender(KVSender):
@@ -535,10 +649,19 @@ class TcpKVSender(KVSender):
         self._lock = threading.Lock()
 
     def open(self, target: TransferTarget) -> SendHandle:
+        """Starts a transfer. Connections are pooled per receiver and per link
+        setting (socket buffers, encryption, pulling)."""
+        cfg = self.cfg
+        if target.socket_buffer_bytes is not None or target.encrypt is not None or target.pull is False:
+            cfg = dataclasses.replace(
+                cfg, socket_buffer_bytes=target.socket_buffer_bytes or cfg.socket_buffer_bytes,
+                encrypt=cfg.encrypt if target.encrypt is None else target.encrypt,
+                shared_memory=cfg.shared_memory and target.pull is not False)
+        key = (target.endpoint, cfg.socket_buffer_bytes, cfg.encrypt, cfg.shared_memory)
         with self._lock:
-            pool = self._pools.get(target.endpoint)
+            pool = self._pools.get(key)
             if pool is None:
-                pool = self._pools[target.endpoint] = _PeerPool(target.endpoint, self.cache, self.cfg, self.nixl)
+                pool = self._pools[key] = _PeerPool(target.endpoint, self.cache, cfg, self.nixl)
         h = _TcpSendHandle(pool, target)
         if target.layout_hash != pool.layout_hash:
             h.fail("KV layout of the target differs from this sender's")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
 import socket
@@ -13,7 +14,9 @@ from typing import Protocol
 
 from kvrelay.v1 import kv_wire_pb2 as pb
 
-PROTOCOL_VERSION = 2
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 3
 MAX_FRAME = 1 << 20
 """Largest header frame accepted (payloads are not frames)."""
 NONCE_BYTES = 16
@@ -34,6 +37,43 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         if r == 0:
             raise ConnectionError("peer closed the connection")
         got += r
+
+
+IOV_MAX = 1024
+"""Buffers per sendmsg/recvmsg_into call (Linux's limit)."""
+
+
+def _advance(views: list[memoryview], i: int, n: int) -> int:
+    """Drops ``n`` transferred bytes from the front of ``views[i:]``; returns the new i."""
+    while n:
+        k = len(views[i])
+        if n >= k:
+            n -= k
+            i += 1
+        else:
+            views[i] = views[i][n:]
+            n = 0
+    return i
+
+
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Sends every buffer in order with vectored writes (one syscall for up
+    to IOV_MAX buffers), straight from their memory."""
+    views = [v for v in views if len(v)]
+    i = 0
+    while i < len(views):
+        i = _advance(views, i, sock.sendmsg(views[i:i + IOV_MAX]))
+
+
+def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fills every buffer in order with vectored reads (zero-copy into them)."""
+    views = [v for v in views if len(v)]
+    i = 0
+    while i < len(views):
+        n = sock.recvmsg_into(views[i:i + IOV_MAX])[0]
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        i = _advance(views, i, n)
 
 
 def send_frame(sock: socket.socket, frame: pb.KVFrame) -> None:
@@ -75,47 +115,104 @@ def host_id() -> str:
 
 class PayloadCipher:
     """AES-256-GCM for one connection's KV payloads, sender to receiver.
-    Nonces are a frame counter, so a replayed or reordered frame fails."""
+
+    A blocks frame's payload (the plaintext byte stream, whatever its runs of
+    blocks are on either side) is sealed in consecutive pieces of PIECE bytes
+    (the last may be shorter), each followed by its 16-byte tag. Nonces are
+    (frame counter, piece index), so a replayed, reordered or truncated frame
+    fails. A piece that lies in one run of blocks is sealed from and opened
+    into the KV memory directly; one that spans runs is staged."""
 
     TAG = 16
+    PIECE = 1 << 20
 
     def __init__(self, secret: bytes, nonce_s: bytes, nonce_r: bytes) -> None:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         key = hmac.new(secret, b"kvrelay-kv-payload-key" + nonce_s + nonce_r, hashlib.sha256).digest()
         self._aes = AESGCM(key)
-        self._counter = 0
+        self._frames = 0
+        self._sealed = memoryview(bytearray(self.PIECE + self.TAG))
+        self._plain = memoryview(bytearray(self.PIECE))
 
-    def _nonce(self) -> bytes:
-        self._counter += 1
-        return self._counter.to_bytes(12, "big")
+    @classmethod
+    def sealed_bytes(cls, plain_bytes: int) -> int:
+        return plain_bytes + cls.TAG * -(-plain_bytes // cls.PIECE)
 
-    def skip(self) -> None:
-        """Keeps in step with the sender past a payload that was discarded unread."""
-        self._counter += 1
+    @classmethod
+    def _pieces(cls, views: list[memoryview]):
+        """Each piece of the stream as the list of view slices it covers."""
+        segs, room = [], cls.PIECE
+        for v in views:
+            off = 0
+            while off < len(v):
+                k = min(room, len(v) - off)
+                segs.append(v[off:off + k])
+                off += k
+                room -= k
+                if not room:
+                    yield segs
+                    segs, room = [], cls.PIECE
+        if segs:
+            yield segs
 
-    def seal(self, data: bytes) -> bytes:
-        return self._aes.encrypt(self._nonce(), data, None)
+    def next_frame(self) -> int:
+        """Counts a frame; call once per blocks frame, also for one discarded unread."""
+        self._frames += 1
+        return self._frames
 
-    def open(self, data: bytes) -> bytes:
-        """Raises ProtocolError when the payload was altered."""
+    @staticmethod
+    def _nonce(frame: int, piece: int) -> bytes:
+        return frame.to_bytes(8, "big") + piece.to_bytes(4, "big")
+
+    def send_sealed(self, sock: socket.socket, views: list[memoryview]) -> None:
+        """Seals and sends one frame's payload."""
+        frame = self.next_frame()
+        for i, segs in enumerate(self._pieces(views)):
+            if len(segs) == 1:
+                plain = segs[0]
+            else:
+                pos = 0
+                for seg in segs:
+                    self._plain[pos:pos + len(seg)] = seg
+                    pos += len(seg)
+                plain = self._plain[:pos]
+            n = self._aes.encrypt_into(self._nonce(frame, i), plain, None, self._sealed[:len(plain) + self.TAG])
+            sock.sendall(self._sealed[:n])
+
+    def recv_sealed(self, sock: socket.socket, views: list[memoryview]) -> None:
+        """Receives one frame's payload, opening each piece into ``views``.
+        Raises ProtocolError when a piece was altered (its bytes may already
+        be in ``views``: the caller fails the transfer that owns them)."""
         from cryptography.exceptions import InvalidTag
 
-        try:
-            return self._aes.decrypt(self._nonce(), data, None)
-        except InvalidTag:
-            raise ProtocolError("encrypted KV payload failed authentication (altered in flight)") from None
+        frame = self.next_frame()
+        for i, segs in enumerate(self._pieces(views)):
+            size = sum(len(seg) for seg in segs)
+            recv_exact_into(sock, self._sealed[:size + self.TAG])
+            out = segs[0] if len(segs) == 1 else self._plain[:size]
+            try:
+                self._aes.decrypt_into(self._nonce(frame, i), self._sealed[:size + self.TAG], None, out)
+            except InvalidTag:
+                raise ProtocolError("encrypted KV payload failed authentication (altered in flight)") from None
+            if len(segs) > 1:
+                pos = 0
+                for seg in segs:
+                    seg[:] = self._plain[pos:pos + len(seg)]
+                    pos += len(seg)
 
 
 def client_handshake(sock: socket.socket, secret: bytes, layout_hash: str, offer: pb.KVHello | None = None,
-                     encrypt: bool = False) -> tuple[bool, PayloadCipher | None]:
+                     encrypt: bool = False, socket_buffer_bytes: int | None = None
+                     ) -> tuple[bool, PayloadCipher | None]:
     """Sender side: proves the secret and checks the receiver's proof.
 
     ``offer`` carries the KVHello fields that let the receiver pull blocks
     itself (shared memory, NIXL). Returns whether it will, and the payload
     cipher when ``encrypt`` was asked for."""
     nonce_s = os.urandom(NONCE_BYTES)
-    hello = pb.KVHello(protocol_version=PROTOCOL_VERSION, layout_hash=layout_hash, nonce=nonce_s, encrypt=encrypt)
+    hello = pb.KVHello(protocol_version=PROTOCOL_VERSION, layout_hash=layout_hash, nonce=nonce_s, encrypt=encrypt,
+                       socket_buffer_bytes=socket_buffer_bytes or 0)
     if offer is not None:
         hello.MergeFrom(offer)
     send_frame(sock, pb.KVFrame(hello=hello))
@@ -189,17 +286,39 @@ def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str,
                                                               reason=f"cannot attach the sender's KV: {exc}")))
             raise ProtocolError(f"cannot attach the sender's KV: {exc}") from None
     send_frame(sock, pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=True)))
+    if h.socket_buffer_bytes:
+        tune_socket(sock, min(h.socket_buffer_bytes, MAX_SOCKET_BUFFER))
     return peer_kv, (PayloadCipher(secret, h.nonce, nonce_r) if h.encrypt else None)
 
 
+_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+MAX_SOCKET_BUFFER = 256 << 20
+"""Largest socket buffer a sender may ask the receiver for."""
+AUTOTUNE_MAX = 4 << 20
+"""Linux's default ceiling for TCP buffer autotuning (tcp_wmem/tcp_rmem max)."""
+
+
 def tune_socket(sock: socket.socket, buffer_bytes: int | None) -> None:
-    """No Nagle delay; socket buffers sized to the link's bandwidth-delay product."""
+    """No Nagle delay; socket buffers of ``buffer_bytes`` when given (else the
+    kernel autotunes). Buffers above net.core.[rw]mem_max need CAP_NET_ADMIN
+    (SO_*BUFFORCE); without it the kernel caps them, and a warning says so."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if buffer_bytes:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+    if not buffer_bytes:
+        return
+    for force, plain in ((_SNDBUFFORCE, socket.SO_SNDBUF), (_RCVBUFFORCE, socket.SO_RCVBUF)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, force, buffer_bytes)
+        except OSError:
+            sock.setsockopt(socket.SOL_SOCKET, plain, buffer_bytes)
+    got = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2  # the kernel reports double
+    if got < buffer_bytes:
+        log.warning("socket buffer capped at %d bytes (asked %d for the link's bandwidth-delay product); "
+                    "raise net.core.wmem_max/rmem_max or use more streams", got, buffer_bytes)
 
 
-def bdp_bytes(gbps: float, rtt_ms: float, floor: int = 4 << 20) -> int:
-    """Bandwidth-delay product of a link (at least ``floor``)."""
-    return max(floor, int(gbps * 1e9 / 8 * rtt_ms / 1e3))
+def link_socket_buffer(gbps: float, rtt_ms: float) -> int | None:
+    """Socket buffer for a link: its bandwidth-delay product with 25% headroom
+    when that exceeds what autotuning reaches, else None (let the kernel tune)."""
+    bdp = int(gbps * 1e9 / 8 * rtt_ms / 1e3 * 1.25)
+    return bdp if bdp > AUTOTUNE_MAX else None

@@ -26,6 +26,7 @@ from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.base import KVSender, TransferTarget, wait_async
 from kvtransfer.errors import KVTransferError
+from kvtransfer.wire import link_socket_buffer
 from prefill_worker.streamer import LayerStreamer
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,10 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             params = work_params(wr, max_tokens=1)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        handle = self.sender.open(TransferTarget(target.endpoint, target.transfer_id, tuple(target.block_ids),
-                                                 target.layout_hash))
+        handle = self.sender.open(TransferTarget(
+            target.endpoint, target.transfer_id, tuple(target.block_ids), target.layout_hash,
+            socket_buffer_bytes=link_socket_buffer(target.link_gbps, target.link_rtt_ms),
+            encrypt=target.encrypt or None, pull=False if target.transport == "tcp" else None))
         self.streamer.add(rid, handle, target.start_block, len(target.block_ids))
         t0 = time.perf_counter()
         try:

@@ -1,17 +1,22 @@
-"""The router's view of its workers: registration, heartbeats with load,
-health (a worker silent for ``timeout_s`` is unhealthy) and gRPC stubs."""
+"""The router's view of its workers: registration, heartbeats with load and
+prefix-cache events, health (a worker silent for ``timeout_s`` is
+unhealthy), draining, gRPC stubs, and the snapshot placement decides on."""
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass
 
 import grpc
 
+from cluster.config import ClusterConfig
 from cluster.worker_runtime import GRPC_OPTIONS
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
+from router.placement import ClusterView, LinkView, WorkerView
+from router.prefix_index import PrefixIndex
+
+ROLE_NAMES = {wpb.ROLE_PREFILL: "prefill", wpb.ROLE_DECODE: "decode"}
 
 
 @dataclass(slots=True)
@@ -24,54 +29,82 @@ class WorkerRecord:
     draining: bool = False
     inflight: int = 0
     """Requests the router has on this worker now (exact, unlike heartbeats)."""
+    synced: bool = False
+    """The prefix index holds this worker's cache (a snapshot arrived)."""
 
-    @property
-    def score(self) -> int:
-        return self.inflight + self.load.waiting
+
+def link_name(a: str, b: str) -> str:
+    return "local" if a == b else "-".join(sorted((a, b)))
 
 
 class WorkerRegistry:
-    def __init__(self, timeout_s: float = 5.0) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, cfg: ClusterConfig) -> None:
+        self.cfg = cfg
+        self.timeout_s = cfg.router.worker_timeout_s
         self.workers: dict[str, WorkerRecord] = {}
-        self._rr = itertools.count()
+        self.index = PrefixIndex()
+        self.jurisdiction = {s.name: s.jurisdiction for s in cfg.sites}
+        self.links: dict[frozenset, LinkView] = {
+            frozenset(link.between): LinkView(link.rtt_ms, link.gbps, True, link_name(*link.between))
+            for link in cfg.links}
+        ll = cfg.local_link
+        self.local_link = LinkView(ll.rtt_ms, ll.gbps, True, "local")
+        self._link_cfg = {frozenset(link.between): link for link in cfg.links}
 
     async def register(self, info: wpb.WorkerInfo) -> None:
         old = self.workers.pop(info.worker_id, None)
         if old is not None:
             await old.channel.close()
+        self.index.remove_worker(info.worker_id)
         channel = grpc.aio.insecure_channel(info.address, options=GRPC_OPTIONS)
         stub = (wgrpc.PrefillWorkerStub(channel) if info.role == wpb.ROLE_PREFILL
                 else wgrpc.DecodeWorkerStub(channel))
         self.workers[info.worker_id] = WorkerRecord(info, wpb.WorkerLoad(worker_id=info.worker_id),
                                                     time.monotonic(), channel, stub)
 
-    def heartbeat(self, load: wpb.WorkerLoad) -> bool:
-        rec = self.workers.get(load.worker_id)
+    def heartbeat(self, req: wpb.HeartbeatRequest) -> wpb.HeartbeatResponse:
+        rec = self.workers.get(req.load.worker_id)
         if rec is None:
-            return False
-        rec.load = load
+            return wpb.HeartbeatResponse(known=False)
+        rec.load = req.load
         rec.last_seen = time.monotonic()
-        return True
+        ev = req.kv_events
+        if ev.snapshot:
+            rec.synced = True
+        if rec.synced:
+            self.index.apply(rec.info.worker_id, ev.stored, ev.removed, ev.snapshot)
+        return wpb.HeartbeatResponse(known=True, send_snapshot=not rec.synced)
 
     def healthy(self, rec: WorkerRecord) -> bool:
         return time.monotonic() - rec.last_seen <= self.timeout_s
 
-    def candidates(self, role: int, sites: set[str] | None = None) -> list[WorkerRecord]:
-        """Healthy, non-draining workers of ``role`` (at ``sites`` when given)."""
+    def candidates(self, role: int) -> list[WorkerRecord]:
+        """Healthy, non-draining workers of ``role``."""
         return [w for w in self.workers.values()
-                if w.info.role == role and not w.draining and self.healthy(w)
-                and (sites is None or w.info.site in sites)]
+                if w.info.role == role and not w.draining and self.healthy(w)]
 
-    def pick(self, role: int, sites: set[str] | None = None) -> WorkerRecord | None:
-        """Least loaded candidate; ties broken round-robin."""
-        cands = self.candidates(role, sites)
-        if not cands:
-            return None
-        turn = next(self._rr)
-        best = min(w.score for w in cands)
-        tied = [w for w in cands if w.score == best]
-        return tied[turn % len(tied)]
+    def link_config(self, a: str, b: str):
+        """The configured LinkSection between two sites (local_link within one)."""
+        return self.cfg.local_link if a == b else self._link_cfg.get(frozenset((a, b)))
+
+    def view(self) -> ClusterView:
+        """A snapshot for one placement decision."""
+        r = self.cfg.router
+        workers = []
+        kv_block_bytes, num_layers = 0, 1
+        for rec in self.workers.values():
+            info, load = rec.info, rec.load
+            if info.kv_block_bytes:
+                kv_block_bytes, num_layers = info.kv_block_bytes, max(1, info.num_layers)
+            workers.append(WorkerView(
+                info.worker_id, ROLE_NAMES.get(info.role, ""), info.site, self.healthy(rec), rec.draining,
+                rec.inflight, r.max_inflight_per_worker, load.queued_prefill_tokens, load.running, load.waiting,
+                load.free_blocks if load.total_blocks else (info.num_blocks or 1 << 30),
+                load.prefill_tokens_per_s, load.decode_step_ms / 1e3))
+        return ClusterView(workers, self.jurisdiction, self.links, self.local_link,
+                           block_size=self.cfg.cache.block_size, kv_block_bytes=kv_block_bytes,
+                           num_layers=num_layers, default_prefill_tokens_per_s=r.default_prefill_tokens_per_s,
+                           colocate_below_tokens=r.colocate_below_tokens, herd_tolerance=r.herd_tolerance)
 
     async def close(self) -> None:
         for rec in self.workers.values():

@@ -1,8 +1,9 @@
 """The router: the public Inference service and the worker Registry.
 
 Lifecycle of one Generate call: validate and tokenize (router/requests.py)
--> pick a decode worker D and a prefill worker P (colocated at D when no
-prefill worker qualifies) -> open D's Decode stream -> on D's reservation,
+-> ask the prefix index what each worker caches of the prompt -> the
+placement policy (router/placement.py) picks a decode worker D and a
+prefill worker P, or colocated at D -> open D's Decode stream -> on D's reservation,
 call P.Prefill with it as the KV target -> relay D's tokens to the client;
 the last message carries usage and placement. Client cancellation cancels
 both worker calls, which free their blocks.
@@ -23,10 +24,17 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
-from router.registry import WorkerRecord, WorkerRegistry
+from engine.hashing import hash_blocks
+from router.placement import PlacementError, PlacementRequest, make_policy, place
+from router.registry import WorkerRecord, WorkerRegistry, link_name
 from router.requests import ModelLimits, RequestError, build_work_request
 
 log = logging.getLogger(__name__)
+
+
+PLACEMENT_CODES = {"constraint": grpc.StatusCode.FAILED_PRECONDITION,
+                   "capacity": grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   "unavailable": grpc.StatusCode.UNAVAILABLE}
 
 
 class BadRequest:
@@ -44,17 +52,18 @@ def _safe_parse(data: bytes):
 
 
 class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
-    def __init__(self, cfg: ClusterConfig, tokenizer: Tokenizer, limits: ModelLimits) -> None:
+    def __init__(self, cfg: ClusterConfig, tokenizer: Tokenizer, limits: ModelLimits,
+                 policy_seed: int | None = None) -> None:
         self.cfg = cfg
         self.tok = tokenizer
         self.limits = limits
-        self.registry = WorkerRegistry(cfg.router.worker_timeout_s)
-        self.site_jurisdiction = {s.name: s.jurisdiction for s in cfg.sites}
+        self.registry = WorkerRegistry(cfg)
+        self.policy = make_policy(cfg.router.policy, policy_seed)
 
     # -- Registry ------------------------------------------------------------
     async def Register(self, request: wpb.RegisterRequest, context) -> wpb.RegisterResponse:
         info = request.info
-        if info.site not in self.site_jurisdiction:
+        if info.site not in self.registry.jurisdiction:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {info.site!r}")
         if info.role not in (wpb.ROLE_PREFILL, wpb.ROLE_DECODE):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role must be prefill or decode")
@@ -63,14 +72,28 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         return wpb.RegisterResponse(heartbeat_interval_s=self.cfg.router.heartbeat_interval_s)
 
     async def Heartbeat(self, request: wpb.HeartbeatRequest, context) -> wpb.HeartbeatResponse:
-        return wpb.HeartbeatResponse(known=self.registry.heartbeat(request.load))
+        return self.registry.heartbeat(request)
 
     async def ListWorkers(self, request, context) -> wpb.ListWorkersResponse:
         now = time.monotonic()
+        reg = self.registry
+        kv = self.cfg.kv
+        links = [wpb.LinkStatus(name="local", rtt_ms=reg.local_link.rtt_ms, gbps=reg.local_link.gbps,
+                                transport=self.cfg.local_link.transport or kv.transport,
+                                encrypt=kv.encrypt if self.cfg.local_link.encrypt is None else self.cfg.local_link.encrypt,
+                                up=reg.local_link.up)]
+        for link_cfg in self.cfg.links:
+            lv = reg.links[frozenset(link_cfg.between)]
+            links.append(wpb.LinkStatus(name=lv.name, rtt_ms=lv.rtt_ms, gbps=lv.gbps,
+                                        transport=link_cfg.transport or kv.transport,
+                                        encrypt=kv.encrypt if link_cfg.encrypt is None else link_cfg.encrypt,
+                                        up=lv.up))
         return wpb.ListWorkersResponse(workers=[
-            wpb.WorkerStatus(info=w.info, load=w.load, healthy=self.registry.healthy(w),
-                             last_heartbeat_age_s=now - w.last_seen)
-            for w in sorted(self.registry.workers.values(), key=lambda w: w.info.worker_id)])
+            wpb.WorkerStatus(info=w.info, load=w.load, healthy=reg.healthy(w), last_heartbeat_age_s=now - w.last_seen,
+                             draining=w.draining, inflight=w.inflight,
+                             cached_blocks=reg.index.blocks_of(w.info.worker_id))
+            for w in sorted(reg.workers.values(), key=lambda w: w.info.worker_id)], links=links,
+            policy=self.policy.name)
 
     # -- Inference -----------------------------------------------------------
     async def ListModels(self, request, context) -> ipb.ListModelsResponse:
@@ -83,10 +106,13 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         d = len(self.registry.candidates(wpb.ROLE_DECODE))
         return ipb.HealthResponse(serving=d > 0, prefill_workers=p, decode_workers=d)
 
-    def _allowed_sites(self, jurisdictions: list[str]) -> set[str] | None:
-        if not jurisdictions:
-            return None
-        return {s for s, j in self.site_jurisdiction.items() if j in set(jurisdictions)}
+    def placement_request(self, wr: wpb.WorkRequest, jurisdictions: list[str],
+                          deadline_s: float | None) -> PlacementRequest:
+        """The placement question for one request: its size, what each worker
+        caches of it (the prefix index), its constraints and deadline."""
+        hashes = hash_blocks(wr.prompt_token_ids, self.cfg.cache.block_size, wr.salt)
+        return PlacementRequest(len(wr.prompt_token_ids), self.registry.index.leading_blocks(hashes),
+                                frozenset(jurisdictions) if jurisdictions else None, deadline_s)
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         if isinstance(request, BadRequest):
@@ -96,22 +122,37 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
         client_id = request.request_id or wr.request_id
-        sites = self._allowed_sites(list(request.allowed_jurisdictions))
-        d = self.registry.pick(wpb.ROLE_DECODE, sites)
-        if d is None:
-            if sites is not None:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"no decode worker in jurisdictions {list(request.allowed_jurisdictions)}")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker is registered")
-        p = self.registry.pick(wpb.ROLE_PREFILL, sites)
-        async for msg in self._relay(wr, client_id, p, d, context):
+        preq = self.placement_request(wr, list(request.allowed_jurisdictions), context.time_remaining())
+        try:
+            pl = place(preq, self.registry.view(), self.policy)
+        except PlacementError as exc:
+            if exc.kind == "capacity":
+                ms = max(1, int(exc.retry_after_s * 1e3))
+                context.set_trailing_metadata((("retry-after-ms", str(ms)),))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc.message}; retry in {ms} ms")
+            await context.abort(PLACEMENT_CODES[exc.kind], exc.message)
+        d = self.registry.workers[pl.decode.worker_id]
+        p = self.registry.workers[pl.prefill.worker_id] if pl.prefill is not None else None
+        placement = ipb.Placement(
+            decode_worker=d.info.worker_id, decode_site=d.info.site, prefill_worker=(p or d).info.worker_id,
+            prefill_site=(p or d).info.site, colocated=p is None, estimated_ttft_ms=pl.est_ttft_s * 1e3,
+            policy=pl.policy, prefill_cached_blocks=pl.cached_blocks_prefill,
+            decode_cached_blocks=pl.cached_blocks_decode,
+            link="" if p is None else link_name(p.info.site, d.info.site))
+        async for msg in self._relay(wr, client_id, p, d, placement, context):
             yield msg
 
+    def _link_target(self, target: wpb.KVTarget, p: WorkerRecord, d: WorkerRecord) -> wpb.KVTarget:
+        """The decode worker's reservation plus what the link between P and D asks for."""
+        link = self.registry.link_config(p.info.site, d.info.site)
+        target.link_rtt_ms, target.link_gbps = link.rtt_ms, link.gbps
+        target.encrypt = self.cfg.kv.encrypt if link.encrypt is None else link.encrypt
+        if link.transport:
+            target.transport = link.transport
+        return target
+
     async def _relay(self, wr: wpb.WorkRequest, client_id: str, p: WorkerRecord | None, d: WorkerRecord,
-                     context: grpc.aio.ServicerContext):
-        placement = ipb.Placement(decode_worker=d.info.worker_id, decode_site=d.info.site,
-                                  prefill_worker=(p or d).info.worker_id, prefill_site=(p or d).info.site,
-                                  colocated=p is None, transport="" if p is None else p.info.transport)
+                     placement: ipb.Placement, context: grpc.aio.ServicerContext):
         t0 = time.perf_counter()
         n_out = 0
         d.inflight += 1
@@ -137,8 +178,9 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                 if ev is grpc.aio.EOF:
                     break
                 if ev.HasField("reservation"):
-                    prefill = asyncio.ensure_future(p.stub.Prefill(wpb.PrefillRequest(request=wr,
-                                                                                       target=ev.reservation)))
+                    target = self._link_target(ev.reservation, p, d)
+                    placement.transport = target.transport
+                    prefill = asyncio.ensure_future(p.stub.Prefill(wpb.PrefillRequest(request=wr, target=target)))
                     continue
                 out = ev.output
                 out.request_id = client_id

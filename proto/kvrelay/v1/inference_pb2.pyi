@@ -91,7 +91,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("prefill_worker", "decode_worker", "prefill_site", "decode_site", "colocated", "transport", "kv_bytes", "ttft_ms")
+    __slots__ = ("prefill_worker", "decode_worker", "prefill_site", "decode_site", "colocated", "transport", "kv_bytes", "ttft_ms", "estimated_ttft_ms", "policy", "prefill_cached_blocks", "decode_cached_blocks", "link")
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SITE_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,11 @@ class Placement(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
     prefill_worker: str
     decode_worker: str
     prefill_site: str
@@ -108,7 +113,12 @@ class Placement(_message.Message):
     transport: str
     kv_bytes: int
     ttft_ms: float
-    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_site: _Optional[str] = ..., decode_site: _Optional[str] = ..., colocated: _Optional[bool] = ..., transport: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ...) -> None: ...
+    estimated_ttft_ms: float
+    policy: str
+    prefill_cached_blocks: int
+    decode_cached_blocks: int
+    link: str
+    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_site: _Optional[str] = ..., decode_site: _Optional[str] = ..., colocated: _Optional[bool] = ..., transport: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., estimated_ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., prefill_cached_blocks: _Optional[int] = ..., decode_cached_blocks: _Optional[int] = ..., link: _Optional[str] = ...) -> None: ...
 
 class Finish(_message.Message):
     __slots__ = ("reason", "usage", "placement")

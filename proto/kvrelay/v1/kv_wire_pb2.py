@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrelay/v1/kv_wire.proto\x12\nkvrelay.v1\"\xd9\x01\n\x07KVHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x10\n\x08shm_path\x18\x05 \x01(\t\x12\x16\n\x0eshm_num_blocks\x18\x06 \x01(\r\x12\x15\n\rnixl_metadata\x18\x07 \x01(\x0c\x12\x17\n\x0fkv_base_address\x18\x08 \x01(\x04\x12\x14\n\x0ckv_device_id\x18\t \x01(\r\x12\x0f\n\x07\x65ncrypt\x18\n \x01(\x08\"c\n\nKVHelloAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\r\n\x05proof\x18\x04 \x01(\x0c\x12\x15\n\rshared_memory\x18\x05 \x01(\x08\"\x17\n\x06KVAuth\x12\r\n\x05proof\x18\x01 \x01(\x0c\"-\n\tKVAuthAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x9b\x01\n\x08KVBlocks\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\r\n\x05\x66irst\x18\x04 \x01(\r\x12\r\n\x05\x63ount\x18\x05 \x01(\r\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x07 \x03(\x07\x12\x12\n\nsrc_blocks\x18\x08 \x03(\r\"L\n\x06KVDone\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\"<\n\tKVDoneAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xaa\x02\n\x07KVFrame\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.kvrelay.v1.KVHelloH\x00\x12+\n\thello_ack\x18\x02 \x01(\x0b\x32\x16.kvrelay.v1.KVHelloAckH\x00\x12\"\n\x04\x61uth\x18\x03 \x01(\x0b\x32\x12.kvrelay.v1.KVAuthH\x00\x12)\n\x08\x61uth_ack\x18\x04 \x01(\x0b\x32\x15.kvrelay.v1.KVAuthAckH\x00\x12&\n\x06\x62locks\x18\x05 \x01(\x0b\x32\x14.kvrelay.v1.KVBlocksH\x00\x12\"\n\x04\x64one\x18\x06 \x01(\x0b\x32\x12.kvrelay.v1.KVDoneH\x00\x12)\n\x08\x64one_ack\x18\x07 \x01(\x0b\x32\x15.kvrelay.v1.KVDoneAckH\x00\x42\x06\n\x04\x62odyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrelay/v1/kv_wire.proto\x12\nkvrelay.v1\"\xf6\x01\n\x07KVHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x10\n\x08shm_path\x18\x05 \x01(\t\x12\x16\n\x0eshm_num_blocks\x18\x06 \x01(\r\x12\x15\n\rnixl_metadata\x18\x07 \x01(\x0c\x12\x17\n\x0fkv_base_address\x18\x08 \x01(\x04\x12\x14\n\x0ckv_device_id\x18\t \x01(\r\x12\x0f\n\x07\x65ncrypt\x18\n \x01(\x08\x12\x1b\n\x13socket_buffer_bytes\x18\x0b \x01(\x04\"c\n\nKVHelloAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\r\n\x05proof\x18\x04 \x01(\x0c\x12\x15\n\rshared_memory\x18\x05 \x01(\x08\"\x17\n\x06KVAuth\x12\r\n\x05proof\x18\x01 \x01(\x0c\"-\n\tKVAuthAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x9b\x01\n\x08KVBlocks\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\r\n\x05\x66irst\x18\x04 \x01(\r\x12\r\n\x05\x63ount\x18\x05 \x01(\r\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x07 \x03(\x07\x12\x12\n\nsrc_blocks\x18\x08 \x03(\r\"L\n\x06KVDone\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\"<\n\tKVDoneAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xaa\x02\n\x07KVFrame\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.kvrelay.v1.KVHelloH\x00\x12+\n\thello_ack\x18\x02 \x01(\x0b\x32\x16.kvrelay.v1.KVHelloAckH\x00\x12\"\n\x04\x61uth\x18\x03 \x01(\x0b\x32\x12.kvrelay.v1.KVAuthH\x00\x12)\n\x08\x61uth_ack\x18\x04 \x01(\x0b\x32\x15.kvrelay.v1.KVAuthAckH\x00\x12&\n\x06\x62locks\x18\x05 \x01(\x0b\x32\x14.kvrelay.v1.KVBlocksH\x00\x12\"\n\x04\x64one\x18\x06 \x01(\x0b\x32\x12.kvrelay.v1.KVDoneH\x00\x12)\n\x08\x64one_ack\x18\x07 \x01(\x0b\x32\x15.kvrelay.v1.KVDoneAckH\x00\x42\x06\n\x04\x62odyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,19 +32,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.kv_wire_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVHELLO']._serialized_start=41
-  _globals['_KVHELLO']._serialized_end=258
-  _globals['_KVHELLOACK']._serialized_start=260
-  _globals['_KVHELLOACK']._serialized_end=359
-  _globals['_KVAUTH']._serialized_start=361
-  _globals['_KVAUTH']._serialized_end=384
-  _globals['_KVAUTHACK']._serialized_start=386
-  _globals['_KVAUTHACK']._serialized_end=431
-  _globals['_KVBLOCKS']._serialized_start=434
-  _globals['_KVBLOCKS']._serialized_end=589
-  _globals['_KVDONE']._serialized_start=591
-  _globals['_KVDONE']._serialized_end=667
-  _globals['_KVDONEACK']._serialized_start=669
-  _globals['_KVDONEACK']._serialized_end=729
-  _globals['_KVFRAME']._serialized_start=732
-  _globals['_KVFRAME']._serialized_end=1030
+  _globals['_KVHELLO']._serialized_end=287
+  _globals['_KVHELLOACK']._serialized_start=289
+  _globals['_KVHELLOACK']._serialized_end=388
+  _globals['_KVAUTH']._serialized_start=390
+  _globals['_KVAUTH']._serialized_end=413
+  _globals['_KVAUTHACK']._serialized_start=415
+  _globals['_KVAUTHACK']._serialized_end=460
+  _globals['_KVBLOCKS']._serialized_start=463
+  _globals['_KVBLOCKS']._serialized_end=618
+  _globals['_KVDONE']._serialized_start=620
+  _globals['_KVDONE']._serialized_end=696
+  _globals['_KVDONEACK']._serialized_start=698
+  _globals['_KVDONEACK']._serialized_end=758
+  _globals['_KVFRAME']._serialized_start=761
+  _globals['_KVFRAME']._serialized_end=1059
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHello(_message.Message):
-    __slots__ = ("protocol_version", "layout_hash", "nonce", "host_id", "shm_path", "shm_num_blocks", "nixl_metadata", "kv_base_address", "kv_device_id", "encrypt")
+    __slots__ = ("protocol_version", "layout_hash", "nonce", "host_id", "shm_path", "shm_num_blocks", "nixl_metadata", "kv_base_address", "kv_device_id", "encrypt", "socket_buffer_bytes")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class KVHello(_message.Message):
     KV_BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     ENCRYPT_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     layout_hash: str
     nonce: bytes
@@ -28,7 +29,8 @@ class KVHello(_message.Message):
     kv_base_address: int
     kv_device_id: int
     encrypt: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., shm_num_blocks: _Optional[int] = ..., nixl_metadata: _Optional[bytes] = ..., kv_base_address: _Optional[int] = ..., kv_device_id: _Optional[int] = ..., encrypt: _Optional[bool] = ...) -> None: ...
+    socket_buffer_bytes: int
+    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., shm_num_blocks: _Optional[int] = ..., nixl_metadata: _Optional[bytes] = ..., kv_base_address: _Optional[int] = ..., kv_device_id: _Optional[int] = ..., encrypt: _Optional[bool] = ..., socket_buffer_bytes: _Optional[int] = ...) -> None: ...
 
 class KVHelloAck(_message.Message):
     __slots__ = ("accepted", "reason", "nonce", "proof", "shared_memory")

@@ -18,7 +18,7 @@ ROLE_PREFILL: Role
 ROLE_DECODE: Role
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "site", "address", "kv_endpoint", "transport", "model", "layout_hash", "block_size", "num_blocks")
+    __slots__ = ("worker_id", "role", "site", "address", "kv_endpoint", "transport", "model", "layout_hash", "block_size", "num_blocks", "num_layers", "kv_block_bytes", "device")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,9 @@ class WorkerInfo(_message.Message):
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     site: str
@@ -39,10 +42,13 @@ class WorkerInfo(_message.Message):
     layout_hash: str
     block_size: int
     num_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., site: _Optional[str] = ..., address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., model: _Optional[str] = ..., layout_hash: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    num_layers: int
+    kv_block_bytes: int
+    device: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., site: _Optional[str] = ..., address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., model: _Optional[str] = ..., layout_hash: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "running", "waiting", "free_blocks", "total_blocks", "prefill_tokens_total", "decode_tokens_total", "kv_bytes_received", "kv_bytes_sent", "reservations", "prefix_hit_blocks", "prefix_query_blocks")
+    __slots__ = ("worker_id", "running", "waiting", "free_blocks", "total_blocks", "prefill_tokens_total", "decode_tokens_total", "kv_bytes_received", "kv_bytes_sent", "reservations", "prefix_hit_blocks", "prefix_query_blocks", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_step_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +61,9 @@ class WorkerLoad(_message.Message):
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_QUERY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running: int
     waiting: int
@@ -67,7 +76,20 @@ class WorkerLoad(_message.Message):
     reservations: int
     prefix_hit_blocks: int
     prefix_query_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., decode_tokens_total: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., reservations: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ...) -> None: ...
+    queued_prefill_tokens: int
+    prefill_tokens_per_s: float
+    decode_step_ms: float
+    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., decode_tokens_total: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., reservations: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_ms: _Optional[float] = ...) -> None: ...
+
+class KVCacheEvents(_message.Message):
+    __slots__ = ("stored", "removed", "snapshot")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    snapshot: bool
+    def __init__(self, stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("info",)
@@ -82,38 +104,68 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("load",)
+    __slots__ = ("load", "kv_events")
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     load: WorkerLoad
-    def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+    kv_events: KVCacheEvents
+    def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., kv_events: _Optional[_Union[KVCacheEvents, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "send_snapshot")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    SEND_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    send_snapshot: bool
+    def __init__(self, known: _Optional[bool] = ..., send_snapshot: _Optional[bool] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("info", "load", "healthy", "last_heartbeat_age_s")
+    __slots__ = ("info", "load", "healthy", "last_heartbeat_age_s", "draining", "inflight", "cached_blocks")
     INFO_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     info: WorkerInfo
     load: WorkerLoad
     healthy: bool
     last_heartbeat_age_s: float
-    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ...) -> None: ...
+    draining: bool
+    inflight: int
+    cached_blocks: int
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., draining: _Optional[bool] = ..., inflight: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+
+class LinkStatus(_message.Message):
+    __slots__ = ("name", "rtt_ms", "gbps", "transport", "encrypt", "up")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    GBPS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPT_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rtt_ms: float
+    gbps: float
+    transport: str
+    encrypt: bool
+    up: bool
+    def __init__(self, name: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., gbps: _Optional[float] = ..., transport: _Optional[str] = ..., encrypt: _Optional[bool] = ..., up: _Optional[bool] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "links", "policy")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[LinkStatus]
+    policy: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class WorkRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "salt")
@@ -136,20 +188,26 @@ class WorkRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., salt: _Optional[str] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("endpoint", "transfer_id", "start_block", "block_ids", "layout_hash", "transport")
+    __slots__ = ("endpoint", "transfer_id", "start_block", "block_ids", "layout_hash", "transport", "link_rtt_ms", "link_gbps", "encrypt")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    LINK_RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    LINK_GBPS_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPT_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     transfer_id: str
     start_block: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     layout_hash: str
     transport: str
-    def __init__(self, endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., start_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
+    link_rtt_ms: float
+    link_gbps: float
+    encrypt: bool
+    def __init__(self, endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., start_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., transport: _Optional[str] = ..., link_rtt_ms: _Optional[float] = ..., link_gbps: _Optional[float] = ..., encrypt: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request", "colocated", "lease_s")
