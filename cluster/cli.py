@@ -61,6 +61,13 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_placement(args: argparse.Namespace) -> int:
+    from benchmarks.placement_bench import format_placement, run_placement_bench
+
+    print(format_placement(run_placement_bench(args.workers, args.sites, args.prompt_tokens, args.decisions)))
+    return 0
+
+
 def cmd_generate_local(args: argparse.Namespace) -> int:
     """Runs the engine in this process (no cluster) and streams the answer."""
     from engine.config import EngineConfig
@@ -246,6 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--model", help="checkpoint for the overlap measurement (default: the embedded model)")
     bk.add_argument("--no-overlap", action="store_true", help="skip the 4k-token layer-wise overlap run")
     bk.set_defaults(func=cmd_bench_kv)
+
+    bp = bench.add_parser("placement", help="placement decision and prefix-index lookup time")
+    bp.add_argument("--workers", type=int, default=1000)
+    bp.add_argument("--sites", type=int, default=10)
+    bp.add_argument("--prompt-tokens", type=int, default=8192)
+    bp.add_argument("--decisions", type=int, default=500)
+    bp.set_defaults(func=cmd_bench_placement)
 
     gen = sub.add_parser("generate-local", help="generate with an in-process engine (no cluster)")
     gen.add_argument("prompt")

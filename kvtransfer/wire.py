@@ -41,6 +41,17 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
 
 IOV_MAX = 1024
 """Buffers per sendmsg/recvmsg_into call (Linux's limit)."""
+IOV_BYTES = 1 << 20
+"""Bytes per vectored call: small buffers are batched up to this; a large
+one goes alone (each call re-acquires every buffer it is handed)."""
+
+
+def _batch_end(views: list[memoryview], i: int) -> int:
+    end, total = i + 1, len(views[i])
+    while end < len(views) and end - i < IOV_MAX and total + len(views[end]) <= IOV_BYTES:
+        total += len(views[end])
+        end += 1
+    return end
 
 
 def _advance(views: list[memoryview], i: int, n: int) -> int:
@@ -62,7 +73,12 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> None:
     views = [v for v in views if len(v)]
     i = 0
     while i < len(views):
-        i = _advance(views, i, sock.sendmsg(views[i:i + IOV_MAX]))
+        end = _batch_end(views, i)
+        if end == i + 1:
+            sock.sendall(views[i])
+            i += 1
+        else:
+            i = _advance(views, i, sock.sendmsg(views[i:end]))
 
 
 def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -70,7 +86,12 @@ def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
     views = [v for v in views if len(v)]
     i = 0
     while i < len(views):
-        n = sock.recvmsg_into(views[i:i + IOV_MAX])[0]
+        end = _batch_end(views, i)
+        if end == i + 1:
+            recv_exact_into(sock, views[i])
+            i += 1
+            continue
+        n = sock.recvmsg_into(views[i:end])[0]
         if n == 0:
             raise ConnectionError("peer closed the connection")
         i = _advance(views, i, n)

@@ -306,26 +306,49 @@ class CostModel(Policy):
     name = "cost_model"
 
     def choose(self, req, view, prefills, decodes):
-        # cost(P, D) = A(P) + exposed(site(P) -> D) + admission(D): the best P of
-        # each site is the same for every D, so a decision is O(#P + #D x #sites).
+        # cost(P, D) = A(P) + exposed(site(P) -> D) + admission(D). The best P of
+        # a site is the same for every D, and exposed() depends on D only through
+        # its site and cached blocks: the best disaggregated cost is computed once
+        # per (D's site, D's cached blocks), then each D costs O(1).
+        cached = req.cached_blocks
+        prompt = req.prompt_tokens
+        bs = view.block_size
+        default_tput = view.default_prefill_tokens_per_s
         by_site: dict[str, list[tuple[float, WorkerView]]] = {}
         for p in prefills:
-            by_site.setdefault(p.site, []).append((_compute_s(req, view, p), p))
+            hit = min(cached.get(p.worker_id, 0) * bs, prompt - 1)
+            a = (p.queued_prefill_tokens + prompt - hit) / (p.prefill_tokens_per_s or default_tput)
+            by_site.setdefault(p.site, []).append((a, p))
         best_of_site = {s: min(c for c, _ in ps) for s, ps in by_site.items()}
-        short = self._short(req, view)
-        cands: list[tuple[float, WorkerView, str | None]] = []
-        for d in decodes:
-            admit = _admission_s(d)
-            cands.append((_colocated_s(req, view, d), d, None))
-            if short:
-                continue
-            d_cached = req.cached_blocks.get(d.worker_id, 0)
+        disagg: dict[tuple[str, int], tuple[float, str | None]] = {}
+
+        def best_disaggregated(d_site: str, d_cached: int) -> tuple[float, str | None]:
+            best = (float("inf"), None)
             for site, a in best_of_site.items():
-                link = view.link(site, d.site)
+                link = view.link(site, d_site)
                 if link is not None:
-                    cands.append((a + _exposed_s(req, view, link, a, d_cached) + admit + DISAGG_OVERHEAD_S, d, site))
-        cached = req.cached_blocks
-        best = min(c for c, _, _ in cands)
+                    cost = a + _exposed_s(req, view, link, a, d_cached) + DISAGG_OVERHEAD_S
+                    if cost < best[0]:
+                        best = (cost, site)
+            disagg[(d_site, d_cached)] = best
+            return best
+
+        disaggregate = bool(best_of_site) and not self._short(req, view)
+        cands: list[tuple[float, WorkerView, str | None]] = []
+        best = float("inf")
+        for d in decodes:
+            tput = d.prefill_tokens_per_s or default_tput
+            d_cached = cached.get(d.worker_id, 0)
+            own = (prompt - min(d_cached * bs, prompt - 1)) / tput
+            admit = d.waiting * d.decode_step_s
+            cost = own * (1 + d.running) + d.queued_prefill_tokens / tput + admit
+            cands.append((cost, d, None))
+            best = min(best, cost)
+            if disaggregate:
+                cost, site = disagg.get((d.site, d_cached)) or best_disaggregated(d.site, d_cached)
+                if site is not None:
+                    cands.append((cost + admit, d, site))
+                    best = min(best, cost + admit)
         near = _most_cached([c for c in cands if c[0] <= best * (1 + view.herd_tolerance) + 1e-4],
                             lambda c: cached.get(c[1].worker_id, 0))
         _, d, site = near[self.rng.randrange(len(near))]

@@ -147,8 +147,8 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         link = self.registry.link_config(p.info.site, d.info.site)
         target.link_rtt_ms, target.link_gbps = link.rtt_ms, link.gbps
         target.encrypt = self.cfg.kv.encrypt if link.encrypt is None else link.encrypt
-        if link.transport:
-            target.transport = link.transport
+        # the sender's kind decides unless the link pins one (tcp = bytes over the socket)
+        target.transport = link.transport or p.info.transport
         return target
 
     async def _relay(self, wr: wpb.WorkRequest, client_id: str, p: WorkerRecord | None, d: WorkerRecord,

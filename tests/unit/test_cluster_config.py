@@ -20,6 +20,23 @@ def test_default_config():
     assert cfg.model.path is None
 
 
+TWO = {"sites": [{"name": "a"}, {"name": "b"}]}
+
+
+def test_topology_config():
+    cfg = parse_config({**TWO, "links": [{"between": ["a", "b"], "rtt_ms": 9, "gbps": 1, "encrypt": True}],
+                        "router": {"policy": "prefix_aware"}})
+    assert cfg.links[0].between == ["a", "b"] and cfg.links[0].rtt_ms == 9.0 and cfg.links[0].encrypt
+    assert cfg.router.policy == "prefix_aware" and load_config(None).router.policy == "cost_model"
+
+
+def test_example_configs_parse():
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).parents[2].joinpath("examples").glob("*.yaml")):
+        assert load_config(path).sites
+
+
 @pytest.mark.parametrize("raw,match", [
     ({"sites": [{"name": "a", "decode": {"replicas": -1}}]}, r"sites\[0\]\.decode\.replicas: must be in \[0, 64\]"),
     ({"router": {"port": "x"}}, r"router\.port: expected an integer"),
@@ -32,6 +49,16 @@ def test_default_config():
     ({"cache": {"block_size": 3}}, r"cache: .*block_size must be a positive power of two"),
     ({"model": {"dtype": "int4"}}, r"model\.dtype"),
     ({"sites": [{"name": "a", "prefill": {"replicas": True}}]}, r"sites\[0\]\.prefill\.replicas: expected an integer"),
+    ({**TWO, "links": [{"between": ["a", "x"]}]}, r"links\[0\]\.between: unknown site 'x'"),
+    ({**TWO, "links": [{"between": ["a", "b"], "gbps": -1}]}, r"links\[0\]\.gbps: must be positive"),
+    ({**TWO, "links": [{"between": ["a", "b"], "rtt_ms": -3}]}, r"links\[0\]\.rtt_ms: must be >= 0"),
+    ({**TWO, "links": [{"between": ["a", "a"]}]}, r"links\[0\]\.between: must name two different sites"),
+    ({**TWO, "links": [{"between": ["a", "b"]}, {"between": ["b", "a"]}]}, r"links\[1\]: duplicate link"),
+    ({**TWO, "links": [{"between": ["a", "b"], "transport": "carrier-pigeon"}]}, r"links\[0\]\.transport"),
+    ({**TWO, "links": {"between": ["a", "b"]}}, r"links: expected a list of links"),
+    ({"router": {"policy": "fastest"}}, r"router\.policy: must be one of round_robin"),
+    ({"router": {"max_inflight_per_worker": 0}}, r"router\.max_inflight_per_worker"),
+    ({"sites": [{"name": "a", "decode": {"device": "tpu"}}]}, r"sites\[0\]\.decode\.device"),
 ])
 def test_invalid_config_names_the_field(raw, match):
     with pytest.raises(ConfigError, match=match):

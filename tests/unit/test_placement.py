@@ -223,3 +223,30 @@ def test_prefix_index_matches_a_direct_scan(holdings, prompt):
         if n:
             expected[wid] = n
     assert ix.leading_blocks(prompt) == expected
+
+
+def test_registry_applies_cache_events_only_after_a_snapshot():
+    import asyncio
+
+    from cluster.config import parse_config
+    from kvrelay.v1 import worker_pb2 as wpb
+    from router.registry import WorkerRegistry
+
+    async def scenario():
+        reg = WorkerRegistry(parse_config({}))
+        await reg.register(wpb.WorkerInfo(worker_id="local/decode/0", role=wpb.ROLE_DECODE, site="local",
+                                          address="127.0.0.1:1", num_blocks=100))
+        load = wpb.WorkerLoad(worker_id="local/decode/0", total_blocks=100, free_blocks=90)
+        # changes without a snapshot first: the router cannot trust them, asks for one
+        resp = reg.heartbeat(wpb.HeartbeatRequest(load=load, kv_events=wpb.KVCacheEvents(stored=[5])))
+        assert resp.known and resp.send_snapshot and reg.index.blocks_of("local/decode/0") == 0
+        resp = reg.heartbeat(wpb.HeartbeatRequest(load=load, kv_events=wpb.KVCacheEvents(stored=[1, 2], snapshot=True)))
+        assert not resp.send_snapshot and reg.index.leading_blocks([1, 2]) == {"local/decode/0": 2}
+        reg.heartbeat(wpb.HeartbeatRequest(load=load, kv_events=wpb.KVCacheEvents(stored=[3], removed=[2])))
+        assert reg.index.leading_blocks([1, 2]) == {"local/decode/0": 1}
+        view = reg.view()
+        assert view.workers[0].free_blocks == 90 and view.workers[0].healthy
+        assert not reg.heartbeat(wpb.HeartbeatRequest(load=wpb.WorkerLoad(worker_id="ghost"))).known
+        await reg.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,132 @@
+"""Two sites in one config, on this machine: Toronto (CA-ON) and Montreal
+(CA-QC), each with a prefill and a decode worker, joined by a link.
+Residency is checked from the workers' own counters, prefix-cache hits
+from the workers' own prefix-cache statistics."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+import pytest
+
+from cluster.config import parse_config
+from cluster.launch_local import LocalCluster
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+from tests.integration.conftest import wait_until, worker_stats, workers
+
+pytestmark = pytest.mark.model
+
+SITES = {"toronto": "CA-ON", "montreal": "CA-QC"}
+WORKERS = [f"{s}/{r}/0" for s in SITES for r in ("prefill", "decode")]
+
+
+def two_sites(policy: str) -> dict:
+    return {
+        "router": {"port": 0, "policy": policy, "heartbeat_interval_s": 0.25},
+        "sites": [{"name": s, "jurisdiction": j, "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+                  for s, j in SITES.items()],
+        "links": [{"between": ["toronto", "montreal"], "rtt_ms": 9, "gbps": 10}],
+        "workers": {"threads": 1},
+        "cache": {"memory_gib": 0.25},
+    }
+
+
+def start(policy: str, smollm_path) -> LocalCluster:
+    lc = LocalCluster(parse_config(two_sites(policy)), smollm_path)
+    lc.start()
+    assert wait_until(lambda: len(workers(lc)) == 4, 60)
+    return lc
+
+
+@pytest.fixture(scope="module")
+def multisite(smollm_path):
+    lc = start("cost_model", smollm_path)
+    yield lc
+    lc.stop()
+
+
+def token_request(ids: list[int], **kw) -> ipb.GenerateRequest:
+    return ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=ids), max_tokens=2, ignore_eos=True, **kw)
+
+
+def generate(lc: LocalCluster, req: ipb.GenerateRequest) -> ipb.Finish:
+    with grpc.insecure_channel(lc.router_address) as ch:
+        msgs = list(igrpc.InferenceStub(ch).Generate(req, timeout=120))
+    return msgs[-1].finish
+
+
+def counters(lc: LocalCluster) -> dict[str, tuple[int, int, int, int]]:
+    """Per worker, from the worker itself: prompt tokens computed, tokens
+    decoded, prefix-cache hit blocks and lookup blocks."""
+    out = {}
+    for wid in WORKERS:
+        s = worker_stats(lc, wid)
+        out[wid] = (s.prefill_tokens_total, s.decode_tokens_total, s.prefix_hit_blocks, s.prefix_query_blocks)
+    return out
+
+
+def test_restricted_request_is_served_only_in_its_jurisdiction(multisite):
+    rng = random.Random(1)
+    before = counters(multisite)
+    for n in (40, 300, 700):  # short (colocated) to long (disaggregated) prompts
+        fin = generate(multisite, token_request([rng.randrange(100, 40000) for _ in range(n)],
+                                                allowed_jurisdictions=["CA-QC"]))
+        assert fin.placement.decode_site == fin.placement.prefill_site == "montreal"
+        assert fin.placement.policy == "cost_model" and fin.placement.estimated_ttft_ms > 0
+    after = counters(multisite)
+    for wid in WORKERS:
+        moved = [a - b for a, b in zip(after[wid][:2], before[wid][:2])]
+        if wid.startswith("toronto"):
+            assert moved == [0, 0], f"{wid} computed for a CA-QC-only request"
+    assert sum(after[w][0] - before[w][0] for w in WORKERS if w.startswith("montreal")) >= 40 + 300 + 700 - 3
+    assert after["montreal/decode/0"][1] > before["montreal/decode/0"][1]
+
+
+def test_unsatisfiable_jurisdiction_fails_with_failed_precondition(multisite):
+    with grpc.insecure_channel(multisite.router_address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(igrpc.InferenceStub(ch).Generate(token_request(list(range(100, 200)),
+                                                                allowed_jurisdictions=["EU"]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "EU" in err.value.details()
+
+
+def test_unreachable_deadline_is_refused_with_a_retry_hint(multisite):
+    with grpc.insecure_channel(multisite.router_address) as ch:
+        call = igrpc.InferenceStub(ch).Generate(token_request(list(range(100, 1900))), timeout=0.05)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+    assert dict(err.value.trailing_metadata())["retry-after-ms"].isdigit()
+
+
+def hit_rate(lc: LocalCluster, seed: int) -> float:
+    """Four prompt groups, each sent twice in a row: shared 192-token prefix,
+    distinct 40-token suffix. Hit rate over every worker's prefix cache."""
+    rng = random.Random(seed)
+    before = counters(lc)
+    for _ in range(4):
+        prefix = [rng.randrange(100, 40000) for _ in range(192)]
+        for _ in range(2):
+            generate(lc, token_request(prefix + [rng.randrange(100, 40000) for _ in range(40)]))
+            time.sleep(0.6)  # the prefix index learns of new blocks with the next heartbeat
+    after = counters(lc)
+    hits = sum(after[w][2] - before[w][2] for w in WORKERS)
+    queries = sum(after[w][3] - before[w][3] for w in WORKERS)
+    return hits / max(1, queries)
+
+
+def test_shared_prefixes_hit_the_cache_under_prefix_aware_and_cost_model_not_round_robin(multisite, smollm_path):
+    rates = {"cost_model": hit_rate(multisite, 7)}
+    for policy in ("prefix_aware", "round_robin"):
+        lc = start(policy, smollm_path)
+        try:
+            rates[policy] = hit_rate(lc, 11)
+        finally:
+            lc.stop()
+    print("prefix-cache hit rate by policy:", {k: round(v, 3) for k, v in rates.items()})
+    assert rates["round_robin"] == 0.0, rates
+    assert rates["prefix_aware"] >= 0.2 and rates["cost_model"] >= 0.2, rates
