@@ -68,6 +68,83 @@ def cmd_bench_placement(args: argparse.Namespace) -> int:
     return 0
 
 
+VOCAB_RANGE = (100, 10000)
+"""Token ids of replayed prompts: inside any real vocabulary, clear of special tokens."""
+
+
+def cmd_bench_replay(args: argparse.Namespace) -> int:
+    import asyncio
+    import datetime
+
+    import grpc
+
+    from benchmarks.replay import ReplayConfig, build_report, check_lengths, replay, write_report
+    from benchmarks.traces import TraceError, build_prompts, load_trace
+    from cluster.config import ConfigError, load_config
+    from cluster.launch_local import LocalCluster
+    from kvrelay.v1 import inference_pb2 as ipb
+    from kvrelay.v1 import inference_pb2_grpc as igrpc
+
+    if args.speedup <= 0 or (args.length_scale is not None and args.length_scale <= 0):
+        print("kvrelay: --speedup and --length-scale must be positive", file=sys.stderr)
+        return 2
+    try:
+        reqs = load_trace(args.trace, args.format, args.limit)
+    except TraceError as exc:
+        print(f"kvrelay: {exc}", file=sys.stderr)
+        return 2
+    cluster = None
+    try:
+        address = args.router
+        policy = "?"
+        if address is None:
+            try:
+                cfg = load_config(args.config)
+            except ConfigError as exc:
+                print(f"kvrelay: {exc}", file=sys.stderr)
+                return 2
+            cfg.router.port = 0
+            policy = cfg.router.policy
+            cluster = LocalCluster(cfg, _resolve_model(cfg.model.path, args.cache_dir))
+            address = cluster.start()
+        with grpc.insecure_channel(address) as ch:
+            try:
+                model = igrpc.InferenceStub(ch).ListModels(ipb.ListModelsRequest(), timeout=30).models[0]
+            except grpc.RpcError as exc:
+                return _grpc_error(exc)
+        scale = args.length_scale or 1.0
+        too_long = check_lengths(reqs, scale, model.context_window)
+        if too_long and args.length_scale is None:
+            worst = max(r.input_tokens + r.output_tokens for r in reqs)
+            print(f"kvrelay: {len(too_long)} of {len(reqs)} requests exceed {model.name}'s context window of "
+                  f"{model.context_window} tokens (longest {worst}); pass --length-scale, e.g. "
+                  f"--length-scale {0.95 * model.context_window / worst:.3g}", file=sys.stderr)
+            return 2
+        reason = ""
+        if args.length_scale is not None:
+            reason = f"--length-scale {scale:g} given; {len(too_long)} request(s) still exceed the context window " \
+                     "and are sent anyway (they fail and are reported)"
+        prompts = build_prompts(reqs, scale, VOCAB_RANGE, seed=args.seed)
+        rcfg = ReplayConfig(speedup=args.speedup, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+                            progress=not args.no_progress)
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        records, samples = asyncio.run(replay(address, prompts, rcfg))
+        meta = {"trace": str(args.trace), "format": args.format or "auto", "limit": args.limit,
+                "speedup": args.speedup, "length_scale": scale, "scale_reason": reason, "seed": args.seed,
+                "model": model.name, "context_window": model.context_window, "router": address,
+                "policy": policy, "started": started,
+                "config": cluster.cfg.to_dict() if cluster is not None else None,
+                "trace_slice": [{"index": r.index, "arrival_s": r.arrival_s, "input_tokens": r.input_tokens,
+                                 "output_tokens": r.output_tokens} for r in reqs]}
+        report = build_report(records, samples, rcfg, meta)
+        write_report(report, Path(args.out))
+        print((Path(args.out) / "report.md").read_text())
+        return 0 if report["summary"]["failed"] == 0 else 1
+    finally:
+        if cluster is not None:
+            cluster.stop()
+
+
 def cmd_generate_local(args: argparse.Namespace) -> int:
     """Runs the engine in this process (no cluster) and streams the answer."""
     from engine.config import EngineConfig
@@ -260,6 +337,21 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--prompt-tokens", type=int, default=8192)
     bp.add_argument("--decisions", type=int, default=500)
     bp.set_defaults(func=cmd_bench_placement)
+
+    br = bench.add_parser("replay", help="replay a request trace (Azure CSV or Mooncake JSONL) and report")
+    br.add_argument("--trace", required=True, type=Path, help="trace file")
+    br.add_argument("--format", choices=["azure", "mooncake"], help="default: from the file's first line")
+    br.add_argument("--config", help="cluster to start (default: the embedded default); ignored with --router")
+    br.add_argument("--router", help="replay against this running router instead of starting a cluster")
+    br.add_argument("--limit", type=int, help="first N requests of the trace")
+    br.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
+    br.add_argument("--length-scale", type=float, help="multiply every input and output length by this")
+    br.add_argument("--slo-ttft", type=float, help="TTFT objective in seconds (for goodput)")
+    br.add_argument("--slo-tpot", type=float, help="TPOT objective in seconds (for goodput)")
+    br.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
+    br.add_argument("--no-progress", action="store_true")
+    br.add_argument("--out", required=True, help="directory for report.json and report.md")
+    br.set_defaults(func=cmd_bench_replay)
 
     gen = sub.add_parser("generate-local", help="generate with an in-process engine (no cluster)")
     gen.add_argument("prompt")

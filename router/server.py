@@ -191,6 +191,7 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                     if prefill is not None:
                         resp = await prefill
                         placement.kv_bytes = resp.kv_bytes
+                        placement.kv_transfer_ms, placement.prefill_ms = resp.transfer_ms, resp.prefill_ms
                         out.finish.usage.cached_prompt_tokens = max(out.finish.usage.cached_prompt_tokens,
                                                                     resp.cached_tokens)
                     out.finish.usage.completion_tokens = n_out

@@ -1,0 +1,203 @@
+"""``kvrelay bench replay``: replays a request trace against a cluster
+through the public gRPC API, at the trace's arrival times (scaled by a
+speed-up), with its exact token counts and forced output lengths, while
+sampling every worker's load; then writes report.json and report.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+from benchmarks.metrics import RequestRecord, per_link, per_site, summarize
+from benchmarks.traces import ScaledRequest, TraceRequest, scale_lengths
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+
+@dataclass(slots=True)
+class ReplayConfig:
+    speedup: float = 1.0
+    """Arrival times are divided by this."""
+    request_timeout_s: float = 600.0
+    """Deadline of each request."""
+    sample_interval_s: float = 0.5
+    """How often worker load is sampled."""
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    progress: bool = True
+
+
+@dataclass(slots=True)
+class WorkerSamples:
+    busy: int = 0
+    samples: int = 0
+    kv_usage: list[float] = field(default_factory=list)
+    first: wpb.WorkerLoad | None = None
+    last: wpb.WorkerLoad | None = None
+    site: str = ""
+    role: str = ""
+
+
+def check_lengths(reqs: list[TraceRequest], scale: float, context_window: int) -> list[int]:
+    """Indexes of requests that would not fit the model's context window
+    after ``scale``; the caller reports them (they are never dropped silently)."""
+    return [r.index for r, (i, o) in zip(reqs, scale_lengths(reqs, scale)) if i + o > context_window]
+
+
+async def _one(stub, sr: ScaledRequest, t0: float, cfg: ReplayConfig, rec: RequestRecord) -> None:
+    delay = t0 + rec.scheduled_s - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=sr.prompt), max_tokens=sr.max_tokens, ignore_eos=True,
+                              request_id=f"replay-{sr.trace.index}")
+    rec.sent_s = time.perf_counter() - t0
+    try:
+        async for msg in stub.Generate(req, timeout=cfg.request_timeout_s):
+            now = time.perf_counter() - t0
+            rec.token_times += [now] * len(msg.token_ids)
+            if msg.HasField("finish"):
+                p = msg.finish.placement
+                rec.placement = {"prefill_site": p.prefill_site, "decode_site": p.decode_site,
+                                 "prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker,
+                                 "colocated": p.colocated, "link": p.link, "transport": p.transport,
+                                 "kv_bytes": p.kv_bytes, "kv_transfer_ms": p.kv_transfer_ms,
+                                 "estimated_ttft_ms": p.estimated_ttft_ms, "router_ttft_ms": p.ttft_ms}
+                rec.cached_tokens = msg.finish.usage.cached_prompt_tokens
+        rec.end_s = time.perf_counter() - t0
+        # a message carrying k tokens: spread them over the gap since the previous one
+        _spread(rec.token_times)
+        if len(rec.token_times) != sr.max_tokens:
+            rec.error = f"got {len(rec.token_times)} tokens, the trace forces {sr.max_tokens}"
+    except grpc.aio.AioRpcError as exc:
+        rec.error = f"{exc.code().name}: {exc.details()}"
+
+
+def _spread(times: list[float]) -> None:
+    i = 0
+    while i < len(times):
+        j = i
+        while j + 1 < len(times) and times[j + 1] == times[i]:
+            j += 1
+        if j > i and i > 0:
+            prev, last, k = times[i - 1], times[i], j - i + 1
+            for n in range(k):
+                times[i + n] = prev + (last - prev) * (n + 1) / k
+        i = j + 1
+
+
+async def _sample(reg, stop: asyncio.Event, interval: float, out: dict[str, WorkerSamples]) -> None:
+    while True:
+        try:
+            resp = await reg.ListWorkers(wpb.ListWorkersRequest(), timeout=5)
+            for w in resp.workers:
+                s = out.setdefault(w.info.worker_id, WorkerSamples(site=w.info.site, role=(
+                    "prefill" if w.info.role == wpb.ROLE_PREFILL else "decode")))
+                s.samples += 1
+                s.busy += int(w.inflight > 0 or w.load.running > 0 or w.load.waiting > 0)
+                if w.load.total_blocks:
+                    s.kv_usage.append(1 - w.load.free_blocks / w.load.total_blocks)
+                s.first = s.first or w.load
+                s.last = w.load
+        except grpc.aio.AioRpcError:
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+            return
+        except asyncio.TimeoutError:
+            pass
+
+
+async def replay(address: str, reqs: list[ScaledRequest], cfg: ReplayConfig) -> tuple[list[RequestRecord], dict]:
+    """Runs the replay; returns a record per request and per-worker samples."""
+    records = [RequestRecord(sr.trace.index, sr.trace.arrival_s / cfg.speedup, 0.0, len(sr.prompt), sr.max_tokens)
+               for sr in reqs]
+    samples: dict[str, WorkerSamples] = {}
+    opts = [("grpc.max_receive_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(address, options=opts) as ch:
+        stub, reg = igrpc.InferenceStub(ch), wgrpc.RegistryStub(ch)
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(_sample(reg, stop, cfg.sample_interval_s, samples))
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(_one(stub, sr, t0, cfg, rec)) for sr, rec in zip(reqs, records)]
+        done = 0
+        for fut in asyncio.as_completed(tasks):
+            await fut
+            done += 1
+            if cfg.progress:
+                failed = sum(1 for r in records if r.error)
+                bar = "#" * (30 * done // len(tasks))
+                print(f"\rreplay [{bar:<30}] {done}/{len(tasks)} done, {failed} failed, "
+                      f"{time.perf_counter() - t0:.0f} s", end="", file=sys.stderr, flush=True)
+        if cfg.progress:
+            print(file=sys.stderr)
+        stop.set()
+        await sampler
+    return records, samples
+
+
+def build_report(records: list[RequestRecord], samples: dict[str, WorkerSamples], cfg: ReplayConfig,
+                 meta: dict) -> dict:
+    workers = {}
+    for wid, s in sorted(samples.items()):
+        row = {"site": s.site, "role": s.role, "busy_fraction": s.busy / max(1, s.samples),
+               "kv_usage_mean": sum(s.kv_usage) / len(s.kv_usage) if s.kv_usage else 0.0,
+               "kv_usage_max": max(s.kv_usage, default=0.0)}
+        if s.first is not None and s.last is not None:
+            row["prefill_tokens"] = s.last.prefill_tokens_total - s.first.prefill_tokens_total
+            row["decode_tokens"] = s.last.decode_tokens_total - s.first.decode_tokens_total
+            hits = s.last.prefix_hit_blocks - s.first.prefix_hit_blocks
+            queries = s.last.prefix_query_blocks - s.first.prefix_query_blocks
+            row["prefix_hit_rate"] = hits / queries if queries else 0.0
+        workers[wid] = row
+    return {"meta": meta, "summary": summarize(records, cfg.slo_ttft_s, cfg.slo_tpot_s),
+            "per_link": per_link(records), "per_site": per_site(records), "per_worker": workers,
+            "requests": [asdict(r) for r in records]}
+
+
+def _fmt(d: dict) -> str:
+    if not d.get("count"):
+        return "n/a | n/a | n/a | n/a"
+    return " | ".join(f"{d[k]:.1f}" for k in ("mean", "p50", "p90", "p99"))
+
+
+def report_markdown(report: dict) -> str:
+    m, s = report["meta"], report["summary"]
+    lines = [f"# Replay of {m['trace']} ({m['format']})", "",
+             f"{s['requests']} requests (first {m['limit'] or 'all'} of the trace), speed-up {m['speedup']}x, "
+             f"length scale {m['length_scale']}{' (scaled: ' + m['scale_reason'] + ')' if m['scale_reason'] else ''}, "
+             f"policy {m.get('policy', '?')}, {m['started']}.", "",
+             f"Completed {s['completed']}, failed {s['failed']}, in {s['duration_s']:.1f} s.", "",
+             "| metric (ms) | mean | p50 | p90 | p99 |", "|---|---|---|---|---|"]
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
+        lines.append(f"| {name} | {_fmt(s[key])} |")
+    slo = s["slo"]
+    lines += ["", f"- Throughput: {s['request_throughput_rps']:.2f} req/s, {s['output_token_throughput_tps']:.1f} "
+                  f"output tok/s, {s['total_token_throughput_tps']:.1f} total tok/s",
+              f"- Goodput (TTFT <= {slo['ttft_s']} s, TPOT <= {slo['tpot_s']} s): {s['goodput_rps']:.2f} req/s; "
+              f"SLO attainment {s['slo_attainment']:.1%}",
+              f"- Prompt tokens served from prefix caches: {s['prefix_cached_prompt_fraction']:.1%}", ""]
+    if s["failures"]:
+        lines += ["Failures:", ""] + [f"- {n} x {why}" for why, n in s["failures"].items()] + [""]
+    lines += ["| link | requests | KV MiB | transfer tail ms (sum) |", "|---|---|---|---|"]
+    for name, row in report["per_link"].items():
+        lines.append(f"| {name} | {row['requests']} | {row['kv_bytes'] / 2**20:.1f} | {row['transfer_ms']:.0f} |")
+    lines += ["", "| worker | site | role | busy | KV usage mean / max | prefix hit rate |", "|---|---|---|---|---|---|"]
+    for wid, row in report["per_worker"].items():
+        lines.append(f"| {wid} | {row['site']} | {row['role']} | {row['busy_fraction']:.0%} | "
+                     f"{row['kv_usage_mean']:.0%} / {row['kv_usage_max']:.0%} | {row.get('prefix_hit_rate', 0):.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "report.md").write_text(report_markdown(report))

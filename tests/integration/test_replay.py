@@ -1,0 +1,45 @@
+"""`kvrelay bench replay` against a real local cluster, on slices of the
+public Azure and Mooncake traces in ../shared/traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+from tests.unit.test_replay_parts import AZURE, MOONCAKE, needs_traces
+
+pytestmark = [pytest.mark.model, needs_traces]
+
+
+@pytest.mark.parametrize("trace,scale,limit", [(AZURE, 0.1, 6), (MOONCAKE, 0.01, 5)])
+def test_replay_reports_every_request(cluster, tmp_path, trace, scale, limit, capsys):
+    out = tmp_path / "report"
+    rc = main(["bench", "replay", "--trace", str(trace), "--router", cluster.router_address, "--limit", str(limit),
+               "--speedup", "5", "--length-scale", str(scale), "--slo-ttft", "30", "--slo-tpot", "5",
+               "--no-progress", "--out", str(out)])
+    assert rc == 0, capsys.readouterr()
+    report = json.loads((out / "report.json").read_text())
+    s = report["summary"]
+    assert s["requests"] == s["completed"] == limit and s["failed"] == 0
+    assert s["ttft_ms"]["count"] == limit and s["ttft_ms"]["p50"] > 0 and s["e2e_ms"]["p99"] >= s["ttft_ms"]["p99"]
+    assert s["request_throughput_rps"] > 0 and 0 < s["slo_attainment"] <= 1
+    assert len(report["meta"]["trace_slice"]) == limit and report["meta"]["length_scale"] == scale
+    for r, t in zip(report["requests"], report["meta"]["trace_slice"]):  # forced output lengths
+        assert len(r["token_times"]) == max(1, round(t["output_tokens"] * scale))
+        assert r["input_tokens"] == max(1, round(t["input_tokens"] * scale))
+    assert {"local/prefill/0", "local/decode/0"} <= set(report["per_worker"])
+    assert sum(row["kv_bytes"] for row in report["per_link"].values()) > 0
+    md = (out / "report.md").read_text()
+    assert "TTFT" in md and "Goodput" in md
+
+
+def test_replay_refuses_lengths_over_the_context_without_a_scale(cluster, tmp_path, capsys):
+    rc = main(["bench", "replay", "--trace", str(MOONCAKE), "--router", cluster.router_address, "--limit", "3",
+               "--no-progress", "--out", str(tmp_path / "r")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "exceed" in err and "--length-scale" in err
+    assert not (tmp_path / "r").exists()
