@@ -198,6 +198,11 @@ def report_markdown(report: dict) -> str:
 
 
 def write_report(report: dict, out: Path) -> None:
+    """report.json, report.md and the PNG plots in ``out``."""
+    from benchmarks.plots import write_plots
+
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "report.md").write_text(report_markdown(report))
+    plots = write_plots(report, out)
+    md = report_markdown(report) + "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
+    (out / "report.md").write_text(md)

@@ -34,6 +34,8 @@ def test_replay_reports_every_request(cluster, tmp_path, trace, scale, limit, ca
     assert sum(row["kv_bytes"] for row in report["per_link"].values()) > 0
     md = (out / "report.md").read_text()
     assert "TTFT" in md and "Goodput" in md
+    for png in ("ttft_cdf.png", "tpot_cdf.png", "throughput.png", "kv_bytes_per_link.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({png})" in md
 
 
 def test_replay_refuses_lengths_over_the_context_without_a_scale(cluster, tmp_path, capsys):
