@@ -31,6 +31,8 @@ class WorkerRecord:
     """Requests the router has on this worker now (exact, unlike heartbeats)."""
     synced: bool = False
     """The prefix index holds this worker's cache (a snapshot arrived)."""
+    pending_prefill_tokens: int = 0
+    """Prompt tokens the router sent here whose first token has not come back."""
 
 
 def link_name(a: str, b: str) -> str:
@@ -98,7 +100,8 @@ class WorkerRegistry:
                 kv_block_bytes, num_layers = info.kv_block_bytes, max(1, info.num_layers)
             workers.append(WorkerView(
                 info.worker_id, ROLE_NAMES.get(info.role, ""), info.site, self.healthy(rec), rec.draining,
-                rec.inflight, r.max_inflight_per_worker, load.queued_prefill_tokens, load.running, load.waiting,
+                rec.inflight, r.max_inflight_per_worker,
+                max(load.queued_prefill_tokens, rec.pending_prefill_tokens), load.running, load.waiting,
                 load.free_blocks if load.total_blocks else (info.num_blocks or 1 << 30),
                 load.prefill_tokens_per_s, load.decode_step_ms / 1e3))
         return ClusterView(workers, self.jurisdiction, self.links, self.local_link,

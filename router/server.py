@@ -158,6 +158,10 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         d.inflight += 1
         if p is not None:
             p.inflight += 1
+        # prompt tokens this router has queued at the prefilling worker, known
+        # at once (heartbeats lag); released with the first token
+        prefiller, pending = p or d, len(wr.prompt_token_ids)
+        prefiller.pending_prefill_tokens += pending
         call = d.stub.Decode(wpb.DecodeRequest(request=wr, colocated=p is None, lease_s=self.cfg.router.kv_lease_s))
         prefill: asyncio.Task | None = None
         read: asyncio.Task | None = None
@@ -186,6 +190,8 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                 out.request_id = client_id
                 if n_out == 0 and out.token_ids:
                     placement.ttft_ms = (time.perf_counter() - t0) * 1e3
+                    prefiller.pending_prefill_tokens -= pending
+                    pending = 0
                 n_out += len(out.token_ids)
                 if out.HasField("finish"):
                     if prefill is not None:
@@ -203,6 +209,7 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
             d.inflight -= 1
             if p is not None:
                 p.inflight -= 1
+            prefiller.pending_prefill_tokens -= pending
             for t in (read, prefill):
                 if t is not None and not t.done():
                     t.cancel()
