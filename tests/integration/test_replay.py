@@ -1,5 +1,5 @@
 """`kvrelay bench replay` against a real local cluster, on slices of the
-public Azure and Mooncake traces in ../shared/traces."""
+public Azure and Mooncake traces (tests/data/traces)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
-from tests.unit.test_replay_parts import AZURE, MOONCAKE, needs_traces
+from tests.unit.test_replay_parts import AZURE, MOONCAKE
 
-pytestmark = [pytest.mark.model, needs_traces]
+pytestmark = pytest.mark.model
 
 
 @pytest.mark.parametrize("trace,scale,limit", [(AZURE, 0.1, 6), (MOONCAKE, 0.01, 5)])

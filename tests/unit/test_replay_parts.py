@@ -1,5 +1,6 @@
 """Trace loading, prompt building and metrics of `kvrelay bench replay`,
-on the real public traces in ../shared/traces and on constructed records."""
+on slices of the real public traces (tests/data/traces, the first 200
+requests of each) and on constructed records."""
 
 from __future__ import annotations
 
@@ -12,13 +13,11 @@ from benchmarks.metrics import RequestRecord, distribution, summarize
 from benchmarks.replay import _spread, check_lengths
 from benchmarks.traces import TraceError, build_prompts, detect_format, load_trace
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-AZURE = TRACES / "AzureLLMInferenceTrace_code.csv"
-MOONCAKE = TRACES / "synthetic_trace.jsonl"
-needs_traces = pytest.mark.skipif(not AZURE.exists(), reason="shared traces not present")
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
+AZURE = TRACES / "azure_code_head200.csv"
+MOONCAKE = TRACES / "mooncake_synthetic_head200.jsonl"
 
 
-@needs_traces
 def test_real_traces_load_with_relative_arrivals():
     az = load_trace(AZURE, limit=50)
     assert detect_format(AZURE) == "azure" and len(az) == 50
@@ -48,7 +47,6 @@ def test_malformed_traces_name_the_line(tmp_path, content, match):
         load_trace(f)
 
 
-@needs_traces
 def test_prompts_have_exact_lengths_and_share_blocks_where_hash_ids_repeat():
     reqs = load_trace(MOONCAKE, limit=200)
     shared = next((a, b) for i, a in enumerate(reqs) for b in reqs[i + 1:] if a.hash_ids[:2] == b.hash_ids[:2])
