@@ -9,6 +9,7 @@ dim 64, 16-token blocks: 720 KiB per block over all layers).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -56,11 +57,7 @@ def _peer(*args: str, full: bool = False) -> tuple[subprocess.Popen, str]:
 
 
 def mooncake_available() -> bool:
-    try:
-        from mooncake.engine import TransferEngine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("mooncake") is not None
 
 
 def mooncake(nbytes: int, repeat: int) -> list[float]:

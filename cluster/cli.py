@@ -122,8 +122,10 @@ def cmd_bench_replay(args: argparse.Namespace) -> int:
             return 2
         reason = ""
         if args.length_scale is not None:
-            reason = f"--length-scale {scale:g} given; {len(too_long)} request(s) still exceed the context window " \
-                     "and are sent anyway (they fail and are reported)"
+            reason = f"--length-scale {scale:g} given"
+            if too_long:
+                reason += f"; {len(too_long)} request(s) still exceed the context window and are sent anyway " \
+                          "(they fail and are reported)"
         prompts = build_prompts(reqs, scale, VOCAB_RANGE, seed=args.seed)
         rcfg = ReplayConfig(speedup=args.speedup, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
                             progress=not args.no_progress)

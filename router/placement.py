@@ -141,8 +141,9 @@ class Placement:
     decode: WorkerView
     prefill: WorkerView | None
     """None = colocated (the decode worker computes the prompt)."""
-    policy: str
-    est_ttft_s: float
+    policy: str = ""
+    """Set by Policy.place, with the estimate below."""
+    est_ttft_s: float = 0.0
     cached_blocks_prefill: int = 0
     cached_blocks_decode: int = 0
     link: LinkView | None = None
@@ -230,8 +231,8 @@ class RoundRobin(Policy):
         d = sorted(decodes, key=lambda w: w.worker_id)[turn % len(decodes)]
         linked = sorted(_linked(prefills, d, view), key=lambda w: w.worker_id)
         if not linked or self._short(req, view):
-            return Placement(d, None, self.name, 0.0)
-        return Placement(d, linked[turn % len(linked)], self.name, 0.0)
+            return Placement(d, None)
+        return Placement(d, linked[turn % len(linked)])
 
 
 class LeastLoaded(Policy):
@@ -246,8 +247,8 @@ class LeastLoaded(Policy):
         d = self._least(decodes)
         linked = _linked(prefills, d, view)
         if not linked or self._short(req, view):
-            return Placement(d, None, self.name, 0.0)
-        return Placement(d, self._least(linked), self.name, 0.0)
+            return Placement(d, None)
+        return Placement(d, self._least(linked))
 
 
 class PrefixAware(LeastLoaded):
@@ -262,8 +263,8 @@ class PrefixAware(LeastLoaded):
         linked = _linked(prefills, d, view)
         whole = req.cached_blocks.get(d.worker_id, 0) >= req.prompt_tokens // view.block_size
         if not linked or whole or self._short(req, view):
-            return Placement(d, None, self.name, 0.0)
-        return Placement(d, self._best(linked, req.cached_blocks), self.name, 0.0)
+            return Placement(d, None)
+        return Placement(d, self._best(linked, req.cached_blocks))
 
 
 def _compute_s(req: PlacementRequest, view: ClusterView, w: WorkerView) -> float:
@@ -311,14 +312,9 @@ class CostModel(Policy):
         # its site and cached blocks: the best disaggregated cost is computed once
         # per (D's site, D's cached blocks), then each D costs O(1).
         cached = req.cached_blocks
-        prompt = req.prompt_tokens
-        bs = view.block_size
-        default_tput = view.default_prefill_tokens_per_s
         by_site: dict[str, list[tuple[float, WorkerView]]] = {}
         for p in prefills:
-            hit = min(cached.get(p.worker_id, 0) * bs, prompt - 1)
-            a = (p.queued_prefill_tokens + prompt - hit) / (p.prefill_tokens_per_s or default_tput)
-            by_site.setdefault(p.site, []).append((a, p))
+            by_site.setdefault(p.site, []).append((_compute_s(req, view, p), p))
         best_of_site = {s: min(c for c, _ in ps) for s, ps in by_site.items()}
         disagg: dict[tuple[str, int], tuple[float, str | None]] = {}
 
@@ -337,11 +333,9 @@ class CostModel(Policy):
         cands: list[tuple[float, WorkerView, str | None]] = []
         best = float("inf")
         for d in decodes:
-            tput = d.prefill_tokens_per_s or default_tput
             d_cached = cached.get(d.worker_id, 0)
-            own = (prompt - min(d_cached * bs, prompt - 1)) / tput
-            admit = d.waiting * d.decode_step_s
-            cost = own * (1 + d.running) + d.queued_prefill_tokens / tput + admit
+            admit = _admission_s(d)
+            cost = _colocated_s(req, view, d)
             cands.append((cost, d, None))
             best = min(best, cost)
             if disaggregate:
@@ -353,11 +347,11 @@ class CostModel(Policy):
                             lambda c: cached.get(c[1].worker_id, 0))
         _, d, site = near[self.rng.randrange(len(near))]
         if site is None:
-            return Placement(d, None, self.name, 0.0)
+            return Placement(d, None)
         a_best = best_of_site[site]
         ps = _most_cached([p for c, p in by_site[site] if c <= a_best * (1 + view.herd_tolerance) + 1e-4],
                           lambda p: cached.get(p.worker_id, 0))
-        return Placement(d, ps[self.rng.randrange(len(ps))], self.name, 0.0)
+        return Placement(d, ps[self.rng.randrange(len(ps))])
 
 
 def _most_cached(items: list, cached_of) -> list:

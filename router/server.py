@@ -78,16 +78,10 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         now = time.monotonic()
         reg = self.registry
         kv = self.cfg.kv
-        links = [wpb.LinkStatus(name="local", rtt_ms=reg.local_link.rtt_ms, gbps=reg.local_link.gbps,
-                                transport=self.cfg.local_link.transport or kv.transport,
-                                encrypt=kv.encrypt if self.cfg.local_link.encrypt is None else self.cfg.local_link.encrypt,
-                                up=reg.local_link.up)]
-        for link_cfg in self.cfg.links:
-            lv = reg.links[frozenset(link_cfg.between)]
-            links.append(wpb.LinkStatus(name=lv.name, rtt_ms=lv.rtt_ms, gbps=lv.gbps,
-                                        transport=link_cfg.transport or kv.transport,
-                                        encrypt=kv.encrypt if link_cfg.encrypt is None else link_cfg.encrypt,
-                                        up=lv.up))
+        links = [wpb.LinkStatus(name=lv.name, rtt_ms=lv.rtt_ms, gbps=lv.gbps, up=lv.up,
+                                transport=link_cfg.transport or kv.transport, encrypt=self._encrypts(link_cfg))
+                 for link_cfg, lv in [(self.cfg.local_link, reg.local_link)]
+                 + [(lc, reg.links[frozenset(lc.between)]) for lc in self.cfg.links]]
         return wpb.ListWorkersResponse(workers=[
             wpb.WorkerStatus(info=w.info, load=w.load, healthy=reg.healthy(w), last_heartbeat_age_s=now - w.last_seen,
                              draining=w.draining, inflight=w.inflight,
@@ -142,11 +136,15 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         async for msg in self._relay(wr, client_id, p, d, placement, context):
             yield msg
 
+    def _encrypts(self, link) -> bool:
+        """A link's encryption: its own setting, else kv.encrypt."""
+        return self.cfg.kv.encrypt if link.encrypt is None else link.encrypt
+
     def _link_target(self, target: wpb.KVTarget, p: WorkerRecord, d: WorkerRecord) -> wpb.KVTarget:
         """The decode worker's reservation plus what the link between P and D asks for."""
         link = self.registry.link_config(p.info.site, d.info.site)
         target.link_rtt_ms, target.link_gbps = link.rtt_ms, link.gbps
-        target.encrypt = self.cfg.kv.encrypt if link.encrypt is None else link.encrypt
+        target.encrypt = self._encrypts(link)
         # the sender's kind decides unless the link pins one (tcp = bytes over the socket)
         target.transport = link.transport or p.info.transport
         return target
