@@ -169,12 +169,22 @@ def _fmt(d: dict) -> str:
     return " | ".join(f"{d[k]:.1f}" for k in ("mean", "p50", "p90", "p99"))
 
 
+def _goodput_line(s: dict, slo: dict) -> str:
+    objectives = [f"{name} <= {slo[key]} s" for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"))
+                  if slo[key] is not None]
+    if not objectives:
+        return "- Goodput: no SLO given (--slo-ttft, --slo-tpot), so every completed request counts"
+    return (f"- Goodput ({', '.join(objectives)}): {s['goodput_rps']:.2f} req/s; "
+            f"SLO attainment {s['slo_attainment']:.1%}")
+
+
 def report_markdown(report: dict) -> str:
     m, s = report["meta"], report["summary"]
     lines = [f"# Replay of {m['trace']} ({m['format']})", "",
              f"{s['requests']} requests (first {m['limit'] or 'all'} of the trace), speed-up {m['speedup']}x, "
              f"length scale {m['length_scale']}{' (scaled: ' + m['scale_reason'] + ')' if m['scale_reason'] else ''}, "
-             f"policy {m.get('policy', '?')}, {m['started']}.", "",
+             f"policy {m.get('policy', '?')}, {m['started']}"
+             f"{', over emulated WAN links (kvrelay cities)' if m.get('wan_emulation') else ''}.", "",
              f"Completed {s['completed']}, failed {s['failed']}, in {s['duration_s']:.1f} s.", "",
              "| metric (ms) | mean | p50 | p90 | p99 |", "|---|---|---|---|---|"]
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
@@ -182,8 +192,7 @@ def report_markdown(report: dict) -> str:
     slo = s["slo"]
     lines += ["", f"- Throughput: {s['request_throughput_rps']:.2f} req/s, {s['output_token_throughput_tps']:.1f} "
                   f"output tok/s, {s['total_token_throughput_tps']:.1f} total tok/s",
-              f"- Goodput (TTFT <= {slo['ttft_s']} s, TPOT <= {slo['tpot_s']} s): {s['goodput_rps']:.2f} req/s; "
-              f"SLO attainment {s['slo_attainment']:.1%}",
+              _goodput_line(s, slo),
               f"- Prompt tokens served from prefix caches: {s['prefix_cached_prompt_fraction']:.1%}", ""]
     if s["failures"]:
         lines += ["Failures:", ""] + [f"- {n} x {why}" for why, n in s["failures"].items()] + [""]

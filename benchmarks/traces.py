@@ -19,6 +19,11 @@ from pathlib import Path
 
 MOONCAKE_BLOCK_TOKENS = 512
 FORMATS = ("azure", "mooncake")
+SAMPLE_TRACES = Path(__file__).resolve().parent / "data"
+"""The first 200 requests of the public Azure (code) and Mooncake traces,
+shipped with the package for tests and ``kvrelay demo`` (see SOURCES.md there)."""
+SAMPLE_AZURE = SAMPLE_TRACES / "azure_code_head200.csv"
+SAMPLE_MOONCAKE = SAMPLE_TRACES / "mooncake_synthetic_head200.jsonl"
 
 
 class TraceError(ValueError):

@@ -69,6 +69,10 @@ class RouterSection:
     max_inflight_per_worker: int = 64
     """Admission bound: requests the router keeps on one worker at once; when
     every eligible worker is full, requests get RESOURCE_EXHAUSTED with a retry hint."""
+    admission_wait_s: float = 60.0
+    """A request that finds every eligible decode worker full waits at the router
+    for room up to this long (never past its own deadline), then gets
+    RESOURCE_EXHAUSTED with a retry hint."""
     colocate_below_tokens: int = 32
     """Prompts shorter than this are prefilled by their decode worker."""
     default_prefill_tokens_per_s: float = 1000.0
@@ -76,12 +80,25 @@ class RouterSection:
     herd_tolerance: float = 0.05
     """cost_model picks at random among candidates within this fraction of the
     best estimate, so simultaneous requests do not all pile onto one worker."""
+    slo_ttft_s: float = 2.0
+    """Time-to-first-token objective the planner sizes prefill pools for."""
+    slo_tpot_s: float = 0.2
+    """Time-per-output-token objective the planner sizes decode pools for."""
+    planner_window_s: float = 60.0
+    """Recent requests the planner's figures cover."""
+    drain_timeout_s: float = 600.0
+    """A draining worker (scale-down, `kvrelay drain`) leaves after this even
+    if requests remain; until then it finishes what it holds."""
 
 
 @dataclass(slots=True)
 class PoolSection:
     replicas: int = 1
-    """Workers of this role at the site."""
+    """Workers of this role at the site (at start; `kvrelay scale` changes it)."""
+    max_replicas: int = 16
+    """Operator limit: `kvrelay scale` refuses more than this."""
+    min_replicas: int = 0
+    """Operator limit for the planner (`kvrelay plan`): it never recommends fewer."""
     device: str | None = None
     """cpu or cuda[:N] for this pool; None = model.device."""
 
@@ -115,7 +132,8 @@ class SiteSection:
 @dataclass(slots=True)
 class WorkerSection:
     host: str = "127.0.0.1"
-    """Address workers bind (gRPC and KV receiver)."""
+    """Address workers bind and advertise (gRPC and KV receiver); "auto" = each
+    worker's own address on the route to the router (multi-node, e.g. Ray)."""
     threads: int | None = None
     """torch threads per worker; None = torch's default."""
 
@@ -138,6 +156,23 @@ class KVSection:
 
 
 @dataclass(slots=True)
+class Credential:
+    name: str
+    """Who holds the token (shown in logs)."""
+    token_sha256: str
+    """Hex SHA-256 of the bearer token; the token itself is never stored.
+    `kvrelay token` makes a token and prints this line for it."""
+
+
+@dataclass(slots=True)
+class AuthSection:
+    operators: list[Credential] = field(default_factory=list)
+    """Who may call the Admin API (kvrelay scale / drain / pools). Empty:
+    `kvrelay serve` makes a token for this run and writes it to a file only
+    its user can read."""
+
+
+@dataclass(slots=True)
 class ClusterConfig:
     model: ModelSection = field(default_factory=ModelSection)
     router: RouterSection = field(default_factory=RouterSection)
@@ -150,6 +185,7 @@ class ClusterConfig:
     kv: KVSection = field(default_factory=KVSection)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    auth: AuthSection = field(default_factory=AuthSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -181,7 +217,7 @@ def _build(cls: type, raw: Any, where: str):
 
 
 _NESTED = {"ModelSection": ModelSection, "RouterSection": RouterSection, "PoolSection": PoolSection,
-           "LinkSection": LinkSection,
+           "LinkSection": LinkSection, "AuthSection": AuthSection,
            "WorkerSection": WorkerSection, "KVSection": KVSection, "CacheConfig": CacheConfig, "SchedulerConfig": SchedulerConfig}
 
 
@@ -199,6 +235,10 @@ def _convert(type_str: Any, value: Any, path: str):
         if not isinstance(value, list):
             raise ConfigError(f"{path}: expected a list of links")
         return [_build(LinkSection, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if t == "list[Credential]":
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list of {{name, token_sha256}}")
+        return [_build(Credential, v, f"{path}[{i}]") for i, v in enumerate(value)]
     if t == "list[str]":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{path}: expected a list of strings")
@@ -223,7 +263,8 @@ def _validate(cfg: ClusterConfig) -> None:
         raise ConfigError(f"model.dtype: must be float32, bfloat16 or float16, got {cfg.model.dtype!r}")
     if not 0 <= cfg.router.port <= 65535:
         raise ConfigError(f"router.port: must be in [0, 65535], got {cfg.router.port}")
-    for name in ("heartbeat_interval_s", "worker_timeout_s", "kv_lease_s"):
+    for name in ("heartbeat_interval_s", "worker_timeout_s", "kv_lease_s", "drain_timeout_s", "slo_ttft_s",
+                 "slo_tpot_s", "planner_window_s", "admission_wait_s"):
         if getattr(cfg.router, name) <= 0:
             raise ConfigError(f"router.{name}: must be positive")
     if cfg.kv.transport not in ("auto", "tcp", "nixl", "local"):
@@ -240,9 +281,15 @@ def _validate(cfg: ClusterConfig) -> None:
             raise ConfigError(f"sites[{i}].name: duplicate site {site.name!r}")
         seen.add(site.name)
         for role in ("prefill", "decode"):
-            n = getattr(site, role).replicas
-            if n < 0 or n > 64:
-                raise ConfigError(f"sites[{i}].{role}.replicas: must be in [0, 64], got {n}")
+            pool = getattr(site, role)
+            if not 0 <= pool.max_replicas <= 1024:
+                raise ConfigError(f"sites[{i}].{role}.max_replicas: must be in [0, 1024], got {pool.max_replicas}")
+            if not 0 <= pool.min_replicas <= pool.max_replicas:
+                raise ConfigError(f"sites[{i}].{role}.min_replicas: must be in [0, max_replicas], "
+                                  f"got {pool.min_replicas}")
+            if not 0 <= pool.replicas <= pool.max_replicas:
+                raise ConfigError(f"sites[{i}].{role}.replicas: must be in [0, max_replicas={pool.max_replicas}], "
+                                  f"got {pool.replicas}")
             dev = getattr(site, role).device
             if dev is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", dev):
                 raise ConfigError(f"sites[{i}].{role}.device: must be cpu or cuda[:N], got {dev!r}")
@@ -259,6 +306,14 @@ def _validate(cfg: ClusterConfig) -> None:
         raise ConfigError("router.default_prefill_tokens_per_s: must be positive")
     if not 0 <= r.herd_tolerance <= 1:
         raise ConfigError("router.herd_tolerance: must be in [0, 1]")
+    names = set()
+    for i, cred in enumerate(cfg.auth.operators):
+        if not re.fullmatch(r"[0-9a-f]{64}", cred.token_sha256):
+            raise ConfigError(f"auth.operators[{i}].token_sha256: must be 64 lowercase hex digits "
+                              "(the SHA-256 of the token; `kvrelay token` prints one)")
+        if not cred.name or cred.name in names:
+            raise ConfigError(f"auth.operators[{i}].name: must be non-empty and unique, got {cred.name!r}")
+        names.add(cred.name)
     _check_link(cfg.local_link, "local_link")
     if cfg.local_link.between:
         raise ConfigError("local_link.between: must be empty (it is the network inside every site)")

@@ -1,88 +1,174 @@
-"""Local launcher: the router and every worker of the config as processes
-on this machine. ``stop()`` (and Ctrl-C / SIGTERM in ``kvrelay serve``)
-ends all of them; children also get SIGTERM from the kernel if the
-launcher itself dies (PR_SET_PDEATHSIG), so nothing is orphaned."""
+"""The launcher: the router as a process on this machine, and every worker
+through a backend: processes here (:class:`LocalBackend`), or Ray actors on
+the nodes of each site (``cluster/launch_ray.py``).
+
+After start, a reconciler keeps each pool at the size the router holds
+(``kvrelay scale`` changes it): it starts workers when a pool is short
+(scale-up, or a worker that died) and reaps the ones that leave after a
+drain. ``stop()`` (and Ctrl-C / SIGTERM in ``kvrelay serve``) ends all of
+them; local children also get SIGTERM from the kernel if the launcher itself
+dies (PR_SET_PDEATHSIG, which each child sets itself: cluster/lifetime.py),
+so nothing is orphaned."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
 import select
-import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 
-from cluster.config import ClusterConfig, dump_config
+from cluster.cities import CitiesState
+from cluster.config import ClusterConfig, Credential, dump_config
+from kvrelay.v1 import admin_pb2 as apb
+from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
+RECONCILE_INTERVAL_S = 0.5
+WORKER_START_TIMEOUT_S = 240.0
+"""A started worker that has not registered by then is killed (and replaced)."""
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
+class WorkerProc(Protocol):
+    """A running worker as its backend knows it (subprocess.Popen fits)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class WorkerBackend(Protocol):
+    """Starts worker processes (``python -m <module> <args>``) at a site."""
+
+    def start(self, name: str, module: str, args: list[str], site: str, env: dict[str, str]) -> WorkerProc: ...
+    def close(self) -> None: ...
+
+
+class LocalBackend:
+    """Workers as child processes of this one; inside a site's network
+    namespace when ``cities`` (a ``kvrelay cities up`` emulation) is given."""
+
+    def __init__(self, cities: CitiesState | None = None) -> None:
+        self.cities = cities
+
+    def start(self, name: str, module: str, args: list[str], site: str, env: dict[str, str]) -> WorkerProc:
+        prefix: list[str] = []
+        if self.cities is not None:
+            # `ip netns exec` execs in place: same pid, so signals and PDEATHSIG reach the worker
+            prefix = self.cities.exec_prefix(site)
+            args = [*args, "--host", self.cities.site(site).site_addr]
+        # no preexec_fn (unsafe in a threaded launcher): the worker asks for PDEATHSIG itself
+        return subprocess.Popen([*prefix, sys.executable, "-m", module, *args], env={**os.environ, **env})
+
+    def close(self) -> None:
         pass
 
 
 @dataclass(slots=True)
 class Child:
     name: str
-    proc: subprocess.Popen
+    proc: WorkerProc
+    site: str = ""
+    role: str = ""
+    started: float = field(default_factory=time.monotonic)
+    seen: bool = False
+    """The worker registered (it counts as a member of its pool from then on)."""
 
 
 class LocalCluster:
-    def __init__(self, cfg: ClusterConfig, model_path: Path, log_level: str = "WARNING") -> None:
+    def __init__(self, cfg: ClusterConfig, model_path: Path, log_level: str = "WARNING",
+                 cities: CitiesState | None = None, backend: WorkerBackend | None = None,
+                 reconcile: bool = True) -> None:
+        """``cities``: run each site's workers inside its namespace of a
+        ``kvrelay cities up`` emulation (the router listens on its gateway).
+        ``backend``: where workers run (default: processes here).
+        ``reconcile``: keep pools at their desired size (replace dead workers,
+        follow ``kvrelay scale``); tests that kill workers on purpose turn it off."""
+        if cities is not None:
+            mismatch = cities.matches(cfg)
+            if mismatch:
+                raise ValueError(f"the emulated cities do not fit this config: {mismatch}")
         self.cfg = cfg
+        self.cities = cities
+        self.backend = backend or LocalBackend(cities)
+        self.reconcile_pools = reconcile
         self.model_path = Path(model_path)
         self.log_level = log_level
         self.children: list[Child] = []
+        self.left: list[Child] = []
+        """Workers that exited (drained, or died); kept for status and tests."""
         self.router_address = ""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-")
         self.config_path = Path(self._tmp.name) / "cluster.yaml"
         self._secret = secrets.token_hex(32)
         """Per-run KV secret for the workers when the config names no secret file."""
+        self.operator_token = ""
+        """Bearer token for the Admin API: a per-run one when the config lists no operators."""
+        if not cfg.auth.operators:
+            from router.admin import token_sha256
 
-    def _spawn(self, name: str, args: list[str], **kw) -> subprocess.Popen:
-        env = dict(os.environ)
-        if not self.cfg.kv.secret_file:
-            env["KVRELAY_KV_SECRET"] = self._secret
-        proc = subprocess.Popen([sys.executable, "-m", *args, "--log-level", self.log_level],
-                                preexec_fn=_die_with_parent, env=env, **kw)
-        self.children.append(Child(name, proc))
-        return proc
+            self.operator_token = secrets.token_urlsafe(32)
+            cfg.auth.operators.append(Credential("launcher", token_sha256(self.operator_token)))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_index: dict[tuple[str, str], int] = {}
+
+    def _env(self) -> dict[str, str]:
+        return {} if self.cfg.kv.secret_file else {"KVRELAY_KV_SECRET": self._secret}
+
+    def _start_worker(self, site: str, role: str) -> Child:
+        i = self._next_index.get((site, role), 0)
+        self._next_index[(site, role)] = i + 1
+        name = f"{site}/{role}/{i}"
+        args = ["--config", str(self.config_path), "--model-path", str(self.model_path),
+                "--router", self.router_address, "--site", site, "--index", str(i), "--log-level", self.log_level]
+        child = Child(name, self.backend.start(name, f"{role}_worker", args, site, self._env()), site, role)
+        with self._lock:
+            self.children.append(child)
+        return child
 
     def start(self, timeout_s: float = 180.0) -> str:
         """Starts everything; returns the router address once every worker registered."""
+        if self.cities is not None:
+            self.cfg.router.host = self.cities.gateway
         dump_config(self.cfg, self.config_path)
-        common = ["--config", str(self.config_path), "--model-path", str(self.model_path)]
         deadline = time.monotonic() + timeout_s
         try:
-            router = self._spawn("router", ["router", *common], stdout=subprocess.PIPE, text=True)
+            env = {**os.environ, **self._env()}
+            router = subprocess.Popen([sys.executable, "-m", "router", "--config", str(self.config_path),
+                                       "--model-path", str(self.model_path), "--log-level", self.log_level],
+                                      env=env, stdout=subprocess.PIPE, text=True)
+            self.children.append(Child("router", router))
             self.router_address = self._await_ready(router, deadline)
             expected = 0
             for site in self.cfg.sites:
                 for role in ("prefill", "decode"):
-                    for i in range(getattr(site, role).replicas):
-                        self._spawn(f"{site.name}/{role}/{i}",
-                                    [f"{role}_worker", *common, "--router", self.router_address,
-                                     "--site", site.name, "--index", str(i)])
+                    for _ in range(getattr(site, role).replicas):
+                        self._start_worker(site.name, role)
                         expected += 1
             self._await_workers(expected, deadline)
         except BaseException:
             self.stop()
             raise
+        if self.reconcile_pools:
+            self._thread = threading.Thread(target=self._reconcile_loop, name="pool-reconciler", daemon=True)
+            self._thread.start()
         return self.router_address
 
     def _await_ready(self, proc: subprocess.Popen, deadline: float) -> str:
@@ -102,27 +188,85 @@ class LocalCluster:
             while time.monotonic() < deadline:
                 dead = self.dead_children()
                 if dead:
-                    raise RuntimeError(f"{dead[0].name} exited with code {dead[0].proc.returncode} during startup")
+                    raise RuntimeError(f"{dead[0].name} exited with code {dead[0].proc.poll()} during startup")
                 try:
                     resp = stub.ListWorkers(wpb.ListWorkersRequest(), timeout=2.0)
                     if sum(w.healthy for w in resp.workers) >= expected:
+                        registered = {w.info.worker_id for w in resp.workers}
+                        for c in self.children:
+                            c.seen = c.seen or c.name in registered
                         return
                 except grpc.RpcError:
                     pass
                 time.sleep(0.2)
         raise TimeoutError(f"workers did not all register within the deadline ({expected} expected)")
 
+    # -- keeping pools at their desired size --------------------------------
+    def _reconcile_loop(self) -> None:
+        with grpc.insecure_channel(self.router_address) as ch:
+            admin, registry = agrpc.AdminStub(ch), wgrpc.RegistryStub(ch)
+            auth = (("authorization", f"Bearer {self.operator_token}"),) if self.operator_token else None
+            while not self._stop.wait(RECONCILE_INTERVAL_S):
+                if auth is None:
+                    continue  # operators come from the config: this launcher may not read pools
+                try:
+                    pools = admin.ListPools(apb.ListPoolsRequest(), timeout=5.0, metadata=auth).pools
+                    workers = registry.ListWorkers(wpb.ListWorkersRequest(), timeout=5.0).workers
+                except grpc.RpcError as exc:
+                    log.debug("router unreachable for reconciling: %s", exc.code())
+                    continue
+                self.reconcile_once(pools, workers)
+
+    def reconcile_once(self, pools, workers) -> list[str]:
+        """One pass: reap exited workers, kill ones that never registered,
+        start workers where a pool is short. Returns the names started."""
+        registered = {w.info.worker_id for w in workers}
+        draining = {w.info.worker_id for w in workers if w.draining}
+        now = time.monotonic()
+        with self._lock:
+            for c in self.children:
+                c.seen = c.seen or c.name in registered
+            for c in [c for c in self.children if c.role and c.proc.poll() is not None]:
+                self.children.remove(c)
+                self.left.append(c)
+                how = "left after draining" if c.proc.poll() == 0 else f"exited with code {c.proc.poll()}"
+                (log.info if c.proc.poll() == 0 else log.warning)("%s %s", c.name, how)
+            for c in self.children:
+                if c.role and not c.seen and now - c.started > WORKER_START_TIMEOUT_S:
+                    log.warning("%s did not register within %.0f s; stopping it", c.name, WORKER_START_TIMEOUT_S)
+                    c.proc.kill()
+            # a pool's members: our live children of it that are not draining (registered or
+            # still starting), plus active workers someone else started
+            ours = {c.name for c in self.children if c.role}
+            have: dict[tuple[str, str], int] = {}
+            for c in self.children:
+                if c.role and c.proc.poll() is None and c.name not in draining:
+                    have[(c.site, c.role)] = have.get((c.site, c.role), 0) + 1
+        started = []
+        for p in pools:
+            n = have.get((p.site, p.role), 0) + sum(1 for w in p.workers if w not in ours)
+            for _ in range(max(0, p.desired - n)):
+                child = self._start_worker(p.site, p.role)
+                log.info("%s/%s has %d of %d: started %s", p.site, p.role, n, p.desired, child.name)
+                started.append(child.name)
+        return started
+
     def dead_children(self) -> list[Child]:
-        return [c for c in self.children if c.proc.poll() is not None]
+        with self._lock:
+            return [c for c in self.children if c.proc.poll() is not None]
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM to workers, then the router; SIGKILL whatever is left."""
-        workers = [c for c in self.children if c.name != "router"]
-        routers = [c for c in self.children if c.name == "router"]
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10.0)
+        with self._lock:
+            workers = [c for c in self.children if c.name != "router"]
+            routers = [c for c in self.children if c.name == "router"]
         for group in (workers, routers):
             for c in group:
                 if c.proc.poll() is None:
-                    c.proc.send_signal(signal.SIGTERM)
+                    c.proc.terminate()
             end = time.monotonic() + timeout_s
             for c in group:
                 try:
@@ -130,12 +274,13 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     log.warning("%s did not stop in time; killing it", c.name)
                     c.proc.kill()
-                    c.proc.wait()
+                    c.proc.wait(10.0)
         for c in routers:
             if c.proc.stdout:
                 c.proc.stdout.close()
-        for c in workers:  # shared-memory KV of workers that could not clean up
+        for c in workers + self.left:  # shared-memory KV of workers that could not clean up
             for f in Path("/dev/shm").glob(f"kvrelay-*-{c.proc.pid}"):
                 f.unlink(missing_ok=True)
         self.children.clear()
+        self.backend.close()
         self._tmp.cleanup()

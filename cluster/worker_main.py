@@ -14,8 +14,9 @@ from pathlib import Path
 import grpc
 
 from cluster.config import load_config
-from cluster.worker_runtime import (GRPC_OPTIONS, WorkerIdentity, build_engine, kv_events, register_and_heartbeat,
-                                    serve_until_signal)
+from cluster.lifetime import die_with_parent
+from cluster.worker_runtime import (GRPC_OPTIONS, WorkerIdentity, build_engine, kv_events, local_address_towards,
+                                    register_and_heartbeat, serve_until_signal)
 from engine.async_engine import AsyncEngine
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
@@ -28,6 +29,7 @@ def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--router", required=True, help="router address host:port")
     p.add_argument("--site", required=True)
     p.add_argument("--index", type=int, default=0)
+    p.add_argument("--host", help="address to bind and advertise (default: the config's workers.host)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -64,7 +66,9 @@ async def run(role: str, args: argparse.Namespace) -> None:
     aengine = AsyncEngine(engine)
     await aengine.start()
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    host = cfg.workers.host
+    host = args.host or cfg.workers.host
+    if host == "auto":
+        host = local_address_towards(args.router)
     port = server.add_insecure_port(f"{host}:0")
     kv_endpoint = ""
     if role == "decode":
@@ -94,6 +98,7 @@ async def run(role: str, args: argparse.Namespace) -> None:
 
 
 def main(role: str, argv: list[str] | None = None) -> int:
+    die_with_parent()
     args = parse_args(role, argv)
     from kvtransfer.select import host_has_rdma
 

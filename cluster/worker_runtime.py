@@ -18,6 +18,9 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
 
+EVENTS_WAIT_S = 0.2
+"""How long a heartbeat waits for the engine's prefix-cache events before going without them."""
+
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
@@ -26,6 +29,17 @@ class WorkerIdentity:
     worker_id: str
     role: int
     site: str
+
+
+def local_address_towards(address: str) -> str:
+    """This host's IP address on the route to ``address`` (host:port): what a
+    worker on a multi-node cluster advertises (``workers.host: auto``)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host.strip("[]"), int(port)))  # UDP: no packet is sent
+        return s.getsockname()[0]
 
 
 def build_engine(cfg: ClusterConfig, model_path: str, kv_shm_path: str | None = None,
@@ -57,7 +71,9 @@ async def register_and_heartbeat(router: str, info: wpb.WorkerInfo, load_fn, sto
                                  events_fn=None, register_deadline_s: float = 60.0) -> None:
     """Registers with the router (retrying until the deadline), then sends a
     heartbeat every interval until ``stop`` is set; re-registers when the
-    router has forgotten this worker (router restart).
+    router has forgotten this worker (router restart). When the router says
+    the worker is drained (scale-down, ``kvrelay drain``), it deregisters,
+    sets ``stop`` and returns, so the process exits.
 
     ``events_fn(snapshot)`` returns the prefix-cache events to send; after a
     heartbeat that did not arrive, or when the router asks, a full snapshot
@@ -69,29 +85,51 @@ async def register_and_heartbeat(router: str, info: wpb.WorkerInfo, load_fn, sto
         interval = 1.0
         registered = False
         snapshot = True
-        while not stop.is_set():
-            try:
-                if not registered:
-                    resp = await stub.Register(wpb.RegisterRequest(info=info), timeout=5.0)
-                    interval = resp.heartbeat_interval_s or 1.0
-                    registered = True
-                    snapshot = True
-                    log.info("registered %s with router %s", info.worker_id, router)
-                req = wpb.HeartbeatRequest(load=load_fn())
-                if events_fn is not None:
-                    req.kv_events.CopyFrom(await events_fn(snapshot))
-                snapshot = True  # until this heartbeat is known to have arrived
-                hb = await stub.Heartbeat(req, timeout=5.0)
-                registered = hb.known
-                snapshot = hb.send_snapshot
-            except grpc.aio.AioRpcError as exc:
-                if not registered and loop.time() > end:
-                    raise RuntimeError(f"could not register with router {router}: {exc.details()}") from None
-                log.debug("router %s unreachable: %s", router, exc.code())
-            try:
-                await asyncio.wait_for(stop.wait(), interval)
-            except asyncio.TimeoutError:
-                pass
+        draining = False
+        pending: asyncio.Future | None = None
+        try:
+            while not stop.is_set():
+                try:
+                    if not registered:
+                        resp = await stub.Register(wpb.RegisterRequest(info=info), timeout=5.0)
+                        interval = resp.heartbeat_interval_s or 1.0
+                        registered = True
+                        snapshot = True
+                        log.info("registered %s with router %s", info.worker_id, router)
+                    req = wpb.HeartbeatRequest(load=load_fn())
+                    if events_fn is not None:
+                        # the events come from the engine thread, which may be inside a long
+                        # step: never hold the heartbeat (liveness) for them; send them next time
+                        if pending is None:
+                            pending = asyncio.ensure_future(events_fn(snapshot))
+                        await asyncio.wait({pending}, timeout=EVENTS_WAIT_S)
+                        if pending.done():
+                            req.kv_events.CopyFrom(pending.result())
+                            pending = None
+                            snapshot = True  # until this heartbeat is known to have arrived
+                    hb = await stub.Heartbeat(req, timeout=5.0)
+                    registered = hb.known
+                    snapshot = hb.send_snapshot
+                    if hb.drain and not draining:
+                        draining = True
+                        log.info("%s is draining: no new requests; leaving once the current ones are done",
+                                 info.worker_id)
+                    if hb.drained:
+                        await stub.Deregister(wpb.DeregisterRequest(worker_id=info.worker_id), timeout=5.0)
+                        log.info("%s drained: deregistered, exiting", info.worker_id)
+                        stop.set()
+                        return
+                except grpc.aio.AioRpcError as exc:
+                    if not registered and loop.time() > end:
+                        raise RuntimeError(f"could not register with router {router}: {exc.details()}") from None
+                    log.debug("router %s unreachable: %s", router, exc.code())
+                try:
+                    await asyncio.wait_for(stop.wait(), interval)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            if pending is not None:
+                pending.cancel()
 
 
 async def serve_until_signal(server: grpc.aio.Server, aengine: AsyncEngine, stop: asyncio.Event,

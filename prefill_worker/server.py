@@ -42,6 +42,18 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         self.streamer = LayerStreamer(self.engine.runner, self.engine.layout.num_layers)
         self.transfer_timeout_s = transfer_timeout_s
         self.kv_bytes_sent = 0
+        self._cleanups: set[asyncio.Task] = set()
+
+    def _spawn_cleanup(self, coro) -> None:
+        """Runs ``coro`` in the background (kept referenced; failures logged)."""
+        task = asyncio.ensure_future(coro)
+        self._cleanups.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._cleanups.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("cleanup failed: %s", t.exception())
+        task.add_done_callback(done)
 
     def load(self) -> wpb.WorkerLoad:
         return worker_load(self.ident, self.engine, kv_out=self.kv_bytes_sent)
@@ -114,4 +126,6 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             self.streamer.remove(rid)
             handle.fail("prefill ended")  # no-op when DONE; stops queued sends otherwise
             await asyncio.to_thread(handle.quiesce, 10.0)
-            await asyncio.shield(self.aengine.call(self.engine.abort_request, rid))
+            # freeing the engine's copy waits for the engine thread's current step: do it
+            # after the response is on its way, not before (it would delay the decode's finish)
+            self._spawn_cleanup(self.aengine.call(self.engine.abort_request, rid))

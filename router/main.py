@@ -12,6 +12,7 @@ import sys
 import grpc
 
 from cluster.config import load_config
+from cluster.lifetime import die_with_parent
 from cluster.worker_runtime import GRPC_OPTIONS
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
@@ -45,6 +46,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
     p = argparse.ArgumentParser(prog="router")
     p.add_argument("--config")
     p.add_argument("--model-path", required=True)

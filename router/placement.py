@@ -55,11 +55,13 @@ class PlacementError(Exception):
     - ``unavailable``: no healthy worker of a needed role (UNAVAILABLE).
     """
 
-    def __init__(self, kind: str, message: str, retry_after_s: float = 0.0) -> None:
+    def __init__(self, kind: str, message: str, retry_after_s: float = 0.0, full: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.retry_after_s = retry_after_s
+        self.full = full
+        """Capacity is momentarily used up (waiting for it can help)."""
 
 
 @dataclass(slots=True)
@@ -114,6 +116,9 @@ class ClusterView:
     default_prefill_tokens_per_s: float = 1000.0
     colocate_below_tokens: int = 32
     herd_tolerance: float = 0.05
+    max_prefill_queue_s: float = float("inf")
+    """A prefill worker with more queued work than this takes no new prompt: the
+    decode worker's reservation would outlive its lease while the prompt waits."""
 
     def link(self, a: str, b: str) -> LinkView | None:
         """The usable link between sites ``a`` and ``b`` (None: none, or down)."""
@@ -167,7 +172,8 @@ def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView
         if allowed is not None and view.jurisdiction.get(w.site) not in allowed:
             continue
         if w.role == "prefill":
-            if w.inflight < w.max_inflight:
+            if w.inflight < w.max_inflight and \
+                    w.queued_prefill_tokens / view.throughput(w) <= view.max_prefill_queue_s:
                 prefills.append(w)
         elif w.role == "decode":
             any_allowed_decode = True
@@ -181,7 +187,7 @@ def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView
             raise PlacementError("constraint", f"no healthy decode worker in the allowed jurisdictions "
                                                f"{sorted(allowed or ())} (sites there: {sites or 'none'}); "
                                                "the request is not served elsewhere")
-        raise PlacementError("capacity", "every eligible decode worker is full", retry_after_s=1.0)
+        raise PlacementError("capacity", "every eligible decode worker is full", retry_after_s=1.0, full=True)
     return prefills, decodes
 
 

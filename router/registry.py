@@ -33,6 +33,9 @@ class WorkerRecord:
     """The prefix index holds this worker's cache (a snapshot arrived)."""
     pending_prefill_tokens: int = 0
     """Prompt tokens the router sent here whose first token has not come back."""
+    registered_at: float = 0.0
+    drain_since: float = 0.0
+    """When draining started (monotonic); the worker leaves by drain_timeout_s after it."""
 
 
 def link_name(a: str, b: str) -> str:
@@ -61,8 +64,18 @@ class WorkerRegistry:
         channel = grpc.aio.insecure_channel(info.address, options=GRPC_OPTIONS)
         stub = (wgrpc.PrefillWorkerStub(channel) if info.role == wpb.ROLE_PREFILL
                 else wgrpc.DecodeWorkerStub(channel))
+        now = time.monotonic()
         self.workers[info.worker_id] = WorkerRecord(info, wpb.WorkerLoad(worker_id=info.worker_id),
-                                                    time.monotonic(), channel, stub)
+                                                    now, channel, stub, registered_at=now)
+
+    async def deregister(self, worker_id: str) -> bool:
+        """Forgets a worker that is leaving; False if it was not registered."""
+        rec = self.workers.pop(worker_id, None)
+        if rec is None:
+            return False
+        self.index.remove_worker(worker_id)
+        await rec.channel.close()
+        return True
 
     def heartbeat(self, req: wpb.HeartbeatRequest) -> wpb.HeartbeatResponse:
         rec = self.workers.get(req.load.worker_id)
@@ -75,7 +88,9 @@ class WorkerRegistry:
             rec.synced = True
         if rec.synced:
             self.index.apply(rec.info.worker_id, ev.stored, ev.removed, ev.snapshot)
-        return wpb.HeartbeatResponse(known=True, send_snapshot=not rec.synced)
+        drained = rec.draining and (rec.inflight == 0 or
+                                    rec.last_seen - rec.drain_since > self.cfg.router.drain_timeout_s)
+        return wpb.HeartbeatResponse(known=True, send_snapshot=not rec.synced, drain=rec.draining, drained=drained)
 
     def healthy(self, rec: WorkerRecord) -> bool:
         return time.monotonic() - rec.last_seen <= self.timeout_s
@@ -107,7 +122,8 @@ class WorkerRegistry:
         return ClusterView(workers, self.jurisdiction, self.links, self.local_link,
                            block_size=self.cfg.cache.block_size, kv_block_bytes=kv_block_bytes,
                            num_layers=num_layers, default_prefill_tokens_per_s=r.default_prefill_tokens_per_s,
-                           colocate_below_tokens=r.colocate_below_tokens, herd_tolerance=r.herd_tolerance)
+                           colocate_below_tokens=r.colocate_below_tokens, herd_tolerance=r.herd_tolerance,
+                           max_prefill_queue_s=r.kv_lease_s / 2)
 
     async def close(self) -> None:
         for rec in self.workers.values():

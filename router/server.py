@@ -20,13 +20,16 @@ from google.protobuf.message import DecodeError
 
 from cluster.config import ClusterConfig
 from engine.tokenizer import Tokenizer
+from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from engine.hashing import hash_blocks
+from router.planner import Served
 from router.placement import PlacementError, PlacementRequest, make_policy, place
-from router.registry import WorkerRecord, WorkerRegistry, link_name
+from router.admin import AdminService, PoolManager
+from router.registry import ROLE_NAMES, WorkerRecord, WorkerRegistry, link_name
 from router.requests import ModelLimits, RequestError, build_work_request
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,14 @@ log = logging.getLogger(__name__)
 PLACEMENT_CODES = {"constraint": grpc.StatusCode.FAILED_PRECONDITION,
                    "capacity": grpc.StatusCode.RESOURCE_EXHAUSTED,
                    "unavailable": grpc.StatusCode.UNAVAILABLE}
+
+
+ADMISSION_BACKOFF_S = (0.05, 1.0)
+"""First and longest pause of a request waiting at the router for a decode worker with room."""
+
+
+class WorkerFull(Exception):
+    """The chosen decode worker had no KV blocks for the request (nothing was sent yet)."""
 
 
 class BadRequest:
@@ -58,6 +69,7 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         self.tok = tokenizer
         self.limits = limits
         self.registry = WorkerRegistry(cfg)
+        self.pools = PoolManager(cfg, self.registry)
         self.policy = make_policy(cfg.router.policy, policy_seed)
 
     # -- Registry ------------------------------------------------------------
@@ -69,10 +81,19 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role must be prefill or decode")
         await self.registry.register(info)
         log.info("worker %s registered at %s", info.worker_id, info.address)
+        role = ROLE_NAMES[info.role]
+        drained = self.pools.trim(info.site, role)  # a pool scaled down while this worker was starting
+        if drained:
+            log.info("%s/%s is above its desired size: draining %s", info.site, role, ", ".join(drained))
         return wpb.RegisterResponse(heartbeat_interval_s=self.cfg.router.heartbeat_interval_s)
 
     async def Heartbeat(self, request: wpb.HeartbeatRequest, context) -> wpb.HeartbeatResponse:
         return self.registry.heartbeat(request)
+
+    async def Deregister(self, request: wpb.DeregisterRequest, context) -> wpb.DeregisterResponse:
+        if await self.registry.deregister(request.worker_id):
+            log.info("worker %s left", request.worker_id)
+        return wpb.DeregisterResponse()
 
     async def ListWorkers(self, request, context) -> wpb.ListWorkersResponse:
         now = time.monotonic()
@@ -116,25 +137,37 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
         client_id = request.request_id or wr.request_id
-        preq = self.placement_request(wr, list(request.allowed_jurisdictions), context.time_remaining())
-        try:
-            pl = place(preq, self.registry.view(), self.policy)
-        except PlacementError as exc:
-            if exc.kind == "capacity":
-                ms = max(1, int(exc.retry_after_s * 1e3))
-                context.set_trailing_metadata((("retry-after-ms", str(ms)),))
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc.message}; retry in {ms} ms")
-            await context.abort(PLACEMENT_CODES[exc.kind], exc.message)
-        d = self.registry.workers[pl.decode.worker_id]
-        p = self.registry.workers[pl.prefill.worker_id] if pl.prefill is not None else None
-        placement = ipb.Placement(
-            decode_worker=d.info.worker_id, decode_site=d.info.site, prefill_worker=(p or d).info.worker_id,
-            prefill_site=(p or d).info.site, colocated=p is None, estimated_ttft_ms=pl.est_ttft_s * 1e3,
-            policy=pl.policy, prefill_cached_blocks=pl.cached_blocks_prefill,
-            decode_cached_blocks=pl.cached_blocks_decode,
-            link="" if p is None else link_name(p.info.site, d.info.site))
-        async for msg in self._relay(wr, client_id, p, d, placement, context):
-            yield msg
+        remaining = context.time_remaining()
+        loop = asyncio.get_running_loop()
+        wait_until = loop.time() + min(self.cfg.router.admission_wait_s, remaining or float("inf"))
+        backoff = ADMISSION_BACKOFF_S[0]
+        while True:
+            preq = self.placement_request(wr, list(request.allowed_jurisdictions), context.time_remaining())
+            try:
+                pl = place(preq, self.registry.view(), self.policy)
+                d = self.registry.workers[pl.decode.worker_id]
+                p = self.registry.workers[pl.prefill.worker_id] if pl.prefill is not None else None
+                placement = ipb.Placement(
+                    decode_worker=d.info.worker_id, decode_site=d.info.site, prefill_worker=(p or d).info.worker_id,
+                    prefill_site=(p or d).info.site, colocated=p is None, estimated_ttft_ms=pl.est_ttft_s * 1e3,
+                    policy=pl.policy, prefill_cached_blocks=pl.cached_blocks_prefill,
+                    decode_cached_blocks=pl.cached_blocks_decode,
+                    link="" if p is None else link_name(p.info.site, d.info.site))
+                async for msg in self._relay(wr, client_id, p, d, placement, context):
+                    yield msg
+                return
+            except (PlacementError, WorkerFull) as exc:
+                full = isinstance(exc, WorkerFull) or (exc.kind == "capacity" and exc.full)
+                if full and loop.time() + backoff < wait_until:
+                    # capacity frees up as running requests finish: wait for it, then place again
+                    await asyncio.sleep(backoff)
+                    backoff = min(ADMISSION_BACKOFF_S[1], backoff * 2)
+                    continue
+                if isinstance(exc, WorkerFull) or exc.kind == "capacity":
+                    ms = max(1, int((exc.retry_after_s if isinstance(exc, PlacementError) else 1.0) * 1e3))
+                    context.set_trailing_metadata((("retry-after-ms", str(ms)),))
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry in {ms} ms")
+                await context.abort(PLACEMENT_CODES[exc.kind], exc.message)
 
     def _encrypts(self, link) -> bool:
         """A link's encryption: its own setting, else kv.encrypt."""
@@ -151,7 +184,7 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
 
     async def _relay(self, wr: wpb.WorkRequest, client_id: str, p: WorkerRecord | None, d: WorkerRecord,
                      placement: ipb.Placement, context: grpc.aio.ServicerContext):
-        t0 = time.perf_counter()
+        t0 = t_first = time.perf_counter()
         n_out = 0
         d.inflight += 1
         if p is not None:
@@ -187,11 +220,20 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                 out = ev.output
                 out.request_id = client_id
                 if n_out == 0 and out.token_ids:
-                    placement.ttft_ms = (time.perf_counter() - t0) * 1e3
+                    t_first = time.perf_counter()
+                    placement.ttft_ms = (t_first - t0) * 1e3
                     prefiller.pending_prefill_tokens -= pending
                     pending = 0
                 n_out += len(out.token_ids)
                 if out.HasField("finish"):
+                    if prefill is not None and not prefill.done() and out.token_ids:
+                        # the prefill worker's figures come a little later: do not hold the tokens for them
+                        early = ipb.GenerateResponse()
+                        early.CopyFrom(out)
+                        early.ClearField("finish")
+                        yield early
+                        for f in ("token_ids", "logprobs", "text"):
+                            out.ClearField(f)
                     if prefill is not None:
                         resp = await prefill
                         placement.kv_bytes = resp.kv_bytes
@@ -200,8 +242,16 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                                                                     resp.cached_tokens)
                     out.finish.usage.completion_tokens = n_out
                     out.finish.placement.CopyFrom(placement)
+                    if n_out:
+                        now = time.perf_counter()
+                        self.pools.window.add(Served(
+                            time.monotonic(), prefiller.info.site, "prefill" if p is not None else "decode",
+                            d.info.site, len(wr.prompt_token_ids), placement.ttft_ms / 1e3,
+                            (now - t_first) / (n_out - 1) if n_out > 1 else None))
                 yield out
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and prefill is None and n_out == 0:
+                raise WorkerFull(exc.details()) from None
             await context.abort(exc.code(), exc.details() or "worker failed")
         finally:
             d.inflight -= 1
@@ -218,6 +268,7 @@ def add_router_to_server(service: RouterService, server: grpc.aio.Server) -> Non
     """Registers both services; Generate parses its request leniently so a
     malformed message gets INVALID_ARGUMENT, not INTERNAL."""
     wgrpc.add_RegistryServicer_to_server(service, server)
+    agrpc.add_AdminServicer_to_server(AdminService(service.cfg, service.pools), server)
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             service.Generate, request_deserializer=_safe_parse,

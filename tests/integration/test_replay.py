@@ -1,10 +1,9 @@
 """`kvrelay bench replay` against a real local cluster, on slices of the
-public Azure and Mooncake traces (tests/data/traces)."""
+public Azure and Mooncake traces (benchmarks/data)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -14,7 +13,7 @@ from tests.unit.test_replay_parts import AZURE, MOONCAKE
 pytestmark = pytest.mark.model
 
 
-@pytest.mark.parametrize("trace,scale,limit", [(AZURE, 0.1, 6), (MOONCAKE, 0.01, 5)])
+@pytest.mark.parametrize("trace,scale,limit", [(AZURE, 0.1, 40), (MOONCAKE, 0.01, 40)])
 def test_replay_reports_every_request(cluster, tmp_path, trace, scale, limit, capsys):
     out = tmp_path / "report"
     rc = main(["bench", "replay", "--trace", str(trace), "--router", cluster.router_address, "--limit", str(limit),

@@ -26,7 +26,7 @@ def _start(smollm_path) -> LocalCluster:
     raw = copy.deepcopy(CLUSTER_YAML)
     raw["scheduler"] = {"max_num_batched_tokens": 256}  # many prefill chunks: a long transfer window
     raw["router"]["kv_lease_s"] = 60.0
-    lc = LocalCluster(parse_config(raw), smollm_path)
+    lc = LocalCluster(parse_config(raw), smollm_path, reconcile=False)  # killed workers stay dead
     lc.start()
     return lc
 

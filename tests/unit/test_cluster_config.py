@@ -40,7 +40,13 @@ def test_example_configs_parse():
 
 
 @pytest.mark.parametrize("raw,match", [
-    ({"sites": [{"name": "a", "decode": {"replicas": -1}}]}, r"sites\[0\]\.decode\.replicas: must be in \[0, 64\]"),
+    ({"sites": [{"name": "a", "decode": {"replicas": -1}}]}, r"sites\[0\]\.decode\.replicas: must be in \[0, max_replicas=16\]"),
+    ({"sites": [{"name": "a", "decode": {"replicas": 3, "max_replicas": 2}}]},
+     r"sites\[0\]\.decode\.replicas: must be in \[0, max_replicas=2\], got 3"),
+    ({"auth": {"operators": [{"name": "noc", "token_sha256": "abc"}]}}, r"auth\.operators\[0\]\.token_sha256: must be 64"),
+    ({"auth": {"operators": [{"name": "noc", "token_sha256": "a" * 64}, {"name": "noc", "token_sha256": "b" * 64}]}},
+     r"auth\.operators\[1\]\.name: must be non-empty and unique"),
+    ({"router": {"drain_timeout_s": 0}}, r"router\.drain_timeout_s: must be positive"),
     ({"router": {"port": "x"}}, r"router\.port: expected an integer"),
     ({"router": {"port": 70000}}, r"router\.port"),
     ({"routr": {}}, r"config: unknown field\(s\) routr"),

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.placement import (POLICIES, ClusterView, LinkView, PlacementError, PlacementRequest, WorkerView,
-                              estimate, make_policy)
+                              estimate, make_policy, place)
 from router.prefix_index import PrefixIndex
 
 KV_BLOCK = 2 * 30 * 12288  # SmolLM2-135M fp32: 720 KiB per 16-token block
@@ -250,3 +250,17 @@ def test_registry_applies_cache_events_only_after_a_snapshot():
         await reg.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_prefill_worker_with_a_queue_beyond_the_bound_takes_no_prompt(policy):
+    # p-busy has 40 s of work queued (> 15 s): a reservation at D would outlive its lease
+    ws = [w("p-busy", "prefill", tps=1000.0, queued_prefill_tokens=40_000),
+          w("p-free", "prefill", tps=1000.0, queued_prefill_tokens=5_000), w("d", "decode")]
+    v = view(ws, max_prefill_queue_s=15.0)
+    for _ in range(10):
+        pl = place(PlacementRequest(prompt_tokens=2000), v, make_policy(policy, seed=1))
+        assert pl.prefill is None or pl.prefill.worker_id == "p-free"
+    ws[1].queued_prefill_tokens = 20_000  # both over the bound: D computes the prompt itself
+    assert place(PlacementRequest(prompt_tokens=2000), view(ws, max_prefill_queue_s=15.0),
+                 make_policy(policy, seed=1)).prefill is None

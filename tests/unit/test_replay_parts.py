@@ -1,21 +1,18 @@
 """Trace loading, prompt building and metrics of `kvrelay bench replay`,
-on slices of the real public traces (tests/data/traces, the first 200
+on slices of the real public traces (benchmarks/data, the first 200
 requests of each) and on constructed records."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from benchmarks.metrics import RequestRecord, distribution, summarize
 from benchmarks.replay import _spread, check_lengths
-from benchmarks.traces import TraceError, build_prompts, detect_format, load_trace
+from benchmarks.traces import SAMPLE_AZURE, SAMPLE_MOONCAKE, TraceError, build_prompts, detect_format, load_trace
 
-TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
-AZURE = TRACES / "azure_code_head200.csv"
-MOONCAKE = TRACES / "mooncake_synthetic_head200.jsonl"
+AZURE, MOONCAKE = SAMPLE_AZURE, SAMPLE_MOONCAKE
 
 
 def test_real_traces_load_with_relative_arrivals():

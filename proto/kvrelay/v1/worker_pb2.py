@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from kvrelay.v1 import inference_pb2 as kvrelay_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/worker.proto\x12\nkvrelay.v1\x1a\x1akvrelay/v1/inference.proto\"\x8e\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvrelay.v1.Role\x12\x0c\n\x04site\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x13\n\x0blayout_hash\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x12\n\nnum_blocks\x18\n \x01(\x05\x12\x12\n\nnum_layers\x18\x0b \x01(\x05\x12\x16\n\x0ekv_block_bytes\x18\x0c \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\"\xfc\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\x05\x12\x1c\n\x14prefill_tokens_total\x18\x06 \x01(\x03\x12\x1b\n\x13\x64\x65\x63ode_tokens_total\x18\x07 \x01(\x03\x12\x19\n\x11kv_bytes_received\x18\x08 \x01(\x03\x12\x15\n\rkv_bytes_sent\x18\t \x01(\x03\x12\x14\n\x0creservations\x18\n \x01(\x05\x12\x19\n\x11prefix_hit_blocks\x18\x0b \x01(\x03\x12\x1b\n\x13prefix_query_blocks\x18\x0c \x01(\x03\x12\x1d\n\x15queued_prefill_tokens\x18\r \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x0e \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_step_ms\x18\x0f \x01(\x01\"B\n\rKVCacheEvents\x12\x0e\n\x06stored\x18\x01 \x03(\x06\x12\x0f\n\x07removed\x18\x02 \x03(\x06\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\"7\n\x0fRegisterRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.WorkerInfo\"0\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"f\n\x10HeartbeatRequest\x12$\n\x04load\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.WorkerLoad\x12,\n\tkv_events\x18\x02 \x01(\x0b\x32\x19.kvrelay.v1.KVCacheEvents\"9\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x15\n\rsend_snapshot\x18\x02 \x01(\x08\"\x14\n\x12ListWorkersRequest\"\xc4\x01\n\x0cWorkerStatus\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.WorkerInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.kvrelay.v1.WorkerLoad\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x10\n\x08inflight\x18\x06 \x01(\x05\x12\x15\n\rcached_blocks\x18\x07 \x01(\x05\"h\n\nLinkStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06rtt_ms\x18\x02 \x01(\x01\x12\x0c\n\x04gbps\x18\x03 \x01(\x01\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x0f\n\x07\x65ncrypt\x18\x05 \x01(\x08\x12\n\n\x02up\x18\x06 \x01(\x08\"w\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.kvrelay.v1.WorkerStatus\x12%\n\x05links\x18\x02 \x03(\x0b\x32\x16.kvrelay.v1.LinkStatus\x12\x0e\n\x06policy\x18\x03 \x01(\t\"\xc5\x01\n\x0bWorkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04salt\x18\x08 \x01(\t\"\xba\x01\n\x08KVTarget\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x13\n\x0bstart_block\x18\x03 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x13\n\x0blayout_hash\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x13\n\x0blink_rtt_ms\x18\x07 \x01(\x01\x12\x11\n\tlink_gbps\x18\x08 \x01(\x01\x12\x0f\n\x07\x65ncrypt\x18\t \x01(\x08\"]\n\rDecodeRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.kvrelay.v1.WorkRequest\x12\x11\n\tcolocated\x18\x02 \x01(\x08\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\"f\n\x0b\x44\x65\x63odeEvent\x12)\n\x0breservation\x18\x01 \x01(\x0b\x32\x14.kvrelay.v1.KVTarget\x12,\n\x06output\x18\x02 \x01(\x0b\x32\x1c.kvrelay.v1.GenerateResponse\"`\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.kvrelay.v1.WorkRequest\x12$\n\x06target\x18\x02 \x01(\x0b\x32\x14.kvrelay.v1.KVTarget\"\x92\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\"\x0e\n\x0cStatsRequest*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x32\xeb\x01\n\x08Registry\x12\x45\n\x08Register\x12\x1b.kvrelay.v1.RegisterRequest\x1a\x1c.kvrelay.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.kvrelay.v1.HeartbeatRequest\x1a\x1d.kvrelay.v1.HeartbeatResponse\x12N\n\x0bListWorkers\x12\x1e.kvrelay.v1.ListWorkersRequest\x1a\x1f.kvrelay.v1.ListWorkersResponse2\x89\x01\n\x0c\x44\x65\x63odeWorker\x12>\n\x06\x44\x65\x63ode\x12\x19.kvrelay.v1.DecodeRequest\x1a\x17.kvrelay.v1.DecodeEvent0\x01\x12\x39\n\x05Stats\x12\x18.kvrelay.v1.StatsRequest\x1a\x16.kvrelay.v1.WorkerLoad2\x8e\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.kvrelay.v1.PrefillRequest\x1a\x1b.kvrelay.v1.PrefillResponse\x12\x39\n\x05Stats\x12\x18.kvrelay.v1.StatsRequest\x1a\x16.kvrelay.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/worker.proto\x12\nkvrelay.v1\x1a\x1akvrelay/v1/inference.proto\"\x8e\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.kvrelay.v1.Role\x12\x0c\n\x04site\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x13\n\x0blayout_hash\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x12\n\nnum_blocks\x18\n \x01(\x05\x12\x12\n\nnum_layers\x18\x0b \x01(\x05\x12\x16\n\x0ekv_block_bytes\x18\x0c \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\r \x01(\t\"\xfc\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\x05\x12\x1c\n\x14prefill_tokens_total\x18\x06 \x01(\x03\x12\x1b\n\x13\x64\x65\x63ode_tokens_total\x18\x07 \x01(\x03\x12\x19\n\x11kv_bytes_received\x18\x08 \x01(\x03\x12\x15\n\rkv_bytes_sent\x18\t \x01(\x03\x12\x14\n\x0creservations\x18\n \x01(\x05\x12\x19\n\x11prefix_hit_blocks\x18\x0b \x01(\x03\x12\x1b\n\x13prefix_query_blocks\x18\x0c \x01(\x03\x12\x1d\n\x15queued_prefill_tokens\x18\r \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x0e \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_step_ms\x18\x0f \x01(\x01\"B\n\rKVCacheEvents\x12\x0e\n\x06stored\x18\x01 \x03(\x06\x12\x0f\n\x07removed\x18\x02 \x03(\x06\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\"7\n\x0fRegisterRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.WorkerInfo\"0\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"f\n\x10HeartbeatRequest\x12$\n\x04load\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.WorkerLoad\x12,\n\tkv_events\x18\x02 \x01(\x0b\x32\x19.kvrelay.v1.KVCacheEvents\"Y\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x15\n\rsend_snapshot\x18\x02 \x01(\x08\x12\r\n\x05\x64rain\x18\x03 \x01(\x08\x12\x0f\n\x07\x64rained\x18\x04 \x01(\x08\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\x14\n\x12ListWorkersRequest\"\xc4\x01\n\x0cWorkerStatus\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.WorkerInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.kvrelay.v1.WorkerLoad\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x10\n\x08inflight\x18\x06 \x01(\x05\x12\x15\n\rcached_blocks\x18\x07 \x01(\x05\"h\n\nLinkStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06rtt_ms\x18\x02 \x01(\x01\x12\x0c\n\x04gbps\x18\x03 \x01(\x01\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x0f\n\x07\x65ncrypt\x18\x05 \x01(\x08\x12\n\n\x02up\x18\x06 \x01(\x08\"w\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.kvrelay.v1.WorkerStatus\x12%\n\x05links\x18\x02 \x03(\x0b\x32\x16.kvrelay.v1.LinkStatus\x12\x0e\n\x06policy\x18\x03 \x01(\t\"\xc5\x01\n\x0bWorkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04salt\x18\x08 \x01(\t\"\xba\x01\n\x08KVTarget\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x13\n\x0bstart_block\x18\x03 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x13\n\x0blayout_hash\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x13\n\x0blink_rtt_ms\x18\x07 \x01(\x01\x12\x11\n\tlink_gbps\x18\x08 \x01(\x01\x12\x0f\n\x07\x65ncrypt\x18\t \x01(\x08\"]\n\rDecodeRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.kvrelay.v1.WorkRequest\x12\x11\n\tcolocated\x18\x02 \x01(\x08\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\"f\n\x0b\x44\x65\x63odeEvent\x12)\n\x0breservation\x18\x01 \x01(\x0b\x32\x14.kvrelay.v1.KVTarget\x12,\n\x06output\x18\x02 \x01(\x0b\x32\x1c.kvrelay.v1.GenerateResponse\"`\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.kvrelay.v1.WorkRequest\x12$\n\x06target\x18\x02 \x01(\x0b\x32\x14.kvrelay.v1.KVTarget\"\x92\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\"\x0e\n\x0cStatsRequest*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x32\xb8\x02\n\x08Registry\x12\x45\n\x08Register\x12\x1b.kvrelay.v1.RegisterRequest\x1a\x1c.kvrelay.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.kvrelay.v1.HeartbeatRequest\x1a\x1d.kvrelay.v1.HeartbeatResponse\x12N\n\x0bListWorkers\x12\x1e.kvrelay.v1.ListWorkersRequest\x1a\x1f.kvrelay.v1.ListWorkersResponse\x12K\n\nDeregister\x12\x1d.kvrelay.v1.DeregisterRequest\x1a\x1e.kvrelay.v1.DeregisterResponse2\x89\x01\n\x0c\x44\x65\x63odeWorker\x12>\n\x06\x44\x65\x63ode\x12\x19.kvrelay.v1.DecodeRequest\x1a\x17.kvrelay.v1.DecodeEvent0\x01\x12\x39\n\x05Stats\x12\x18.kvrelay.v1.StatsRequest\x1a\x16.kvrelay.v1.WorkerLoad2\x8e\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.kvrelay.v1.PrefillRequest\x1a\x1b.kvrelay.v1.PrefillResponse\x12\x39\n\x05Stats\x12\x18.kvrelay.v1.StatsRequest\x1a\x16.kvrelay.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=2360
-  _globals['_ROLE']._serialized_end=2423
+  _globals['_ROLE']._serialized_start=2454
+  _globals['_ROLE']._serialized_end=2517
   _globals['_WORKERINFO']._serialized_start=68
   _globals['_WORKERINFO']._serialized_end=338
   _globals['_WORKERLOAD']._serialized_start=341
@@ -47,33 +47,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST']._serialized_start=898
   _globals['_HEARTBEATREQUEST']._serialized_end=1000
   _globals['_HEARTBEATRESPONSE']._serialized_start=1002
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1059
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1061
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1081
-  _globals['_WORKERSTATUS']._serialized_start=1084
-  _globals['_WORKERSTATUS']._serialized_end=1280
-  _globals['_LINKSTATUS']._serialized_start=1282
-  _globals['_LINKSTATUS']._serialized_end=1386
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1388
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1507
-  _globals['_WORKREQUEST']._serialized_start=1510
-  _globals['_WORKREQUEST']._serialized_end=1707
-  _globals['_KVTARGET']._serialized_start=1710
-  _globals['_KVTARGET']._serialized_end=1896
-  _globals['_DECODEREQUEST']._serialized_start=1898
-  _globals['_DECODEREQUEST']._serialized_end=1991
-  _globals['_DECODEEVENT']._serialized_start=1993
-  _globals['_DECODEEVENT']._serialized_end=2095
-  _globals['_PREFILLREQUEST']._serialized_start=2097
-  _globals['_PREFILLREQUEST']._serialized_end=2193
-  _globals['_PREFILLRESPONSE']._serialized_start=2196
-  _globals['_PREFILLRESPONSE']._serialized_end=2342
-  _globals['_STATSREQUEST']._serialized_start=2344
-  _globals['_STATSREQUEST']._serialized_end=2358
-  _globals['_REGISTRY']._serialized_start=2426
-  _globals['_REGISTRY']._serialized_end=2661
-  _globals['_DECODEWORKER']._serialized_start=2664
-  _globals['_DECODEWORKER']._serialized_end=2801
-  _globals['_PREFILLWORKER']._serialized_start=2804
-  _globals['_PREFILLWORKER']._serialized_end=2946
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1091
+  _globals['_DEREGISTERREQUEST']._serialized_start=1093
+  _globals['_DEREGISTERREQUEST']._serialized_end=1131
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1133
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1153
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1155
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1175
+  _globals['_WORKERSTATUS']._serialized_start=1178
+  _globals['_WORKERSTATUS']._serialized_end=1374
+  _globals['_LINKSTATUS']._serialized_start=1376
+  _globals['_LINKSTATUS']._serialized_end=1480
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1482
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1601
+  _globals['_WORKREQUEST']._serialized_start=1604
+  _globals['_WORKREQUEST']._serialized_end=1801
+  _globals['_KVTARGET']._serialized_start=1804
+  _globals['_KVTARGET']._serialized_end=1990
+  _globals['_DECODEREQUEST']._serialized_start=1992
+  _globals['_DECODEREQUEST']._serialized_end=2085
+  _globals['_DECODEEVENT']._serialized_start=2087
+  _globals['_DECODEEVENT']._serialized_end=2189
+  _globals['_PREFILLREQUEST']._serialized_start=2191
+  _globals['_PREFILLREQUEST']._serialized_end=2287
+  _globals['_PREFILLRESPONSE']._serialized_start=2290
+  _globals['_PREFILLRESPONSE']._serialized_end=2436
+  _globals['_STATSREQUEST']._serialized_start=2438
+  _globals['_STATSREQUEST']._serialized_end=2452
+  _globals['_REGISTRY']._serialized_start=2520
+  _globals['_REGISTRY']._serialized_end=2832
+  _globals['_DECODEWORKER']._serialized_start=2835
+  _globals['_DECODEWORKER']._serialized_end=2972
+  _globals['_PREFILLWORKER']._serialized_start=2975
+  _globals['_PREFILLWORKER']._serialized_end=3117
 # @@protoc_insertion_point(module_scope)

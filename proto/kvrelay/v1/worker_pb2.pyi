@@ -112,12 +112,26 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., kv_events: _Optional[_Union[KVCacheEvents, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known", "send_snapshot")
+    __slots__ = ("known", "send_snapshot", "drain", "drained")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     SEND_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     known: bool
     send_snapshot: bool
-    def __init__(self, known: _Optional[bool] = ..., send_snapshot: _Optional[bool] = ...) -> None: ...
+    drain: bool
+    drained: bool
+    def __init__(self, known: _Optional[bool] = ..., send_snapshot: _Optional[bool] = ..., drain: _Optional[bool] = ..., drained: _Optional[bool] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

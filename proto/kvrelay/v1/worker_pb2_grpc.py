@@ -50,6 +50,11 @@ class RegistryStub:
                 request_serializer=kvrelay_dot_v1_dot_worker__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_worker__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/kvrelay.v1.Registry/Deregister',
+                request_serializer=kvrelay_dot_v1_dot_worker__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_worker__pb2.DeregisterResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -77,6 +82,13 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deregister(self, request, context):
+        """A drained worker leaving: the router forgets it at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +106,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=kvrelay_dot_v1_dot_worker__pb2.ListWorkersRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_worker__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=kvrelay_dot_v1_dot_worker__pb2.DeregisterRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_worker__pb2.DeregisterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +195,33 @@ class Registry:
             '/kvrelay.v1.Registry/ListWorkers',
             kvrelay_dot_v1_dot_worker__pb2.ListWorkersRequest.SerializeToString,
             kvrelay_dot_v1_dot_worker__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Registry/Deregister',
+            kvrelay_dot_v1_dot_worker__pb2.DeregisterRequest.SerializeToString,
+            kvrelay_dot_v1_dot_worker__pb2.DeregisterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,131 @@
+"""``kvrelay bench cities``: one trace slice replayed against several
+deployments of the three-city example, each over emulated WAN links when
+run as root, so an operator can see what placing pools in one city or
+another costs:
+
+- colocated: two decode workers in Toronto, each computing its own prompts;
+- same city: prefill and decode workers both in Toronto (disaggregated over
+  the site's local network);
+- 60 ms away: prefill in Toronto, decode in Vancouver (Toronto-Vancouver link);
+- three cities with the cost_model policy, and the same with round_robin.
+
+Every deployment has the same trace slice, seed and length scale; each runs
+in a fresh cluster (and fresh namespaces) so no cache carries over."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from benchmarks.replay import ReplayConfig, build_report, replay, write_report
+from benchmarks.traces import ScaledRequest
+from cluster import cities
+from cluster.config import parse_config
+from cluster.launch_local import LocalCluster
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "three-cities.yaml"
+
+
+@dataclass(slots=True)
+class Scenario:
+    name: str
+    what: str
+    config: dict
+
+
+def _pools(prefill: int, decode: int) -> dict:
+    return {"prefill": {"replicas": prefill}, "decode": {"replicas": decode}}
+
+
+def scenarios(example: dict) -> list[Scenario]:
+    """The deployments compared, derived from the three-city example (same
+    model, cache, threads, link figures)."""
+    site = {s["name"]: s for s in example["sites"]}
+    link = {frozenset(lk["between"]): lk for lk in example["links"]}
+    tor_van = link[frozenset(("toronto", "vancouver"))]
+    forced = {"policy": "least_loaded", "colocate_below_tokens": 0}  # always disaggregated
+
+    def variant(sites: list[dict], links: list[dict], router: dict) -> dict:
+        cfg = copy.deepcopy(example)
+        cfg["sites"], cfg["links"] = sites, links
+        cfg["router"] = {**cfg.get("router", {}), **router, "port": 0}
+        return cfg
+
+    tor = lambda p, d: {**site["toronto"], **_pools(p, d)}  # noqa: E731
+    van = lambda p, d: {**site["vancouver"], **_pools(p, d)}  # noqa: E731
+    return [
+        Scenario("colocated", "2 decode workers in Toronto, each prefills its own prompts",
+                 variant([tor(0, 2)], [], {"policy": "least_loaded"})),
+        Scenario("same-city", "prefill and decode in Toronto (local network)",
+                 variant([tor(1, 1)], [], forced)),
+        Scenario("decode-60ms", f"prefill in Toronto, decode in Vancouver ({tor_van['rtt_ms']:g} ms, "
+                                f"{tor_van['gbps']:g} Gbit/s)",
+                 variant([tor(1, 0), van(0, 1)], [tor_van], forced)),
+        Scenario("3cities-cost_model", "the three-city example, cost_model placement",
+                 variant(example["sites"], example["links"], {"policy": "cost_model"})),
+        Scenario("3cities-round_robin", "the three-city example, round_robin placement",
+                 variant(example["sites"], example["links"], {"policy": "round_robin"})),
+    ]
+
+
+def run_scenario(sc: Scenario, model_path: Path, prompts: list[ScaledRequest], rcfg: ReplayConfig,
+                 emulate: bool, out: Path, meta: dict) -> dict:
+    """Brings up (namespaces and) a cluster for one scenario, replays, tears down."""
+    cfg = parse_config(sc.config)
+    state_dir = Path(tempfile.mkdtemp(prefix="kvrelay-bench-cities-"))
+    st = cities.up(cfg, state_dir, subnet="10.218.0.0/16", prefix="kvbc") if emulate else None
+    try:
+        lc = LocalCluster(cfg, model_path, cities=st)
+        try:
+            address = lc.start()
+            records, samples = asyncio.run(replay(address, prompts, rcfg))
+        finally:
+            lc.stop()
+    finally:
+        if st is not None:
+            cities.down(state_dir)
+    report = build_report(records, samples, rcfg, {**meta, "scenario": sc.name, "what": sc.what,
+                                                   "policy": cfg.router.policy, "wan_emulation": emulate,
+                                                   "config": cfg.to_dict(), "router": address})
+    write_report(report, out / sc.name)
+    return report
+
+
+def summary_row(name: str, what: str, report: dict) -> dict:
+    s = report["summary"]
+    recs = report["requests"]
+    coloc = sum(1 for r in recs if (r.get("placement") or {}).get("colocated")) / max(1, len(recs))
+    return {"scenario": name, "what": what, "completed": s["completed"], "failed": s["failed"],
+            "ttft_mean_ms": s["ttft_ms"]["mean"], "ttft_p50_ms": s["ttft_ms"]["p50"],
+            "ttft_p99_ms": s["ttft_ms"]["p99"], "tpot_p50_ms": s["tpot_ms"]["p50"],
+            "tpot_p99_ms": s["tpot_ms"]["p99"], "e2e_p50_ms": s["e2e_ms"]["p50"],
+            "throughput_tok_s": s["total_token_throughput_tps"], "slo_attainment": s["slo_attainment"],
+            "kv_mib": sum(row["kv_bytes"] for row in report["per_link"].values()) / 2**20,
+            "colocated_fraction": coloc}
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = ("| scenario | TTFT mean / p50 / p99 ms | TPOT p50 / p99 ms | E2E p50 ms | tok/s | SLO met | "
+            "KV MiB moved | colocated | failed |\n|---|---|---|---|---|---|---|---|---|")
+    body = [f"| {r['scenario']} | {r['ttft_mean_ms']:.0f} / {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+            f"{r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f} | {r['e2e_p50_ms']:.0f} | "
+            f"{r['throughput_tok_s']:.0f} | {r['slo_attainment']:.0%} | {r['kv_mib']:.0f} | "
+            f"{r['colocated_fraction']:.0%} | {r['failed']} |" for r in rows]
+    return "\n".join([head, *body])
+
+
+def load_example() -> dict:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def write_summary(rows: list[dict], out: Path, meta: dict) -> str:
+    table = format_rows(rows)
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out / "summary.md").write_text(table + "\n")
+    return table

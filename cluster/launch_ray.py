@@ -1,0 +1,157 @@
+"""Ray backend for the launcher (``kvrelay serve --backend ray``): each
+worker is a process owned by a Ray actor that runs on a node of the worker's
+site. Sites map to Ray custom resources: an operator gives every node of
+Toronto ``site:toronto`` (``ray start --resources '{"site:toronto": 8}'``),
+and each worker actor takes one unit of it, so it can only land there.
+
+The router stays with the launcher (the node where ``kvrelay serve`` runs);
+workers register with it over the network exactly as local ones do, so the
+router's address (``router.host``) must be reachable from every node.
+
+Ray 2.60 authenticates every connection with a cluster token by default.
+A local Ray started here makes and uses its own token; to join an existing
+cluster, this machine needs that cluster's token (``RAY_AUTH_TOKEN`` or
+``~/.ray/auth_token``, as Ray documents). We never turn authentication off."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+log = logging.getLogger(__name__)
+
+SITE_RESOURCE = "site:{}"
+CALL_TIMEOUT_S = 30.0
+
+
+def site_resource(site: str) -> str:
+    return SITE_RESOURCE.format(site)
+
+
+def _actor_class():
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class WorkerActor:
+        """Owns one worker process on this node; it dies with the actor."""
+
+        def __init__(self, module: str, args: list[str], env: dict[str, str]) -> None:
+            # this node's Python, not the launcher's path: nodes may differ; the
+            # worker asks for SIGTERM when this actor's process exits (cluster/lifetime.py)
+            self.proc = subprocess.Popen([sys.executable, "-m", module, *args], env={**os.environ, **env})
+
+        def node_id(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+        def pid(self) -> int:
+            return self.proc.pid
+
+        def poll(self) -> int | None:
+            return self.proc.poll()
+
+        def signal(self, kill: bool) -> None:
+            if self.proc.poll() is None:
+                (self.proc.kill if kill else self.proc.terminate)()
+
+        def wait(self, timeout: float | None) -> int | None:
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return None
+
+    return WorkerActor
+
+
+class RayWorker:
+    """A worker process on a Ray node, seen through its actor (WorkerProc)."""
+
+    def __init__(self, name: str, actor) -> None:
+        import ray
+
+        self._ray = ray
+        self.name = name
+        self.actor = actor
+        self.pid = -1
+        self._exit: int | None = None
+
+    def _call(self, method, *args, timeout: float = CALL_TIMEOUT_S):
+        return self._ray.get(method.remote(*args), timeout=timeout)
+
+    def node_id(self) -> str:
+        return self._call(self.actor.node_id)
+
+    def poll(self) -> int | None:
+        if self._exit is not None:
+            return self._exit
+        try:
+            code = self._call(self.actor.poll, timeout=5.0)
+        except self._ray.exceptions.GetTimeoutError:
+            return None  # still being scheduled, or busy
+        except self._ray.exceptions.RayActorError:
+            code = -9  # the actor (and with it the process) is gone
+        if code is not None:
+            self._exit = code
+            self._ray.kill(self.actor)
+        return code
+
+    def terminate(self) -> None:
+        self._signal(False)
+
+    def kill(self) -> None:
+        self._signal(True)
+
+    def _signal(self, kill: bool) -> None:
+        try:
+            self._call(self.actor.signal, kill)
+        except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
+            self._ray.kill(self.actor)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._exit is not None:
+            return self._exit
+        try:
+            code = self._call(self.actor.wait, timeout, timeout=(timeout or CALL_TIMEOUT_S) + 10)
+        except self._ray.exceptions.RayActorError:
+            code = -9
+        if code is None:
+            raise subprocess.TimeoutExpired(self.name, timeout)
+        self._exit = code
+        self._ray.kill(self.actor)
+        return code
+
+
+class RayBackend:
+    """Starts workers as Ray actors on the nodes of their site.
+
+    ``address``: an existing Ray cluster (``ray://`` or ``host:port``); None
+    joins the cluster this process is already connected to, or starts a
+    local one whose single node carries every site's resource."""
+
+    def __init__(self, sites: list[str], address: str | None = None, workers_per_site: int = 64) -> None:
+        import ray
+
+        self._ray = ray
+        self._owns_ray = False
+        if not ray.is_initialized():
+            if address is None:
+                ray.init(include_dashboard=False, log_to_driver=False,
+                         resources={site_resource(s): workers_per_site for s in sites})
+            else:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            self._owns_ray = True
+        have = ray.cluster_resources()
+        missing = [s for s in sites if have.get(site_resource(s), 0) < 1]
+        if missing:
+            raise RuntimeError(f"no Ray node offers {', '.join(site_resource(s) for s in missing)}: start the "
+                               f"nodes of each site with ray start --resources '{{\"site:<name>\": 8}}'")
+        self._actor = _actor_class()
+
+    def start(self, name: str, module: str, args: list[str], site: str, env: dict[str, str]) -> RayWorker:
+        actor = self._actor.options(resources={site_resource(site): 1}).remote(module, args, env)
+        return RayWorker(name, actor)
+
+    def close(self) -> None:
+        if self._owns_ray:
+            self._ray.shutdown()

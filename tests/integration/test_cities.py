@@ -1,0 +1,158 @@
+"""WAN emulation (`kvrelay cities`): two sites in their own network
+namespaces, joined by an emulated link (tbf for the rate, the user-space
+delay line for the delay). Measured with real TCP; then a real cluster runs
+across it. Needs root, iproute2 and /dev/net/tun (CI runs as root)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster import cities
+from cluster.cli import main
+from cluster.config import parse_config
+from cluster.launch_local import LocalCluster
+from cluster.linkprobe import measure_link, measure_rtt
+from engine.sampling_params import SamplingParams
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+
+RTT_MS, GBPS = 20.0, 0.5
+PREFIX, SUBNET = "kvtc", "10.216.0.0/16"
+
+CONFIG = {
+    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0, "heartbeat_interval_s": 0.25},
+    "sites": [{"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 0}},
+              {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0}, "decode": {"replicas": 1}}],
+    "links": [{"between": ["toronto", "montreal"], "rtt_ms": RTT_MS, "gbps": GBPS, "transport": "tcp"}],
+    "workers": {"threads": 1},
+    "cache": {"memory_gib": 0.25},
+}
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/dev/net/tun").exists() or not shutil.which("tc"),
+    reason="WAN emulation needs root, /dev/net/tun and iproute2's tc")
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    state_dir = tmp_path_factory.mktemp("cities")
+    st = cities.up(parse_config(CONFIG), state_dir, SUBNET, PREFIX)
+    yield st, state_dir
+    assert cities.down(state_dir) == []
+
+
+def _netns_names() -> list[str]:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+
+
+@needs_root
+def test_link_has_the_configured_rtt_and_rate(emulated):
+    st, _ = emulated
+    tor, mtl = st.site("toronto"), st.site("montreal")
+    for src, dst in ((tor, mtl), (mtl, tor)):
+        m = measure_link(src.netns, dst.netns, dst.site_addr, seconds=3.0)
+        assert abs(m.rtt_ms - RTT_MS) <= 0.10 * RTT_MS, m
+        assert abs(m.gbps - GBPS) <= 0.15 * GBPS, m
+
+
+@needs_root
+def test_cut_link_drops_everything_until_restored(emulated):
+    st, state_dir = emulated
+    tor, mtl = st.site("toronto"), st.site("montreal")
+    cities.link_signal(state_dir, "toronto", "montreal", cut=True)
+    try:
+        with pytest.raises(OSError):  # the connection attempt times out: packets vanish
+            measure_rtt(tor.netns, mtl.netns, mtl.site_addr, samples=3, timeout_s=1.0)
+        assert cities.load_state(state_dir).link("toronto", "montreal").cut
+    finally:
+        cities.link_signal(state_dir, "toronto", "montreal", cut=False)
+    rtts = measure_rtt(tor.netns, mtl.netns, mtl.site_addr, samples=5)
+    assert min(rtts) * 1e3 >= RTT_MS * 0.9
+
+
+@needs_root
+def test_cities_with_no_link_cannot_reach_each_other(tmp_path):
+    cfg = dict(CONFIG, links=[])
+    st = cities.up(parse_config(cfg), tmp_path, "10.217.0.0/16", "kvtn")
+    try:
+        with pytest.raises(OSError):
+            measure_rtt(st.site("toronto").netns, st.site("montreal").netns, st.site("montreal").site_addr,
+                        samples=1, timeout_s=1.0)
+    finally:
+        assert cities.down(tmp_path) == []
+    assert not [n for n in _netns_names() if n.startswith("kvtn-")]
+    assert not Path("/sys/class/net/kvtn-br").exists()
+
+
+@needs_root
+@pytest.mark.model
+def test_cluster_across_the_emulated_link(emulated, smollm_path, reference_engine):
+    st, _ = emulated
+    lc = LocalCluster(parse_config(CONFIG), smollm_path, cities=st)
+    lc.start()
+    try:
+        prompt = list(range(1000, 1600))  # 600 tokens: ~27 MiB of KV over a 0.5 Gbit/s, 20 ms link
+        with grpc.insecure_channel(lc.router_address) as ch:
+            msgs = list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
+                token_ids=ipb.TokenIds(ids=prompt), max_tokens=6, ignore_eos=True), timeout=120))
+        pl = msgs[-1].finish.placement
+        assert (pl.prefill_site, pl.decode_site, pl.link) == ("toronto", "montreal", "montreal-toronto")
+        assert pl.kv_bytes > 20 << 20
+        # the transfer's tail (end of prefill to the receiver's ack) includes at least one RTT
+        assert pl.kv_transfer_ms >= RTT_MS
+        tokens = [t for m in msgs for t in m.token_ids]
+        want = reference_engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+        assert tokens == want
+    finally:
+        lc.stop()
+
+
+def test_plan_addresses_and_names():
+    st = cities.plan(parse_config(CONFIG), "10.50.0.0/16", "ab")
+    assert st.gateway == "10.50.0.1" and st.bridge == "ab-br"
+    assert [(s.netns, s.site_addr, s.mgmt_addr) for s in st.sites] == [
+        ("ab-toronto", "10.50.1.1", "10.50.0.10"), ("ab-montreal", "10.50.2.1", "10.50.0.11")]
+    link = st.link("montreal", "toronto")
+    assert (link.dev_a, link.dev_b, link.rtt_ms, link.gbps) == ("wan1", "wan0", RTT_MS, GBPS)
+    assert st.matches(parse_config(CONFIG)) is None
+    other = dict(CONFIG, links=[dict(CONFIG["links"][0], rtt_ms=60)])
+    assert "links differ" in st.matches(parse_config(other))
+
+
+@pytest.mark.parametrize("subnet,prefix,match", [
+    ("10.50.0.0/24", "kvr", "/16 or larger"), ("nonsense", "kvr", "--subnet 'nonsense'"),
+    ("10.50.0.0/16", "toolong", "1-5 letters"), ("10.50.0.0/16", "a-b", "1-5 letters")])
+def test_plan_refuses_bad_subnets_and_prefixes(subnet, prefix, match):
+    with pytest.raises(cities.CitiesError, match=match):
+        cities.plan(parse_config(CONFIG), subnet, prefix)
+
+
+def test_without_root_the_command_says_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("sites: [{name: a}, {name: b}]\nlinks: [{between: [a, b], rtt_ms: 9, gbps: 1}]\n")
+    assert main(["cities", "up", "--config", str(cfg), "--state-dir", str(tmp_path / "s")]) == 2
+    assert "needs root" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_status_and_down_with_nothing_up(tmp_path, capsys):
+    assert main(["cities", "status", "--state-dir", str(tmp_path)]) == 1
+    assert main(["cities", "down", "--state-dir", str(tmp_path)]) == 0
+    assert "no emulated cities are up" in capsys.readouterr().out
+
+
+@needs_root
+@pytest.mark.model
+def test_demo_runs_three_cities_and_cleans_up(tmp_path, capsys):
+    assert main(["demo", "--requests", "4", "--out", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    assert "Toronto, Montreal and Vancouver in their own namespaces" in out and "TTFT" in out
+    assert (tmp_path / "demo" / "report.json").exists() and str(tmp_path / "demo") in out
+    assert not [n for n in _netns_names() if n.startswith("kvdm-")]

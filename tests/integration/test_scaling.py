@@ -1,0 +1,224 @@
+"""Per-site pool scaling through the Admin API, with requests streaming:
+Montreal's decode pool goes 1 -> 2 -> 1, on local processes and on a Ray
+cluster of two nodes (one per site). Nothing fails, the new worker takes
+placements, the drained one leaves; operators' credentials and bad inputs
+are checked."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import grpc
+import pytest
+
+from cluster.cli import main
+from cluster.config import parse_config
+from cluster.launch_local import LocalCluster
+from kvrelay.v1 import admin_pb2 as apb
+from kvrelay.v1 import admin_pb2_grpc as agrpc
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+from tests.integration.conftest import wait_until, workers
+
+pytestmark = pytest.mark.model
+
+CONFIG = {
+    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0, "heartbeat_interval_s": 0.25},
+    "sites": [{"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 0}},
+              {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0},
+               "decode": {"replicas": 1, "max_replicas": 2}}],
+    "links": [{"between": ["toronto", "montreal"], "rtt_ms": 9, "gbps": 10}],
+    "workers": {"threads": 1},
+    "cache": {"memory_gib": 0.25},
+}
+N_REQUESTS, MAX_TOKENS = 50, 16
+
+
+def _admin(lc: LocalCluster, method: str, request, token: str | None = None):
+    token = lc.operator_token if token is None else token
+    md = (("authorization", f"Bearer {token}"),) if token else ()
+    with grpc.insecure_channel(lc.router_address) as ch:
+        return getattr(agrpc.AdminStub(ch), method)(request, timeout=30, metadata=md)
+
+
+def _pool(lc: LocalCluster, site: str, role: str) -> apb.PoolStatus:
+    return next(p for p in _admin(lc, "ListPools", apb.ListPoolsRequest()).pools if (p.site, p.role) == (site, role))
+
+
+class Traffic:
+    """Streams N_REQUESTS requests, one every ``gap_s``, each in its own thread."""
+
+    def __init__(self, lc: LocalCluster, gap_s: float) -> None:
+        self.results: dict[int, tuple[str, int] | str] = {}
+        self.lc = lc
+        self.gap_s = gap_s
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _one(self, i: int) -> None:
+        prompt = [100 + (i * 37 + k) % 5000 for k in range(48)]
+        req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True)
+        try:
+            with grpc.insecure_channel(self.lc.router_address) as ch:
+                msgs = list(igrpc.InferenceStub(ch).Generate(req, timeout=300))
+            self.results[i] = (msgs[-1].finish.placement.decode_worker, sum(len(m.token_ids) for m in msgs))
+        except grpc.RpcError as exc:
+            self.results[i] = f"{exc.code().name}: {exc.details()}"
+
+    def _run(self) -> None:
+        threads = []
+        for i in range(N_REQUESTS):
+            t = threading.Thread(target=self._one, args=(i,), daemon=True)
+            t.start()
+            threads.append(t)
+            time.sleep(self.gap_s)
+        for t in threads:
+            t.join(300)
+
+    def on(self, worker: str) -> int:
+        return sum(1 for r in list(self.results.values()) if isinstance(r, tuple) and r[0] == worker)
+
+
+def scale_up_and_down_while_streaming(lc: LocalCluster) -> str:
+    """Montreal decode 1 -> 2 -> 1 under traffic; returns the new worker's name."""
+    traffic = Traffic(lc, gap_s=0.6)
+    resp = _admin(lc, "Scale", apb.ScaleRequest(site="montreal", role="decode", replicas=2))
+    assert resp.pool.desired == 2 and not resp.draining
+    assert wait_until(lambda: _pool(lc, "montreal", "decode").active == 2, 120, 0.5), _pool(lc, "montreal", "decode")
+    new = next(w for w in _pool(lc, "montreal", "decode").workers if w != "montreal/decode/0")
+    assert wait_until(lambda: traffic.on(new) >= 2, 120, 0.2), traffic.results  # it takes load
+    resp = _admin(lc, "Scale", apb.ScaleRequest(site="montreal", role="decode", replicas=1))
+    assert resp.pool.desired == 1 and len(resp.draining) == 1
+    drained = resp.draining[0]
+    # it leaves: deregistered from the router, its process exits cleanly
+    assert wait_until(lambda: drained not in workers(lc), 120, 0.5)
+    assert wait_until(lambda: any(c.name == drained for c in lc.left), 30, 0.5)
+    assert next(c for c in lc.left if c.name == drained).proc.poll() == 0
+    traffic.thread.join(300)
+    failed = {i: r for i, r in traffic.results.items() if not isinstance(r, tuple)}
+    assert not failed and len(traffic.results) == N_REQUESTS
+    assert all(n == MAX_TOKENS for _, n in traffic.results.values())
+    pool = _pool(lc, "montreal", "decode")
+    assert pool.desired == 1 and pool.active == 1 and pool.draining == 0
+    return new
+
+
+def test_scale_local_processes(smollm_path):
+    lc = LocalCluster(parse_config(CONFIG), smollm_path)
+    lc.start()
+    try:
+        scale_up_and_down_while_streaming(lc)
+    finally:
+        lc.stop()
+
+
+def test_scale_on_ray_two_nodes(smollm_path):
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from cluster.launch_ray import RayBackend
+
+    rc = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    nodes = {"toronto": rc.add_node(num_cpus=1, resources={"site:toronto": 4}),
+             "montreal": rc.add_node(num_cpus=1, resources={"site:montreal": 4})}
+    ray.init(address=rc.address, log_to_driver=False)
+    try:
+        rc.wait_for_nodes()
+        lc = LocalCluster(parse_config(CONFIG), smollm_path, backend=RayBackend(["toronto", "montreal"]))
+        lc.start()
+        try:
+            def on_right_node() -> bool:
+                return all(c.proc.node_id() == nodes[c.site].node_id for c in lc.children if c.role)
+            assert on_right_node()
+            new = scale_up_and_down_while_streaming(lc)
+            assert new.startswith("montreal/decode/")
+            assert on_right_node()
+        finally:
+            lc.stop()
+    finally:
+        ray.shutdown()
+        rc.shutdown()
+
+
+@pytest.fixture(scope="module")
+def small(smollm_path):
+    lc = LocalCluster(parse_config(CONFIG), smollm_path)
+    lc.start()
+    yield lc
+    lc.stop()
+
+
+@pytest.mark.parametrize("request_,code,match", [
+    (apb.ScaleRequest(site="ottawa", role="decode", replicas=1), "INVALID_ARGUMENT", "unknown site 'ottawa'"),
+    (apb.ScaleRequest(site="montreal", role="decode", replicas=-1), "INVALID_ARGUMENT", r"replicas must be in \[0, 2\]"),
+    (apb.ScaleRequest(site="montreal", role="decode", replicas=3), "INVALID_ARGUMENT", r"max_replicas"),
+    (apb.ScaleRequest(site="montreal", role="router", replicas=1), "INVALID_ARGUMENT", "role must be prefill or decode"),
+])
+def test_scale_refuses_bad_requests(small, request_, code, match):
+    with pytest.raises(grpc.RpcError) as exc:
+        _admin(small, "Scale", request_)
+    assert exc.value.code().name == code
+    assert re.search(match, exc.value.details())
+    assert _pool(small, "montreal", "decode").desired == 1  # nothing changed
+
+
+@pytest.mark.parametrize("token", ["", "not-the-token"])
+def test_admin_needs_operator_credentials(small, token):
+    for method, req in (("Scale", apb.ScaleRequest(site="montreal", role="decode", replicas=2)),
+                        ("Drain", apb.DrainRequest(worker_id="montreal/decode/0")),
+                        ("ListPools", apb.ListPoolsRequest())):
+        with pytest.raises(grpc.RpcError) as exc:
+            _admin(small, method, req, token=token)
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "operator credentials required" in exc.value.details()
+    assert _pool(small, "montreal", "decode").desired == 1 and not workers(small)["montreal/decode/0"].draining
+
+
+def test_drain_unknown_worker(small):
+    with pytest.raises(grpc.RpcError) as exc:
+        _admin(small, "Drain", apb.DrainRequest(worker_id="montreal/decode/9"))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND and "montreal/decode/9" in exc.value.details()
+
+
+def test_cli_scale_messages(small, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("KVRELAY_OPERATOR_TOKEN", raising=False)
+    no_token = ["--router", small.router_address, "--token-file", str(tmp_path / "none")]
+    assert main(["scale", "--site", "montreal", "--role", "decode", "--replicas", "2", *no_token]) == 1
+    assert "UNAUTHENTICATED: operator credentials required" in capsys.readouterr().err
+    token_file = tmp_path / "token"
+    token_file.write_text(small.operator_token + "\n")
+    ok = ["--router", small.router_address, "--token-file", str(token_file)]
+    assert main(["scale", "--site", "montreal", "--role", "decode", "--replicas", "-1", *ok]) == 2
+    assert "--replicas must be >= 0" in capsys.readouterr().err
+    assert main(["scale", "--site", "ottawa", "--role", "decode", "--replicas", "1", *ok]) == 1
+    assert "unknown site 'ottawa'" in capsys.readouterr().err
+    assert main(["pools", *ok]) == 0
+    out = capsys.readouterr().out
+    assert "montreal" in out and "DESIRED" in out
+    assert main(["status", *ok]) == 0
+    out = capsys.readouterr().out
+    assert "DESIRED" in out and "montreal/decode/0" in out and "LINK" in out
+
+
+def test_plan_recommends_within_limits_and_applies(small, capsys, tmp_path):
+    for i in range(3):
+        with grpc.insecure_channel(small.router_address) as ch:
+            list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
+                token_ids=ipb.TokenIds(ids=list(range(200 + i, 260 + i))), max_tokens=4, ignore_eos=True), timeout=120))
+    resp = _admin(small, "Plan", apb.PlanRequest())
+    plans = {(p.site, p.role): p for p in resp.plans}
+    assert set(plans) == {(s, r) for s in ("toronto", "montreal") for r in ("prefill", "decode")}
+    assert all(p.reasons for p in resp.plans) and not resp.applied
+    assert all(0 <= p.recommended <= 16 for p in resp.plans) and plans[("montreal", "decode")].recommended <= 2
+    assert plans[("montreal", "decode")].recommended >= 1  # the cluster keeps a decode worker
+    assert _pool(small, "montreal", "decode").desired == 1  # a plan alone changes nothing
+    token_file = tmp_path / "token"
+    token_file.write_text(small.operator_token)
+    assert main(["plan", "--router", small.router_address, "--token-file", str(token_file)]) == 0
+    assert "RECOMMENDED" in capsys.readouterr().out and _pool(small, "montreal", "decode").desired == 1
+    applied = _admin(small, "Plan", apb.PlanRequest(apply=True))
+    assert applied.applied
+    after = {(p.site, p.role): p.desired for p in _admin(small, "ListPools", apb.ListPoolsRequest()).pools}
+    assert after == {(p.site, p.role): p.recommended for p in applied.plans}
