@@ -86,6 +86,11 @@ class RouterSection:
     """Time-per-output-token objective the planner sizes decode pools for."""
     planner_window_s: float = 60.0
     """Recent requests the planner's figures cover."""
+    jobs_db: str | None = None
+    """SQLite file holding batch jobs and their results (durable across router
+    restarts); None = `kvrelay serve` uses jobs.sqlite in the cache folder."""
+    job_concurrency: int = 4
+    """Job requests the router runs at once (only while no interactive request waits)."""
     drain_timeout_s: float = 600.0
     """A draining worker (scale-down, `kvrelay drain`) leaves after this even
     if requests remain; until then it finishes what it holds."""
@@ -298,6 +303,8 @@ def _validate(cfg: ClusterConfig) -> None:
     r = cfg.router
     if r.policy not in POLICIES:
         raise ConfigError(f"router.policy: must be one of {', '.join(POLICIES)}, got {r.policy!r}")
+    if r.job_concurrency < 1:
+        raise ConfigError("router.job_concurrency: must be >= 1")
     if r.max_inflight_per_worker < 1:
         raise ConfigError("router.max_inflight_per_worker: must be >= 1")
     if r.colocate_below_tokens < 0:

@@ -115,6 +115,8 @@ class LocalCluster:
         self.router_address = ""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-")
         self.config_path = Path(self._tmp.name) / "cluster.yaml"
+        if cfg.router.jobs_db is None:  # durable across router restarts, for this cluster's life
+            cfg.router.jobs_db = str(Path(self._tmp.name) / "jobs.sqlite")
         self._secret = secrets.token_hex(32)
         """Per-run KV secret for the workers when the config names no secret file."""
         self.operator_token = ""
@@ -150,12 +152,7 @@ class LocalCluster:
         dump_config(self.cfg, self.config_path)
         deadline = time.monotonic() + timeout_s
         try:
-            env = {**os.environ, **self._env()}
-            router = subprocess.Popen([sys.executable, "-m", "router", "--config", str(self.config_path),
-                                       "--model-path", str(self.model_path), "--log-level", self.log_level],
-                                      env=env, stdout=subprocess.PIPE, text=True)
-            self.children.append(Child("router", router))
-            self.router_address = self._await_ready(router, deadline)
+            self.router_address = self._start_router(deadline)
             expected = 0
             for site in self.cfg.sites:
                 for role in ("prefill", "decode"):
@@ -170,6 +167,28 @@ class LocalCluster:
             self._thread = threading.Thread(target=self._reconcile_loop, name="pool-reconciler", daemon=True)
             self._thread.start()
         return self.router_address
+
+    def _start_router(self, deadline: float) -> str:
+        router = subprocess.Popen([sys.executable, "-m", "router", "--config", str(self.config_path),
+                                   "--model-path", str(self.model_path), "--log-level", self.log_level],
+                                  env={**os.environ, **self._env()}, stdout=subprocess.PIPE, text=True)
+        with self._lock:
+            self.children.append(Child("router", router))
+        return self._await_ready(router, deadline)
+
+    def restart_router(self, kill: bool = True, timeout_s: float = 60.0) -> None:
+        """Stops the router (SIGKILL, or SIGTERM with ``kill=False``) and starts
+        it again on the same address; workers register with it again on their
+        next heartbeat, and it resumes unfinished batch jobs from its database."""
+        with self._lock:
+            old = next(c for c in self.children if c.name == "router")
+            self.children.remove(old)
+        (old.proc.kill if kill else old.proc.terminate)()
+        old.proc.wait(30)
+        old.proc.stdout.close()
+        self.cfg.router.port = int(self.router_address.rpartition(":")[2])
+        dump_config(self.cfg, self.config_path)
+        self._start_router(time.monotonic() + timeout_s)
 
     def _await_ready(self, proc: subprocess.Popen, deadline: float) -> str:
         while time.monotonic() < deadline:

@@ -17,6 +17,8 @@ from cluster.worker_runtime import GRPC_OPTIONS
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from router.requests import ModelLimits
+from kvrelay.v1 import jobs_pb2_grpc as jgrpc
+from router.jobs import JobService
 from router.server import RouterService, add_router_to_server
 
 
@@ -30,6 +32,11 @@ async def run(args: argparse.Namespace) -> None:
     service = RouterService(cfg, Tokenizer(args.model_path), limits)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     add_router_to_server(service, server)
+    jobs = JobService(service, args.jobs_db or cfg.router.jobs_db or ":memory:", cfg.router.job_concurrency)
+    if not (args.jobs_db or cfg.router.jobs_db):
+        logging.getLogger(__name__).warning("router.jobs_db is not set: batch jobs live in memory only")
+    await jobs.start()
+    jgrpc.add_JobsServicer_to_server(jobs, server)
     host = cfg.router.host
     port = server.add_insecure_port(f"{host}:{cfg.router.port}")
     if port == 0:
@@ -42,6 +49,7 @@ async def run(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=2.0)
+    await jobs.stop()
     await service.registry.close()
 
 
@@ -51,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config")
     p.add_argument("--model-path", required=True)
     p.add_argument("--model-name", help="name clients use (default: the checkpoint folder's name)")
+    p.add_argument("--jobs-db", help="SQLite file for batch jobs (overrides router.jobs_db)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(name)s: %(message)s",

@@ -139,6 +139,10 @@ class PlacementRequest:
     the tenant's policy, already merged by the caller."""
     deadline_s: float | None = None
     """Time left for the first token; None = no deadline."""
+    exclude: frozenset[str] = frozenset()
+    """Workers that already failed this request (never chosen again for it)."""
+    colocated_only: bool = False
+    """Only the decode worker may compute the prompt (after prefill attempts failed)."""
 
 
 @dataclass(slots=True)
@@ -165,14 +169,14 @@ def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView
     prefills, decodes, any_decode, any_allowed_decode = [], [], False, False
     need = -(-(req.prompt_tokens + 1) // view.block_size)
     for w in view.workers:
-        if not w.healthy or w.draining:
+        if not w.healthy or w.draining or w.worker_id in req.exclude:
             continue
         if w.role == "decode":
             any_decode = True
         if allowed is not None and view.jurisdiction.get(w.site) not in allowed:
             continue
         if w.role == "prefill":
-            if w.inflight < w.max_inflight and \
+            if not req.colocated_only and w.inflight < w.max_inflight and \
                     w.queued_prefill_tokens / view.throughput(w) <= view.max_prefill_queue_s:
                 prefills.append(w)
         elif w.role == "decode":

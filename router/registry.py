@@ -92,6 +92,12 @@ class WorkerRegistry:
                                     rec.last_seen - rec.drain_since > self.cfg.router.drain_timeout_s)
         return wpb.HeartbeatResponse(known=True, send_snapshot=not rec.synced, drain=rec.draining, drained=drained)
 
+    def suspect(self, worker_id: str) -> None:
+        """A call to this worker just failed: unhealthy until its next heartbeat."""
+        rec = self.workers.get(worker_id)
+        if rec is not None:
+            rec.last_seen = min(rec.last_seen, time.monotonic() - self.timeout_s - 1.0)
+
     def healthy(self, rec: WorkerRecord) -> bool:
         return time.monotonic() - rec.last_seen <= self.timeout_s
 

@@ -29,6 +29,7 @@ from engine.hashing import hash_blocks
 from router.planner import Served
 from router.placement import PlacementError, PlacementRequest, make_policy, place
 from router.admin import AdminService, PoolManager
+from router.recovery import Failover, Recovery
 from router.registry import ROLE_NAMES, WorkerRecord, WorkerRegistry, link_name
 from router.requests import ModelLimits, RequestError, build_work_request
 
@@ -46,6 +47,11 @@ ADMISSION_BACKOFF_S = (0.05, 1.0)
 
 class WorkerFull(Exception):
     """The chosen decode worker had no KV blocks for the request (nothing was sent yet)."""
+
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+"""Worker errors that another worker may not have (a crash, a failed transfer, a lease)."""
 
 
 class BadRequest:
@@ -70,6 +76,8 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         self.limits = limits
         self.registry = WorkerRegistry(cfg)
         self.pools = PoolManager(cfg, self.registry)
+        self.waiting_interactive = 0
+        """Interactive requests waiting at the router for room (batch jobs hold back meanwhile)."""
         self.policy = make_policy(cfg.router.policy, policy_seed)
 
     # -- Registry ------------------------------------------------------------
@@ -141,8 +149,14 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         loop = asyncio.get_running_loop()
         wait_until = loop.time() + min(self.cfg.router.admission_wait_s, remaining or float("inf"))
         backoff = ADMISSION_BACKOFF_S[0]
+        run = Recovery(wr)
         while True:
-            preq = self.placement_request(wr, list(request.allowed_jurisdictions), context.time_remaining())
+            attempt = run.work_request()
+            if attempt is None:  # every token was sent before the decode worker failed
+                yield run.finish_without_worker(client_id)
+                return
+            preq = self.placement_request(attempt, list(request.allowed_jurisdictions), context.time_remaining())
+            preq.exclude, preq.colocated_only = frozenset(run.exclude), run.colocated_only
             try:
                 pl = place(preq, self.registry.view(), self.policy)
                 d = self.registry.workers[pl.decode.worker_id]
@@ -153,14 +167,26 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                     policy=pl.policy, prefill_cached_blocks=pl.cached_blocks_prefill,
                     decode_cached_blocks=pl.cached_blocks_decode,
                     link="" if p is None else link_name(p.info.site, d.info.site))
-                async for msg in self._relay(wr, client_id, p, d, placement, context):
-                    yield msg
+                async for msg in self._relay(attempt, client_id, p, d, placement, context):
+                    yield run.passed(msg)
                 return
+            except Failover as f:
+                self.registry.suspect(f.worker_id)
+                why = run.failed(f)
+                log.warning("%s: %s", client_id, why)
+                if why.startswith("giving up"):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, why)
+                continue
             except (PlacementError, WorkerFull) as exc:
                 full = isinstance(exc, WorkerFull) or (exc.kind == "capacity" and exc.full)
                 if full and loop.time() + backoff < wait_until:
                     # capacity frees up as running requests finish: wait for it, then place again
-                    await asyncio.sleep(backoff)
+                    interactive = not getattr(context, "batch", False)
+                    self.waiting_interactive += interactive
+                    try:
+                        await asyncio.sleep(backoff)
+                    finally:
+                        self.waiting_interactive -= interactive
                     backoff = min(ADMISSION_BACKOFF_S[1], backoff * 2)
                     continue
                 if isinstance(exc, WorkerFull) or exc.kind == "capacity":
@@ -205,6 +231,8 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                     exc = prefill.exception()
                     code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
                     details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                    if code in RETRYABLE:
+                        raise Failover("prefill", p.info.worker_id, f"{code.name}: {details}")
                     await context.abort(code if code == grpc.StatusCode.INVALID_ARGUMENT else
                                         grpc.StatusCode.UNAVAILABLE, f"prefill failed: {details}")
                 if not read.done():
@@ -235,7 +263,10 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                         for f in ("token_ids", "logprobs", "text"):
                             out.ClearField(f)
                     if prefill is not None:
-                        resp = await prefill
+                        try:
+                            resp = await prefill
+                        except grpc.aio.AioRpcError:  # every token is here; only P's figures are lost
+                            resp = wpb.PrefillResponse()
                         placement.kv_bytes = resp.kv_bytes
                         placement.kv_transfer_ms, placement.prefill_ms = resp.transfer_ms, resp.prefill_ms
                         out.finish.usage.cached_prompt_tokens = max(out.finish.usage.cached_prompt_tokens,
@@ -250,9 +281,16 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                             (now - t_first) / (n_out - 1) if n_out > 1 else None))
                 yield out
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and prefill is None and n_out == 0:
-                raise WorkerFull(exc.details()) from None
-            await context.abort(exc.code(), exc.details() or "worker failed")
+            code, details = exc.code(), exc.details() or "worker failed"
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and prefill is None and n_out == 0:
+                raise WorkerFull(details) from None
+            if code in RETRYABLE and (context.time_remaining() or 1.0) > 0:
+                if p is not None and n_out == 0 and code in (grpc.StatusCode.ABORTED,
+                                                              grpc.StatusCode.DEADLINE_EXCEEDED):
+                    # D gave up on the KV (transfer failed, checksum, lease): the prefill side failed
+                    raise Failover("prefill", p.info.worker_id, f"{code.name}: {details}") from None
+                raise Failover("decode", d.info.worker_id, f"{code.name}: {details}") from None
+            await context.abort(code, details)
         finally:
             d.inflight -= 1
             if p is not None:

@@ -1,0 +1,182 @@
+"""`kvrelay` operator commands: status, scale, drain, pools, plan, token."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from cluster.cli_common import default_token_file, grpc_error, table
+
+
+def operator_metadata(args: argparse.Namespace) -> tuple:
+    """gRPC metadata with the operator token: $KVRELAY_OPERATOR_TOKEN, else --token-file."""
+    token = os.environ.get("KVRELAY_OPERATOR_TOKEN", "")
+    if not token and args.token_file.exists():
+        token = args.token_file.read_text().strip()
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    import secrets
+
+    from router.admin import token_sha256
+
+    token = secrets.token_urlsafe(32)
+    print(f"token (give it to the operator; it is not stored anywhere): {token}")
+    print("config lines:\nauth:\n  operators:\n"
+          f"    - {{name: {args.name}, token_sha256: {token_sha256(token)}}}")
+    return 0
+
+
+def admin_call(args: argparse.Namespace, method: str, request):
+    import grpc
+
+    from kvrelay.v1 import admin_pb2_grpc as agrpc
+
+    with grpc.insecure_channel(args.router) as ch:
+        return getattr(agrpc.AdminStub(ch), method)(request, timeout=30, metadata=operator_metadata(args))
+
+
+def pool_rows(pools) -> list[tuple[str, ...]]:
+    return [("SITE", "ROLE", "DESIRED", "ACTIVE", "DRAINING", "UNHEALTHY", "WORKERS")] + [
+        (p.site, p.role, str(p.desired), str(p.active), str(p.draining), str(p.unhealthy), " ".join(p.workers))
+        for p in pools]
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvrelay.v1 import admin_pb2 as apb
+
+    if args.replicas < 0:
+        print(f"kvrelay: --replicas must be >= 0, got {args.replicas}", file=sys.stderr)
+        return 2
+    try:
+        resp = admin_call(args, "Scale", apb.ScaleRequest(site=args.site, role=args.role, replicas=args.replicas))
+    except grpc.RpcError as exc:
+        return grpc_error(exc)
+    table(pool_rows([resp.pool]))
+    if resp.draining:
+        print(f"draining (they leave once their requests are done): {', '.join(resp.draining)}")
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvrelay.v1 import admin_pb2 as apb
+
+    try:
+        resp = admin_call(args, "Drain", apb.DrainRequest(worker_id=args.worker))
+    except grpc.RpcError as exc:
+        return grpc_error(exc)
+    print(f"kvrelay: draining {args.worker}: no new requests; it leaves once its requests are done")
+    table(pool_rows([resp.pool]))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvrelay.v1 import admin_pb2 as apb
+
+    try:
+        resp = admin_call(args, "Plan", apb.PlanRequest(apply=args.apply))
+    except grpc.RpcError as exc:
+        return grpc_error(exc)
+    table([("SITE", "ROLE", "NOW", "RECOMMENDED", "WHY")] + [
+        (p.site, p.role, str(p.current), str(p.recommended), "; ".join(p.reasons)) for p in resp.plans])
+    print(f"\n(figures of the last {resp.window_s:g} s; "
+          f"{'applied' if resp.applied else 'not applied: add --apply'})")
+    return 0
+
+
+def cmd_pools(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvrelay.v1 import admin_pb2 as apb
+
+    try:
+        resp = admin_call(args, "ListPools", apb.ListPoolsRequest())
+    except grpc.RpcError as exc:
+        return grpc_error(exc)
+    table(pool_rows(resp.pools))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvrelay.v1 import worker_pb2 as wpb
+    from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+    from kvrelay.v1 import admin_pb2 as apb
+
+    with grpc.insecure_channel(args.router) as ch:
+        try:
+            resp = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            return grpc_error(exc)
+    try:
+        table(pool_rows(admin_call(args, "ListPools", apb.ListPoolsRequest()).pools))
+    except grpc.RpcError as exc:
+        print(f"(pools: {exc.details()})")
+    print()
+    rows = [("WORKER", "SITE", "ROLE", "HEALTH", "INFLIGHT", "RUNNING", "WAITING", "KV FREE/TOTAL", "CACHED",
+             "PREFILL TOK/S", "TRANSPORT", "ADDRESS")]
+    for w in resp.workers:
+        role = "prefill" if w.info.role == wpb.ROLE_PREFILL else "decode"
+        health = "draining" if w.draining else "ok" if w.healthy else "UNHEALTHY"
+        rows.append((w.info.worker_id, w.info.site, role, health, str(w.inflight), str(w.load.running),
+                     str(w.load.waiting), f"{w.load.free_blocks}/{w.load.total_blocks}", str(w.cached_blocks),
+                     f"{w.load.prefill_tokens_per_s:.0f}", w.info.transport, w.info.address))
+    table(rows)
+    print(f"\nplacement policy: {resp.policy}\n")
+    table([("LINK", "RTT MS", "GBPS", "TRANSPORT", "ENCRYPT", "STATE")] + [
+        (lk.name, f"{lk.rtt_ms:g}", f"{lk.gbps:g}", lk.transport, "yes" if lk.encrypt else "no",
+         "up" if lk.up else "DOWN") for lk in resp.links])
+    return 0
+
+
+def operator_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", type=Path, default=default_token_file(),
+                   help="operator token (default: %(default)s, written by kvrelay serve; "
+                        "$KVRELAY_OPERATOR_TOKEN takes precedence)")
+
+
+def add_parsers(sub) -> None:
+    st = sub.add_parser("status", help="sites, pools, workers with load and KV usage, links")
+    st.add_argument("--router", default="127.0.0.1:50051")
+    operator_flags(st)
+    st.set_defaults(func=cmd_status)
+
+    sc = sub.add_parser("scale", help="set a site's prefill or decode pool size (operators)")
+    sc.add_argument("--site", required=True)
+    sc.add_argument("--role", required=True, choices=["prefill", "decode"])
+    sc.add_argument("--replicas", required=True, type=int)
+    sc.add_argument("--router", default="127.0.0.1:50051")
+    operator_flags(sc)
+    sc.set_defaults(func=cmd_scale)
+
+    dr = sub.add_parser("drain", help="stop placing on a worker; it leaves once its requests are done (operators)")
+    dr.add_argument("worker", help="worker id, e.g. montreal/decode/1")
+    dr.add_argument("--router", default="127.0.0.1:50051")
+    operator_flags(dr)
+    dr.set_defaults(func=cmd_drain)
+
+    po = sub.add_parser("pools", help="desired and actual size of every pool (operators)")
+    po.add_argument("--router", default="127.0.0.1:50051")
+    operator_flags(po)
+    po.set_defaults(func=cmd_pools)
+
+    pl = sub.add_parser("plan", help="recommended pool sizes from recent load and SLOs (operators)")
+    pl.add_argument("--apply", action="store_true", help="set every pool to its recommended size")
+    pl.add_argument("--router", default="127.0.0.1:50051")
+    operator_flags(pl)
+    pl.set_defaults(func=cmd_plan)
+
+    tk = sub.add_parser("token", help="make an operator token and print the config line with its hash")
+    tk.add_argument("--name", default="operator", help="who holds it")
+    tk.set_defaults(func=cmd_token)

@@ -1,0 +1,245 @@
+"""`kvrelay` commands of the WAN emulation (cities up/down/status/check/cut/
+restore, bench cities, demo) and the --cities flag of serve and bench replay."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cluster.cli_common import VOCAB_RANGE, resolve_model, run_replay, table
+
+
+def cmd_bench_cities(args: argparse.Namespace) -> int:
+    import datetime
+
+    from benchmarks import cities_bench as cb
+    from benchmarks.replay import ReplayConfig
+    from benchmarks.traces import SAMPLE_AZURE, build_prompts, load_trace
+    from cluster import cities
+
+    if args.speedup <= 0 or args.length_scale <= 0 or args.limit < 1:
+        print("kvrelay: --speedup and --length-scale must be positive, --limit at least 1", file=sys.stderr)
+        return 2
+    args.trace = args.trace or SAMPLE_AZURE
+    try:
+        cities.check_privileges()
+        emulate = True
+    except cities.CitiesError as exc:
+        print(f"kvrelay: no WAN emulation ({exc}); the links exist only in placement's figures", file=sys.stderr)
+        emulate = False
+    example = cb.load_example()
+    chosen = [sc for sc in cb.scenarios(example) if not args.only or sc.name in args.only.split(",")]
+    if not chosen:
+        raise ValueError(f"--only {args.only!r} names no scenario "
+                         f"({', '.join(sc.name for sc in cb.scenarios(example))})")
+    reqs = load_trace(args.trace, args.format, args.limit)
+    prompts = build_prompts(reqs, args.length_scale, VOCAB_RANGE, seed=args.seed)
+    rcfg = ReplayConfig(speedup=args.speedup, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+                        progress=not args.no_progress)
+    model_path = resolve_model(example.get("model", {}).get("path"), args.cache_dir)
+    out = Path(args.out)
+    meta = {"trace": str(args.trace), "limit": args.limit, "speedup": args.speedup,
+            "length_scale": args.length_scale, "seed": args.seed, "wan_emulation": emulate,
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "trace_slice": [{"index": r.index, "arrival_s": r.arrival_s, "input_tokens": r.input_tokens,
+                             "output_tokens": r.output_tokens} for r in reqs],
+            "scale_reason": f"--length-scale {args.length_scale:g}", "format": args.format or "auto"}
+    rows = []
+    for sc in chosen:
+        print(f"kvrelay: scenario {sc.name}: {sc.what}", flush=True)
+        report = cb.run_scenario(sc, model_path, prompts, rcfg, emulate, out, meta)
+        rows.append(cb.summary_row(sc.name, sc.what, report))
+    print(cb.write_summary(rows, out, meta))
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def cmd_cities_up(args: argparse.Namespace) -> int:
+    from cluster import cities
+    from cluster.config import load_config
+
+    st = cities.up(load_config(args.config), args.state_dir, args.subnet, args.prefix)
+    print(f"kvrelay: {len(st.sites)} sites in namespaces, {len(st.links)} emulated links; "
+          f"router address inside the emulation: {st.gateway}")
+    print_cities(st)
+    print("\nnext: kvrelay cities check   |   kvrelay serve --config FILE --cities   |   kvrelay cities down")
+    return 0
+
+
+def print_cities(st) -> None:
+    from cluster.cities import link_alive
+
+    table([("SITE", "NAMESPACE", "SITE ADDRESS", "MGMT ADDRESS")] +
+           [(s.name, s.netns, s.site_addr, s.mgmt_addr) for s in st.sites])
+    print()
+    table([("LINK", "RTT MS", "GBPS", "DELAY LINE", "STATE")] +
+           [(f"{lk.a}-{lk.b}", f"{lk.rtt_ms:g}", f"{lk.gbps:g}", str(lk.pid),
+             "CUT" if lk.cut else "up" if link_alive(lk) else "DOWN (delay line gone)") for lk in st.links])
+
+
+def cmd_cities_status(args: argparse.Namespace) -> int:
+    from cluster.cities import load_state
+
+    st = load_state(args.state_dir)
+    if st is None:
+        print("kvrelay: no emulated cities are up")
+        return 1
+    print_cities(st)
+    return 0
+
+
+def cmd_cities_down(args: argparse.Namespace) -> int:
+    from cluster.cities import down, load_state
+
+    if load_state(args.state_dir) is None:
+        print("kvrelay: no emulated cities are up")
+        return 0
+    problems = down(args.state_dir)
+    for p in problems:
+        print(f"kvrelay: could not remove {p}", file=sys.stderr)
+    print("kvrelay: cities down" if not problems else "kvrelay: some parts remain (see above)")
+    return 1 if problems else 0
+
+
+def cmd_cities_check(args: argparse.Namespace) -> int:
+    """Measures every emulated link both ways against its configured RTT and rate."""
+    from cluster.cities import CitiesError, load_state
+    from cluster.linkprobe import measure_link
+
+    st = load_state(args.state_dir)
+    if st is None:
+        raise CitiesError("no emulated cities are up (run: kvrelay cities up --config FILE)")
+    rows = [("LINK", "RTT MS (SET)", "RTT MS", "GBPS (SET)", "GBPS", "OK")]
+    ok_all = True
+    for lk in st.links:
+        for src, dst in ((lk.a, lk.b), (lk.b, lk.a)):
+            m = measure_link(st.site(src).netns, st.site(dst).netns, st.site(dst).site_addr, args.seconds)
+            ok = abs(m.rtt_ms - lk.rtt_ms) <= 0.1 * lk.rtt_ms and abs(m.gbps - lk.gbps) <= 0.15 * lk.gbps
+            ok_all &= ok
+            rows.append((f"{src}->{dst}", f"{lk.rtt_ms:g}", f"{m.rtt_ms:.2f}", f"{lk.gbps:g}", f"{m.gbps:.3f}",
+                         "yes" if ok else "NO"))
+    table(rows)
+    print("\n(OK: RTT within 10% and one TCP stream's rate within 15% of the configured figures)")
+    return 0 if ok_all else 1
+
+
+def cmd_cities_cut(args: argparse.Namespace) -> int:
+    from cluster.cities import link_signal
+
+    a, b = args.link
+    link_signal(args.state_dir, a, b, cut=args.cities_command == "cut")
+    print(f"kvrelay: link {a}-{b} {'cut' if args.cities_command == 'cut' else 'restored'}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Three cities (emulated WAN when root), a short trace slice, the summary."""
+    import tempfile
+
+    from benchmarks.traces import SAMPLE_AZURE, load_trace
+    from cluster import cities
+    from cluster.config import load_config
+    from cluster.launch_local import LocalCluster
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "three-cities.yaml"
+    if not example.exists():
+        raise ValueError(f"{example} is missing: run kvrelay demo from a source checkout")
+    cfg = load_config(example)
+    cfg.router.port = 0
+    out = Path(args.out or tempfile.mkdtemp(prefix="kvrelay-demo-"))
+    state_dir = Path(tempfile.mkdtemp(prefix="kvrelay-demo-state-"))
+    st = None
+    try:
+        cities.check_privileges()
+        st = cities.up(cfg, state_dir, subnet="10.215.0.0/16", prefix="kvdm")
+        print(f"kvrelay demo: Toronto, Montreal and Vancouver in their own namespaces, "
+              f"joined by emulated links ({', '.join(f'{lk.a}-{lk.b} {lk.rtt_ms:g} ms' for lk in st.links)})")
+    except cities.CitiesError as exc:
+        print(f"kvrelay demo: no WAN emulation ({exc}); the three cities share loopback and the links "
+              "exist only in placement's figures", file=sys.stderr)
+    try:
+        reqs = load_trace(SAMPLE_AZURE, "azure", args.requests)
+        cluster = LocalCluster(cfg, resolve_model(cfg.model.path, args.cache_dir), cities=st)
+        try:
+            address = cluster.start()
+            print(f"kvrelay demo: cluster up (router {address}); replaying {len(reqs)} requests of the Azure "
+                  f"code trace at 1/10 of their lengths", flush=True)
+            replay_args = argparse.Namespace(trace=SAMPLE_AZURE, format="azure", limit=args.requests,
+                                             speedup=1.0, length_scale=0.1, slo_ttft=args.slo_ttft,
+                                             slo_tpot=args.slo_tpot, seed=0, no_progress=False, out=out)
+            rc = run_replay(replay_args, reqs, address, cluster)
+        finally:
+            cluster.stop()
+    finally:
+        if st is not None:
+            cities.down(state_dir)
+    print(f"kvrelay demo: the full report (report.json, report.md, plots) is in {out}")
+    return rc
+
+
+def cities_flag(p: argparse.ArgumentParser) -> None:
+    from cluster.cities import DEFAULT_STATE_DIR
+
+    p.add_argument("--cities", action="store_true", help="run each site's workers in its namespace of the "
+                   "emulation `kvrelay cities up` made (needs root)")
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help=argparse.SUPPRESS)
+
+
+def cities_for(args: argparse.Namespace):
+    """The `kvrelay cities up` emulation when --cities was given, else None."""
+    if not getattr(args, "cities", False):
+        return None
+    from cluster.cities import load_state
+
+    st = load_state(args.state_dir)
+    if st is None:
+        raise ValueError("--cities: no emulated cities are up (run: kvrelay cities up --config FILE)")
+    return st
+
+
+def add_parsers(sub, bench) -> None:
+    from cluster.cities import DEFAULT_PREFIX, DEFAULT_STATE_DIR, DEFAULT_SUBNET
+
+    bc = bench.add_parser("cities", help="one trace slice against colocated, same-city, 60 ms-away and "
+                                         "three-city deployments (emulated WAN when root)")
+    bc.add_argument("--trace", type=Path, default=None, help="trace file (default: the shipped Azure code slice)")
+    bc.add_argument("--format", choices=["azure", "mooncake"])
+    bc.add_argument("--limit", type=int, default=40)
+    bc.add_argument("--speedup", type=float, default=1.0)
+    bc.add_argument("--length-scale", type=float, default=0.1)
+    bc.add_argument("--slo-ttft", type=float, default=2.0)
+    bc.add_argument("--slo-tpot", type=float, default=0.5)
+    bc.add_argument("--seed", type=int, default=0)
+    bc.add_argument("--only", help="comma-separated scenario names")
+    bc.add_argument("--no-progress", action="store_true")
+    bc.add_argument("--out", required=True)
+    bc.set_defaults(func=cmd_bench_cities)
+
+    ci = sub.add_parser("cities", help="emulate the config's sites as cities joined by WAN links (root)")
+    cis = ci.add_subparsers(dest="cities_command", required=True)
+    cu = cis.add_parser("up", help="a network namespace per site, links with the configured RTT and rate")
+    cu.add_argument("--config", required=True, help="cluster config YAML with sites and links")
+    cu.add_argument("--subnet", default=DEFAULT_SUBNET, help="IPv4 /16 the emulation takes addresses from")
+    cu.add_argument("--prefix", default=DEFAULT_PREFIX, help="namespace and interface name prefix (1-5 characters)")
+    cu.set_defaults(func=cmd_cities_up)
+    cd = cis.add_parser("down", help="remove the namespaces, links and delay lines")
+    cd.set_defaults(func=cmd_cities_down)
+    cs = cis.add_parser("status", help="sites, addresses and links of the running emulation")
+    cs.set_defaults(func=cmd_cities_status)
+    cc = cis.add_parser("check", help="measure every link's RTT and TCP rate against the configured ones")
+    cc.add_argument("--seconds", type=float, default=4.0, help="bulk transfer time per direction")
+    cc.set_defaults(func=cmd_cities_check)
+    for verb, text in (("cut", "drop every packet on a link (fault injection)"), ("restore", "undo cut")):
+        cx = cis.add_parser(verb, help=text)
+        cx.add_argument("link", nargs=2, metavar="SITE", help="the link's two sites")
+        cx.set_defaults(func=cmd_cities_cut)
+    for c in (cu, cd, cs, cc, *[cis.choices[v] for v in ("cut", "restore")]):
+        c.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="where the emulation's "
+                       "state and delay-line logs live (default: %(default)s)")
+
+    dm = sub.add_parser("demo", help="three cities over emulated WAN links, a short trace replay, the summary")
+    dm.add_argument("--requests", type=int, default=20, help="requests of the Azure code trace to replay")
+    dm.add_argument("--slo-ttft", type=float, default=10.0, help="TTFT objective, seconds")
+    dm.add_argument("--slo-tpot", type=float, default=1.0, help="TPOT objective, seconds")
+    dm.add_argument("--out", help="report directory (default: a new temporary one)")
+    dm.set_defaults(func=cmd_demo)

@@ -1,0 +1,102 @@
+"""Helpers the `kvrelay` command modules share."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def default_cache_dir() -> Path:
+    """``$KVRELAY_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvrelay``, else ``~/.cache/kvrelay``."""
+    if os.environ.get("KVRELAY_CACHE_DIR"):
+        return Path(os.environ["KVRELAY_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvrelay"
+
+
+def resolve_model(arg: str | None, cache_dir: Path) -> Path:
+    from engine.default_model import prepare_default_model
+
+    return Path(arg) if arg else prepare_default_model(cache_dir)
+
+
+VOCAB_RANGE = (100, 10000)
+"""Token ids of replayed prompts: inside any real vocabulary, clear of special tokens."""
+
+
+def grpc_error(exc) -> int:
+    print(f"kvrelay: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    return 1
+
+
+def table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+
+
+def default_token_file() -> Path:
+    """Where `kvrelay serve` writes its per-run operator token: beside the model cache."""
+    return default_cache_dir() / "operator-token"
+
+
+def write_secret(path: Path, value: str) -> None:
+    """Writes ``value`` to ``path``, readable by this user only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    tmp.rename(path)
+
+
+def run_replay(args: argparse.Namespace, reqs, address: str, cluster) -> int:
+    """Replays ``reqs`` against the router at ``address``; writes and prints the report."""
+    import asyncio
+    import datetime
+
+    import grpc
+
+    from benchmarks.replay import ReplayConfig, build_report, check_lengths, replay, write_report
+    from benchmarks.traces import build_prompts
+    from kvrelay.v1 import inference_pb2 as ipb
+    from kvrelay.v1 import inference_pb2_grpc as igrpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            model = igrpc.InferenceStub(ch).ListModels(ipb.ListModelsRequest(), timeout=30).models[0]
+        except grpc.RpcError as exc:
+            return grpc_error(exc)
+    scale = args.length_scale or 1.0
+    too_long = check_lengths(reqs, scale, model.context_window)
+    if too_long and args.length_scale is None:
+        worst = max(r.input_tokens + r.output_tokens for r in reqs)
+        print(f"kvrelay: {len(too_long)} of {len(reqs)} requests exceed {model.name}'s context window of "
+              f"{model.context_window} tokens (longest {worst}); pass --length-scale, e.g. "
+              f"--length-scale {0.95 * model.context_window / worst:.3g}", file=sys.stderr)
+        return 2
+    reason = ""
+    if args.length_scale is not None:
+        reason = f"--length-scale {scale:g} given"
+        if too_long:
+            reason += f"; {len(too_long)} request(s) still exceed the context window and are sent anyway " \
+                      "(they fail and are reported)"
+    prompts = build_prompts(reqs, scale, VOCAB_RANGE, seed=args.seed)
+    rcfg = ReplayConfig(speedup=args.speedup, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+                        progress=not args.no_progress)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    records, samples = asyncio.run(replay(address, prompts, rcfg))
+    meta = {"trace": str(args.trace), "format": args.format or "auto", "limit": args.limit,
+            "speedup": args.speedup, "length_scale": scale, "scale_reason": reason, "seed": args.seed,
+            "model": model.name, "context_window": model.context_window, "router": address,
+            "policy": cluster.cfg.router.policy if cluster is not None else "?", "started": started,
+            "wan_emulation": cluster is not None and cluster.cities is not None,
+            "config": cluster.cfg.to_dict() if cluster is not None else None,
+            "trace_slice": [{"index": r.index, "arrival_s": r.arrival_s, "input_tokens": r.input_tokens,
+                             "output_tokens": r.output_tokens} for r in reqs]}
+    report = build_report(records, samples, rcfg, meta)
+    write_report(report, Path(args.out))
+    print((Path(args.out) / "report.md").read_text())
+    return 0 if report["summary"]["failed"] == 0 else 1

@@ -1,0 +1,190 @@
+"""Batch jobs at the router (``kvrelay.v1.Jobs``): submission, status,
+cancellation and results, over the durable store in jobs_store.py, and the
+runner that feeds the jobs' requests through the same path as interactive
+ones, at lower priority: it starts a job request only while no interactive
+request is waiting for room, and keeps at most ``router.job_concurrency`` in
+flight, so jobs fill idle capacity."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+
+import grpc
+
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import jobs_pb2 as jpb
+from kvrelay.v1 import jobs_pb2_grpc as jgrpc
+from kvrelay.v1.worker_pb2 import ROLE_DECODE
+from router.jobs_store import JOB_CANCELLED, JOB_DONE, JobRow, JobStore
+from router.requests import RequestError, build_work_request
+
+log = logging.getLogger(__name__)
+
+MAX_JOB_REQUESTS = 100_000
+POLL_S = 0.2
+"""How often the runner looks for work and followers look for results."""
+
+
+class JobRequestFailed(Exception):
+    """A job's request ended with an error status (its message is stored as the
+    result, unless the cause is transient: then the request runs again later)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+
+
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+"""No worker could take the request now (none registered yet, all full): not its fault."""
+BACKOFF_S = 1.0
+
+
+class InternalContext:
+    """Stands in for a gRPC context when the router runs a job's request
+    itself: aborts become exceptions, there is no client deadline."""
+
+    batch = True
+
+    def time_remaining(self):
+        return None
+
+    def invocation_metadata(self):
+        return ()
+
+    def set_trailing_metadata(self, md) -> None:
+        pass
+
+    async def abort(self, code, details):
+        raise JobRequestFailed(code, details)
+
+
+def _job_proto(row: JobRow) -> jpb.Job:
+    return jpb.Job(id=row.id, name=row.name, state=row.state, total=row.total, completed=row.completed,
+                   failed=row.failed, created_unix=row.created, finished_unix=row.finished)
+
+
+class JobService(jgrpc.JobsServicer):
+    def __init__(self, router, db_path: str, concurrency: int) -> None:
+        """``router``: the RouterService whose request path runs the jobs."""
+        self.router = router
+        self.concurrency = concurrency
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jobs-db")
+        self.store: JobStore | None = None
+        self.db_path = db_path
+        self.inflight: set[asyncio.Task] = set()
+        self._runner: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self._paused_until = 0.0
+
+    async def _db(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def start(self) -> None:
+        self.store = await self._db(JobStore, self.db_path)
+        resumed = await self._db(self.store.resume)
+        if resumed:
+            log.info("resuming %d job requests left running by the previous router", resumed)
+        self._runner = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            self._runner.cancel()
+        for t in list(self.inflight):
+            t.cancel()
+        await asyncio.gather(*self.inflight, return_exceptions=True)
+        if self.store is not None:
+            await self._db(self.store.close)
+        self._pool.shutdown(wait=True)
+
+    # -- API -------------------------------------------------------------------
+    async def SubmitJob(self, request: jpb.SubmitJobRequest, context) -> jpb.Job:
+        if not request.requests:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a job needs at least one request")
+        if len(request.requests) > MAX_JOB_REQUESTS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"a job holds at most {MAX_JOB_REQUESTS} requests, got {len(request.requests)}")
+        for i, r in enumerate(request.requests):  # the interactive path's validation, before storing anything
+            try:
+                build_work_request(r, self.router.tok, self.router.limits)
+            except RequestError as exc:
+                await context.abort(exc.code, f"requests[{i}]: {exc.message}")
+        row = await self._db(self.store.submit, request.name, [r.SerializeToString() for r in request.requests])
+        log.info("job %s (%s): %d requests", row.id, request.name or "unnamed", row.total)
+        self._wake.set()
+        return _job_proto(row)
+
+    async def _row(self, job_id: str, context) -> JobRow:
+        row = await self._db(self.store.get, job_id)
+        if row is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
+        return row
+
+    async def GetJob(self, request: jpb.GetJobRequest, context) -> jpb.Job:
+        return _job_proto(await self._row(request.id, context))
+
+    async def ListJobs(self, request, context) -> jpb.ListJobsResponse:
+        return jpb.ListJobsResponse(jobs=[_job_proto(r) for r in await self._db(self.store.list)])
+
+    async def CancelJob(self, request: jpb.CancelJobRequest, context) -> jpb.Job:
+        await self._row(request.id, context)
+        return _job_proto(await self._db(self.store.cancel, request.id))
+
+    async def JobResults(self, request: jpb.JobResultsRequest, context):
+        await self._row(request.id, context)
+        sent: set[int] = set()
+        while True:
+            # the job row first: a finished job's results were stored with or before its state
+            row = await self._db(self.store.get, request.id)
+            for idx, blob in await self._db(self.store.results, request.id, request.from_index):
+                if idx not in sent:
+                    sent.add(idx)
+                    yield jpb.JobResult.FromString(blob)
+            if not request.follow or row.state in (JOB_DONE, JOB_CANCELLED):
+                return
+            await asyncio.sleep(POLL_S)
+
+    # -- runner ----------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), POLL_S)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            if self.router.waiting_interactive > 0:
+                continue  # interactive requests first
+            if loop.time() < self._paused_until or not self.router.registry.candidates(ROLE_DECODE):
+                continue  # nothing can serve now (e.g. a router that just restarted)
+            room = self.concurrency - len(self.inflight)
+            for job, idx, blob in await self._db(self.store.claim, room):
+                task = asyncio.create_task(self._one(job, idx, ipb.GenerateRequest.FromString(blob)))
+                self.inflight.add(task)
+                task.add_done_callback(self.inflight.discard)
+
+    async def _one(self, job: str, idx: int, req: ipb.GenerateRequest) -> None:
+        if not req.request_id:
+            req.request_id = f"{job}-{idx}"
+        result = jpb.JobResult(index=idx, request_id=req.request_id)
+        ok = True
+        try:
+            async for msg in self.router.Generate(req, InternalContext()):
+                result.token_ids.extend(msg.token_ids)
+                result.text += msg.text
+                if msg.HasField("finish"):
+                    result.finish.CopyFrom(msg.finish)
+        except JobRequestFailed as exc:
+            if exc.code in TRANSIENT:
+                await self._db(self.store.release, job, idx)
+                self._paused_until = asyncio.get_running_loop().time() + BACKOFF_S
+                log.info("job %s request %d: %s; it runs again later", job, idx, exc)
+                return
+            ok, result.error = False, str(exc)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._db(self.store.release, job, idx))  # runs again after a restart
+            raise
+        if not await self._db(self.store.finish, job, idx, result.SerializeToString(), ok):
+            log.warning("job %s request %d was no longer running; its result is not stored twice", job, idx)
+        self._wake.set()

@@ -1,0 +1,61 @@
+"""A decode worker killed (SIGKILL) mid-stream: the router migrates the
+stream to the other decode worker, which prefills the prompt plus the tokens
+already sent; the client's greedy output equals the uninterrupted
+reference, with no token duplicated or missing."""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+
+from cluster.config import parse_config
+from cluster.launch_local import LocalCluster
+from engine.sampling_params import SamplingParams
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+from tests.integration.conftest import wait_until, workers
+
+pytestmark = pytest.mark.model
+
+CONFIG = {
+    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0, "heartbeat_interval_s": 0.25},
+    "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 2}}],
+    "workers": {"threads": 1},
+    "cache": {"memory_gib": 0.25},
+}
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm_path):
+    lc = LocalCluster(parse_config(CONFIG), smollm_path, reconcile=False)  # the killed worker stays dead
+    lc.start()
+    yield lc
+    lc.stop()
+
+
+def test_decode_worker_killed_mid_stream_is_migrated(cluster, reference_engine):
+    prompt = reference_engine.tokenizer.encode("The first research networks in Canada connected universities")
+    want = reference_engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
+    tokens, msgs, killed = [], [], None
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        call = igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
+            token_ids=ipb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True), timeout=180)
+        for msg in call:
+            msgs.append(msg)
+            tokens += msg.token_ids
+            if killed is None and len(tokens) >= 8:
+                busy = [w for w, s in workers(cluster).items() if s.info.role == 2 and s.inflight > 0]
+                assert len(busy) == 1
+                killed = busy[0]
+                child = next(c for c in cluster.children if c.name == killed)
+                child.proc.send_signal(signal.SIGKILL)
+                child.proc.wait(10)
+    assert killed is not None
+    assert tokens == want  # nothing duplicated, nothing missing, same greedy continuation
+    fin = msgs[-1].finish
+    assert fin.placement.migrations == 1 and fin.placement.decode_worker != killed
+    assert fin.usage.prompt_tokens == len(prompt) and fin.usage.completion_tokens == MAX_TOKENS
+    assert wait_until(lambda: not workers(cluster)[killed].healthy, 10)
