@@ -119,13 +119,14 @@ class LocalCluster:
             cfg.router.jobs_db = str(Path(self._tmp.name) / "jobs.sqlite")
         self._secret = secrets.token_hex(32)
         """Per-run KV secret for the workers when the config names no secret file."""
-        self.operator_token = ""
-        """Bearer token for the Admin API: a per-run one when the config lists no operators."""
-        if not cfg.auth.operators:
-            from router.admin import token_sha256
+        from router.admin import token_sha256
 
-            self.operator_token = secrets.token_urlsafe(32)
-            cfg.auth.operators.append(Credential("launcher", token_sha256(self.operator_token)))
+        # the launcher reads pool sizes with a credential of its own; it is also the
+        # operators' token for this run when the config names no operators
+        self._launcher_token = secrets.token_urlsafe(32)
+        self.operator_token = "" if cfg.auth.operators else self._launcher_token
+        """Bearer token for the Admin API when the config lists no operators ("" otherwise)."""
+        cfg.auth.operators.append(Credential("kvrelay-launcher", token_sha256(self._launcher_token)))
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -224,10 +225,8 @@ class LocalCluster:
     def _reconcile_loop(self) -> None:
         with grpc.insecure_channel(self.router_address) as ch:
             admin, registry = agrpc.AdminStub(ch), wgrpc.RegistryStub(ch)
-            auth = (("authorization", f"Bearer {self.operator_token}"),) if self.operator_token else None
+            auth = (("authorization", f"Bearer {self._launcher_token}"),)
             while not self._stop.wait(RECONCILE_INTERVAL_S):
-                if auth is None:
-                    continue  # operators come from the config: this launcher may not read pools
                 try:
                     pools = admin.ListPools(apb.ListPoolsRequest(), timeout=5.0, metadata=auth).pools
                     workers = registry.ListWorkers(wpb.ListWorkersRequest(), timeout=5.0).workers

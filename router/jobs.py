@@ -185,6 +185,9 @@ class JobService(jgrpc.JobsServicer):
         except asyncio.CancelledError:
             await asyncio.shield(self._db(self.store.release, job, idx))  # runs again after a restart
             raise
+        except Exception as exc:  # a bug must not leave the request running forever: record it
+            log.exception("job %s request %d failed inside the router", job, idx)
+            ok, result.error = False, f"internal error: {exc}"
         if not await self._db(self.store.finish, job, idx, result.SerializeToString(), ok):
             log.warning("job %s request %d was no longer running; its result is not stored twice", job, idx)
         self._wake.set()

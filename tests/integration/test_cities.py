@@ -39,8 +39,18 @@ needs_root = pytest.mark.skipif(
     reason="WAN emulation needs root, /dev/net/tun and iproute2's tc")
 
 
+def _purge(prefix: str) -> None:
+    """Removes what an earlier, interrupted run of these tests left behind."""
+    for ns in _netns_names():
+        if ns.startswith(f"{prefix}-"):
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+    for dev in Path("/sys/class/net").glob(f"{prefix}-*"):
+        subprocess.run(["ip", "link", "del", dev.name], capture_output=True)
+
+
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
+    _purge(PREFIX)
     state_dir = tmp_path_factory.mktemp("cities")
     st = cities.up(parse_config(CONFIG), state_dir, SUBNET, PREFIX)
     yield st, state_dir
