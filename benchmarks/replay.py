@@ -47,6 +47,12 @@ class WorkerSamples:
     role: str = ""
 
 
+def trace_slice(reqs: list[TraceRequest]) -> list[dict]:
+    """The replayed slice of a trace as the report records it."""
+    return [{"index": r.index, "arrival_s": r.arrival_s, "input_tokens": r.input_tokens,
+             "output_tokens": r.output_tokens} for r in reqs]
+
+
 def check_lengths(reqs: list[TraceRequest], scale: float, context_window: int) -> list[int]:
     """Indexes of requests that would not fit the model's context window
     after ``scale``; the caller reports them (they are never dropped silently)."""

@@ -45,65 +45,56 @@ def pool_rows(pools) -> list[tuple[str, ...]]:
         for p in pools]
 
 
-def cmd_scale(args: argparse.Namespace) -> int:
+def run_admin(args: argparse.Namespace, method: str, request, show) -> int:
+    """Calls Admin.``method``; shows the response, or the error with exit code 1."""
     import grpc
 
+    try:
+        resp = admin_call(args, method, request)
+    except grpc.RpcError as exc:
+        return grpc_error(exc)
+    show(resp)
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
     from kvrelay.v1 import admin_pb2 as apb
 
     if args.replicas < 0:
         print(f"kvrelay: --replicas must be >= 0, got {args.replicas}", file=sys.stderr)
         return 2
-    try:
-        resp = admin_call(args, "Scale", apb.ScaleRequest(site=args.site, role=args.role, replicas=args.replicas))
-    except grpc.RpcError as exc:
-        return grpc_error(exc)
-    table(pool_rows([resp.pool]))
-    if resp.draining:
-        print(f"draining (they leave once their requests are done): {', '.join(resp.draining)}")
-    return 0
+
+    def show(resp) -> None:
+        table(pool_rows([resp.pool]))
+        if resp.draining:
+            print(f"draining (they leave once their requests are done): {', '.join(resp.draining)}")
+    return run_admin(args, "Scale", apb.ScaleRequest(site=args.site, role=args.role, replicas=args.replicas), show)
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    import grpc
-
     from kvrelay.v1 import admin_pb2 as apb
 
-    try:
-        resp = admin_call(args, "Drain", apb.DrainRequest(worker_id=args.worker))
-    except grpc.RpcError as exc:
-        return grpc_error(exc)
-    print(f"kvrelay: draining {args.worker}: no new requests; it leaves once its requests are done")
-    table(pool_rows([resp.pool]))
-    return 0
+    def show(resp) -> None:
+        print(f"kvrelay: draining {args.worker}: no new requests; it leaves once its requests are done")
+        table(pool_rows([resp.pool]))
+    return run_admin(args, "Drain", apb.DrainRequest(worker_id=args.worker), show)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import grpc
-
     from kvrelay.v1 import admin_pb2 as apb
 
-    try:
-        resp = admin_call(args, "Plan", apb.PlanRequest(apply=args.apply))
-    except grpc.RpcError as exc:
-        return grpc_error(exc)
-    table([("SITE", "ROLE", "NOW", "RECOMMENDED", "WHY")] + [
-        (p.site, p.role, str(p.current), str(p.recommended), "; ".join(p.reasons)) for p in resp.plans])
-    print(f"\n(figures of the last {resp.window_s:g} s; "
-          f"{'applied' if resp.applied else 'not applied: add --apply'})")
-    return 0
+    def show(resp) -> None:
+        table([("SITE", "ROLE", "NOW", "RECOMMENDED", "WHY")] + [
+            (p.site, p.role, str(p.current), str(p.recommended), "; ".join(p.reasons)) for p in resp.plans])
+        print(f"\n(figures of the last {resp.window_s:g} s; "
+              f"{'applied' if resp.applied else 'not applied: add --apply'})")
+    return run_admin(args, "Plan", apb.PlanRequest(apply=args.apply), show)
 
 
 def cmd_pools(args: argparse.Namespace) -> int:
-    import grpc
-
     from kvrelay.v1 import admin_pb2 as apb
 
-    try:
-        resp = admin_call(args, "ListPools", apb.ListPoolsRequest())
-    except grpc.RpcError as exc:
-        return grpc_error(exc)
-    table(pool_rows(resp.pools))
-    return 0
+    return run_admin(args, "ListPools", apb.ListPoolsRequest(), lambda resp: table(pool_rows(resp.pools)))
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -7,14 +7,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from cluster.cli_common import VOCAB_RANGE, resolve_model, run_replay, table
+from cluster.cli_common import VOCAB_RANGE, replay_config, resolve_model, run_replay, table
 
 
 def cmd_bench_cities(args: argparse.Namespace) -> int:
     import datetime
 
     from benchmarks import cities_bench as cb
-    from benchmarks.replay import ReplayConfig
+    from benchmarks.replay import trace_slice
     from benchmarks.traces import SAMPLE_AZURE, build_prompts, load_trace
     from cluster import cities
 
@@ -35,15 +35,13 @@ def cmd_bench_cities(args: argparse.Namespace) -> int:
                          f"({', '.join(sc.name for sc in cb.scenarios(example))})")
     reqs = load_trace(args.trace, args.format, args.limit)
     prompts = build_prompts(reqs, args.length_scale, VOCAB_RANGE, seed=args.seed)
-    rcfg = ReplayConfig(speedup=args.speedup, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                        progress=not args.no_progress)
+    rcfg = replay_config(args)
     model_path = resolve_model(example.get("model", {}).get("path"), args.cache_dir)
     out = Path(args.out)
     meta = {"trace": str(args.trace), "limit": args.limit, "speedup": args.speedup,
             "length_scale": args.length_scale, "seed": args.seed, "wan_emulation": emulate,
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "trace_slice": [{"index": r.index, "arrival_s": r.arrival_s, "input_tokens": r.input_tokens,
-                             "output_tokens": r.output_tokens} for r in reqs],
+            "trace_slice": trace_slice(reqs),
             "scale_reason": f"--length-scale {args.length_scale:g}", "format": args.format or "auto"}
     rows = []
     for sc in chosen:

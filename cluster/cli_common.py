@@ -52,6 +52,14 @@ def write_secret(path: Path, value: str) -> None:
     tmp.rename(path)
 
 
+def replay_config(args: argparse.Namespace):
+    """The replay settings given on the command line."""
+    from benchmarks.replay import ReplayConfig
+
+    return ReplayConfig(speedup=args.speedup, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+                        progress=not args.no_progress)
+
+
 def run_replay(args: argparse.Namespace, reqs, address: str, cluster) -> int:
     """Replays ``reqs`` against the router at ``address``; writes and prints the report."""
     import asyncio
@@ -59,7 +67,7 @@ def run_replay(args: argparse.Namespace, reqs, address: str, cluster) -> int:
 
     import grpc
 
-    from benchmarks.replay import ReplayConfig, build_report, check_lengths, replay, write_report
+    from benchmarks.replay import build_report, check_lengths, replay, trace_slice, write_report
     from benchmarks.traces import build_prompts
     from kvrelay.v1 import inference_pb2 as ipb
     from kvrelay.v1 import inference_pb2_grpc as igrpc
@@ -84,8 +92,7 @@ def run_replay(args: argparse.Namespace, reqs, address: str, cluster) -> int:
             reason += f"; {len(too_long)} request(s) still exceed the context window and are sent anyway " \
                       "(they fail and are reported)"
     prompts = build_prompts(reqs, scale, VOCAB_RANGE, seed=args.seed)
-    rcfg = ReplayConfig(speedup=args.speedup, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                        progress=not args.no_progress)
+    rcfg = replay_config(args)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     records, samples = asyncio.run(replay(address, prompts, rcfg))
     meta = {"trace": str(args.trace), "format": args.format or "auto", "limit": args.limit,
@@ -94,8 +101,7 @@ def run_replay(args: argparse.Namespace, reqs, address: str, cluster) -> int:
             "policy": cluster.cfg.router.policy if cluster is not None else "?", "started": started,
             "wan_emulation": cluster is not None and cluster.cities is not None,
             "config": cluster.cfg.to_dict() if cluster is not None else None,
-            "trace_slice": [{"index": r.index, "arrival_s": r.arrival_s, "input_tokens": r.input_tokens,
-                             "output_tokens": r.output_tokens} for r in reqs]}
+            "trace_slice": trace_slice(reqs)}
     report = build_report(records, samples, rcfg, meta)
     write_report(report, Path(args.out))
     print((Path(args.out) / "report.md").read_text())

@@ -77,9 +77,20 @@ def _job_rows(jobs) -> list[tuple[str, ...]]:
          when(j.created_unix), when(j.finished_unix)) for j in jobs]
 
 
-def cmd_job_submit(args: argparse.Namespace) -> int:
+def _call(args: argparse.Namespace, method: str, request, timeout_s: float = 30.0):
+    """Jobs.``method``; the response, or None after printing the error."""
     import grpc
 
+    ch, stub = _stub(args)
+    with ch:
+        try:
+            return getattr(stub, method)(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            grpc_error(exc)
+            return None
+
+
+def cmd_job_submit(args: argparse.Namespace) -> int:
     from kvrelay.v1 import jobs_pb2 as jpb
 
     try:
@@ -87,13 +98,10 @@ def cmd_job_submit(args: argparse.Namespace) -> int:
     except JobFileError as exc:
         print(f"kvrelay: {exc}", file=sys.stderr)
         return 2
-    ch, stub = _stub(args)
-    with ch:
-        try:
-            job = stub.SubmitJob(jpb.SubmitJobRequest(name=args.name or Path(args.file).name, requests=reqs),
-                                 timeout=120)
-        except grpc.RpcError as exc:
-            return grpc_error(exc)
+    job = _call(args, "SubmitJob", jpb.SubmitJobRequest(name=args.name or Path(args.file).name, requests=reqs),
+                timeout_s=120.0)
+    if job is None:
+        return 1
     print(job.id)
     print(f"kvrelay: job {job.id}: {job.total} requests queued (kvrelay job status {job.id}; "
           f"kvrelay job results {job.id})", file=sys.stderr)
@@ -101,32 +109,26 @@ def cmd_job_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_job_status(args: argparse.Namespace) -> int:
-    import grpc
-
     from kvrelay.v1 import jobs_pb2 as jpb
 
-    ch, stub = _stub(args)
-    with ch:
-        try:
-            jobs = ([stub.GetJob(jpb.GetJobRequest(id=args.id), timeout=30)] if args.id
-                    else stub.ListJobs(jpb.ListJobsRequest(), timeout=30).jobs)
-        except grpc.RpcError as exc:
-            return grpc_error(exc)
+    if args.id:
+        job = _call(args, "GetJob", jpb.GetJobRequest(id=args.id))
+        jobs = None if job is None else [job]
+    else:
+        resp = _call(args, "ListJobs", jpb.ListJobsRequest())
+        jobs = None if resp is None else resp.jobs
+    if jobs is None:
+        return 1
     table(_job_rows(jobs))
     return 0
 
 
 def cmd_job_cancel(args: argparse.Namespace) -> int:
-    import grpc
-
     from kvrelay.v1 import jobs_pb2 as jpb
 
-    ch, stub = _stub(args)
-    with ch:
-        try:
-            job = stub.CancelJob(jpb.CancelJobRequest(id=args.id), timeout=30)
-        except grpc.RpcError as exc:
-            return grpc_error(exc)
+    job = _call(args, "CancelJob", jpb.CancelJobRequest(id=args.id))
+    if job is None:
+        return 1
     table(_job_rows([job]))
     return 0
 

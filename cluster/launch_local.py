@@ -12,6 +12,7 @@ so nothing is orphaned."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import secrets
@@ -98,7 +99,9 @@ class LocalCluster:
         ``kvrelay cities up`` emulation (the router listens on its gateway).
         ``backend``: where workers run (default: processes here).
         ``reconcile``: keep pools at their desired size (replace dead workers,
-        follow ``kvrelay scale``); tests that kill workers on purpose turn it off."""
+        follow ``kvrelay scale``); tests that kill workers on purpose turn it off.
+        The launcher works on its own copy of ``cfg`` (``self.cfg``)."""
+        cfg = copy.deepcopy(cfg)  # it adds its credential, a jobs database, the router address
         if cities is not None:
             mismatch = cities.matches(cfg)
             if mismatch:

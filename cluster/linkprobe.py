@@ -49,12 +49,6 @@ class LinkMeasurement:
     seconds: float
 
 
-def _listener(netns: str, host: str) -> socket.socket:
-    with in_netns(netns):
-        srv = socket.create_server((host, 0))
-    return srv
-
-
 def _connect(netns: str, host: str, port: int, timeout_s: float) -> socket.socket:
     with in_netns(netns):
         s = socket.create_connection((host, port), timeout=timeout_s)
@@ -62,40 +56,54 @@ def _connect(netns: str, host: str, port: int, timeout_s: float) -> socket.socke
     return s
 
 
-def measure_rtt(src_ns: str, dst_ns: str, dst_host: str, samples: int = 30, timeout_s: float = 5.0) -> list[float]:
-    """Round-trip times (seconds) of one-byte pings over one TCP connection."""
-    srv = _listener(dst_ns, dst_host)
+@contextlib.contextmanager
+def _peer(src_ns: str, dst_ns: str, dst_host: str, timeout_s: float, serve, join_s: float):
+    """A TCP connection from ``src_ns`` to a listener in ``dst_ns`` whose one
+    accepted connection ``serve(conn)`` handles in a thread; yields the client
+    socket, then waits for ``serve`` and re-raises what it raised."""
+    with in_netns(dst_ns):
+        srv = socket.create_server((dst_host, 0))
     srv.settimeout(timeout_s)
-    rtts: list[float] = []
     err: list[BaseException] = []
 
-    def echo():
+    def run():
         try:
             conn, _ = srv.accept()
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(timeout_s)
             with conn:
-                while b := conn.recv(1):
-                    conn.sendall(b)
+                serve(conn)
         except OSError as exc:
             err.append(exc)
 
-    t = threading.Thread(target=echo, daemon=True)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
     try:
         with _connect(src_ns, dst_host, srv.getsockname()[1], timeout_s) as c:
-            for _ in range(samples + 2):
-                t0 = time.perf_counter()
-                c.sendall(b"x")
-                if c.recv(1) != b"x":
-                    raise ConnectionError("echo peer closed")
-                rtts.append(time.perf_counter() - t0)
-                time.sleep(0.01)
+            yield c
+            c.shutdown(socket.SHUT_WR)
+            t.join(join_s)
     finally:
         srv.close()
-        t.join(timeout_s)
     if err:
         raise err[0]
+
+
+def measure_rtt(src_ns: str, dst_ns: str, dst_host: str, samples: int = 30, timeout_s: float = 5.0) -> list[float]:
+    """Round-trip times (seconds) of one-byte pings over one TCP connection."""
+    def echo(conn: socket.socket) -> None:
+        while b := conn.recv(1):
+            conn.sendall(b)
+
+    rtts: list[float] = []
+    with _peer(src_ns, dst_ns, dst_host, timeout_s, echo, timeout_s) as c:
+        for _ in range(samples + 2):
+            t0 = time.perf_counter()
+            c.sendall(b"x")
+            if c.recv(1) != b"x":
+                raise ConnectionError("echo peer closed")
+            rtts.append(time.perf_counter() - t0)
+            time.sleep(0.01)
     return rtts[2:]  # the first exchanges include ARP/route setup
 
 
@@ -103,47 +111,29 @@ def measure_throughput(src_ns: str, dst_ns: str, dst_host: str, seconds: float =
                        timeout_s: float = 10.0) -> float:
     """Bytes per second one TCP stream delivers from ``src_ns`` to ``dst_host``,
     measured at the receiver from ``warmup_s`` after the first byte to the last."""
-    srv = _listener(dst_ns, dst_host)
-    srv.settimeout(timeout_s)
     result: list[float] = []
-    err: list[BaseException] = []
 
-    def sink():
-        try:
-            conn, _ = srv.accept()
-            conn.settimeout(timeout_s)
-            buf = bytearray(1 << 20)
-            first = None
-            counted, t_start, t_last = 0, 0.0, 0.0
-            with conn:
-                while n := conn.recv_into(buf):
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    if now - first >= warmup_s:
-                        if not t_start:
-                            t_start = now
-                        else:
-                            counted += n
-                        t_last = now
-            result.append(counted / (t_last - t_start) if t_last > t_start else 0.0)
-        except OSError as exc:
-            err.append(exc)
+    def sink(conn: socket.socket) -> None:
+        buf = bytearray(1 << 20)
+        first = None
+        counted, t_start, t_last = 0, 0.0, 0.0
+        while n := conn.recv_into(buf):
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            if now - first >= warmup_s:
+                if not t_start:
+                    t_start = now
+                else:
+                    counted += n
+                t_last = now
+        result.append(counted / (t_last - t_start) if t_last > t_start else 0.0)
 
-    t = threading.Thread(target=sink, daemon=True)
-    t.start()
-    try:
-        with _connect(src_ns, dst_host, srv.getsockname()[1], timeout_s) as c:
-            chunk = memoryview(bytearray(1 << 20))
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                c.sendall(chunk)
-            c.shutdown(socket.SHUT_WR)
-            t.join(timeout_s + seconds)
-    finally:
-        srv.close()
-    if err:
-        raise err[0]
+    with _peer(src_ns, dst_ns, dst_host, timeout_s, sink, timeout_s + seconds) as c:
+        chunk = memoryview(bytearray(1 << 20))
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            c.sendall(chunk)
     if not result:
         raise TimeoutError("the receiver did not finish in time")
     return result[0]

@@ -67,6 +67,51 @@ async def kv_events(aengine: AsyncEngine, snapshot: bool) -> wpb.KVCacheEvents:
     return wpb.KVCacheEvents(stored=ev.stored, removed=ev.removed, snapshot=snapshot)
 
 
+class _Heartbeats:
+    """One worker's registration and heartbeat state with its router."""
+
+    def __init__(self, stub, info: wpb.WorkerInfo, load_fn, events_fn) -> None:
+        self.stub, self.info, self.load_fn, self.events_fn = stub, info, load_fn, events_fn
+        self.interval = 1.0
+        self.registered = False
+        self.snapshot = True
+        """Send a full prefix-cache snapshot next (after registering, a lost heartbeat, or when asked)."""
+        self.draining = False
+        self.pending: asyncio.Future | None = None
+        """Prefix-cache events being fetched from the engine thread."""
+
+    async def _events(self, req: wpb.HeartbeatRequest) -> None:
+        # the events come from the engine thread, which may be inside a long step:
+        # never hold the heartbeat (liveness) for them; they go in the next one
+        if self.pending is None:
+            self.pending = asyncio.ensure_future(self.events_fn(self.snapshot))
+        await asyncio.wait({self.pending}, timeout=EVENTS_WAIT_S)
+        if self.pending.done():
+            req.kv_events.CopyFrom(self.pending.result())
+            self.pending = None
+            self.snapshot = True  # until this heartbeat is known to have arrived
+
+    async def beat(self) -> bool:
+        """Registers if needed and sends one heartbeat; True once drained and deregistered."""
+        if not self.registered:
+            resp = await self.stub.Register(wpb.RegisterRequest(info=self.info), timeout=5.0)
+            self.interval = resp.heartbeat_interval_s or 1.0
+            self.registered, self.snapshot = True, True
+            log.info("registered %s with the router", self.info.worker_id)
+        req = wpb.HeartbeatRequest(load=self.load_fn())
+        if self.events_fn is not None:
+            await self._events(req)
+        hb = await self.stub.Heartbeat(req, timeout=5.0)
+        self.registered, self.snapshot = hb.known, hb.send_snapshot
+        if hb.drain and not self.draining:
+            self.draining = True
+            log.info("%s is draining: no new requests; leaving once the current ones are done", self.info.worker_id)
+        if hb.drained:
+            await self.stub.Deregister(wpb.DeregisterRequest(worker_id=self.info.worker_id), timeout=5.0)
+            log.info("%s drained: deregistered, exiting", self.info.worker_id)
+        return hb.drained
+
+
 async def register_and_heartbeat(router: str, info: wpb.WorkerInfo, load_fn, stop: asyncio.Event,
                                  events_fn=None, register_deadline_s: float = 60.0) -> None:
     """Registers with the router (retrying until the deadline), then sends a
@@ -79,57 +124,26 @@ async def register_and_heartbeat(router: str, info: wpb.WorkerInfo, load_fn, sto
     heartbeat that did not arrive, or when the router asks, a full snapshot
     replaces them, so the router's prefix index never drifts."""
     async with grpc.aio.insecure_channel(router, options=GRPC_OPTIONS) as ch:
-        stub = wgrpc.RegistryStub(ch)
+        hb = _Heartbeats(wgrpc.RegistryStub(ch), info, load_fn, events_fn)
         loop = asyncio.get_running_loop()
         end = loop.time() + register_deadline_s
-        interval = 1.0
-        registered = False
-        snapshot = True
-        draining = False
-        pending: asyncio.Future | None = None
         try:
             while not stop.is_set():
                 try:
-                    if not registered:
-                        resp = await stub.Register(wpb.RegisterRequest(info=info), timeout=5.0)
-                        interval = resp.heartbeat_interval_s or 1.0
-                        registered = True
-                        snapshot = True
-                        log.info("registered %s with router %s", info.worker_id, router)
-                    req = wpb.HeartbeatRequest(load=load_fn())
-                    if events_fn is not None:
-                        # the events come from the engine thread, which may be inside a long
-                        # step: never hold the heartbeat (liveness) for them; send them next time
-                        if pending is None:
-                            pending = asyncio.ensure_future(events_fn(snapshot))
-                        await asyncio.wait({pending}, timeout=EVENTS_WAIT_S)
-                        if pending.done():
-                            req.kv_events.CopyFrom(pending.result())
-                            pending = None
-                            snapshot = True  # until this heartbeat is known to have arrived
-                    hb = await stub.Heartbeat(req, timeout=5.0)
-                    registered = hb.known
-                    snapshot = hb.send_snapshot
-                    if hb.drain and not draining:
-                        draining = True
-                        log.info("%s is draining: no new requests; leaving once the current ones are done",
-                                 info.worker_id)
-                    if hb.drained:
-                        await stub.Deregister(wpb.DeregisterRequest(worker_id=info.worker_id), timeout=5.0)
-                        log.info("%s drained: deregistered, exiting", info.worker_id)
+                    if await hb.beat():
                         stop.set()
                         return
                 except grpc.aio.AioRpcError as exc:
-                    if not registered and loop.time() > end:
+                    if not hb.registered and loop.time() > end:
                         raise RuntimeError(f"could not register with router {router}: {exc.details()}") from None
                     log.debug("router %s unreachable: %s", router, exc.code())
                 try:
-                    await asyncio.wait_for(stop.wait(), interval)
+                    await asyncio.wait_for(stop.wait(), hb.interval)
                 except asyncio.TimeoutError:
                     pass
         finally:
-            if pending is not None:
-                pending.cancel()
+            if hb.pending is not None:
+                hb.pending.cancel()
 
 
 async def serve_until_signal(server: grpc.aio.Server, aengine: AsyncEngine, stop: asyncio.Event,

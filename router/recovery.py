@@ -58,6 +58,11 @@ class Recovery:
         self._ttft_ms: float | None = None
 
     @property
+    def exhausted(self) -> bool:
+        """Too many failures: the request fails."""
+        return self.prefill_failures > MAX_PREFILL_FAILURES or self.migrations > MAX_MIGRATIONS
+
+    @property
     def colocated_only(self) -> bool:
         return self.prefill_failures >= MAX_PREFILL_FAILURES
 
@@ -100,7 +105,7 @@ class Recovery:
         return msg
 
     def failed(self, f: Failover) -> str:
-        """Records a failure; returns what happens next ("giving up ..." when nothing can)."""
+        """Records a failure; returns what happens next (see ``exhausted``)."""
         self.attempt += 1
         self.exclude.add(f.worker_id)
         if f.stage == "prefill":

@@ -54,6 +54,15 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grp
 """Worker errors that another worker may not have (a crash, a failed transfer, a lease)."""
 
 
+def _placement_proto(pl, p: WorkerRecord | None, d: WorkerRecord) -> ipb.Placement:
+    """What the client is told of a placement (the measured fields are filled in later)."""
+    return ipb.Placement(
+        decode_worker=d.info.worker_id, decode_site=d.info.site, prefill_worker=(p or d).info.worker_id,
+        prefill_site=(p or d).info.site, colocated=p is None, estimated_ttft_ms=pl.est_ttft_s * 1e3,
+        policy=pl.policy, prefill_cached_blocks=pl.cached_blocks_prefill, decode_cached_blocks=pl.cached_blocks_decode,
+        link="" if p is None else link_name(p.info.site, d.info.site))
+
+
 class BadRequest:
     """Stands in for a request message that did not parse."""
 
@@ -129,13 +138,14 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         d = len(self.registry.candidates(wpb.ROLE_DECODE))
         return ipb.HealthResponse(serving=d > 0, prefill_workers=p, decode_workers=d)
 
-    def placement_request(self, wr: wpb.WorkRequest, jurisdictions: list[str],
-                          deadline_s: float | None) -> PlacementRequest:
-        """The placement question for one request: its size, what each worker
-        caches of it (the prefix index), its constraints and deadline."""
-        hashes = hash_blocks(wr.prompt_token_ids, self.cfg.cache.block_size, wr.salt)
+    def placement_request(self, wr: wpb.WorkRequest, hashes: list, jurisdictions: list[str],
+                          deadline_s: float | None, run: Recovery) -> PlacementRequest:
+        """The placement question for one attempt: its size, what each worker
+        caches of it (the prefix index, asked anew: caches change while a request
+        waits), its constraints, deadline, and the workers that already failed it."""
         return PlacementRequest(len(wr.prompt_token_ids), self.registry.index.leading_blocks(hashes),
-                                frozenset(jurisdictions) if jurisdictions else None, deadline_s)
+                                frozenset(jurisdictions) if jurisdictions else None, deadline_s,
+                                frozenset(run.exclude), run.colocated_only)
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         if isinstance(request, BadRequest):
@@ -150,31 +160,29 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         wait_until = loop.time() + min(self.cfg.router.admission_wait_s, remaining or float("inf"))
         backoff = ADMISSION_BACKOFF_S[0]
         run = Recovery(wr)
+        attempt, hashes = None, []
         while True:
-            attempt = run.work_request()
-            if attempt is None:  # every token was sent before the decode worker failed
-                yield run.finish_without_worker(client_id)
-                return
-            preq = self.placement_request(attempt, list(request.allowed_jurisdictions), context.time_remaining())
-            preq.exclude, preq.colocated_only = frozenset(run.exclude), run.colocated_only
+            if attempt is None:  # the first attempt, or the next after a failure
+                attempt = run.work_request()
+                if attempt is None:  # every token was sent before the decode worker failed
+                    yield run.finish_without_worker(client_id)
+                    return
+                hashes = hash_blocks(attempt.prompt_token_ids, self.cfg.cache.block_size, attempt.salt)
+            preq = self.placement_request(attempt, hashes, list(request.allowed_jurisdictions),
+                                          context.time_remaining(), run)
             try:
                 pl = place(preq, self.registry.view(), self.policy)
                 d = self.registry.workers[pl.decode.worker_id]
                 p = self.registry.workers[pl.prefill.worker_id] if pl.prefill is not None else None
-                placement = ipb.Placement(
-                    decode_worker=d.info.worker_id, decode_site=d.info.site, prefill_worker=(p or d).info.worker_id,
-                    prefill_site=(p or d).info.site, colocated=p is None, estimated_ttft_ms=pl.est_ttft_s * 1e3,
-                    policy=pl.policy, prefill_cached_blocks=pl.cached_blocks_prefill,
-                    decode_cached_blocks=pl.cached_blocks_decode,
-                    link="" if p is None else link_name(p.info.site, d.info.site))
-                async for msg in self._relay(attempt, client_id, p, d, placement, context):
+                async for msg in self._relay(attempt, client_id, p, d, _placement_proto(pl, p, d), context):
                     yield run.passed(msg)
                 return
             except Failover as f:
                 self.registry.suspect(f.worker_id)
+                attempt = None
                 why = run.failed(f)
                 log.warning("%s: %s", client_id, why)
-                if why.startswith("giving up"):
+                if run.exhausted:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, why)
                 continue
             except (PlacementError, WorkerFull) as exc:

@@ -3,6 +3,7 @@ serving the embedded SmolLM2-135M-Instruct, shared by a module's tests."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import grpc
@@ -26,12 +27,21 @@ CLUSTER_YAML = {
 }
 
 
+@contextlib.contextmanager
+def running_cluster(raw: dict, model_path, **kw):
+    """A started LocalCluster of config ``raw`` (keywords go to LocalCluster), stopped afterwards."""
+    lc = LocalCluster(parse_config(raw), model_path, **kw)
+    lc.start()
+    try:
+        yield lc
+    finally:
+        lc.stop()
+
+
 @pytest.fixture(scope="module")
 def cluster(smollm_path):
-    lc = LocalCluster(parse_config(CLUSTER_YAML), smollm_path)
-    lc.start()
-    yield lc
-    lc.stop()
+    with running_cluster(CLUSTER_YAML, smollm_path) as lc:
+        yield lc
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,10 @@ import signal
 import grpc
 import pytest
 
-from cluster.config import parse_config
-from cluster.launch_local import LocalCluster
 from engine.sampling_params import SamplingParams
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-from tests.integration.conftest import wait_until, workers
+from tests.integration.conftest import running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model
 
@@ -30,10 +28,8 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def cluster(smollm_path):
-    lc = LocalCluster(parse_config(CONFIG), smollm_path, reconcile=False)  # the killed worker stays dead
-    lc.start()
-    yield lc
-    lc.stop()
+    with running_cluster(CONFIG, smollm_path, reconcile=False) as lc:  # the killed worker stays dead
+        yield lc
 
 
 def test_decode_worker_killed_mid_stream_is_migrated(cluster, reference_engine):

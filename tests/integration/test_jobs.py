@@ -12,12 +12,10 @@ import grpc
 import pytest
 
 from cluster.cli import main
-from cluster.config import parse_config
-from cluster.launch_local import LocalCluster
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
-from tests.integration.conftest import wait_until, workers
+from tests.integration.conftest import running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model
 
@@ -33,10 +31,8 @@ N = 200
 
 @pytest.fixture(scope="module")
 def cluster(smollm_path):
-    lc = LocalCluster(parse_config(CONFIG), smollm_path)
-    lc.start()
-    yield lc
-    lc.stop()
+    with running_cluster(CONFIG, smollm_path) as lc:
+        yield lc
 
 
 def _stub(lc):

@@ -20,7 +20,7 @@ from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-from tests.integration.conftest import wait_until, workers
+from tests.integration.conftest import running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model
 
@@ -106,12 +106,8 @@ def scale_up_and_down_while_streaming(lc: LocalCluster) -> str:
 
 
 def test_scale_local_processes(smollm_path):
-    lc = LocalCluster(parse_config(CONFIG), smollm_path)
-    lc.start()
-    try:
+    with running_cluster(CONFIG, smollm_path) as lc:
         scale_up_and_down_while_streaming(lc)
-    finally:
-        lc.stop()
 
 
 def test_scale_on_ray_two_nodes(smollm_path):
@@ -126,17 +122,13 @@ def test_scale_on_ray_two_nodes(smollm_path):
     ray.init(address=rc.address, log_to_driver=False)
     try:
         rc.wait_for_nodes()
-        lc = LocalCluster(parse_config(CONFIG), smollm_path, backend=RayBackend(["toronto", "montreal"]))
-        lc.start()
-        try:
+        with running_cluster(CONFIG, smollm_path, backend=RayBackend(["toronto", "montreal"])) as lc:
             def on_right_node() -> bool:
                 return all(c.proc.node_id() == nodes[c.site].node_id for c in lc.children if c.role)
             assert on_right_node()
             new = scale_up_and_down_while_streaming(lc)
             assert new.startswith("montreal/decode/")
             assert on_right_node()
-        finally:
-            lc.stop()
     finally:
         ray.shutdown()
         rc.shutdown()
@@ -144,10 +136,8 @@ def test_scale_on_ray_two_nodes(smollm_path):
 
 @pytest.fixture(scope="module")
 def small(smollm_path):
-    lc = LocalCluster(parse_config(CONFIG), smollm_path)
-    lc.start()
-    yield lc
-    lc.stop()
+    with running_cluster(CONFIG, smollm_path) as lc:
+        yield lc
 
 
 @pytest.mark.parametrize("request_,code,match", [
