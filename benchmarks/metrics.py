@@ -31,6 +31,10 @@ class RequestRecord:
     """gRPC status and message when the request failed."""
     placement: dict = field(default_factory=dict)
     cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    """What the request generated (compared between runs by the chaos replay)."""
+    client_retries: int = 0
+    """Times the client sent it again after UNAVAILABLE (a router restart)."""
 
     @property
     def ok(self) -> bool:

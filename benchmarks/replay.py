@@ -34,6 +34,10 @@ class ReplayConfig:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     progress: bool = True
+    retries: int = 0
+    """Times a request is sent again after UNAVAILABLE (the router restarting,
+    no worker registered yet), as a client library would; from scratch, and
+    its latency still counts from the first send."""
 
 
 @dataclass(slots=True)
@@ -53,10 +57,15 @@ def trace_slice(reqs: list[TraceRequest]) -> list[dict]:
              "output_tokens": r.output_tokens} for r in reqs]
 
 
-def check_lengths(reqs: list[TraceRequest], scale: float, context_window: int) -> list[int]:
+def check_lengths(reqs: list[TraceRequest], scale: float, context_window: int,
+                  out_scale: float | None = None) -> list[int]:
     """Indexes of requests that would not fit the model's context window
-    after ``scale``; the caller reports them (they are never dropped silently)."""
-    return [r.index for r, (i, o) in zip(reqs, scale_lengths(reqs, scale)) if i + o > context_window]
+    after scaling; the caller reports them (they are never dropped silently)."""
+    return [r.index for r, (i, o) in zip(reqs, scale_lengths(reqs, scale, out_scale)) if i + o > context_window]
+
+
+RETRY_BACKOFF_S = (0.25, 2.0)
+"""First and longest pause before a request is sent again after UNAVAILABLE."""
 
 
 async def _one(stub, sr: ScaledRequest, t0: float, cfg: ReplayConfig, rec: RequestRecord) -> None:
@@ -66,25 +75,43 @@ async def _one(stub, sr: ScaledRequest, t0: float, cfg: ReplayConfig, rec: Reque
     req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=sr.prompt), max_tokens=sr.max_tokens, ignore_eos=True,
                               request_id=f"replay-{sr.trace.index}")
     rec.sent_s = time.perf_counter() - t0
-    try:
-        async for msg in stub.Generate(req, timeout=cfg.request_timeout_s):
-            now = time.perf_counter() - t0
-            rec.token_times += [now] * len(msg.token_ids)
-            if msg.HasField("finish"):
-                p = msg.finish.placement
-                rec.placement = {"prefill_site": p.prefill_site, "decode_site": p.decode_site,
-                                 "prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker,
-                                 "colocated": p.colocated, "link": p.link, "transport": p.transport,
-                                 "kv_bytes": p.kv_bytes, "kv_transfer_ms": p.kv_transfer_ms,
-                                 "estimated_ttft_ms": p.estimated_ttft_ms, "router_ttft_ms": p.ttft_ms}
-                rec.cached_tokens = msg.finish.usage.cached_prompt_tokens
-        rec.end_s = time.perf_counter() - t0
-        # a message carrying k tokens: spread them over the gap since the previous one
-        _spread(rec.token_times)
-        if len(rec.token_times) != sr.max_tokens:
-            rec.error = f"got {len(rec.token_times)} tokens, the trace forces {sr.max_tokens}"
-    except grpc.aio.AioRpcError as exc:
-        rec.error = f"{exc.code().name}: {exc.details()}"
+    backoff = RETRY_BACKOFF_S[0]
+    while True:
+        rec.token_times, rec.token_ids, rec.error = [], [], None
+        try:
+            await _stream(stub, req, t0, cfg, rec)
+            break
+        except grpc.aio.AioRpcError as exc:
+            rec.error = f"{exc.code().name}: {exc.details()}"
+            left = rec.sent_s + cfg.request_timeout_s - (time.perf_counter() - t0)
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or rec.client_retries >= cfg.retries or left < backoff:
+                return
+        await asyncio.sleep(backoff)
+        backoff = min(RETRY_BACKOFF_S[1], backoff * 2)
+        rec.client_retries += 1
+    rec.end_s = time.perf_counter() - t0
+    # a message carrying k tokens: spread them over the gap since the previous one
+    _spread(rec.token_times)
+    if len(rec.token_times) != sr.max_tokens:
+        rec.error = f"got {len(rec.token_times)} tokens, the trace forces {sr.max_tokens}"
+
+
+async def _stream(stub, req: ipb.GenerateRequest, t0: float, cfg: ReplayConfig, rec: RequestRecord) -> None:
+    """One attempt at a request, recording its tokens and final placement."""
+    left = rec.sent_s + cfg.request_timeout_s - (time.perf_counter() - t0)
+    async for msg in stub.Generate(req, timeout=max(0.1, left)):
+        now = time.perf_counter() - t0
+        rec.token_times += [now] * len(msg.token_ids)
+        rec.token_ids.extend(msg.token_ids)
+        if msg.HasField("finish"):
+            p = msg.finish.placement
+            rec.placement = {"prefill_site": p.prefill_site, "decode_site": p.decode_site,
+                             "prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker,
+                             "colocated": p.colocated, "link": p.link, "transport": p.transport,
+                             "kv_bytes": p.kv_bytes, "kv_transfer_ms": p.kv_transfer_ms,
+                             "estimated_ttft_ms": p.estimated_ttft_ms, "router_ttft_ms": p.ttft_ms,
+                             "retries": p.retries, "migrations": p.migrations}
+            rec.cached_tokens = msg.finish.usage.cached_prompt_tokens
 
 
 def _spread(times: list[float]) -> None:
@@ -127,7 +154,9 @@ async def replay(address: str, reqs: list[ScaledRequest], cfg: ReplayConfig) -> 
     records = [RequestRecord(sr.trace.index, sr.trace.arrival_s / cfg.speedup, 0.0, len(sr.prompt), sr.max_tokens)
                for sr in reqs]
     samples: dict[str, WorkerSamples] = {}
-    opts = [("grpc.max_receive_message_length", 64 << 20)]
+    # reconnect quickly to a router that restarted (the default backoff grows to minutes)
+    opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000)]
     async with grpc.aio.insecure_channel(address, options=opts) as ch:
         stub, reg = igrpc.InferenceStub(ch), wgrpc.RegistryStub(ch)
         stop = asyncio.Event()

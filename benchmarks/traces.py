@@ -143,12 +143,16 @@ class ScaledRequest:
     max_tokens: int
 
 
-def scale_lengths(reqs: list[TraceRequest], scale: float) -> list[tuple[int, int]]:
-    """(input, output) tokens of each request after ``scale`` (at least 1 each)."""
-    return [(max(1, round(r.input_tokens * scale)), max(1, round(r.output_tokens * scale))) for r in reqs]
+def scale_lengths(reqs: list[TraceRequest], scale: float,
+                  out_scale: float | None = None) -> list[tuple[int, int]]:
+    """(input, output) tokens of each request after ``scale`` (outputs after
+    ``out_scale`` when given), at least 1 each."""
+    out_scale = scale if out_scale is None else out_scale
+    return [(max(1, round(r.input_tokens * scale)), max(1, round(r.output_tokens * out_scale))) for r in reqs]
 
 
-def build_prompts(reqs: list[TraceRequest], scale: float, vocab: tuple[int, int], seed: int = 0) -> list[ScaledRequest]:
+def build_prompts(reqs: list[TraceRequest], scale: float, vocab: tuple[int, int], seed: int = 0,
+                  out_scale: float | None = None) -> list[ScaledRequest]:
     """Prompts with exactly the scaled lengths. Token ids are drawn from
     ``vocab`` = [low, high). Mooncake ``hash_ids`` map to fixed token blocks
     of round(512 x scale) tokens; a request's prompt is its blocks in order,
@@ -157,7 +161,7 @@ def build_prompts(reqs: list[TraceRequest], scale: float, vocab: tuple[int, int]
     blocks: dict[int, list[int]] = {}
     lo, hi = vocab
     out = []
-    for r, (n_in, n_out) in zip(reqs, scale_lengths(reqs, scale)):
+    for r, (n_in, n_out) in zip(reqs, scale_lengths(reqs, scale, out_scale)):
         if r.hash_ids:
             prompt: list[int] = []
             for h in r.hash_ids:

@@ -10,9 +10,9 @@ import os
 import sys
 from pathlib import Path
 
-from cluster import cli_admin, cli_cities, cli_jobs
+from cluster import cli_admin, cli_chaos, cli_cities, cli_jobs
 from cluster.cli_cities import cities_flag, cities_for
-from cluster.cli_common import (default_cache_dir, default_token_file, grpc_error, resolve_model, run_replay,
+from cluster.cli_common import (client_metadata, default_cache_dir, default_token_file, grpc_error, resolve_model, run_replay,
                                 write_secret)
 
 
@@ -66,13 +66,16 @@ def cmd_bench_replay(args: argparse.Namespace) -> int:
     from cluster.config import ConfigError, load_config
     from cluster.launch_local import LocalCluster
 
-    if args.speedup <= 0 or (args.length_scale is not None and args.length_scale <= 0):
-        print("kvrelay: --speedup and --length-scale must be positive", file=sys.stderr)
+    if args.speedup <= 0 or any(x is not None and x <= 0 for x in (args.length_scale, args.output_scale)):
+        print("kvrelay: --speedup, --length-scale and --output-scale must be positive", file=sys.stderr)
         return 2
     try:
         reqs = load_trace(args.trace, args.format, args.limit)
     except TraceError as exc:
         print(f"kvrelay: {exc}", file=sys.stderr)
+        return 2
+    if args.chaos is not None and (args.router is not None or args.chaos <= 0):
+        print("kvrelay: --chaos needs a positive rate, and a cluster of its own (not --router)", file=sys.stderr)
         return 2
     if args.router is not None:
         return run_replay(args, reqs, args.router, None)
@@ -82,6 +85,10 @@ def cmd_bench_replay(args: argparse.Namespace) -> int:
         print(f"kvrelay: {exc}", file=sys.stderr)
         return 2
     cfg.router.port = 0
+    if args.chaos is not None:
+        from cluster.cli_chaos import run_chaos
+
+        return run_chaos(args, reqs, cfg, resolve_model(cfg.model.path, args.cache_dir), cities_for(args))
     cluster = LocalCluster(cfg, resolve_model(cfg.model.path, args.cache_dir), cities=cities_for(args))
     try:
         return run_replay(args, reqs, cluster.start(), cluster)
@@ -144,6 +151,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"kvrelay: operator token for this run in {args.token_file} (kvrelay scale / drain read it)")
         print(f"kvrelay: serving {model_path.name} on {addr} with {n} workers ({args.backend}) "
               f"(try: kvrelay generate --router {addr} \"What is the capital of France?\")", flush=True)
+        if cluster.http_address:
+            print(f"kvrelay: OpenAI-compatible HTTP API on http://{cluster.http_address}/v1", flush=True)
         while not stop:
             if any(c.name == "router" for c in cluster.dead_children()):
                 print("kvrelay: the router exited; stopping", file=sys.stderr)
@@ -170,7 +179,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finish = None
     with grpc.insecure_channel(args.router) as ch:
         try:
-            for msg in igrpc.InferenceStub(ch).Generate(req, timeout=args.timeout):
+            for msg in igrpc.InferenceStub(ch).Generate(req, timeout=args.timeout, metadata=client_metadata()):
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if msg.HasField("finish"):
@@ -266,12 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--limit", type=int, help="first N requests of the trace")
     br.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
     br.add_argument("--length-scale", type=float, help="multiply every input and output length by this")
+    br.add_argument("--output-scale", type=float, help="multiply output lengths by this instead")
     br.add_argument("--slo-ttft", type=float, help="TTFT objective in seconds (for goodput)")
     br.add_argument("--slo-tpot", type=float, help="TPOT objective in seconds (for goodput)")
     br.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
     br.add_argument("--no-progress", action="store_true")
     br.add_argument("--out", required=True, help="directory for report.json and report.md")
     cities_flag(br)
+    cli_chaos.add_flags(br)
     br.set_defaults(func=cmd_bench_replay)
 
     cli_cities.add_parsers(sub, bench)

@@ -127,7 +127,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"\nplacement policy: {resp.policy}\n")
     table([("LINK", "RTT MS", "GBPS", "TRANSPORT", "ENCRYPT", "STATE")] + [
         (lk.name, f"{lk.rtt_ms:g}", f"{lk.gbps:g}", lk.transport, "yes" if lk.encrypt else "no",
-         "up" if lk.up else "DOWN") for lk in resp.links])
+         "up" if lk.up else f"DOWN ({lk.down_reason})") for lk in resp.links])
     return 0
 
 

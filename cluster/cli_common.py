@@ -26,6 +26,13 @@ VOCAB_RANGE = (100, 10000)
 """Token ids of replayed prompts: inside any real vocabulary, clear of special tokens."""
 
 
+def client_metadata() -> tuple:
+    """gRPC metadata with the client (tenant) token from $KVRELAY_API_KEY, for
+    routers whose config lists auth.clients; empty when it is not set."""
+    token = os.environ.get("KVRELAY_API_KEY", "")
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
 def grpc_error(exc) -> int:
     print(f"kvrelay: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
     return 1
@@ -60,14 +67,13 @@ def replay_config(args: argparse.Namespace):
                         progress=not args.no_progress)
 
 
-def run_replay(args: argparse.Namespace, reqs, address: str, cluster) -> int:
-    """Replays ``reqs`` against the router at ``address``; writes and prints the report."""
-    import asyncio
-    import datetime
-
+def replay_prompts(args: argparse.Namespace, reqs, address: str) -> tuple[list, dict] | int:
+    """The prompts to replay, their lengths checked against the model the
+    router at ``address`` serves, and the report's metadata; an exit code
+    (after saying why) when they cannot be replayed."""
     import grpc
 
-    from benchmarks.replay import build_report, check_lengths, replay, trace_slice, write_report
+    from benchmarks.replay import check_lengths
     from benchmarks.traces import build_prompts
     from kvrelay.v1 import inference_pb2 as ipb
     from kvrelay.v1 import inference_pb2_grpc as igrpc
@@ -78,7 +84,8 @@ def run_replay(args: argparse.Namespace, reqs, address: str, cluster) -> int:
         except grpc.RpcError as exc:
             return grpc_error(exc)
     scale = args.length_scale or 1.0
-    too_long = check_lengths(reqs, scale, model.context_window)
+    out_scale = getattr(args, "output_scale", None)
+    too_long = check_lengths(reqs, scale, model.context_window, out_scale)
     if too_long and args.length_scale is None:
         worst = max(r.input_tokens + r.output_tokens for r in reqs)
         print(f"kvrelay: {len(too_long)} of {len(reqs)} requests exceed {model.name}'s context window of "
@@ -87,21 +94,41 @@ def run_replay(args: argparse.Namespace, reqs, address: str, cluster) -> int:
         return 2
     reason = ""
     if args.length_scale is not None:
-        reason = f"--length-scale {scale:g} given"
+        reason = f"--length-scale {scale:g} given" + (f", outputs {out_scale:g}" if out_scale is not None else "")
         if too_long:
             reason += f"; {len(too_long)} request(s) still exceed the context window and are sent anyway " \
                       "(they fail and are reported)"
-    prompts = build_prompts(reqs, scale, VOCAB_RANGE, seed=args.seed)
-    rcfg = replay_config(args)
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    records, samples = asyncio.run(replay(address, prompts, rcfg))
     meta = {"trace": str(args.trace), "format": args.format or "auto", "limit": args.limit,
-            "speedup": args.speedup, "length_scale": scale, "scale_reason": reason, "seed": args.seed,
-            "model": model.name, "context_window": model.context_window, "router": address,
-            "policy": cluster.cfg.router.policy if cluster is not None else "?", "started": started,
+            "speedup": args.speedup, "length_scale": scale, "output_scale": out_scale, "scale_reason": reason,
+            "seed": args.seed, "model": model.name, "context_window": model.context_window}
+    return build_prompts(reqs, scale, VOCAB_RANGE, seed=args.seed, out_scale=out_scale), meta
+
+
+def run_meta(reqs, address: str, cluster) -> dict:
+    """The report's metadata about one run: where it ran, on what."""
+    import datetime
+
+    from benchmarks.replay import trace_slice
+
+    return {"router": address, "policy": cluster.cfg.router.policy if cluster is not None else "?",
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "wan_emulation": cluster is not None and cluster.cities is not None,
-            "config": cluster.cfg.to_dict() if cluster is not None else None,
-            "trace_slice": trace_slice(reqs)}
+            "config": cluster.cfg.to_dict() if cluster is not None else None, "trace_slice": trace_slice(reqs)}
+
+
+def run_replay(args: argparse.Namespace, reqs, address: str, cluster) -> int:
+    """Replays ``reqs`` against the router at ``address``; writes and prints the report."""
+    import asyncio
+
+    from benchmarks.replay import build_report, replay, write_report
+
+    got = replay_prompts(args, reqs, address)
+    if isinstance(got, int):
+        return got
+    prompts, meta = got
+    rcfg = replay_config(args)
+    meta |= run_meta(reqs, address, cluster)
+    records, samples = asyncio.run(replay(address, prompts, rcfg))
     report = build_report(records, samples, rcfg, meta)
     write_report(report, Path(args.out))
     print((Path(args.out) / "report.md").read_text())

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from cluster.cli_common import grpc_error, table
+from cluster.cli_common import client_metadata, grpc_error, table
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs")
 STATES = {0: "?", 1: "queued", 2: "running", 3: "done", 4: "cancelled"}
@@ -84,7 +84,7 @@ def _call(args: argparse.Namespace, method: str, request, timeout_s: float = 30.
     ch, stub = _stub(args)
     with ch:
         try:
-            return getattr(stub, method)(request, timeout=timeout_s)
+            return getattr(stub, method)(request, timeout=timeout_s, metadata=client_metadata())
         except grpc.RpcError as exc:
             grpc_error(exc)
             return None
@@ -144,7 +144,8 @@ def cmd_job_results(args: argparse.Namespace) -> int:
     ch, stub = _stub(args)
     try:
         with ch:
-            for r in stub.JobResults(jpb.JobResultsRequest(id=args.id, follow=args.follow), timeout=args.timeout):
+            for r in stub.JobResults(jpb.JobResultsRequest(id=args.id, follow=args.follow), timeout=args.timeout,
+                                     metadata=client_metadata()):
                 out.write(json.dumps(json_format.MessageToDict(r, preserving_proto_field_name=True,
                                                                always_print_fields_with_no_presence=True)) + "\n")
                 out.flush()

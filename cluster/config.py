@@ -9,6 +9,7 @@ Example::
     router:
       host: 127.0.0.1
       port: 50051           # 0 = any free port
+      http_port: 8000       # OpenAI-compatible HTTP API; null = off
       policy: cost_model    # round_robin | least_loaded | prefix_aware | cost_model
     sites:
       - name: toronto
@@ -58,10 +59,17 @@ class RouterSection:
     """Address the router's gRPC server binds."""
     port: int = 50051
     """Port of the gRPC server; 0 picks a free one."""
+    http_port: int | None = 8000
+    """Port of the OpenAI-compatible HTTP API (same host); 0 picks a free one;
+    null turns it off."""
     heartbeat_interval_s: float = 1.0
     """How often workers report load."""
     worker_timeout_s: float = 5.0
     """A worker silent this long is unhealthy and gets no requests."""
+    link_probe_timeout_s: float = 1.0
+    """Each heartbeat, every worker TCP-connects to a worker in each site linked
+    to its own; a connect slower than this marks the link down (placement stops
+    using it and transfers on it are re-placed) until a probe succeeds again."""
     kv_lease_s: float = 30.0
     """A decode worker frees a reservation whose KV has not arrived by then."""
     policy: str = "cost_model"
@@ -73,6 +81,10 @@ class RouterSection:
     """A request that finds every eligible decode worker full waits at the router
     for room up to this long (never past its own deadline), then gets
     RESOURCE_EXHAUSTED with a retry hint."""
+    unavailable_wait_s: float = 10.0
+    """A request that finds no healthy decode worker it may use (workers
+    restarting, or a router that just restarted and awaits their heartbeats)
+    waits for one up to this long (never past its deadline), then gets UNAVAILABLE."""
     colocate_below_tokens: int = 32
     """Prompts shorter than this are prefilled by their decode worker."""
     default_prefill_tokens_per_s: float = 1000.0
@@ -158,6 +170,10 @@ class KVSection:
     """A prefill worker gives up on (and frees the blocks of) a transfer not acknowledged by then."""
     encrypt: bool = False
     """Encrypt KV payloads on the wire (AES-256-GCM); receivers then refuse plaintext senders."""
+    corrupt_first_transfers: int = 0
+    """Fault injection (tests, chaos runs; never in service): each prefill worker
+    flips one byte of the first N KV transfers it sends over TCP, after
+    checksumming, so that receivers must detect and refuse them."""
 
 
 @dataclass(slots=True)
@@ -175,6 +191,10 @@ class AuthSection:
     """Who may call the Admin API (kvrelay scale / drain / pools). Empty:
     `kvrelay serve` makes a token for this run and writes it to a file only
     its user can read."""
+    clients: list[Credential] = field(default_factory=list)
+    """Who may call the Inference and Jobs APIs (gRPC and HTTP), one entry per
+    tenant (``name``); each tenant's prompts get their own prefix-cache domain.
+    Empty: no client authentication (a trusted network)."""
 
 
 @dataclass(slots=True)
@@ -269,13 +289,19 @@ def _validate(cfg: ClusterConfig) -> None:
     if not 0 <= cfg.router.port <= 65535:
         raise ConfigError(f"router.port: must be in [0, 65535], got {cfg.router.port}")
     for name in ("heartbeat_interval_s", "worker_timeout_s", "kv_lease_s", "drain_timeout_s", "slo_ttft_s",
-                 "slo_tpot_s", "planner_window_s", "admission_wait_s"):
+                 "slo_tpot_s", "planner_window_s", "admission_wait_s", "link_probe_timeout_s",
+                 "unavailable_wait_s"):
         if getattr(cfg.router, name) <= 0:
             raise ConfigError(f"router.{name}: must be positive")
+    if cfg.router.link_probe_timeout_s > cfg.router.worker_timeout_s / 2:
+        raise ConfigError(f"router.link_probe_timeout_s: must be at most half of worker_timeout_s "
+                          f"({cfg.router.worker_timeout_s / 2:g}): a heartbeat waits for the probes")
     if cfg.kv.transport not in ("auto", "tcp", "nixl", "local"):
         raise ConfigError(f"kv.transport: must be auto, tcp, nixl or local, got {cfg.kv.transport!r}")
     if not 1 <= cfg.kv.streams <= 64:
         raise ConfigError(f"kv.streams: must be in [1, 64], got {cfg.kv.streams}")
+    if cfg.kv.corrupt_first_transfers < 0:
+        raise ConfigError("kv.corrupt_first_transfers: must be >= 0")
     if cfg.kv.transfer_timeout_s <= 0:
         raise ConfigError("kv.transfer_timeout_s: must be positive")
     seen = set()
@@ -313,14 +339,17 @@ def _validate(cfg: ClusterConfig) -> None:
         raise ConfigError("router.default_prefill_tokens_per_s: must be positive")
     if not 0 <= r.herd_tolerance <= 1:
         raise ConfigError("router.herd_tolerance: must be in [0, 1]")
-    names = set()
-    for i, cred in enumerate(cfg.auth.operators):
-        if not re.fullmatch(r"[0-9a-f]{64}", cred.token_sha256):
-            raise ConfigError(f"auth.operators[{i}].token_sha256: must be 64 lowercase hex digits "
-                              "(the SHA-256 of the token; `kvrelay token` prints one)")
-        if not cred.name or cred.name in names:
-            raise ConfigError(f"auth.operators[{i}].name: must be non-empty and unique, got {cred.name!r}")
-        names.add(cred.name)
+    if r.http_port is not None and not 0 <= r.http_port <= 65535:
+        raise ConfigError(f"router.http_port: must be in [0, 65535] or null, got {r.http_port}")
+    for kind in ("operators", "clients"):
+        names = set()
+        for i, cred in enumerate(getattr(cfg.auth, kind)):
+            if not re.fullmatch(r"[0-9a-f]{64}", cred.token_sha256):
+                raise ConfigError(f"auth.{kind}[{i}].token_sha256: must be 64 lowercase hex digits "
+                                  "(the SHA-256 of the token; `kvrelay token` prints one)")
+            if not cred.name or cred.name in names:
+                raise ConfigError(f"auth.{kind}[{i}].name: must be non-empty and unique, got {cred.name!r}")
+            names.add(cred.name)
     _check_link(cfg.local_link, "local_link")
     if cfg.local_link.between:
         raise ConfigError("local_link.between: must be empty (it is the network inside every site)")

@@ -106,6 +106,8 @@ class LocalCluster:
             mismatch = cities.matches(cfg)
             if mismatch:
                 raise ValueError(f"the emulated cities do not fit this config: {mismatch}")
+        if cfg.router.port == 0 and cfg.router.http_port is not None:
+            cfg.router.http_port = 0  # any free port for gRPC: the same for HTTP (tests, benchmarks)
         self.cfg = cfg
         self.cities = cities
         self.backend = backend or LocalBackend(cities)
@@ -116,6 +118,8 @@ class LocalCluster:
         self.left: list[Child] = []
         """Workers that exited (drained, or died); kept for status and tests."""
         self.router_address = ""
+        self.http_address = ""
+        """host:port of the router's OpenAI-compatible HTTP API ("" when turned off)."""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-")
         self.config_path = Path(self._tmp.name) / "cluster.yaml"
         if cfg.router.jobs_db is None:  # durable across router restarts, for this cluster's life
@@ -191,6 +195,8 @@ class LocalCluster:
         old.proc.wait(30)
         old.proc.stdout.close()
         self.cfg.router.port = int(self.router_address.rpartition(":")[2])
+        if self.http_address:
+            self.cfg.router.http_port = int(self.http_address.rpartition(":")[2])
         dump_config(self.cfg, self.config_path)
         self._start_router(time.monotonic() + timeout_s)
 
@@ -202,7 +208,10 @@ class LocalCluster:
             if ready:
                 line = proc.stdout.readline()
                 if line.startswith("READY "):
-                    return line.split()[1]
+                    fields = line.split()
+                    http = [f[len("http="):] for f in fields[2:] if f.startswith("http=")]
+                    self.http_address = http[0] if http else ""
+                    return fields[1]
         raise TimeoutError("router did not become ready in time")
 
     def _await_workers(self, expected: int, deadline: float) -> None:

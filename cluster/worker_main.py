@@ -55,7 +55,8 @@ async def run(role: str, args: argparse.Namespace) -> None:
     cfg = load_config(args.config)
     transport = choose_transport(cfg.kv.transport)
     tcp_cfg = TcpConfig(secret=read_secret(cfg.kv.secret_file), streams=cfg.kv.streams,
-                        socket_buffer_bytes=cfg.kv.socket_buffer_bytes, encrypt=cfg.kv.encrypt)
+                        socket_buffer_bytes=cfg.kv.socket_buffer_bytes, encrypt=cfg.kv.encrypt,
+                        stall_timeout_s=cfg.kv.transfer_timeout_s, corrupt_first=cfg.kv.corrupt_first_transfers)
     role_enum = wpb.ROLE_PREFILL if role == "prefill" else wpb.ROLE_DECODE
     ident = WorkerIdentity(f"{args.site}/{role}/{args.index}", role_enum, args.site)
     shm = shm_path_for(ident.worker_id, os.getpid()) if transport == "local" and role == "prefill" else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -61,6 +62,25 @@ def worker_load(ident: WorkerIdentity, engine: LLMEngine, kv_in: int = 0, kv_out
         decode_step_ms=st.decode_step_s * 1e3)
 
 
+async def probe_site(target: wpb.ProbeTarget, timeout_s: float) -> wpb.LinkReport:
+    """Can this host reach ``target``? A TCP connect: accepted or refused
+    (the host answered), the path works; no answer in time, or no route, it
+    does not."""
+    host, _, port = target.address.rpartition(":")
+    t0 = time.perf_counter()
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
+        writer.close()
+    except ConnectionRefusedError:
+        pass
+    except asyncio.TimeoutError:
+        return wpb.LinkReport(site=target.site, reachable=False,
+                              error=f"no answer from {target.address} within {timeout_s:g} s")
+    except (OSError, ValueError) as exc:
+        return wpb.LinkReport(site=target.site, reachable=False, error=f"{target.address}: {exc}")
+    return wpb.LinkReport(site=target.site, reachable=True, connect_ms=(time.perf_counter() - t0) * 1e3)
+
+
 async def kv_events(aengine: AsyncEngine, snapshot: bool) -> wpb.KVCacheEvents:
     """The engine's prefix-cache changes (or a full snapshot) for a heartbeat."""
     ev = await aengine.call(aengine.engine.drain_kv_events, snapshot)
@@ -79,6 +99,9 @@ class _Heartbeats:
         self.draining = False
         self.pending: asyncio.Future | None = None
         """Prefix-cache events being fetched from the engine thread."""
+        self.probes: list[wpb.ProbeTarget] = []
+        """Workers in linked sites the router asked us to probe (link-down detection)."""
+        self.probe_timeout_s = 1.0
 
     async def _events(self, req: wpb.HeartbeatRequest) -> None:
         # the events come from the engine thread, which may be inside a long step:
@@ -99,10 +122,13 @@ class _Heartbeats:
             self.registered, self.snapshot = True, True
             log.info("registered %s with the router", self.info.worker_id)
         req = wpb.HeartbeatRequest(load=self.load_fn())
+        reports = asyncio.gather(*(probe_site(t, self.probe_timeout_s) for t in self.probes))
         if self.events_fn is not None:
-            await self._events(req)
+            await self._events(req)  # while the probes run
+        req.links.extend(await reports)
         hb = await self.stub.Heartbeat(req, timeout=5.0)
         self.registered, self.snapshot = hb.known, hb.send_snapshot
+        self.probes, self.probe_timeout_s = list(hb.probes), hb.probe_timeout_s or self.probe_timeout_s
         if hb.drain and not self.draining:
             self.draining = True
             log.info("%s is draining: no new requests; leaving once the current ones are done", self.info.worker_id)

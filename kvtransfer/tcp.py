@@ -54,6 +54,14 @@ class TcpConfig:
     KV (its cache must have an shm_path); they copy from it, so only frame
     headers cross the socket."""
 
+    stall_timeout_s: float = 30.0
+    """Sender: the kernel drops a connection whose sent bytes stay unacknowledged
+    this long (TCP_USER_TIMEOUT: a frozen receiver, a link that went down), so
+    its transfers fail and a new connection replaces it, instead of blocking."""
+    corrupt_first: int = 0
+    """Fault injection: the first N transfers of a sender carry one flipped
+    byte (plaintext payloads) or checksum (shared memory) the receiver must catch."""
+
     def __post_init__(self) -> None:
         if not 1 <= self.streams <= 64:
             raise ValueError(f"streams must be in [1, 64], got {self.streams}")
@@ -425,6 +433,7 @@ class _Stream:
         host, _, port = self.pool.endpoint.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=cfg.connect_timeout_s)
         tune_socket(sock, cfg.socket_buffer_bytes)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(cfg.stall_timeout_s * 1e3)))
         self.shared, self.cipher = client_handshake(sock, cfg.secret, self.pool.layout_hash, self.pool.offer(),
                                                     cfg.encrypt, cfg.socket_buffer_bytes)
         sock.settimeout(None)
@@ -506,6 +515,9 @@ class _Stream:
                 self._broken(f"handshake with {self.pool.endpoint} failed: {exc}")
             except OSError as exc:
                 self._broken(f"connection to {self.pool.endpoint} failed: {exc}")
+            except Exception as exc:  # a bug: fail these transfers now rather than leave them to their leases
+                log.exception("KV send thread for %s failed", self.pool.endpoint)
+                self._broken(f"sender error: {exc!r}")
             finally:
                 h.leave()
                 self._sent(nbytes)
@@ -521,6 +533,14 @@ class _Stream:
             if crcs is None:  # encryption was configured, but the receiver pulls
                 crcs = _block_crcs(views, self.pool.mem.block_bytes)
             wire_bytes = 0 if self.shared else nbytes
+            if h.corrupt:  # fault injection: what arrives no longer matches its checksums
+                h.corrupt = False
+                if self.shared:
+                    crcs = [crcs[0] ^ 1, *crcs[1:]]
+                else:
+                    flipped = bytearray(views[0])
+                    flipped[0] ^= 0xFF
+                    views = [memoryview(flipped), *views[1:]]
         send_frame(self.sock, pb.KVFrame(blocks=pb.KVBlocks(
             transfer_id=h.transfer_id, layer=layer, num_layers=num_layers, first=first, count=len(src),
             payload_bytes=wire_bytes, crc32c=crcs, src_blocks=src if self.shared else [])))
@@ -597,6 +617,8 @@ class _TcpSendHandle(SendHandle):
         self._busy = threading.Condition()
         self._readers = 0
         self._stream: _Stream | None = None
+        self.corrupt = False
+        """Fault injection: flip a byte of this transfer's first frame."""
         self.advance(TransferState.WAITING)
 
     def add_bytes(self, n: int) -> None:
@@ -647,6 +669,7 @@ class TcpKVSender(KVSender):
         self.cfg = cfg or TcpConfig()
         self._pools: dict[str, _PeerPool] = {}
         self._lock = threading.Lock()
+        self._corrupt_left = self.cfg.corrupt_first
 
     def open(self, target: TransferTarget) -> SendHandle:
         """Starts a transfer. Connections are pooled per receiver and per link
@@ -663,6 +686,11 @@ class TcpKVSender(KVSender):
             if pool is None:
                 pool = self._pools[key] = _PeerPool(target.endpoint, self.cache, cfg, self.nixl)
         h = _TcpSendHandle(pool, target)
+        with self._lock:
+            if self._corrupt_left > 0:
+                self._corrupt_left -= 1
+                h.corrupt = True
+                log.warning("fault injection: corrupting transfer %s", target.transfer_id)
         if target.layout_hash != pool.layout_hash:
             h.fail("KV layout of the target differs from this sender's")
             return h

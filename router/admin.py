@@ -17,7 +17,7 @@ import time
 
 import grpc
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, Credential
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import worker_pb2 as wpb
@@ -33,14 +33,20 @@ def token_sha256(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class OperatorAuth:
-    """Checks ``authorization: Bearer <token>`` against the configured hashes."""
+class BearerAuth:
+    """Checks ``authorization: Bearer <token>`` against configured credentials
+    (``auth.operators`` for the Admin API, ``auth.clients`` for tenants)."""
 
-    def __init__(self, cfg: ClusterConfig) -> None:
-        self.hashes = [(c.token_sha256, c.name) for c in cfg.auth.operators]
+    def __init__(self, credentials: list[Credential]) -> None:
+        self.hashes = [(c.token_sha256, c.name) for c in credentials]
 
-    def operator(self, metadata) -> str | None:
-        """The operator's name, or None when the credentials are missing or wrong."""
+    @property
+    def required(self) -> bool:
+        """Credentials are configured, so callers must present one."""
+        return bool(self.hashes)
+
+    def who(self, metadata) -> str | None:
+        """The credential's name, or None when it is missing or wrong."""
         value = dict(metadata or ()).get("authorization", "")
         if not value.startswith("Bearer "):
             return None
@@ -153,11 +159,11 @@ class PoolManager:
 
 class AdminService(agrpc.AdminServicer):
     def __init__(self, cfg: ClusterConfig, pools: PoolManager) -> None:
-        self.auth = OperatorAuth(cfg)
+        self.auth = BearerAuth(cfg.auth.operators)
         self.pools = pools
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> str:
-        who = self.auth.operator(context.invocation_metadata())
+        who = self.auth.who(context.invocation_metadata())
         if who is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "operator credentials required: metadata 'authorization: Bearer <token>' with a "

@@ -47,6 +47,10 @@ class InternalContext:
 
     batch = True
 
+    def __init__(self, tenant: str = "") -> None:
+        self.tenant = tenant
+        """The job's owner: its requests run as that tenant."""
+
     def time_remaining(self):
         return None
 
@@ -100,6 +104,7 @@ class JobService(jgrpc.JobsServicer):
 
     # -- API -------------------------------------------------------------------
     async def SubmitJob(self, request: jpb.SubmitJobRequest, context) -> jpb.Job:
+        owner = await self.router.tenant(context)
         if not request.requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a job needs at least one request")
         if len(request.requests) > MAX_JOB_REQUESTS:
@@ -110,14 +115,17 @@ class JobService(jgrpc.JobsServicer):
                 build_work_request(r, self.router.tok, self.router.limits)
             except RequestError as exc:
                 await context.abort(exc.code, f"requests[{i}]: {exc.message}")
-        row = await self._db(self.store.submit, request.name, [r.SerializeToString() for r in request.requests])
+        row = await self._db(self.store.submit, request.name, [r.SerializeToString() for r in request.requests],
+                             owner)
         log.info("job %s (%s): %d requests", row.id, request.name or "unnamed", row.total)
         self._wake.set()
         return _job_proto(row)
 
     async def _row(self, job_id: str, context) -> JobRow:
+        """The caller's job (another tenant's is as unknown as a missing one)."""
+        owner = await self.router.tenant(context)
         row = await self._db(self.store.get, job_id)
-        if row is None:
+        if row is None or row.owner != owner:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
         return row
 
@@ -125,7 +133,8 @@ class JobService(jgrpc.JobsServicer):
         return _job_proto(await self._row(request.id, context))
 
     async def ListJobs(self, request, context) -> jpb.ListJobsResponse:
-        return jpb.ListJobsResponse(jobs=[_job_proto(r) for r in await self._db(self.store.list)])
+        owner = await self.router.tenant(context)
+        return jpb.ListJobsResponse(jobs=[_job_proto(r) for r in await self._db(self.store.list, owner)])
 
     async def CancelJob(self, request: jpb.CancelJobRequest, context) -> jpb.Job:
         await self._row(request.id, context)
@@ -159,18 +168,18 @@ class JobService(jgrpc.JobsServicer):
             if loop.time() < self._paused_until or not self.router.registry.candidates(ROLE_DECODE):
                 continue  # nothing can serve now (e.g. a router that just restarted)
             room = self.concurrency - len(self.inflight)
-            for job, idx, blob in await self._db(self.store.claim, room):
-                task = asyncio.create_task(self._one(job, idx, ipb.GenerateRequest.FromString(blob)))
+            for job, idx, blob, owner in await self._db(self.store.claim, room):
+                task = asyncio.create_task(self._one(job, idx, ipb.GenerateRequest.FromString(blob), owner))
                 self.inflight.add(task)
                 task.add_done_callback(self.inflight.discard)
 
-    async def _one(self, job: str, idx: int, req: ipb.GenerateRequest) -> None:
+    async def _one(self, job: str, idx: int, req: ipb.GenerateRequest, owner: str) -> None:
         if not req.request_id:
             req.request_id = f"{job}-{idx}"
         result = jpb.JobResult(index=idx, request_id=req.request_id)
         ok = True
         try:
-            async for msg in self.router.Generate(req, InternalContext()):
+            async for msg in self.router.Generate(req, InternalContext(owner)):
                 result.token_ids.extend(msg.token_ids)
                 result.text += msg.text
                 if msg.HasField("finish"):

@@ -29,6 +29,8 @@ CREATE TABLE IF NOT EXISTS items (
     status INTEGER NOT NULL, result BLOB, PRIMARY KEY (job, idx));
 CREATE INDEX IF NOT EXISTS items_by_status ON items (status, job, idx);
 """
+_OWNER = "ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT ''"
+"""The tenant that submitted a job (databases made before tenants get it empty)."""
 
 
 @dataclass(slots=True)
@@ -41,6 +43,8 @@ class JobRow:
     failed: int
     created: float
     finished: float
+    owner: str = ""
+    """Tenant that submitted it ("" without client authentication)."""
 
 
 class JobStore:
@@ -52,6 +56,8 @@ class JobStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(_SCHEMA)
+        if "owner" not in {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}:
+            self.db.execute(_OWNER)
 
     def close(self) -> None:
         self.db.close()
@@ -61,29 +67,34 @@ class JobStore:
         with self.db:
             return self.db.execute("UPDATE items SET status=? WHERE status=?", (PENDING, RUNNING)).rowcount
 
-    def submit(self, name: str, requests: list[bytes]) -> JobRow:
+    def submit(self, name: str, requests: list[bytes], owner: str = "") -> JobRow:
         job = uuid.uuid4().hex[:16]
         now = time.time()
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            self.db.execute("INSERT INTO jobs (id, name, state, total, created) VALUES (?, ?, ?, ?, ?)",
-                            (job, name, JOB_QUEUED, len(requests), now))
+            self.db.execute("INSERT INTO jobs (id, name, state, total, created, owner) VALUES (?, ?, ?, ?, ?, ?)",
+                            (job, name, JOB_QUEUED, len(requests), now, owner))
             self.db.executemany("INSERT INTO items (job, idx, request, status) VALUES (?, ?, ?, ?)",
                                 [(job, i, r, PENDING) for i, r in enumerate(requests)])
         return self.get(job)
 
     def get(self, job: str) -> JobRow | None:
-        row = self.db.execute("SELECT id, name, state, total, created, finished FROM jobs WHERE id=?",
+        row = self.db.execute("SELECT id, name, state, total, created, finished, owner FROM jobs WHERE id=?",
                               (job,)).fetchone()
         if row is None:
             return None
         counts = dict(self.db.execute("SELECT status, COUNT(*) FROM items WHERE job=? GROUP BY status",
                                       (job,)).fetchall())
-        return JobRow(row[0], row[1], row[2], row[3], counts.get(DONE, 0), counts.get(FAILED, 0), row[4], row[5])
+        return JobRow(row[0], row[1], row[2], row[3], counts.get(DONE, 0), counts.get(FAILED, 0), row[4], row[5],
+                      row[6])
 
-    def list(self) -> list[JobRow]:
-        ids = [r[0] for r in self.db.execute("SELECT id FROM jobs ORDER BY created").fetchall()]
-        return [self.get(i) for i in ids]
+    def list(self, owner: str | None = None) -> list[JobRow]:
+        """Every job, or only ``owner``'s."""
+        if owner is None:
+            ids = self.db.execute("SELECT id FROM jobs ORDER BY created").fetchall()
+        else:
+            ids = self.db.execute("SELECT id FROM jobs WHERE owner=? ORDER BY created", (owner,)).fetchall()
+        return [self.get(r[0]) for r in ids]
 
     def cancel(self, job: str) -> JobRow | None:
         with self.db:
@@ -93,19 +104,19 @@ class JobStore:
                 self.db.execute("UPDATE items SET status=? WHERE job=? AND status=?", (CANCELLED, job, PENDING))
         return self.get(job)
 
-    def claim(self, n: int) -> list[tuple[str, int, bytes]]:
-        """Up to ``n`` pending requests, oldest job first, now marked running."""
+    def claim(self, n: int) -> list[tuple[str, int, bytes, str]]:
+        """Up to ``n`` pending requests (job, index, request, owner), oldest job first, now marked running."""
         if n <= 0:
             return []
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             rows = self.db.execute(
-                "SELECT i.job, i.idx, i.request FROM items i JOIN jobs j ON j.id = i.job "
+                "SELECT i.job, i.idx, i.request, j.owner FROM items i JOIN jobs j ON j.id = i.job "
                 "WHERE i.status=? AND j.state IN (?, ?) ORDER BY j.created, i.idx LIMIT ?",
                 (PENDING, JOB_QUEUED, JOB_RUNNING, n)).fetchall()
             self.db.executemany("UPDATE items SET status=? WHERE job=? AND idx=?",
-                                [(RUNNING, job, idx) for job, idx, _ in rows])
-            for job in {job for job, _, _ in rows}:
+                                [(RUNNING, job, idx) for job, idx, _, _ in rows])
+            for job in {row[0] for row in rows}:
                 self.db.execute("UPDATE jobs SET state=? WHERE id=? AND state=?", (JOB_RUNNING, job, JOB_QUEUED))
         return rows
 

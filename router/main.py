@@ -1,5 +1,6 @@
 """Entry point of the router process (``python -m router``). Prints
-``READY host:port`` on stdout once serving, for the launcher."""
+``READY host:port [http=host:port]`` on stdout once serving (gRPC, then the
+OpenAI-compatible HTTP API when enabled), for the launcher."""
 
 from __future__ import annotations
 
@@ -42,12 +43,22 @@ async def run(args: argparse.Namespace) -> None:
     if port == 0:
         raise SystemExit(f"router: cannot bind {host}:{cfg.router.port}")
     await server.start()
-    print(f"READY {host}:{port}", flush=True)
+    ready = f"READY {host}:{port}"
+    http = None
+    if cfg.router.http_port is not None:
+        from router.openai_http import OpenAIServer, serve_http
+
+        http, http_task, http_port = await serve_http(OpenAIServer(service).app, host, cfg.router.http_port)
+        ready += f" http={host}:{http_port}"
+    print(ready, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if http is not None:
+        http.should_exit = True
+        await asyncio.wait_for(http_task, 5.0)
     await server.stop(grace=2.0)
     await jobs.stop()
     await service.registry.close()

@@ -53,13 +53,18 @@ class PlacementError(Exception):
       to first token exceeds the deadline (RESOURCE_EXHAUSTED, retry after
       ``retry_after_s``);
     - ``unavailable``: no healthy worker of a needed role (UNAVAILABLE).
+
+    ``absent``: workers that could serve it may come back (restarting, or not
+    yet registered with a router that just restarted), so waiting can help.
     """
 
-    def __init__(self, kind: str, message: str, retry_after_s: float = 0.0, full: bool = False) -> None:
+    def __init__(self, kind: str, message: str, retry_after_s: float = 0.0, full: bool = False,
+                 absent: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.retry_after_s = retry_after_s
+        self.absent = absent
         self.full = full
         """Capacity is momentarily used up (waiting for it can help)."""
 
@@ -185,12 +190,12 @@ def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView
                 decodes.append(w)
     if not decodes:
         if not any_decode:
-            raise PlacementError("unavailable", "no healthy decode worker is registered")
+            raise PlacementError("unavailable", "no healthy decode worker is registered", absent=True)
         if not any_allowed_decode:
             sites = sorted(s for s, j in view.jurisdiction.items() if j in (allowed or ()))
             raise PlacementError("constraint", f"no healthy decode worker in the allowed jurisdictions "
                                                f"{sorted(allowed or ())} (sites there: {sites or 'none'}); "
-                                               "the request is not served elsewhere")
+                                               "the request is not served elsewhere", absent=bool(sites))
         raise PlacementError("capacity", "every eligible decode worker is full", retry_after_s=1.0, full=True)
     return prefills, decodes
 

@@ -34,13 +34,15 @@ MAX_MIGRATIONS = 3
 class Failover(Exception):
     """A worker failed a request in a way another worker may not.
 
-    ``stage`` is "prefill" (prefill worker or transfer) or "decode"."""
+    ``stage`` is "prefill" (prefill worker or transfer) or "decode";
+    ``suspect``: the worker itself may be at fault (not, e.g., a link)."""
 
-    def __init__(self, stage: str, worker_id: str, reason: str) -> None:
+    def __init__(self, stage: str, worker_id: str, reason: str, suspect: bool = True) -> None:
         super().__init__(f"{stage} worker {worker_id}: {reason}")
         self.stage = stage
         self.worker_id = worker_id
         self.reason = reason
+        self.suspect = suspect
 
 
 class Recovery:

@@ -4,8 +4,11 @@ unhealthy), draining, gRPC stubs, and the snapshot placement decides on."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -15,6 +18,8 @@ from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from router.placement import ClusterView, LinkView, WorkerView
 from router.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
 
 ROLE_NAMES = {wpb.ROLE_PREFILL: "prefill", wpb.ROLE_DECODE: "decode"}
 
@@ -42,6 +47,19 @@ def link_name(a: str, b: str) -> str:
     return "local" if a == b else "-".join(sorted((a, b)))
 
 
+@dataclass(slots=True)
+class LinkHealth:
+    """What the workers' probes say about one link between two sites."""
+
+    changed_at: float = 0.0
+    """When it last went down or up (monotonic; 0 = never)."""
+    reason: str = ""
+    """Why it is down: which worker could not reach which site."""
+    down: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the link goes down; a fresh one replaces it when it comes back,
+    so requests moving KV across it can wait on it."""
+
+
 class WorkerRegistry:
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
@@ -55,6 +73,8 @@ class WorkerRegistry:
         ll = cfg.local_link
         self.local_link = LinkView(ll.rtt_ms, ll.gbps, True, "local")
         self._link_cfg = {frozenset(link.between): link for link in cfg.links}
+        self.link_health = {key: LinkHealth() for key in self.links}
+        self._beats = 0
 
     async def register(self, info: wpb.WorkerInfo) -> None:
         old = self.workers.pop(info.worker_id, None)
@@ -88,9 +108,54 @@ class WorkerRegistry:
             rec.synced = True
         if rec.synced:
             self.index.apply(rec.info.worker_id, ev.stored, ev.removed, ev.snapshot)
+        self._link_reports(rec, req.links)
         drained = rec.draining and (rec.inflight == 0 or
                                     rec.last_seen - rec.drain_since > self.cfg.router.drain_timeout_s)
-        return wpb.HeartbeatResponse(known=True, send_snapshot=not rec.synced, drain=rec.draining, drained=drained)
+        return wpb.HeartbeatResponse(known=True, send_snapshot=not rec.synced, drain=rec.draining, drained=drained,
+                                     probes=self.probe_targets(rec),
+                                     probe_timeout_s=self.cfg.router.link_probe_timeout_s)
+
+    def probe_targets(self, rec: WorkerRecord) -> list[wpb.ProbeTarget]:
+        """One healthy worker in each site linked to ``rec``'s, for it to probe
+        before its next heartbeat (rotating, so one bad host cannot pin a link down)."""
+        self._beats += 1
+        site, out = rec.info.site, []
+        spread = zlib.crc32(rec.info.worker_id.encode())
+        for key in self.links:
+            if site not in key:
+                continue
+            (other,) = key - {site}
+            there = sorted((w for w in self.workers.values() if w.info.site == other and self.healthy(w)),
+                           key=lambda w: w.info.worker_id)
+            if there:
+                pick = there[(self._beats + spread) % len(there)]
+                out.append(wpb.ProbeTarget(site=other, address=pick.info.address))
+        return out
+
+    def _link_reports(self, rec: WorkerRecord, reports) -> None:
+        """Marks links down or up from a worker's probe results (the latest report decides)."""
+        for r in reports:
+            key = frozenset((rec.info.site, r.site))
+            lv = self.links.get(key)
+            if lv is None or lv.up == r.reachable:
+                continue
+            health = self.link_health[key]
+            health.changed_at = time.monotonic()
+            lv.up = r.reachable
+            if r.reachable:
+                health.reason = ""
+                health.down = asyncio.Event()
+                log.warning("link %s is up again (%s reached %s in %.1f ms)", lv.name, rec.info.worker_id,
+                            r.site, r.connect_ms)
+            else:
+                health.reason = f"{rec.info.worker_id} could not reach {r.site}: {r.error}"
+                health.down.set()
+                log.warning("link %s is down: %s; placement avoids it", lv.name, health.reason)
+
+    def link_down_event(self, a: str, b: str) -> asyncio.Event | None:
+        """Set if the link between sites ``a`` and ``b`` goes down (None within a site)."""
+        health = self.link_health.get(frozenset((a, b))) if a != b else None
+        return None if health is None else health.down
 
     def suspect(self, worker_id: str) -> None:
         """A call to this worker just failed: unhealthy until its next heartbeat."""

@@ -28,7 +28,7 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from engine.hashing import hash_blocks
 from router.planner import Served
 from router.placement import PlacementError, PlacementRequest, make_policy, place
-from router.admin import AdminService, PoolManager
+from router.admin import AdminService, BearerAuth, PoolManager
 from router.recovery import Failover, Recovery
 from router.registry import ROLE_NAMES, WorkerRecord, WorkerRegistry, link_name
 from router.requests import ModelLimits, RequestError, build_work_request
@@ -42,7 +42,7 @@ PLACEMENT_CODES = {"constraint": grpc.StatusCode.FAILED_PRECONDITION,
 
 
 ADMISSION_BACKOFF_S = (0.05, 1.0)
-"""First and longest pause of a request waiting at the router for a decode worker with room."""
+"""First and longest pause of a request waiting at the router for a decode worker with room, or for one to come back."""
 
 
 class WorkerFull(Exception):
@@ -88,6 +88,23 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         self.waiting_interactive = 0
         """Interactive requests waiting at the router for room (batch jobs hold back meanwhile)."""
         self.policy = make_policy(cfg.router.policy, policy_seed)
+        self.clients = BearerAuth(cfg.auth.clients)
+        """Tenants' credentials (auth.clients); none configured: no client authentication."""
+
+    async def tenant(self, context) -> str:
+        """Who is calling: the tenant of the call's bearer token ("" when no
+        client credentials are configured). Aborts with UNAUTHENTICATED when
+        they are required and missing or wrong. A call the router makes itself
+        (a batch job's request) carries its tenant already."""
+        known = getattr(context, "tenant", None)
+        if known is not None or not self.clients.required:
+            return known or ""
+        who = self.clients.who(context.invocation_metadata())
+        if who is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "client credentials required: 'authorization: Bearer <token>' with a token "
+                                "listed in auth.clients")
+        return who
 
     # -- Registry ------------------------------------------------------------
     async def Register(self, request: wpb.RegisterRequest, context) -> wpb.RegisterResponse:
@@ -116,10 +133,16 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         now = time.monotonic()
         reg = self.registry
         kv = self.cfg.kv
-        links = [wpb.LinkStatus(name=lv.name, rtt_ms=lv.rtt_ms, gbps=lv.gbps, up=lv.up,
-                                transport=link_cfg.transport or kv.transport, encrypt=self._encrypts(link_cfg))
-                 for link_cfg, lv in [(self.cfg.local_link, reg.local_link)]
-                 + [(lc, reg.links[frozenset(lc.between)]) for lc in self.cfg.links]]
+        links = [wpb.LinkStatus(name=reg.local_link.name, rtt_ms=reg.local_link.rtt_ms, gbps=reg.local_link.gbps,
+                                up=True, transport=self.cfg.local_link.transport or kv.transport,
+                                encrypt=self._encrypts(self.cfg.local_link))]
+        for lc in self.cfg.links:
+            key = frozenset(lc.between)
+            lv, health = reg.links[key], reg.link_health[key]
+            links.append(wpb.LinkStatus(
+                name=lv.name, rtt_ms=lv.rtt_ms, gbps=lv.gbps, up=lv.up, transport=lc.transport or kv.transport,
+                encrypt=self._encrypts(lc), down_reason=health.reason,
+                changed_s_ago=now - health.changed_at if health.changed_at else 0.0))
         return wpb.ListWorkersResponse(workers=[
             wpb.WorkerStatus(info=w.info, load=w.load, healthy=reg.healthy(w), last_heartbeat_age_s=now - w.last_seen,
                              draining=w.draining, inflight=w.inflight,
@@ -148,16 +171,18 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                                 frozenset(run.exclude), run.colocated_only)
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
+        tenant = await self.tenant(context)
         if isinstance(request, BadRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-        try:
-            wr, _ = build_work_request(request, self.tok, self.limits)
+        try:  # each tenant's prompts hash into their own prefix-cache domain
+            wr, _ = build_work_request(request, self.tok, self.limits, salt=tenant)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
         client_id = request.request_id or wr.request_id
-        remaining = context.time_remaining()
+        remaining = context.time_remaining() or float("inf")
         loop = asyncio.get_running_loop()
-        wait_until = loop.time() + min(self.cfg.router.admission_wait_s, remaining or float("inf"))
+        full_until = loop.time() + min(self.cfg.router.admission_wait_s, remaining)
+        absent_until = loop.time() + min(self.cfg.router.unavailable_wait_s, remaining)
         backoff = ADMISSION_BACKOFF_S[0]
         run = Recovery(wr)
         attempt, hashes = None, []
@@ -178,7 +203,8 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                     yield run.passed(msg)
                 return
             except Failover as f:
-                self.registry.suspect(f.worker_id)
+                if f.suspect:
+                    self.registry.suspect(f.worker_id)
                 attempt = None
                 why = run.failed(f)
                 log.warning("%s: %s", client_id, why)
@@ -187,8 +213,11 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                 continue
             except (PlacementError, WorkerFull) as exc:
                 full = isinstance(exc, WorkerFull) or (exc.kind == "capacity" and exc.full)
-                if full and loop.time() + backoff < wait_until:
-                    # capacity frees up as running requests finish: wait for it, then place again
+                absent = isinstance(exc, PlacementError) and exc.absent
+                wait_until = full_until if full else absent_until if absent else 0.0
+                if loop.time() + backoff < wait_until:
+                    # capacity frees up as running requests finish, workers come back after a
+                    # restart: wait for that (holding nothing), then place again
                     interactive = not getattr(context, "batch", False)
                     self.waiting_interactive += interactive
                     try:
@@ -230,11 +259,20 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         call = d.stub.Decode(wpb.DecodeRequest(request=wr, colocated=p is None, lease_s=self.cfg.router.kv_lease_s))
         prefill: asyncio.Task | None = None
         read: asyncio.Task | None = None
+        # KV crossing a link between sites: if the link goes down meanwhile, re-place at once
+        # (the transfer would otherwise stall until its timeout)
+        down = self.registry.link_down_event(p.info.site, d.info.site) if p is not None else None
+        link_down = asyncio.ensure_future(down.wait()) if down is not None else None
         try:
             while True:
                 read = read or asyncio.ensure_future(call.read())
+                kv_moving = n_out == 0 and (prefill is None or not prefill.done())
                 waiting = {read} if prefill is None or prefill.done() else {read, prefill}
+                if link_down is not None and kv_moving:
+                    waiting.add(link_down)
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if link_down is not None and link_down.done() and kv_moving and not read.done():
+                    raise Failover("prefill", p.info.worker_id, f"link {placement.link} went down", suspect=False)
                 if prefill is not None and prefill.done() and prefill.exception() is not None and not read.done():
                     exc = prefill.exception()
                     code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
@@ -304,7 +342,7 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
             if p is not None:
                 p.inflight -= 1
             prefiller.pending_prefill_tokens -= pending
-            for t in (read, prefill):
+            for t in (read, prefill, link_down):
                 if t is not None and not t.done():
                     t.cancel()
             call.cancel()

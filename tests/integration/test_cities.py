@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -21,12 +23,16 @@ from cluster.linkprobe import measure_link, measure_rtt
 from engine.sampling_params import SamplingParams
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+from tests.integration.conftest import wait_until, worker_stats
 
 RTT_MS, GBPS = 20.0, 0.5
 PREFIX, SUBNET = "kvtc", "10.216.0.0/16"
 
 CONFIG = {
-    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0, "heartbeat_interval_s": 0.25},
+    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0, "heartbeat_interval_s": 0.25,
+               "link_probe_timeout_s": 0.5},
     "sites": [{"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 0}},
               {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0}, "decode": {"replicas": 1}}],
     "links": [{"between": ["toronto", "montreal"], "rtt_ms": RTT_MS, "gbps": GBPS, "transport": "tcp"}],
@@ -120,6 +126,66 @@ def test_cluster_across_the_emulated_link(emulated, smollm_path, reference_engin
         want = reference_engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
         assert tokens == want
     finally:
+        lc.stop()
+
+
+def _link(lc: LocalCluster) -> wpb.LinkStatus:
+    with grpc.insecure_channel(lc.router_address) as ch:
+        links = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10).links
+    return next(lk for lk in links if lk.name == "montreal-toronto")
+
+
+def _generate(lc: LocalCluster, prompt: list[int], max_tokens: int) -> list[ipb.GenerateResponse]:
+    with grpc.insecure_channel(lc.router_address) as ch:
+        return list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
+            token_ids=ipb.TokenIds(ids=prompt), max_tokens=max_tokens, ignore_eos=True), timeout=120))
+
+
+@needs_root
+@pytest.mark.model
+def test_link_cut_is_detected_within_a_heartbeat_and_avoided(emulated, smollm_path, reference_engine):
+    """Cutting the only link while a prompt's KV crosses it: the workers' probes
+    report it down, the router re-places the request at once (the decode worker
+    computes the prompt itself; the output is unchanged), new requests avoid the
+    link while it is down and use it again once it is restored."""
+    st, state_dir = emulated
+    hb, probe = CONFIG["router"]["heartbeat_interval_s"], CONFIG["router"]["link_probe_timeout_s"]
+    prompt = list(range(2000, 3500))  # 1,500 tokens: ~70 MiB of KV, seconds on a 0.5 Gbit/s link
+    want = reference_engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    lc = LocalCluster(parse_config(CONFIG), smollm_path, cities=st)
+    lc.start()
+    cut = False
+    try:
+        assert _link(lc).up
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(msgs=_generate(lc, prompt, 6)))
+        t.start()
+        assert wait_until(lambda: worker_stats(lc, "montreal/decode/0").kv_bytes_received > 0, 60, 0.05)
+        cities.link_signal(state_dir, "toronto", "montreal", cut=True)
+        cut, t_cut = True, time.monotonic()
+        assert wait_until(lambda: not _link(lc).up, 10, 0.05)
+        detected_s = time.monotonic() - t_cut
+        # one heartbeat interval until the next probe starts, plus its timeout (and polling slack)
+        assert detected_s <= hb + probe + 0.5, detected_s
+        down = _link(lc)
+        assert "could not reach" in down.down_reason and "no answer" in down.down_reason
+        t.join(120)
+        fin = out["msgs"][-1].finish
+        assert [tok for m in out["msgs"] for tok in m.token_ids] == want
+        assert fin.placement.retries == 1 and fin.placement.colocated
+        assert fin.placement.decode_site == "montreal"
+
+        while_down = _generate(lc, list(range(3000, 3600)), 4)[-1].finish.placement
+        assert while_down.colocated and while_down.retries == 0
+
+        cities.link_signal(state_dir, "toronto", "montreal", cut=False)
+        cut = False
+        assert wait_until(lambda: _link(lc).up, 10, 0.05)
+        again = _generate(lc, list(range(4000, 4600)), 4)[-1].finish.placement
+        assert (again.prefill_site, again.decode_site, again.retries) == ("toronto", "montreal", 0)
+    finally:
+        if cut:
+            cities.link_signal(state_dir, "toronto", "montreal", cut=False)
         lc.stop()
 
 

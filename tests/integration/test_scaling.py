@@ -215,15 +215,15 @@ def test_plan_recommends_within_limits_and_applies(small, capsys, tmp_path):
 
 
 def test_launcher_keeps_reconciling_with_configured_operators(tmp_path):
-    from router.admin import OperatorAuth, token_sha256
+    from router.admin import BearerAuth, token_sha256
 
     raw = dict(CONFIG, auth={"operators": [{"name": "noc", "token_sha256": token_sha256("noc-token")}]})
     lc = LocalCluster(parse_config(raw), tmp_path)
     try:
-        auth = OperatorAuth(lc.cfg)
+        auth = BearerAuth(lc.cfg.auth.operators)
         assert lc.operator_token == ""  # the operators' own tokens are the only ones handed out
-        assert auth.operator((("authorization", "Bearer noc-token"),)) == "noc"
-        assert auth.operator((("authorization", f"Bearer {lc._launcher_token}"),)) == "kvrelay-launcher"
-        assert auth.operator((("authorization", "Bearer guess"),)) is None
+        assert auth.who((("authorization", "Bearer noc-token"),)) == "noc"
+        assert auth.who((("authorization", f"Bearer {lc._launcher_token}"),)) == "kvrelay-launcher"
+        assert auth.who((("authorization", "Bearer guess"),)) is None
     finally:
         lc._tmp.cleanup()

@@ -1,6 +1,8 @@
-"""A worker killed while KV is moving: the surviving side frees its blocks
-promptly (checked from its own counters) and keeps serving; the router
-recovers the request where another worker can take it."""
+"""Faults while KV is moving, on real processes: a worker killed or frozen,
+a corrupted transfer, a client that cancels or runs out of time. The
+surviving side frees its blocks promptly (checked from its own counters)
+and keeps serving; the router recovers the request where another worker can
+take it."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from cluster.config import parse_config
 from cluster.launch_local import LocalCluster
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-from tests.integration.conftest import CLUSTER_YAML, wait_until, worker_stats
+from engine.sampling_params import SamplingParams
+from tests.integration.conftest import CLUSTER_YAML, running_cluster, wait_until, worker_stats
 
 pytestmark = pytest.mark.model
 
@@ -27,6 +30,7 @@ def _start(smollm_path) -> LocalCluster:
     raw = copy.deepcopy(CLUSTER_YAML)
     raw["scheduler"] = {"max_num_batched_tokens": 256}  # many prefill chunks: a long transfer window
     raw["router"]["kv_lease_s"] = 60.0
+    raw["router"]["unavailable_wait_s"] = 1.0  # the only decode worker stays dead: do not wait long for it
     lc = LocalCluster(parse_config(raw), smollm_path, reconcile=False)  # killed workers stay dead
     lc.start()
     return lc
@@ -101,3 +105,92 @@ def test_decode_killed_mid_transfer_prefill_frees_blocks(smollm_path):
         assert "decode" in req["details"]
     finally:
         lc.stop()
+
+
+def test_corrupted_transfers_are_refused_retried_then_recomputed(smollm_path, reference_engine):
+    """Each prefill worker flips a byte of its first transfer: the decode worker's
+    checksums catch it and it drops the reservation; the router places the prompt
+    at the other prefill worker (corrupted again), then has the decode worker
+    compute it. The client gets the right tokens; later transfers are clean."""
+    raw = copy.deepcopy(CLUSTER_YAML)
+    raw["sites"][0]["prefill"]["replicas"] = 2
+    raw["kv"] = {"transport": "tcp", "corrupt_first_transfers": 1}
+    raw["router"]["kv_lease_s"] = 60.0  # a transfer that merely stalled would take this long to fail
+    prompt = list(range(500, 900))
+    want = reference_engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    with running_cluster(raw, smollm_path) as lc, grpc.insecure_channel(lc.router_address) as ch:
+        stub = igrpc.InferenceStub(ch)
+
+        def generate() -> tuple[list[int], ipb.Placement]:
+            msgs = list(stub.Generate(ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=prompt), max_tokens=6,
+                                                          ignore_eos=True), timeout=120))
+            return [t for m in msgs for t in m.token_ids], msgs[-1].finish.placement
+
+        t0 = time.monotonic()
+        tokens, pl = generate()
+        assert time.monotonic() - t0 < 30  # refused on arrival (checksums), not timed out
+        assert tokens == want
+        assert pl.retries == 2 and pl.colocated and pl.prefill_worker == "local/decode/0"
+        assert wait_until(lambda: _all_free(lc, "local/decode/0"), 10)
+        for wid in ("local/prefill/0", "local/prefill/1"):
+            assert worker_stats(lc, wid).kv_bytes_sent == 0  # neither corrupted transfer was acknowledged
+        tokens, pl = generate()
+        assert tokens == want
+        assert pl.retries == 0 and not pl.colocated and pl.kv_bytes > 0
+
+
+def test_frozen_decode_worker_prefill_frees_at_its_deadline(smollm_path):
+    """The decode worker stops (SIGSTOP) mid-transfer with its connections open:
+    nothing fails on the wire, so only the prefill worker's own deadline
+    (kv.transfer_timeout_s) frees the blocks it holds for it, in seconds.
+    Resumed, the decode worker drops the abandoned reservation and serves again."""
+    raw = copy.deepcopy(CLUSTER_YAML)
+    raw["scheduler"] = {"max_num_batched_tokens": 256}
+    raw["kv"] = {"transport": "tcp", "transfer_timeout_s": 3.0}
+    with running_cluster(raw, smollm_path, reconcile=False) as lc:
+        req = _send_in_background(lc)
+        assert wait_until(lambda: _mid_transfer(lc), 60, 0.05)
+        decode = next(c for c in lc.children if c.name == "local/decode/0")
+        decode.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            # the rest of the prompt's prefill, then the 3 s deadline, then the send threads stop
+            assert wait_until(lambda: _all_free(lc, "local/prefill/0"), 60, 0.2)
+            freed_s = time.monotonic() - t0
+        finally:
+            decode.proc.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: _all_free(lc, "local/decode/0"), 30)
+        req["thread"].join(120)
+        assert not req["thread"].is_alive()
+        # the router re-placed the prompt after the failed transfer: D computed it, or (D looking
+        # dead by then) the request failed saying so; either way it did not hang or vanish
+        if "msgs" in req:
+            assert req["msgs"][-1].finish.placement.retries == 1
+        else:
+            assert req["error"] == grpc.StatusCode.UNAVAILABLE, req
+        with grpc.insecure_channel(lc.router_address) as ch:
+            msgs = list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
+                prompt="Say hi.", max_tokens=4, ignore_eos=True), timeout=60))
+        assert sum(len(m.token_ids) for m in msgs) == 4
+    assert freed_s < 40, freed_s
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_cancel_or_deadline_mid_transfer_frees_both_sides(smollm_path, how):
+    """A client that goes away (or whose deadline passes) while the prompt is
+    still being prefilled and streamed: both workers stop and free their blocks."""
+    with running_cluster(CLUSTER_YAML | {"scheduler": {"max_num_batched_tokens": 256}}, smollm_path) as lc, \
+            grpc.insecure_channel(lc.router_address) as ch:
+        req = ipb.GenerateRequest(prompt=LONG_PROMPT, raw_prompt=True, max_tokens=8)
+        call = igrpc.InferenceStub(ch).Generate(req, timeout=120 if how == "cancel" else 3.0)
+        if how == "cancel":
+            assert wait_until(lambda: _mid_transfer(lc), 60, 0.05)
+            call.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        want = grpc.StatusCode.CANCELLED if how == "cancel" else grpc.StatusCode.DEADLINE_EXCEEDED
+        assert err.value.code() == want
+        for wid in ("local/prefill/0", "local/decode/0"):
+            assert wait_until(lambda: _all_free(lc, wid), 15), worker_stats(lc, wid)
+        # stopped, not finished in the background: far fewer prompt tokens computed than sent
+        assert worker_stats(lc, "local/prefill/0").prefill_tokens_total < 2000

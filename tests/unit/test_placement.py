@@ -144,6 +144,24 @@ def test_constraint_failure_names_the_jurisdictions():
     assert err.value.kind == "constraint" and "EU" in err.value.message
 
 
+def test_missing_workers_are_worth_waiting_for_only_where_sites_exist():
+    """``absent``: the router waits (router.unavailable_wait_s) for workers that may come back."""
+    policy = make_policy("cost_model", 0)
+    dead = view([w("p", "prefill", "mtl"), w("d", "decode", "mtl", healthy=False)], jur={"mtl": "CA-QC"})
+    for allowed, kind in ((None, "unavailable"), (frozenset({"CA-QC"}), "unavailable")):
+        with pytest.raises(PlacementError) as err:
+            policy.place(PlacementRequest(100, allowed_jurisdictions=allowed), dead)
+        assert (err.value.kind, err.value.absent) == (kind, True)
+    two = view([w("d-on", "decode", "tor"), w("d-qc", "decode", "mtl", healthy=False)],
+               jur={"tor": "CA-ON", "mtl": "CA-QC"})
+    with pytest.raises(PlacementError) as err:  # Montreal's decode worker is down: it may come back
+        policy.place(PlacementRequest(100, allowed_jurisdictions=frozenset({"CA-QC"})), two)
+    assert (err.value.kind, err.value.absent) == ("constraint", True)
+    with pytest.raises(PlacementError) as err:  # no site in the EU at all: nothing to wait for
+        policy.place(PlacementRequest(100, allowed_jurisdictions=frozenset({"EU"})), two)
+    assert (err.value.kind, err.value.absent) == ("constraint", False)
+
+
 def test_prefill_in_a_forbidden_jurisdiction_is_not_used_even_when_cheaper():
     cv = view([w("p-eu", "prefill", "ams", tps=1e6), w("d-qc", "decode", "mtl", running=40)],
               jur={"ams": "EU", "mtl": "CA-QC"}, links={frozenset(("ams", "mtl")): LinkView(80, 100)})

@@ -103,25 +103,51 @@ class RegisterResponse(_message.Message):
     heartbeat_interval_s: float
     def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
+class LinkReport(_message.Message):
+    __slots__ = ("site", "reachable", "connect_ms", "error")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    CONNECT_MS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    reachable: bool
+    connect_ms: float
+    error: str
+    def __init__(self, site: _Optional[str] = ..., reachable: _Optional[bool] = ..., connect_ms: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ProbeTarget(_message.Message):
+    __slots__ = ("site", "address")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    address: str
+    def __init__(self, site: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("load", "kv_events")
+    __slots__ = ("load", "kv_events", "links")
     LOAD_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     load: WorkerLoad
     kv_events: KVCacheEvents
-    def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., kv_events: _Optional[_Union[KVCacheEvents, _Mapping]] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[LinkReport]
+    def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., kv_events: _Optional[_Union[KVCacheEvents, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkReport, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known", "send_snapshot", "drain", "drained")
+    __slots__ = ("known", "send_snapshot", "drain", "drained", "probes", "probe_timeout_s")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     SEND_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
+    PROBE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     known: bool
     send_snapshot: bool
     drain: bool
     drained: bool
-    def __init__(self, known: _Optional[bool] = ..., send_snapshot: _Optional[bool] = ..., drain: _Optional[bool] = ..., drained: _Optional[bool] = ...) -> None: ...
+    probes: _containers.RepeatedCompositeFieldContainer[ProbeTarget]
+    probe_timeout_s: float
+    def __init__(self, known: _Optional[bool] = ..., send_snapshot: _Optional[bool] = ..., drain: _Optional[bool] = ..., drained: _Optional[bool] = ..., probes: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., probe_timeout_s: _Optional[float] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -156,20 +182,24 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., draining: _Optional[bool] = ..., inflight: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class LinkStatus(_message.Message):
-    __slots__ = ("name", "rtt_ms", "gbps", "transport", "encrypt", "up")
+    __slots__ = ("name", "rtt_ms", "gbps", "transport", "encrypt", "up", "down_reason", "changed_s_ago")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
     GBPS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ENCRYPT_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
+    DOWN_REASON_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_S_AGO_FIELD_NUMBER: _ClassVar[int]
     name: str
     rtt_ms: float
     gbps: float
     transport: str
     encrypt: bool
     up: bool
-    def __init__(self, name: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., gbps: _Optional[float] = ..., transport: _Optional[str] = ..., encrypt: _Optional[bool] = ..., up: _Optional[bool] = ...) -> None: ...
+    down_reason: str
+    changed_s_ago: float
+    def __init__(self, name: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., gbps: _Optional[float] = ..., transport: _Optional[str] = ..., encrypt: _Optional[bool] = ..., up: _Optional[bool] = ..., down_reason: _Optional[str] = ..., changed_s_ago: _Optional[float] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers", "links", "policy")

@@ -1,0 +1,40 @@
+"""`kvrelay bench replay --chaos`, bounded for CI: a slice of the Azure
+trace replayed fault-free, then again while workers are killed (and
+replaced by the launcher) and the router is restarted. Nothing is lost and
+every greedy output equals the fault-free run's. (The 300-request run with
+link cuts between emulated cities is in benchmarks/RESULTS.md.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.traces import SAMPLE_AZURE
+from cluster.cli import main
+
+pytestmark = pytest.mark.model
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "chaos.yaml"
+
+
+def test_chaos_replay_loses_nothing_and_changes_no_output(tmp_path, smollm_path, capsys):
+    out = tmp_path / "chaos"
+    rc = main(["bench", "replay", "--config", str(EXAMPLE), "--trace", str(SAMPLE_AZURE), "--limit", "24",
+               "--length-scale", "0.05", "--output-scale", "0.5", "--speedup", "2", "--chaos", "15",
+               "--chaos-seed", "3", "--no-progress", "--out", str(out)])
+    result = json.loads((out / "chaos.json").read_text())
+    assert rc == 0, (out / "chaos.md").read_text()
+    assert result["requests"] == 24 and result["lost"] == [] and result["outputs_differ"] == []
+    assert result["faults"] >= 3, result["fault_log"]
+    assert set(result["faults_by_kind"]) <= {"kill_prefill", "kill_decode", "restart_router"}  # no links here
+    base = json.loads((out / "baseline" / "report.json").read_text())
+    assert all(r["token_ids"] and len(r["token_ids"]) == r["max_tokens"] for r in base["requests"])
+    assert "Chaos replay against the fault-free run" in capsys.readouterr().out
+
+
+def test_chaos_refuses_a_router_of_someone_else(capsys):
+    rc = main(["bench", "replay", "--router", "127.0.0.1:1", "--trace", str(SAMPLE_AZURE), "--limit", "2",
+               "--chaos", "5", "--out", "/tmp/unused"])
+    assert rc == 2 and "--chaos needs" in capsys.readouterr().err
