@@ -24,8 +24,9 @@ def cmd_token(args: argparse.Namespace) -> int:
     from router.admin import token_sha256
 
     token = secrets.token_urlsafe(32)
-    print(f"token (give it to the operator; it is not stored anywhere): {token}")
-    print("config lines:\nauth:\n  operators:\n"
+    who = "tenant" if args.client else "operator"
+    print(f"token (give it to the {who}; it is not stored anywhere): {token}")
+    print(f"config lines:\nauth:\n  {'clients' if args.client else 'operators'}:\n"
           f"    - {{name: {args.name}, token_sha256: {token_sha256(token)}}}")
     return 0
 
@@ -168,6 +169,7 @@ def add_parsers(sub) -> None:
     operator_flags(pl)
     pl.set_defaults(func=cmd_plan)
 
-    tk = sub.add_parser("token", help="make an operator token and print the config line with its hash")
-    tk.add_argument("--name", default="operator", help="who holds it")
+    tk = sub.add_parser("token", help="make an operator (or --client) token and print the config line with its hash")
+    tk.add_argument("--name", default="operator", help="who holds it (with --client: the tenant)")
+    tk.add_argument("--client", action="store_true", help="a client (tenant) token for auth.clients")
     tk.set_defaults(func=cmd_token)

@@ -10,7 +10,8 @@ and OpenAI's error shape (:data:`HTTP_STATUS`).
 Streaming uses server-sent events ending in ``data: [DONE]``; with
 ``stream_options.include_usage`` a last chunk carries ``usage``. kvrelay's
 own fields travel in an extension object ``kvrelay``: in a request,
-``{"allowed_jurisdictions": [...], "request_id": "...", "ignore_eos": bool}``;
+``{"allowed_jurisdictions": [...], "request_id": "...", "ignore_eos": bool}``
+(``ignore_eos`` is also accepted at the top level, as vLLM does);
 in a response (and the last stream chunk), ``{"placement": {...},
 "cached_prompt_tokens": N}``. Standard clients ignore it.
 """
@@ -182,7 +183,9 @@ def _common(body: dict, req: ipb.GenerateRequest) -> tuple[bool, bool]:
                        param="kvrelay.allowed_jurisdictions")
     req.allowed_jurisdictions.extend(allowed)
     req.request_id = _get(ext, "request_id", (str,), "a string", "")
-    req.ignore_eos = _get(ext, "ignore_eos", (bool,), "a boolean", False)
+    # top-level ignore_eos: vLLM's extension, which benchmark clients send to force output lengths
+    req.ignore_eos = _get(ext, "ignore_eos", (bool,), "a boolean", False) or \
+        _get(body, "ignore_eos", (bool,), "a boolean", False)
     return stream, include_usage
 
 
