@@ -287,6 +287,9 @@ class OpenAIServer:
         return await self._generate(request, chat=False)
 
     async def _body(self, request: Request) -> dict:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # refused before reading it
+            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")

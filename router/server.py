@@ -271,6 +271,7 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
                 if link_down is not None and kv_moving:
                     waiting.add(link_down)
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                kv_moving = n_out == 0 and (prefill is None or not prefill.done())  # (again: after the wait)
                 if link_down is not None and link_down.done() and kv_moving and not read.done():
                     raise Failover("prefill", p.info.worker_id, f"link {placement.link} went down", suspect=False)
                 if prefill is not None and prefill.done() and prefill.exception() is not None and not read.done():
