@@ -119,8 +119,7 @@ class Chaos:
     def _kill(self, role: str, rng: random.Random) -> str | None:
         """SIGKILL of a random registered worker of ``role``, among those with
         requests in flight when there are any (so the kill tests recovery)."""
-        with self.cluster._lock:
-            live = [c for c in self.cluster.children if c.role == role and c.seen and c.proc.poll() is None]
+        live = self.cluster.live_workers(role)
         if not live:
             return None
         busy = self._busy()

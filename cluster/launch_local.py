@@ -281,6 +281,11 @@ class LocalCluster:
                 started.append(child.name)
         return started
 
+    def live_workers(self, role: str) -> list[Child]:
+        """Running workers of ``role`` that have registered with the router."""
+        with self._lock:
+            return [c for c in self.children if c.role == role and c.seen and c.proc.poll() is None]
+
     def dead_children(self) -> list[Child]:
         with self._lock:
             return [c for c in self.children if c.proc.poll() is not None]

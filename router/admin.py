@@ -56,6 +56,16 @@ class BearerAuth:
                 return name
         return None
 
+    async def require(self, context, kind: str, listed_in: str) -> str:
+        """The caller's name; aborts the call with UNAUTHENTICATED when its
+        ``kind`` ("operator", "client") credentials are missing or wrong."""
+        who = self.who(context.invocation_metadata())
+        if who is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"{kind} credentials required: metadata 'authorization: Bearer <token>' with a "
+                                f"token listed in {listed_in}")
+        return who
+
 
 class PoolManager:
     """Desired pool sizes and the draining of workers, over the registry."""
@@ -163,12 +173,7 @@ class AdminService(agrpc.AdminServicer):
         self.pools = pools
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> str:
-        who = self.auth.who(context.invocation_metadata())
-        if who is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "operator credentials required: metadata 'authorization: Bearer <token>' with a "
-                                "token listed in auth.operators (kvrelay: --token-file)")
-        return who
+        return await self.auth.require(context, "operator", "auth.operators (kvrelay: --token-file)")
 
     async def Scale(self, request: apb.ScaleRequest, context) -> apb.ScaleResponse:
         who = await self._authorize(context)

@@ -75,6 +75,9 @@ class WorkerRegistry:
         self._link_cfg = {frozenset(link.between): link for link in cfg.links}
         self.link_health = {key: LinkHealth() for key in self.links}
         self._beats = 0
+        self._probe_pool: tuple[float, dict[str, list[WorkerRecord]]] = (-1e9, {})
+        """Healthy workers per site, sorted, as probe targets (rebuilt at most every half interval:
+        every heartbeat asks, so not once per heartbeat over every worker)."""
 
     async def register(self, info: wpb.WorkerInfo) -> None:
         old = self.workers.pop(info.worker_id, None)
@@ -121,16 +124,27 @@ class WorkerRegistry:
         self._beats += 1
         site, out = rec.info.site, []
         spread = zlib.crc32(rec.info.worker_id.encode())
+        by_site = self._healthy_by_site()
         for key in self.links:
             if site not in key:
                 continue
             (other,) = key - {site}
-            there = sorted((w for w in self.workers.values() if w.info.site == other and self.healthy(w)),
-                           key=lambda w: w.info.worker_id)
+            there = by_site.get(other)
             if there:
                 pick = there[(self._beats + spread) % len(there)]
                 out.append(wpb.ProbeTarget(site=other, address=pick.info.address))
         return out
+
+    def _healthy_by_site(self) -> dict[str, list[WorkerRecord]]:
+        now = time.monotonic()
+        built, by_site = self._probe_pool
+        if now - built > self.cfg.router.heartbeat_interval_s / 2:
+            by_site = {}
+            for w in sorted(self.workers.values(), key=lambda w: w.info.worker_id):
+                if self.healthy(w):
+                    by_site.setdefault(w.info.site, []).append(w)
+            self._probe_pool = (now, by_site)
+        return by_site
 
     def _link_reports(self, rec: WorkerRecord, reports) -> None:
         """Marks links down or up from a worker's probe results (the latest report decides)."""

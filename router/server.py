@@ -99,12 +99,7 @@ class RouterService(igrpc.InferenceServicer, wgrpc.RegistryServicer):
         known = getattr(context, "tenant", None)
         if known is not None or not self.clients.required:
             return known or ""
-        who = self.clients.who(context.invocation_metadata())
-        if who is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "client credentials required: 'authorization: Bearer <token>' with a token "
-                                "listed in auth.clients")
-        return who
+        return await self.clients.require(context, "client", "auth.clients")
 
     # -- Registry ------------------------------------------------------------
     async def Register(self, request: wpb.RegisterRequest, context) -> wpb.RegisterResponse:

@@ -20,7 +20,6 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from kvrelay.v1 import inference_pb2 as ipb
-from kvrelay.v1 import inference_pb2_grpc as igrpc
 from router.admin import token_sha256
 from tests.integration.conftest import CLUSTER_YAML, running_cluster
 
@@ -50,12 +49,6 @@ def client(cluster):
 
 
 @pytest.fixture(scope="module")
-def grpc_stub(cluster):
-    with grpc.insecure_channel(cluster.router_address) as ch:
-        yield igrpc.InferenceStub(ch)
-
-
-@pytest.fixture(scope="module")
 def tok(smollm_path):
     return Tokenizer(smollm_path)
 
@@ -68,10 +61,10 @@ def grpc_tokens(stub, req: ipb.GenerateRequest) -> tuple[list[int], str, ipb.Fin
     return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs), msgs[-1].finish
 
 
-def test_chat_matches_grpc_and_usage_matches_the_tokenizer(client, grpc_stub, tok):
+def test_chat_matches_grpc_and_usage_matches_the_tokenizer(client, stub, tok):
     resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
                                           max_tokens=24, temperature=0)
-    ids, text, fin = grpc_tokens(grpc_stub, ipb.GenerateRequest(
+    ids, text, fin = grpc_tokens(stub, ipb.GenerateRequest(
         messages=ipb.ChatMessages(messages=[ipb.ChatMessage(role="user", content=QUESTION)]), max_tokens=24))
     assert resp.choices[0].message.content == text and text
     assert resp.choices[0].message.role == "assistant"
@@ -104,9 +97,9 @@ def test_chat_stream_with_usage_equals_the_whole_answer(client, tok):
     assert all(c.usage is None for c in plain)
 
 
-def test_completions_match_grpc_raw_prompt(client, grpc_stub, tok):
+def test_completions_match_grpc_raw_prompt(client, stub, tok):
     resp = client.completions.create(model=MODEL, prompt=RAW, max_tokens=12, temperature=0)
-    ids, text, _ = grpc_tokens(grpc_stub, ipb.GenerateRequest(prompt=RAW, raw_prompt=True, max_tokens=12))
+    ids, text, _ = grpc_tokens(stub, ipb.GenerateRequest(prompt=RAW, raw_prompt=True, max_tokens=12))
     assert resp.choices[0].text == text and resp.object == "text_completion"
     assert resp.usage.prompt_tokens == len(tok.encode(RAW)) and resp.usage.completion_tokens == len(ids)
     streamed = list(client.completions.create(model=MODEL, prompt=RAW, max_tokens=12, temperature=0, stream=True,
@@ -191,12 +184,12 @@ def test_bad_inputs_get_openai_errors_with_the_right_status(client, cluster):
     assert client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3).usage.completion_tokens >= 1
 
 
-def test_tenants_authenticate_on_grpc_and_see_only_their_own_jobs(cluster, grpc_stub):
+def test_tenants_authenticate_on_grpc_and_see_only_their_own_jobs(cluster, stub):
     from kvrelay.v1 import jobs_pb2 as jpb
     from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
     with pytest.raises(grpc.RpcError) as err:
-        list(grpc_stub.Generate(ipb.GenerateRequest(prompt="hi", max_tokens=2), timeout=30))
+        list(stub.Generate(ipb.GenerateRequest(prompt="hi", max_tokens=2), timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "auth.clients" in err.value.details()
     other = (("authorization", f"Bearer {OTHER}"),)
     with grpc.insecure_channel(cluster.router_address) as ch:

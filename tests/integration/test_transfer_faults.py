@@ -14,7 +14,6 @@ import time
 import grpc
 import pytest
 
-from cluster.config import parse_config
 from cluster.launch_local import LocalCluster
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
@@ -26,14 +25,17 @@ pytestmark = pytest.mark.model
 LONG_PROMPT = "Describe the history of research networks in detail. " * 220  # ~2,400 tokens
 
 
-def _start(smollm_path) -> LocalCluster:
+def _config(kv: dict | None = None, **router) -> dict:
     raw = copy.deepcopy(CLUSTER_YAML)
     raw["scheduler"] = {"max_num_batched_tokens": 256}  # many prefill chunks: a long transfer window
-    raw["router"]["kv_lease_s"] = 60.0
-    raw["router"]["unavailable_wait_s"] = 1.0  # the only decode worker stays dead: do not wait long for it
-    lc = LocalCluster(parse_config(raw), smollm_path, reconcile=False)  # killed workers stay dead
-    lc.start()
-    return lc
+    raw["router"] |= router
+    if kv:
+        raw["kv"] = kv
+    return raw
+
+
+# the only decode worker stays dead: do not wait long for it
+KILLED = _config(kv_lease_s=60.0, unavailable_wait_s=1.0)
 
 
 def _send_in_background(lc: LocalCluster) -> dict:
@@ -66,16 +68,21 @@ def _mid_transfer(lc: LocalCluster) -> bool:
     return s.reservations == 1 and s.kv_bytes_received > 0
 
 
+def _request_mid_transfer(lc: LocalCluster) -> dict:
+    """Sends the long prompt in the background; returns once its KV is moving."""
+    req = _send_in_background(lc)
+    assert wait_until(lambda: _mid_transfer(lc), 60, 0.05)
+    return req
+
+
 def _all_free(lc: LocalCluster, wid: str) -> bool:
     s = worker_stats(lc, wid)
     return s.free_blocks == s.total_blocks and s.reservations == 0 and s.running == 0
 
 
 def test_prefill_killed_mid_transfer_request_recomputed_at_decode(smollm_path):
-    lc = _start(smollm_path)
-    try:
-        req = _send_in_background(lc)
-        assert wait_until(lambda: _mid_transfer(lc), 60, 0.05)
+    with running_cluster(KILLED, smollm_path, reconcile=False) as lc:  # killed workers stay dead
+        req = _request_mid_transfer(lc)
         _kill(lc, "local/prefill/0")
         req["thread"].join(120)
         # D dropped the reservation, the router placed the prompt again: with the only
@@ -86,15 +93,11 @@ def test_prefill_killed_mid_transfer_request_recomputed_at_decode(smollm_path):
         assert fin.placement.retries == 1 and fin.placement.colocated
         assert fin.placement.decode_worker == "local/decode/0"
         assert wait_until(lambda: _all_free(lc, "local/decode/0"), 10)
-    finally:
-        lc.stop()
 
 
 def test_decode_killed_mid_transfer_prefill_frees_blocks(smollm_path):
-    lc = _start(smollm_path)
-    try:
-        req = _send_in_background(lc)
-        assert wait_until(lambda: _mid_transfer(lc), 60, 0.05)
+    with running_cluster(KILLED, smollm_path, reconcile=False) as lc:
+        req = _request_mid_transfer(lc)
         _kill(lc, "local/decode/0")
         t0 = time.monotonic()
         assert wait_until(lambda: _all_free(lc, "local/prefill/0"), 30)
@@ -103,8 +106,6 @@ def test_decode_killed_mid_transfer_prefill_frees_blocks(smollm_path):
         # no other decode worker exists: the request fails, saying why
         assert req.get("error") == grpc.StatusCode.UNAVAILABLE, req
         assert "decode" in req["details"]
-    finally:
-        lc.stop()
 
 
 def test_corrupted_transfers_are_refused_retried_then_recomputed(smollm_path, reference_engine):
@@ -144,12 +145,9 @@ def test_frozen_decode_worker_prefill_frees_at_its_deadline(smollm_path):
     nothing fails on the wire, so only the prefill worker's own deadline
     (kv.transfer_timeout_s) frees the blocks it holds for it, in seconds.
     Resumed, the decode worker drops the abandoned reservation and serves again."""
-    raw = copy.deepcopy(CLUSTER_YAML)
-    raw["scheduler"] = {"max_num_batched_tokens": 256}
-    raw["kv"] = {"transport": "tcp", "transfer_timeout_s": 3.0}
-    with running_cluster(raw, smollm_path, reconcile=False) as lc:
-        req = _send_in_background(lc)
-        assert wait_until(lambda: _mid_transfer(lc), 60, 0.05)
+    with running_cluster(_config(kv={"transport": "tcp", "transfer_timeout_s": 3.0}), smollm_path,
+                         reconcile=False) as lc:
+        req = _request_mid_transfer(lc)
         decode = next(c for c in lc.children if c.name == "local/decode/0")
         decode.proc.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
@@ -179,7 +177,7 @@ def test_frozen_decode_worker_prefill_frees_at_its_deadline(smollm_path):
 def test_cancel_or_deadline_mid_transfer_frees_both_sides(smollm_path, how):
     """A client that goes away (or whose deadline passes) while the prompt is
     still being prefilled and streamed: both workers stop and free their blocks."""
-    with running_cluster(CLUSTER_YAML | {"scheduler": {"max_num_batched_tokens": 256}}, smollm_path) as lc, \
+    with running_cluster(_config(), smollm_path) as lc, \
             grpc.insecure_channel(lc.router_address) as ch:
         req = ipb.GenerateRequest(prompt=LONG_PROMPT, raw_prompt=True, max_tokens=8)
         call = igrpc.InferenceStub(ch).Generate(req, timeout=120 if how == "cancel" else 3.0)
