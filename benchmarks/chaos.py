@@ -1,7 +1,7 @@
 """Fault injection beside a replay (``kvrelay bench replay --chaos RATE``).
 
 A :class:`Chaos` thread injects faults at random (Poisson) times into a
-running :class:`~cluster.launch_local.LocalCluster`:
+running :class:`~launch.local.LocalCluster`:
 
 - ``kill_prefill`` / ``kill_decode``: SIGKILL of a random worker of that
   role, preferring one with requests in flight; the launcher's reconciler
@@ -26,7 +26,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
 from benchmarks.metrics import RequestRecord
+from launch import cities
+from runtime.rpc import sync_channel
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +110,10 @@ class Chaos:
 
     def _busy(self) -> set[str]:
         """Workers the router has requests on now (empty when it cannot say)."""
-        import grpc
 
-        from kvrelay.v1 import worker_pb2 as wpb
-        from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
         try:
-            with grpc.insecure_channel(self.cluster.router_address) as ch:
+            with sync_channel(self.cluster.router_address) as ch:
                 workers = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=2.0).workers
         except grpc.RpcError:
             return set()
@@ -134,7 +137,6 @@ class Chaos:
         return self._kill("decode", rng)
 
     def _cut_link(self, rng: random.Random) -> str | None:
-        from cluster import cities
 
         a, b = rng.choice(self.cluster.cfg.links).between
         cities.link_signal(self.state_dir, a, b, cut=True)

@@ -25,9 +25,9 @@ import yaml
 
 from benchmarks.replay import ReplayConfig, build_report, replay, write_report
 from benchmarks.traces import ScaledRequest
-from cluster import cities
-from cluster.config import parse_config
-from cluster.launch_local import LocalCluster
+from launch import cities
+from launch.local import LocalCluster
+from runtime.config import parse_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "three-cities.yaml"
 

@@ -23,11 +23,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kv_peer import SECRET
+from benchmarks.kv_peer import SECRET, mooncake_engine
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_cache import KVCache, KVLayout
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 from kvtransfer.base import TransferState, TransferTarget
-from kvtransfer.nixl import nixl_available
+from kvtransfer.nixl import NixlKVSender, nixl_available
 from kvtransfer.tcp import TcpConfig, TcpKVSender
+from prefill_worker.streamer import LayerStreamer
 
 LAYOUT = KVLayout("peer", "float32", 30, 3, 64, 16)
 PER_BLOCK = 2 * LAYOUT.num_layers * LAYOUT.block_bytes
@@ -63,7 +67,6 @@ def mooncake_available() -> bool:
 def mooncake(nbytes: int, repeat: int) -> list[float]:
     """Seconds per READ of ``nbytes`` with the Mooncake transfer engine over TCP
     (a peer to compare against; P2PHANDSHAKE needs no metadata server)."""
-    from benchmarks.kv_peer import mooncake_engine
 
     proc, endpoint = _peer("mooncake-target", str(nbytes), full=True)
     remote, addr = endpoint.split()
@@ -104,7 +107,6 @@ def ours(n_blocks: int, streams: int, repeat: int, transport: str = "tcp", encry
     src.kv.normal_()
     proc, endpoint = _peer("receiver", _spec(n_blocks), str(repeat + 1), transport)
     if transport == "nixl":
-        from kvtransfer.nixl import NixlKVSender
 
         tx = NixlKVSender(src, TcpConfig(secret=SECRET, streams=streams))
     else:
@@ -195,10 +197,6 @@ def one_block_latency_ms(samples: int = 50) -> float:
 
 def layerwise_overlap(model_path: Path, prompt_tokens: int = 4096) -> dict:
     """Tail after prefill with layer-wise streaming vs a whole-cache copy after prefill."""
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from prefill_worker.streamer import LayerStreamer
 
     eng = LLMEngine(EngineConfig(model_path=model_path, cache=CacheConfig(memory_gib=0.5,
                                                                           enable_prefix_caching=False),

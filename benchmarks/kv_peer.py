@@ -25,6 +25,7 @@ import torch
 
 from engine.kv_cache import KVCache, KVLayout
 from kvtransfer.base import TransferTarget
+from kvtransfer.nixl import NixlKVReceiver
 from kvtransfer.tcp import TcpConfig, TcpKVReceiver, TcpKVSender
 from kvtransfer.wire import recv_exact_into
 
@@ -94,7 +95,6 @@ def main() -> None:
     if role == "receiver":
         cache = make_cache(spec, seed=None)
         if len(sys.argv) > 4 and sys.argv[4] == "nixl":
-            from kvtransfer.nixl import NixlKVReceiver
 
             rx = NixlKVReceiver(cache, cfg=TcpConfig(secret=SECRET))
         else:

@@ -1,8 +1,13 @@
 """Same workload as the replay (40 requests, 128 random prompt tokens, 16 forced
 output tokens, one every 2 s), sent through the HTTP API with the official
 openai client (async, streaming), timing TTFT and inter-token gaps at the client."""
-import asyncio, random, statistics, time
+import asyncio
+import random
+import statistics
+import time
+
 import openai
+
 
 async def one(client, i, t0, out):
     await asyncio.sleep(max(0.0, t0 + 2.0 * i - time.perf_counter()))

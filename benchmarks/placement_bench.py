@@ -16,7 +16,14 @@ import time
 from dataclasses import dataclass, field
 
 from engine.hashing import hash_blocks
-from router.placement import POLICIES, ClusterView, LinkView, PlacementRequest, WorkerView, make_policy
+from router.placement import (
+    POLICIES,
+    ClusterView,
+    LinkView,
+    PlacementRequest,
+    WorkerView,
+    make_policy,
+)
 from router.prefix_index import PrefixIndex
 
 

@@ -14,13 +14,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
-
-from benchmarks.metrics import RequestRecord, per_link, per_site, summarize
-from benchmarks.traces import ScaledRequest, TraceRequest, scale_lengths
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+from benchmarks.metrics import RequestRecord, per_link, per_site, summarize
+from benchmarks.plots import write_plots
+from benchmarks.traces import ScaledRequest, TraceRequest, scale_lengths
 
 
 @dataclass(slots=True)
@@ -243,7 +244,6 @@ def report_markdown(report: dict) -> str:
 
 def write_report(report: dict, out: Path) -> None:
     """report.json, report.md and the PNG plots in ``out``."""
-    from benchmarks.plots import write_plots
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))

@@ -1,5 +1,5 @@
 import sys
 
-from cluster.worker_main import main
+from decode_worker.main import main
 
-sys.exit(main("decode"))
+sys.exit(main())

@@ -15,15 +15,15 @@ import asyncio
 import logging
 
 import grpc
-
-from cluster.wire import output_to_proto, work_params
-from cluster.worker_runtime import WorkerIdentity, worker_load
-from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError, OutOfBlocksError
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError, OutOfBlocksError
 from kvtransfer.base import KVReceiver, wait_async
 from kvtransfer.errors import KVTransferError, TransferTimeout
+from runtime.convert import output_to_proto, work_params
+from runtime.worker import WorkerIdentity, worker_load
 
 log = logging.getLogger(__name__)
 

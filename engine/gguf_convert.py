@@ -17,7 +17,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
 from safetensors.torch import save_file
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 
 from engine.errors import CheckpointError
 
@@ -64,7 +74,6 @@ def _hf_name(gguf_name: str) -> str | None:
 
 
 def _tokenizer_json(tokens: list[str], merges: list[str], types: list[int], pre: str) -> str:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
@@ -86,8 +95,6 @@ def _tokenizer_json(tokens: list[str], merges: list[str], types: list[int], pre:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Writes a checkpoint folder for ``gguf_path`` at ``out_dir`` (atomically)."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     try:
         reader = GGUFReader(str(gguf_path))

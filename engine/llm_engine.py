@@ -24,7 +24,7 @@ from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.kv_cache import KVCache, KVLayout, torch_dtype
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
-from engine.sampler import SampleRequest, Sampler
+from engine.sampler import Sampler, SampleRequest
 from engine.sampling_params import SamplingParams, check_request_length
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus

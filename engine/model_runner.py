@@ -3,14 +3,18 @@ cache, and returns logits for the tokens to sample."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 import torch
 
 from engine.kv_cache import KVCache
-from engine.layers.attention import AttentionMetadata, PrefillSegment, build_decode_mask, build_prefill_mask
+from engine.layers.attention import (
+    AttentionMetadata,
+    PrefillSegment,
+    build_decode_mask,
+    build_prefill_mask,
+)
 from engine.models.llama import LayerHook, LlamaModel
 from engine.scheduler import ScheduledSeq
 

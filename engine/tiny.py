@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from engine.checkpoint import expected_shapes
 from engine.config import ModelConfig
@@ -37,7 +38,6 @@ TINY_ARCHS = tuple(_ARCHS)
 
 
 def _tokenizer_json() -> str:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {c: i for i, c in enumerate(alphabet)}

@@ -25,13 +25,34 @@ from dataclasses import dataclass, field
 
 import crc32c
 import torch
+from kvrelay.v1 import kv_wire_pb2 as pb
 
 from engine.kv_cache import KVCache
-from kvrelay.v1 import kv_wire_pb2 as pb
-from kvtransfer.base import (KVReceiver, KVSender, SendHandle, TransferHandle, TransferResult, TransferState,
-                             TransferTarget, coalesce, KVBytes)
-from kvtransfer.wire import (SHM_NAME, PayloadCipher, ProtocolError, client_handshake, host_id, recv_exact_into,
-                             recv_frame, recv_views, send_frame, send_views, server_handshake, tune_socket)
+from kvtransfer.base import (
+    KVBytes,
+    KVReceiver,
+    KVSender,
+    SendHandle,
+    TransferHandle,
+    TransferResult,
+    TransferState,
+    TransferTarget,
+    coalesce,
+)
+from kvtransfer.wire import (
+    SHM_NAME,
+    PayloadCipher,
+    ProtocolError,
+    client_handshake,
+    host_id,
+    recv_exact_into,
+    recv_frame,
+    recv_views,
+    send_frame,
+    send_views,
+    server_handshake,
+    tune_socket,
+)
 
 log = logging.getLogger(__name__)
 

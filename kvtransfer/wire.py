@@ -12,6 +12,8 @@ import socket
 import struct
 from typing import Protocol
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvrelay.v1 import kv_wire_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -148,7 +150,6 @@ class PayloadCipher:
     PIECE = 1 << 20
 
     def __init__(self, secret: bytes, nonce_s: bytes, nonce_r: bytes) -> None:
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         key = hmac.new(secret, b"kvrelay-kv-payload-key" + nonce_s + nonce_r, hashlib.sha256).digest()
         self._aes = AESGCM(key)
@@ -205,7 +206,6 @@ class PayloadCipher:
         """Receives one frame's payload, opening each piece into ``views``.
         Raises ProtocolError when a piece was altered (its bytes may already
         be in ``views``: the caller fails the transfer that owns them)."""
-        from cryptography.exceptions import InvalidTag
 
         frame = self.next_frame()
         for i, segs in enumerate(self._pieces(views)):

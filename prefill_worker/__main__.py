@@ -1,5 +1,5 @@
 import sys
 
-from cluster.worker_main import main
+from prefill_worker.main import main
 
-sys.exit(main("prefill"))
+sys.exit(main())

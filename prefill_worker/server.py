@@ -17,17 +17,17 @@ import logging
 import time
 
 import grpc
-
-from cluster.wire import work_params
-from cluster.worker_runtime import WorkerIdentity, worker_load
-from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError
 from kvtransfer.base import KVSender, TransferTarget, wait_async
 from kvtransfer.errors import KVTransferError
 from kvtransfer.wire import link_socket_buffer
 from prefill_worker.streamer import LayerStreamer
+from runtime.convert import work_params
+from runtime.worker import WorkerIdentity, worker_load
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ import logging
 import time
 
 import grpc
-
-from cluster.config import ClusterConfig, Credential
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import worker_pb2 as wpb
+
 from router.planner import PoolFigures, RequestWindow, p90, plan
 from router.registry import ROLE_NAMES, WorkerRecord, WorkerRegistry
+from runtime.config import ClusterConfig, Credential
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ import concurrent.futures
 import logging
 
 import grpc
-
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 from kvrelay.v1.worker_pb2 import ROLE_DECODE
+
 from router.jobs_store import JOB_CANCELLED, JOB_DONE, JobRow, JobStore
 from router.requests import RequestError, build_work_request
 

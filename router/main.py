@@ -10,17 +10,17 @@ import logging
 import signal
 import sys
 
-import grpc
+from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
-from cluster.config import load_config
-from cluster.lifetime import die_with_parent
-from cluster.worker_runtime import GRPC_OPTIONS
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
-from router.requests import ModelLimits
-from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 from router.jobs import JobService
+from router.openai_http import OpenAIServer, serve_http
+from router.requests import ModelLimits
 from router.server import RouterService, add_router_to_server
+from runtime.config import load_config
+from runtime.lifetime import die_with_parent
+from runtime.rpc import bind, create_server
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -31,7 +31,7 @@ async def run(args: argparse.Namespace) -> None:
     limits = ModelLimits(name=args.model_name or model_cfg.name, max_model_len=max_len,
                          vocab_size=model_cfg.vocab_size)
     service = RouterService(cfg, Tokenizer(args.model_path), limits)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = create_server()
     add_router_to_server(service, server)
     jobs = JobService(service, args.jobs_db or cfg.router.jobs_db or ":memory:", cfg.router.job_concurrency)
     if not (args.jobs_db or cfg.router.jobs_db):
@@ -39,14 +39,14 @@ async def run(args: argparse.Namespace) -> None:
     await jobs.start()
     jgrpc.add_JobsServicer_to_server(jobs, server)
     host = cfg.router.host
-    port = server.add_insecure_port(f"{host}:{cfg.router.port}")
-    if port == 0:
-        raise SystemExit(f"router: cannot bind {host}:{cfg.router.port}")
+    try:
+        port = bind(server, host, cfg.router.port)
+    except OSError as exc:
+        raise SystemExit(f"router: {exc}") from None
     await server.start()
     ready = f"READY {host}:{port}"
     http = None
     if cfg.router.http_port is not None:
-        from router.openai_http import OpenAIServer, serve_http
 
         http, http_task, http_port = await serve_http(OpenAIServer(service).app, host, cfg.router.http_port)
         ready += f" http={host}:{http_port}"

@@ -28,12 +28,11 @@ from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from kvrelay.v1 import inference_pb2 as ipb
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-
-from kvrelay.v1 import inference_pb2 as ipb
 
 log = logging.getLogger(__name__)
 

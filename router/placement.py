@@ -39,7 +39,10 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-POLICIES = ("round_robin", "least_loaded", "prefix_aware", "cost_model")
+from runtime.config import PlacementPolicy
+
+POLICIES = tuple(PlacementPolicy)
+"""Every policy's name."""
 DISAGG_OVERHEAD_S = 0.002
 """Extra RPCs of a disaggregated request (reservation, prefill call), measured
 on loopback at ~1-3 ms; charged to every disaggregated candidate."""

@@ -11,13 +11,13 @@ import zlib
 from dataclasses import dataclass, field
 
 import grpc
-
-from cluster.config import ClusterConfig
-from cluster.worker_runtime import GRPC_OPTIONS
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
 from router.placement import ClusterView, LinkView, WorkerView
 from router.prefix_index import PrefixIndex
+from runtime.config import ClusterConfig
+from runtime.rpc import aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class WorkerRegistry:
         if old is not None:
             await old.channel.close()
         self.index.remove_worker(info.worker_id)
-        channel = grpc.aio.insecure_channel(info.address, options=GRPC_OPTIONS)
+        channel = aio_channel(info.address)
         stub = (wgrpc.PrefillWorkerStub(channel) if info.role == wpb.ROLE_PREFILL
                 else wgrpc.DecodeWorkerStub(channel))
         now = time.monotonic()

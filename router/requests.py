@@ -8,13 +8,13 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import worker_pb2 as wpb
 
-from cluster.wire import sampling_params
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, check_request_length
 from engine.tokenizer import Tokenizer
-from kvrelay.v1 import inference_pb2 as ipb
-from kvrelay.v1 import worker_pb2 as wpb
+from runtime.convert import sampling_params
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_MESSAGES = 256

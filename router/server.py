@@ -17,21 +17,21 @@ import time
 
 import grpc
 from google.protobuf.message import DecodeError
-
-from cluster.config import ClusterConfig
-from engine.tokenizer import Tokenizer
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
 from engine.hashing import hash_blocks
-from router.planner import Served
-from router.placement import PlacementError, PlacementRequest, make_policy, place
+from engine.tokenizer import Tokenizer
 from router.admin import AdminService, BearerAuth, PoolManager
+from router.placement import PlacementError, PlacementRequest, make_policy, place
+from router.planner import Served
 from router.recovery import Failover, Recovery
 from router.registry import ROLE_NAMES, WorkerRecord, WorkerRegistry, link_name
 from router.requests import ModelLimits, RequestError, build_work_request
+from runtime.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 

@@ -8,14 +8,14 @@ import time
 
 import grpc
 import pytest
-
-from cluster.config import parse_config
-from cluster.launch_local import LocalCluster
-from engine.config import CacheConfig, EngineConfig
-from engine.llm_engine import LLMEngine
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+from engine.config import CacheConfig, EngineConfig
+from engine.llm_engine import LLMEngine
+from launch.local import LocalCluster
+from runtime.config import parse_config
 
 CLUSTER_YAML = {
     # least_loaded, never colocated: these tests exercise the prefill -> decode

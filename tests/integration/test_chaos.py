@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.traces import SAMPLE_AZURE
-from cluster.cli import main
+from cli.main import main
 
 pytestmark = pytest.mark.model
 

@@ -14,17 +14,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from cluster import cities
-from cluster.cli import main
-from cluster.config import parse_config
-from cluster.launch_local import LocalCluster
-from cluster.linkprobe import measure_link, measure_rtt
-from engine.sampling_params import SamplingParams
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+from cli.main import main
+from engine.sampling_params import SamplingParams
+from launch import cities
+from launch.local import LocalCluster
+from runtime.config import parse_config
+from runtime.linkprobe import measure_link, measure_rtt
 from tests.integration.conftest import wait_until, worker_stats
 
 RTT_MS, GBPS = 20.0, 0.5

@@ -8,9 +8,9 @@ import time
 
 import grpc
 import pytest
+from kvrelay.v1 import inference_pb2 as ipb
 
 from engine.sampling_params import SamplingParams
-from kvrelay.v1 import inference_pb2 as ipb
 from tests.integration.conftest import wait_until, worker_stats
 
 pytestmark = pytest.mark.model

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from cluster.config import parse_config
-from cluster.launch_local import LocalCluster
 from kvrelay.v1 import inference_pb2_grpc as igrpc
+
+from launch.local import LocalCluster
+from runtime.config import parse_config
 from tests.integration.conftest import CLUSTER_YAML, workers
 from tests.integration.test_e2e import PROMPTS, chat_request, collect, reference
 

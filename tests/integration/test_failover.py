@@ -9,10 +9,10 @@ import signal
 
 import grpc
 import pytest
-
-from engine.sampling_params import SamplingParams
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
+
+from engine.sampling_params import SamplingParams
 from tests.integration.conftest import running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model

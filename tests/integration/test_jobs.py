@@ -10,11 +10,11 @@ import time
 
 import grpc
 import pytest
-
-from cluster.cli import main
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
+
+from cli.main import main
 from tests.integration.conftest import running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model

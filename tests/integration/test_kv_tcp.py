@@ -14,16 +14,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from engine.kv_cache import KVCache, KVLayout
 from kvrelay.v1 import kv_wire_pb2 as pb
+
+from benchmarks.kv_peer import SECRET
+from engine.kv_cache import KVCache, KVLayout
 from kvtransfer.base import TransferState, TransferTarget
 from kvtransfer.local import LocalKVSender
 from kvtransfer.nixl import NixlKVReceiver, NixlKVSender
 from kvtransfer.tcp import TcpConfig, TcpKVReceiver, TcpKVSender
 from kvtransfer.wire import recv_frame, send_frame
 from tests.integration.conftest import wait_until
-from benchmarks.kv_peer import SECRET
 
 CFG = TcpConfig(secret=SECRET, streams=2)
 

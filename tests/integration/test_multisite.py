@@ -10,11 +10,11 @@ import time
 
 import grpc
 import pytest
-
-from cluster.config import parse_config
-from cluster.launch_local import LocalCluster
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
+
+from launch.local import LocalCluster
+from runtime.config import parse_config
 from tests.integration.conftest import wait_until, worker_stats, workers
 
 pytestmark = pytest.mark.model

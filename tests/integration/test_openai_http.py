@@ -17,9 +17,9 @@ import urllib.request
 import grpc
 import openai
 import pytest
+from kvrelay.v1 import inference_pb2 as ipb
 
 from engine.tokenizer import Tokenizer
-from kvrelay.v1 import inference_pb2 as ipb
 from router.admin import token_sha256
 from tests.integration.conftest import CLUSTER_YAML, running_cluster
 

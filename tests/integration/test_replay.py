@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.cli import main
+from cli.main import main
 from tests.unit.test_replay_parts import AZURE, MOONCAKE
 
 pytestmark = pytest.mark.model

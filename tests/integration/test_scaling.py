@@ -12,14 +12,14 @@ import time
 
 import grpc
 import pytest
-
-from cluster.cli import main
-from cluster.config import parse_config
-from cluster.launch_local import LocalCluster
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
+
+from cli.main import main
+from launch.local import LocalCluster
+from runtime.config import parse_config
 from tests.integration.conftest import running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model
@@ -114,7 +114,7 @@ def test_scale_on_ray_two_nodes(smollm_path):
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
-    from cluster.launch_ray import RayBackend
+    from launch.ray_backend import RayBackend
 
     rc = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     nodes = {"toronto": rc.add_node(num_cpus=1, resources={"site:toronto": 4}),

@@ -13,12 +13,17 @@ import time
 
 import grpc
 import pytest
-
-from cluster.launch_local import LocalCluster
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
+
 from engine.sampling_params import SamplingParams
-from tests.integration.conftest import CLUSTER_YAML, running_cluster, wait_until, worker_stats
+from launch.local import LocalCluster
+from tests.integration.conftest import (
+    CLUSTER_YAML,
+    running_cluster,
+    wait_until,
+    worker_stats,
+)
 
 pytestmark = pytest.mark.model
 

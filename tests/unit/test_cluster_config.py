@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ConfigError, load_config, parse_config
+from runtime.config import ConfigError, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

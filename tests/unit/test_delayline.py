@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cluster.delayline import DelayLine
+from launch.delayline import DelayLine
 
 
 @pytest.fixture

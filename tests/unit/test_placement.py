@@ -7,8 +7,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.placement import (POLICIES, ClusterView, LinkView, PlacementError, PlacementRequest, WorkerView,
-                              estimate, make_policy, place)
+from router.placement import (
+    POLICIES,
+    ClusterView,
+    LinkView,
+    PlacementError,
+    PlacementRequest,
+    WorkerView,
+    estimate,
+    make_policy,
+    place,
+)
 from router.prefix_index import PrefixIndex
 
 KV_BLOCK = 2 * 30 * 12288  # SmolLM2-135M fp32: 720 KiB per 16-token block
@@ -246,9 +255,10 @@ def test_prefix_index_matches_a_direct_scan(holdings, prompt):
 def test_registry_applies_cache_events_only_after_a_snapshot():
     import asyncio
 
-    from cluster.config import parse_config
     from kvrelay.v1 import worker_pb2 as wpb
+
     from router.registry import WorkerRegistry
+    from runtime.config import parse_config
 
     async def scenario():
         reg = WorkerRegistry(parse_config({}))

@@ -10,7 +10,14 @@ import pytest
 
 from benchmarks.metrics import RequestRecord, distribution, summarize
 from benchmarks.replay import _spread, check_lengths
-from benchmarks.traces import SAMPLE_AZURE, SAMPLE_MOONCAKE, TraceError, build_prompts, detect_format, load_trace
+from benchmarks.traces import (
+    SAMPLE_AZURE,
+    SAMPLE_MOONCAKE,
+    TraceError,
+    build_prompts,
+    detect_format,
+    load_trace,
+)
 
 AZURE, MOONCAKE = SAMPLE_AZURE, SAMPLE_MOONCAKE
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import SampleRequest, Sampler
+from engine.sampler import Sampler, SampleRequest
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -1,42 +1,52 @@
-"""What prefill and decode workers share: building the engine from the
-cluster config, registering with the router and heartbeating load."""
+"""What prefill and decode worker processes share: arguments, the config
+and the worker's identity, building the engine, the KV transfer settings,
+registering with the router, heartbeating load and prefix-cache events,
+probing links, and serving until a signal. ``prefill_worker/main.py`` and
+``decode_worker/main.py`` each build their own side on top of this."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+import os
+import signal
+import socket
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
-from cluster.config import ClusterConfig
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from kvrelay.v1 import worker_pb2 as wpb
-from kvrelay.v1 import worker_pb2_grpc as wgrpc
+from kvtransfer.select import choose_transport, host_has_rdma
+from kvtransfer.tcp import TcpConfig
+from runtime.config import ClusterConfig, PoolSection, load_config
+from runtime.lifetime import die_with_parent
+from runtime.rpc import aio_channel, bind, create_server
+from runtime.topology import Role
 
 log = logging.getLogger(__name__)
 
 EVENTS_WAIT_S = 0.2
 """How long a heartbeat waits for the engine's prefix-cache events before going without them."""
 
-GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-
-
 @dataclass(slots=True)
 class WorkerIdentity:
     worker_id: str
-    role: int
+    """``site/role/index``, e.g. ``toronto/decode/0``."""
+    role: Role
     site: str
 
 
 def local_address_towards(address: str) -> str:
     """This host's IP address on the route to ``address`` (host:port): what a
     worker on a multi-node cluster advertises (``workers.host: auto``)."""
-    import socket
-
     host, _, port = address.rpartition(":")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host.strip("[]"), int(port)))  # UDP: no packet is sent
@@ -149,7 +159,7 @@ async def register_and_heartbeat(router: str, info: wpb.WorkerInfo, load_fn, sto
     ``events_fn(snapshot)`` returns the prefix-cache events to send; after a
     heartbeat that did not arrive, or when the router asks, a full snapshot
     replaces them, so the router's prefix index never drifts."""
-    async with grpc.aio.insecure_channel(router, options=GRPC_OPTIONS) as ch:
+    async with aio_channel(router) as ch:
         hb = _Heartbeats(wgrpc.RegistryStub(ch), info, load_fn, events_fn)
         loop = asyncio.get_running_loop()
         end = loop.time() + register_deadline_s
@@ -175,8 +185,6 @@ async def register_and_heartbeat(router: str, info: wpb.WorkerInfo, load_fn, sto
 async def serve_until_signal(server: grpc.aio.Server, aengine: AsyncEngine, stop: asyncio.Event,
                              tasks: list[asyncio.Task]) -> None:
     """Runs until SIGTERM/SIGINT, then shuts down gracefully."""
-    import signal
-
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -190,3 +198,113 @@ async def serve_until_signal(server: grpc.aio.Server, aengine: AsyncEngine, stop
     for t in tasks:
         t.cancel()
     await aengine.stop()
+
+
+# -- the worker process ------------------------------------------------------------------------------------------
+def parse_args(role: Role, argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"{role}_worker")
+    p.add_argument("--config", help="cluster config YAML (default: the embedded default)")
+    p.add_argument("--model-path", required=True, help="checkpoint folder")
+    p.add_argument("--router", required=True, help="router address host:port")
+    p.add_argument("--site", required=True)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--host", help="address to bind and advertise (default: the config's workers.host)")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def read_secret(secret_file: str | None, from_launcher: str) -> bytes:
+    """The KV deployment secret: the config's secret_file, else the launcher's per-run secret."""
+    if secret_file:
+        return Path(secret_file).read_bytes().strip()
+    if not from_launcher:
+        log.warning("no KV secret configured: KV connections are not authenticated")
+    return from_launcher.encode()
+
+
+@dataclass(slots=True)
+class WorkerSetup:
+    """What one worker process is, decided once at start from its arguments and config."""
+
+    cfg: ClusterConfig
+    ident: WorkerIdentity
+    pool: PoolSection
+    """This worker's pool in the config (its device)."""
+    transport: str
+    """KV transport of this host: tcp, nixl or local (``kv.transport`` resolved)."""
+    transfer: TcpConfig
+    """Settings of the KV sender or receiver."""
+    host: str
+    """Address to bind and advertise."""
+    router: str
+    model_path: str
+
+
+def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str) -> WorkerSetup:
+    """Parses the config once and checks this worker's place in it."""
+    cfg = load_config(args.config)
+    site = {s.name: s for s in cfg.sites}.get(args.site)
+    if site is None:
+        raise SystemExit(f"--site {args.site!r} is not a site of the config ({', '.join(s.name for s in cfg.sites)})")
+    kv = cfg.kv
+    transfer = TcpConfig(secret=read_secret(kv.secret_file, kv_secret_env), streams=kv.streams,
+                         socket_buffer_bytes=kv.socket_buffer_bytes, encrypt=kv.encrypt,
+                         stall_timeout_s=kv.transfer_timeout_s, corrupt_first=kv.corrupt_first_transfers)
+    host = args.host or cfg.workers.host
+    if host == "auto":
+        host = local_address_towards(args.router)
+    return WorkerSetup(cfg, WorkerIdentity(f"{args.site}/{role}/{args.index}", role, args.site),
+                       getattr(site, role), choose_transport(kv.transport), transfer, host, args.router,
+                       args.model_path)
+
+
+async def start_engine(setup: WorkerSetup, kv_shm_path: str | None = None) -> AsyncEngine:
+    """Builds this worker's engine and starts its step loop."""
+    engine = build_engine(setup.cfg, setup.model_path, kv_shm_path, setup.pool.device)
+    aengine = AsyncEngine(engine)
+    await aengine.start()
+    return aengine
+
+
+def listening_server(setup: WorkerSetup) -> tuple[grpc.aio.Server, int]:
+    """The worker's gRPC server, bound to a free port of its host."""
+    server = create_server()
+    return server, bind(server, setup.host, 0)
+
+
+def worker_info(setup: WorkerSetup, engine: LLMEngine, port: int, kv_endpoint: str) -> wpb.WorkerInfo:
+    """What the worker tells the router about itself when it registers."""
+    layout = engine.layout
+    return wpb.WorkerInfo(worker_id=setup.ident.worker_id, role=setup.ident.role.proto, site=setup.ident.site,
+                          address=f"{setup.host}:{port}", kv_endpoint=kv_endpoint, transport=setup.transport,
+                          model=engine.model_config.name, layout_hash=layout.compat_hash(),
+                          block_size=layout.block_size, num_blocks=engine.pool.num_blocks,
+                          num_layers=layout.num_layers, kv_block_bytes=2 * layout.num_layers * layout.block_bytes,
+                          device=str(engine.cache.kv.device))
+
+
+async def serve_worker(setup: WorkerSetup, aengine: AsyncEngine, server: grpc.aio.Server, info: wpb.WorkerInfo,
+                       load_fn) -> None:
+    """Serves, registers and heartbeats until a signal or a drain; then shuts down."""
+    log.info("%s serving on %s (kv %s)", info.worker_id, info.address, info.kv_endpoint or "-")
+    await server.start()
+    stop = asyncio.Event()
+    hb = asyncio.create_task(register_and_heartbeat(setup.router, info, load_fn, stop,
+                                                    lambda snapshot: kv_events(aengine, snapshot)))
+    try:
+        await serve_until_signal(server, aengine, stop, [hb])
+    finally:
+        aengine.engine.cache.unlink()
+
+
+def worker_main(role: Role, argv: list[str] | None, run) -> int:
+    """The process entry both workers share: ``run(setup)`` is the worker's own coroutine."""
+    die_with_parent()
+    args = parse_args(role, argv)
+    if not host_has_rdma():  # UCX's InfiniBand module crashes processes at exit without devices
+        os.environ.setdefault("UCX_MODULES", "^ib")
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s {role}[{args.site}/{args.index}] %(levelname)s "
+                        "%(name)s: %(message)s", stream=sys.stderr)
+    setup = worker_setup(role, args, os.environ.get("KVRELAY_KV_SECRET", ""))
+    asyncio.run(run(setup))
+    return 0

@@ -18,7 +18,14 @@ import json
 import sys
 from pathlib import Path
 
-from cluster.cli_common import client_metadata, grpc_error, table
+import grpc
+from google.protobuf import json_format
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import jobs_pb2 as jpb
+from kvrelay.v1 import jobs_pb2_grpc as jgrpc
+
+from cli.common import client_metadata, grpc_error, table
+from runtime.rpc import sync_channel
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs")
 STATES = {0: "?", 1: "queued", 2: "running", 3: "done", 4: "cancelled"}
@@ -29,9 +36,7 @@ class JobFileError(ValueError):
 
 
 def parse_job_file(path: Path) -> list:
-    from google.protobuf import json_format
 
-    from kvrelay.v1 import inference_pb2 as ipb
 
     reqs = []
     try:
@@ -61,11 +66,9 @@ def parse_job_file(path: Path) -> list:
 
 
 def _stub(args):
-    import grpc
 
-    from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
-    ch = grpc.insecure_channel(args.router, options=[("grpc.max_send_message_length", 256 << 20)])
+    ch = sync_channel(args.router, max_send_bytes=256 << 20)
     return ch, jgrpc.JobsStub(ch)
 
 
@@ -79,7 +82,6 @@ def _job_rows(jobs) -> list[tuple[str, ...]]:
 
 def _call(args: argparse.Namespace, method: str, request, timeout_s: float = 30.0):
     """Jobs.``method``; the response, or None after printing the error."""
-    import grpc
 
     ch, stub = _stub(args)
     with ch:
@@ -91,7 +93,6 @@ def _call(args: argparse.Namespace, method: str, request, timeout_s: float = 30.
 
 
 def cmd_job_submit(args: argparse.Namespace) -> int:
-    from kvrelay.v1 import jobs_pb2 as jpb
 
     try:
         reqs = parse_job_file(Path(args.file))
@@ -109,7 +110,6 @@ def cmd_job_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_job_status(args: argparse.Namespace) -> int:
-    from kvrelay.v1 import jobs_pb2 as jpb
 
     if args.id:
         job = _call(args, "GetJob", jpb.GetJobRequest(id=args.id))
@@ -124,7 +124,6 @@ def cmd_job_status(args: argparse.Namespace) -> int:
 
 
 def cmd_job_cancel(args: argparse.Namespace) -> int:
-    from kvrelay.v1 import jobs_pb2 as jpb
 
     job = _call(args, "CancelJob", jpb.CancelJobRequest(id=args.id))
     if job is None:
@@ -135,10 +134,7 @@ def cmd_job_cancel(args: argparse.Namespace) -> int:
 
 def cmd_job_results(args: argparse.Namespace) -> int:
     """Writes one JSON line per result (index, request_id, text, token_ids, finish, error)."""
-    import grpc
-    from google.protobuf import json_format
 
-    from kvrelay.v1 import jobs_pb2 as jpb
 
     out = open(args.out, "w") if args.out else sys.stdout
     ch, stub = _stub(args)

@@ -4,19 +4,33 @@ restore, bench cities, demo) and the --cities flag of serve and bench replay."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
+import tempfile
 from pathlib import Path
 
-from cluster.cli_common import VOCAB_RANGE, replay_config, resolve_model, run_replay, table
+from benchmarks import cities_bench as cb
+from benchmarks.replay import trace_slice
+from benchmarks.traces import SAMPLE_AZURE, build_prompts, load_trace
+from cli.common import VOCAB_RANGE, replay_config, resolve_model, run_replay, table
+from launch import cities
+from launch.cities import (
+    DEFAULT_PREFIX,
+    DEFAULT_STATE_DIR,
+    DEFAULT_SUBNET,
+    CitiesError,
+    down,
+    link_alive,
+    link_signal,
+    load_state,
+)
+from launch.local import LocalCluster
+from runtime.config import load_config
+from runtime.linkprobe import measure_link
 
 
 def cmd_bench_cities(args: argparse.Namespace) -> int:
-    import datetime
 
-    from benchmarks import cities_bench as cb
-    from benchmarks.replay import trace_slice
-    from benchmarks.traces import SAMPLE_AZURE, build_prompts, load_trace
-    from cluster import cities
 
     if args.speedup <= 0 or args.length_scale <= 0 or args.limit < 1:
         print("kvrelay: --speedup and --length-scale must be positive, --limit at least 1", file=sys.stderr)
@@ -53,8 +67,6 @@ def cmd_bench_cities(args: argparse.Namespace) -> int:
 
 
 def cmd_cities_up(args: argparse.Namespace) -> int:
-    from cluster import cities
-    from cluster.config import load_config
 
     st = cities.up(load_config(args.config), args.state_dir, args.subnet, args.prefix)
     print(f"kvrelay: {len(st.sites)} sites in namespaces, {len(st.links)} emulated links; "
@@ -65,7 +77,6 @@ def cmd_cities_up(args: argparse.Namespace) -> int:
 
 
 def print_cities(st) -> None:
-    from cluster.cities import link_alive
 
     table([("SITE", "NAMESPACE", "SITE ADDRESS", "MGMT ADDRESS")] +
            [(s.name, s.netns, s.site_addr, s.mgmt_addr) for s in st.sites])
@@ -76,7 +87,6 @@ def print_cities(st) -> None:
 
 
 def cmd_cities_status(args: argparse.Namespace) -> int:
-    from cluster.cities import load_state
 
     st = load_state(args.state_dir)
     if st is None:
@@ -87,7 +97,6 @@ def cmd_cities_status(args: argparse.Namespace) -> int:
 
 
 def cmd_cities_down(args: argparse.Namespace) -> int:
-    from cluster.cities import down, load_state
 
     if load_state(args.state_dir) is None:
         print("kvrelay: no emulated cities are up")
@@ -101,8 +110,6 @@ def cmd_cities_down(args: argparse.Namespace) -> int:
 
 def cmd_cities_check(args: argparse.Namespace) -> int:
     """Measures every emulated link both ways against its configured RTT and rate."""
-    from cluster.cities import CitiesError, load_state
-    from cluster.linkprobe import measure_link
 
     st = load_state(args.state_dir)
     if st is None:
@@ -122,7 +129,6 @@ def cmd_cities_check(args: argparse.Namespace) -> int:
 
 
 def cmd_cities_cut(args: argparse.Namespace) -> int:
-    from cluster.cities import link_signal
 
     a, b = args.link
     link_signal(args.state_dir, a, b, cut=args.cities_command == "cut")
@@ -132,12 +138,7 @@ def cmd_cities_cut(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Three cities (emulated WAN when root), a short trace slice, the summary."""
-    import tempfile
 
-    from benchmarks.traces import SAMPLE_AZURE, load_trace
-    from cluster import cities
-    from cluster.config import load_config
-    from cluster.launch_local import LocalCluster
 
     example = Path(__file__).resolve().parents[1] / "examples" / "three-cities.yaml"
     if not example.exists():
@@ -176,7 +177,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cities_flag(p: argparse.ArgumentParser) -> None:
-    from cluster.cities import DEFAULT_STATE_DIR
 
     p.add_argument("--cities", action="store_true", help="run each site's workers in its namespace of the "
                    "emulation `kvrelay cities up` made (needs root)")
@@ -187,7 +187,6 @@ def cities_for(args: argparse.Namespace):
     """The `kvrelay cities up` emulation when --cities was given, else None."""
     if not getattr(args, "cities", False):
         return None
-    from cluster.cities import load_state
 
     st = load_state(args.state_dir)
     if st is None:
@@ -196,7 +195,6 @@ def cities_for(args: argparse.Namespace):
 
 
 def add_parsers(sub, bench) -> None:
-    from cluster.cities import DEFAULT_PREFIX, DEFAULT_STATE_DIR, DEFAULT_SUBNET
 
     bc = bench.add_parser("cities", help="one trace slice against colocated, same-city, 60 ms-away and "
                                          "three-city deployments (emulated WAN when root)")

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 from pathlib import Path
 
-from cluster.cli_common import default_token_file, grpc_error, table
+import grpc
+from kvrelay.v1 import admin_pb2 as apb
+from kvrelay.v1 import admin_pb2_grpc as agrpc
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+from cli.common import default_token_file, grpc_error, table
+from router.admin import token_sha256
+from runtime.rpc import sync_channel
 
 
 def operator_metadata(args: argparse.Namespace) -> tuple:
@@ -19,9 +28,7 @@ def operator_metadata(args: argparse.Namespace) -> tuple:
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    import secrets
 
-    from router.admin import token_sha256
 
     token = secrets.token_urlsafe(32)
     who = "tenant" if args.client else "operator"
@@ -32,11 +39,9 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 
 def admin_call(args: argparse.Namespace, method: str, request):
-    import grpc
 
-    from kvrelay.v1 import admin_pb2_grpc as agrpc
 
-    with grpc.insecure_channel(args.router) as ch:
+    with sync_channel(args.router) as ch:
         return getattr(agrpc.AdminStub(ch), method)(request, timeout=30, metadata=operator_metadata(args))
 
 
@@ -48,7 +53,6 @@ def pool_rows(pools) -> list[tuple[str, ...]]:
 
 def run_admin(args: argparse.Namespace, method: str, request, show) -> int:
     """Calls Admin.``method``; shows the response, or the error with exit code 1."""
-    import grpc
 
     try:
         resp = admin_call(args, method, request)
@@ -59,7 +63,6 @@ def run_admin(args: argparse.Namespace, method: str, request, show) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from kvrelay.v1 import admin_pb2 as apb
 
     if args.replicas < 0:
         print(f"kvrelay: --replicas must be >= 0, got {args.replicas}", file=sys.stderr)
@@ -73,7 +76,6 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    from kvrelay.v1 import admin_pb2 as apb
 
     def show(resp) -> None:
         print(f"kvrelay: draining {args.worker}: no new requests; it leaves once its requests are done")
@@ -82,7 +84,6 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from kvrelay.v1 import admin_pb2 as apb
 
     def show(resp) -> None:
         table([("SITE", "ROLE", "NOW", "RECOMMENDED", "WHY")] + [
@@ -93,20 +94,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_pools(args: argparse.Namespace) -> int:
-    from kvrelay.v1 import admin_pb2 as apb
 
     return run_admin(args, "ListPools", apb.ListPoolsRequest(), lambda resp: table(pool_rows(resp.pools)))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import grpc
 
-    from kvrelay.v1 import worker_pb2 as wpb
-    from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
-    from kvrelay.v1 import admin_pb2 as apb
 
-    with grpc.insecure_channel(args.router) as ch:
+    with sync_channel(args.router) as ch:
         try:
             resp = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)
         except grpc.RpcError as exc:

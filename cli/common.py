@@ -3,9 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import datetime
 import os
 import sys
 from pathlib import Path
+
+import grpc
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+
+from benchmarks.replay import (
+    ReplayConfig,
+    build_report,
+    check_lengths,
+    replay,
+    trace_slice,
+    write_report,
+)
+from benchmarks.traces import build_prompts
+from engine.default_model import prepare_default_model
+from runtime.rpc import sync_channel
 
 
 def default_cache_dir() -> Path:
@@ -17,7 +35,6 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model(arg: str | None, cache_dir: Path) -> Path:
-    from engine.default_model import prepare_default_model
 
     return Path(arg) if arg else prepare_default_model(cache_dir)
 
@@ -61,7 +78,6 @@ def write_secret(path: Path, value: str) -> None:
 
 def replay_config(args: argparse.Namespace):
     """The replay settings given on the command line."""
-    from benchmarks.replay import ReplayConfig
 
     return ReplayConfig(speedup=args.speedup, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
                         progress=not args.no_progress)
@@ -71,14 +87,9 @@ def replay_prompts(args: argparse.Namespace, reqs, address: str) -> tuple[list, 
     """The prompts to replay, their lengths checked against the model the
     router at ``address`` serves, and the report's metadata; an exit code
     (after saying why) when they cannot be replayed."""
-    import grpc
 
-    from benchmarks.replay import check_lengths
-    from benchmarks.traces import build_prompts
-    from kvrelay.v1 import inference_pb2 as ipb
-    from kvrelay.v1 import inference_pb2_grpc as igrpc
 
-    with grpc.insecure_channel(address) as ch:
+    with sync_channel(address) as ch:
         try:
             model = igrpc.InferenceStub(ch).ListModels(ipb.ListModelsRequest(), timeout=30).models[0]
         except grpc.RpcError as exc:
@@ -106,9 +117,7 @@ def replay_prompts(args: argparse.Namespace, reqs, address: str) -> tuple[list, 
 
 def run_meta(reqs, address: str, cluster) -> dict:
     """The report's metadata about one run: where it ran, on what."""
-    import datetime
 
-    from benchmarks.replay import trace_slice
 
     return {"router": address, "policy": cluster.cfg.router.policy if cluster is not None else "?",
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -118,9 +127,7 @@ def run_meta(reqs, address: str, cluster) -> dict:
 
 def run_replay(args: argparse.Namespace, reqs, address: str, cluster) -> int:
     """Replays ``reqs`` against the router at ``address``; writes and prints the report."""
-    import asyncio
 
-    from benchmarks.replay import build_report, replay, write_report
 
     got = replay_prompts(args, reqs, address)
     if isinstance(got, int):

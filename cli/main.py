@@ -7,31 +7,59 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
-from cluster import cli_admin, cli_chaos, cli_cities, cli_jobs
-from cluster.cli_cities import cities_flag, cities_for
-from cluster.cli_common import (client_metadata, default_cache_dir, default_token_file, grpc_error, resolve_model, run_replay,
-                                write_secret)
+import grpc
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+
+from benchmarks.engine_bench import format_result, run_engine_bench, to_json
+from benchmarks.kv_bench import format_kv, run_kv_bench
+from benchmarks.placement_bench import format_placement, run_placement_bench
+from benchmarks.traces import TraceError, load_trace
+from cli import admin as cli_admin
+from cli import chaos as cli_chaos
+from cli import cities as cli_cities
+from cli import jobs as cli_jobs
+from cli.chaos import run_chaos
+from cli.cities import cities_flag, cities_for
+from cli.common import (
+    client_metadata,
+    default_cache_dir,
+    default_token_file,
+    grpc_error,
+    resolve_model,
+    run_replay,
+    write_secret,
+)
+from engine.config import EngineConfig
+from engine.default_model import prepare_default_model
+from engine.errors import EngineError
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.tiny import write_tiny_checkpoint
+from launch.local import LocalCluster
+from launch.ray_backend import RayBackend
+from runtime.config import ConfigError, load_config
+from runtime.rpc import sync_channel
 
 
 def cmd_model_prepare(args: argparse.Namespace) -> int:
-    from engine.default_model import prepare_default_model
 
     print(prepare_default_model(args.cache_dir))
     return 0
 
 
 def cmd_model_tiny(args: argparse.Namespace) -> int:
-    from engine.tiny import write_tiny_checkpoint
 
     print(write_tiny_checkpoint(Path(args.out), args.arch, seed=args.seed))
     return 0
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from benchmarks.engine_bench import format_result, run_engine_bench, to_json
 
     path = resolve_model(args.model, args.cache_dir)
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -45,7 +73,6 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_kv(args: argparse.Namespace) -> int:
-    from benchmarks.kv_bench import format_kv, run_kv_bench
 
     streams = [int(s) for s in args.streams.split(",")]
     model = None if args.no_overlap else resolve_model(args.model, args.cache_dir)
@@ -55,16 +82,12 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_placement(args: argparse.Namespace) -> int:
-    from benchmarks.placement_bench import format_placement, run_placement_bench
 
     print(format_placement(run_placement_bench(args.workers, args.sites, args.prompt_tokens, args.decisions)))
     return 0
 
 
 def cmd_bench_replay(args: argparse.Namespace) -> int:
-    from benchmarks.traces import TraceError, load_trace
-    from cluster.config import ConfigError, load_config
-    from cluster.launch_local import LocalCluster
 
     if args.speedup <= 0 or any(x is not None and x <= 0 for x in (args.length_scale, args.output_scale)):
         print("kvrelay: --speedup, --length-scale and --output-scale must be positive", file=sys.stderr)
@@ -86,7 +109,6 @@ def cmd_bench_replay(args: argparse.Namespace) -> int:
         return 2
     cfg.router.port = 0
     if args.chaos is not None:
-        from cluster.cli_chaos import run_chaos
 
         return run_chaos(args, reqs, cfg, resolve_model(cfg.model.path, args.cache_dir), cities_for(args))
     cluster = LocalCluster(cfg, resolve_model(cfg.model.path, args.cache_dir), cities=cities_for(args))
@@ -98,9 +120,6 @@ def cmd_bench_replay(args: argparse.Namespace) -> int:
 
 def cmd_generate_local(args: argparse.Namespace) -> int:
     """Runs the engine in this process (no cluster) and streams the answer."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
 
     path = resolve_model(args.model, args.cache_dir)
     eng = LLMEngine(EngineConfig(model_path=path, dtype=args.dtype))
@@ -119,11 +138,7 @@ def cmd_generate_local(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Runs the cluster in the foreground until Ctrl-C / SIGTERM."""
-    import signal
-    import time
 
-    from cluster.config import load_config
-    from cluster.launch_local import LocalCluster
 
     cfg = load_config(args.config)
     if args.port is not None:
@@ -136,7 +151,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.cities:
             raise ValueError("--cities runs workers in this machine's namespaces; it cannot be combined with "
                              "--backend ray")
-        from cluster.launch_ray import RayBackend
 
         backend = RayBackend([s.name for s in cfg.sites], args.ray_address)
     cluster = LocalCluster(cfg, model_path, log_level=args.log_level, cities=cities_for(args), backend=backend)
@@ -166,10 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Streams an answer from a running cluster."""
-    import grpc
 
-    from kvrelay.v1 import inference_pb2 as ipb
-    from kvrelay.v1 import inference_pb2_grpc as igrpc
 
     req = ipb.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, raw_prompt=args.raw,
                               allowed_jurisdictions=args.jurisdiction or [])
@@ -177,7 +188,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.seed is not None:
         req.sampling.seed = args.seed
     finish = None
-    with grpc.insecure_channel(args.router) as ch:
+    with sync_channel(args.router) as ch:
         try:
             for msg in igrpc.InferenceStub(ch).Generate(req, timeout=args.timeout, metadata=client_metadata()):
                 sys.stdout.write(msg.text)
@@ -300,7 +311,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.errors import EngineError
 
     args = build_parser().parse_args(argv)
     try:

@@ -27,13 +27,15 @@ from pathlib import Path
 from typing import Protocol
 
 import grpc
-
-from cluster.cities import CitiesState
-from cluster.config import ClusterConfig, Credential, dump_config
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+from launch.cities import CitiesState
+from router.admin import token_sha256
+from runtime.config import ClusterConfig, Credential, dump_config
+from runtime.rpc import sync_channel
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +128,6 @@ class LocalCluster:
             cfg.router.jobs_db = str(Path(self._tmp.name) / "jobs.sqlite")
         self._secret = secrets.token_hex(32)
         """Per-run KV secret for the workers when the config names no secret file."""
-        from router.admin import token_sha256
 
         # the launcher reads pool sizes with a credential of its own; it is also the
         # operators' token for this run when the config names no operators
@@ -215,7 +216,7 @@ class LocalCluster:
         raise TimeoutError("router did not become ready in time")
 
     def _await_workers(self, expected: int, deadline: float) -> None:
-        with grpc.insecure_channel(self.router_address) as ch:
+        with sync_channel(self.router_address) as ch:
             stub = wgrpc.RegistryStub(ch)
             while time.monotonic() < deadline:
                 dead = self.dead_children()
@@ -235,7 +236,7 @@ class LocalCluster:
 
     # -- keeping pools at their desired size --------------------------------
     def _reconcile_loop(self) -> None:
-        with grpc.insecure_channel(self.router_address) as ch:
+        with sync_channel(self.router_address) as ch:
             admin, registry = agrpc.AdminStub(ch), wgrpc.RegistryStub(ch)
             auth = (("authorization", f"Bearer {self._launcher_token}"),)
             while not self._stop.wait(RECONCILE_INTERVAL_S):

@@ -11,7 +11,10 @@ import asyncio
 import json
 from pathlib import Path
 
-from cluster.cli_common import replay_config, replay_prompts, run_meta
+from benchmarks.chaos import Chaos, ChaosConfig, compare, comparison_markdown
+from benchmarks.replay import build_report, replay, write_report
+from cli.common import replay_config, replay_prompts, run_meta
+from launch.local import LocalCluster
 
 CLIENT_RETRIES = 50
 """Times the replay client sends a request again after UNAVAILABLE (the
@@ -19,9 +22,6 @@ router restarting): what any client of a service that restarts must do."""
 
 
 def run_chaos(args: argparse.Namespace, reqs, cfg, model_path: Path, cities) -> int:
-    from benchmarks.chaos import Chaos, ChaosConfig, compare, comparison_markdown
-    from benchmarks.replay import build_report, replay, write_report
-    from cluster.launch_local import LocalCluster
 
     rcfg = replay_config(args)
     rcfg.retries = CLIENT_RETRIES

@@ -3,10 +3,11 @@ router and the workers so both read a request the same way."""
 
 from __future__ import annotations
 
-from engine.llm_engine import RequestOutput
-from engine.sampling_params import SamplingParams
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
+
+from engine.llm_engine import RequestOutput
+from engine.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 128
 

@@ -8,7 +8,7 @@ the kernel's TCP between them meets real bandwidth-delay effects::
        |  veth per site: "mgmt" x.y.0.(10+i)/24 in site i     (control plane, no delay)
     site i namespace: site address x.y.(1+i).1/32 on lo      (workers bind it)
        |  per link (i, j): TUN "wan<j>" in i <-> TUN "wan<i>" in j
-       |     rate: tbf on each TUN's egress; delay: cluster.delayline (user space)
+       |     rate: tbf on each TUN's egress; delay: launch.delayline (user space)
     site j namespace: route x.y.(1+j).0/24 dev wan<i> ...
 
 Traffic between sites (KV transfers and the decode->prefill calls) takes
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cluster.config import ClusterConfig
+    from runtime.config import ClusterConfig
 
 DEFAULT_STATE_DIR = Path("/run/kvrelay")
 DEFAULT_SUBNET = "10.213.0.0/16"
@@ -220,7 +220,7 @@ def _start_delay_line(st: CitiesState, link: LinkNet, log_dir: Path) -> tuple[in
     j = [s.name for s in st.sites].index(link.b)
     tmp_a, tmp_b = f"{st.prefix}-t{i}x{j}", f"{st.prefix}-t{j}x{i}"
     log = open(log_dir / f"link-{link.a}-{link.b}.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.delayline", "--dev-a", tmp_a, "--dev-b", tmp_b,
+    proc = subprocess.Popen([sys.executable, "-m", "launch.delayline", "--dev-a", tmp_a, "--dev-b", tmp_b,
                              "--delay-ms", str(link.rtt_ms / 2), "--mtu", str(WAN_MTU)],
                             stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
                             start_new_session=True, text=True)

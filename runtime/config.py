@@ -30,13 +30,22 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from engine.config import CacheConfig, SchedulerConfig
-from router.placement import POLICIES
+
+
+class PlacementPolicy(StrEnum):
+    """The router's placement policies (router/placement.py implements them)."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    PREFIX_AWARE = "prefix_aware"
+    COST_MODEL = "cost_model"
 
 
 class ConfigError(ValueError):
@@ -327,8 +336,8 @@ def _validate(cfg: ClusterConfig) -> None:
     if not any(s.decode.replicas for s in cfg.sites):
         raise ConfigError("sites: at least one site needs a decode worker (decode.replicas >= 1)")
     r = cfg.router
-    if r.policy not in POLICIES:
-        raise ConfigError(f"router.policy: must be one of {', '.join(POLICIES)}, got {r.policy!r}")
+    if r.policy not in tuple(PlacementPolicy):
+        raise ConfigError(f"router.policy: must be one of {', '.join(PlacementPolicy)}, got {r.policy!r}")
     if r.job_concurrency < 1:
         raise ConfigError("router.job_concurrency: must be >= 1")
     if r.max_inflight_per_worker < 1:

@@ -1,0 +1,33 @@
+"""The decode worker process (``python -m decode_worker``): the shared
+worker start (runtime/worker.py) plus this worker's own side, a KV receiver
+and the DecodeWorker gRPC service."""
+
+from __future__ import annotations
+
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+from decode_worker.server import DecodeService
+from kvtransfer.select import make_receiver
+from runtime.topology import Role
+from runtime.worker import (
+    WorkerSetup,
+    listening_server,
+    serve_worker,
+    start_engine,
+    worker_info,
+    worker_main,
+)
+
+
+async def run(setup: WorkerSetup) -> None:
+    aengine = await start_engine(setup)
+    server, port = listening_server(setup)
+    receiver = make_receiver(setup.transport, aengine.engine.cache, setup.host, setup.transfer)
+    service = DecodeService(aengine, setup.ident, receiver, setup.cfg.router.kv_lease_s)
+    wgrpc.add_DecodeWorkerServicer_to_server(service, server)
+    info = worker_info(setup, aengine.engine, port, receiver.endpoint)
+    await serve_worker(setup, aengine, server, info, service.load)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return worker_main(Role.DECODE, argv, run)

@@ -1,0 +1,37 @@
+"""The prefill worker process (``python -m prefill_worker``): the shared
+worker start (runtime/worker.py) plus this worker's own side, a KV sender
+and the PrefillWorker gRPC service."""
+
+from __future__ import annotations
+
+import os
+
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+from kvtransfer.local import shm_path_for
+from kvtransfer.select import make_sender
+from prefill_worker.server import PrefillService
+from runtime.topology import Role
+from runtime.worker import (
+    WorkerSetup,
+    listening_server,
+    serve_worker,
+    start_engine,
+    worker_info,
+    worker_main,
+)
+
+
+async def run(setup: WorkerSetup) -> None:
+    # the local transport shares this worker's KV memory with decode workers on the same host
+    shm = shm_path_for(setup.ident.worker_id, os.getpid()) if setup.transport == "local" else None
+    aengine = await start_engine(setup, shm)
+    server, port = listening_server(setup)
+    sender = make_sender(setup.transport, aengine.engine.cache, setup.transfer)
+    service = PrefillService(aengine, setup.ident, sender, setup.cfg.kv.transfer_timeout_s)
+    wgrpc.add_PrefillWorkerServicer_to_server(service, server)
+    await serve_worker(setup, aengine, server, worker_info(setup, aengine.engine, port, ""), service.load)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return worker_main(Role.PREFILL, argv, run)

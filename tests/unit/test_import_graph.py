@@ -1,0 +1,132 @@
+"""The project's imports point one way (README, "Architecture"):
+
+    proto (kvrelay.v1) <- engine <- kvtransfer <- runtime
+        <- {prefill_worker, decode_worker, router} <- launch <- benchmarks <- cli
+
+The graph is built from the source with ast, so it sees every import, also
+those inside functions, whether or not that code runs."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+LAYERS = [{"kvrelay"}, {"engine"}, {"kvtransfer"}, {"runtime"}, {"prefill_worker", "decode_worker", "router"},
+          {"launch"}, {"benchmarks"}, {"cli"}]
+"""Bottom to top; a package imports only from layers below its own (and itself)."""
+LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+PACKAGES = {"kvrelay": ROOT / "proto" / "kvrelay", **{p: ROOT / p for p in LAYER if p != "kvrelay"}}
+
+FORBIDDEN = {
+    "engine": {"grpc", "kvtransfer", "router", "prefill_worker", "decode_worker"},
+    "kvtransfer": {"router", "prefill_worker", "decode_worker"},
+    "router": {"prefill_worker", "decode_worker", "kvtransfer"},
+    "prefill_worker": {"decode_worker"},
+    "decode_worker": {"prefill_worker"},
+}
+"""The rules DESIGN.md states outright (the layer order implies most of them)."""
+
+LAZY_ALLOWED = {"ray", "matplotlib", "transformers", "nixl", "nixl_cu12", "mooncake", "uvicorn", "openai", "torch"}
+"""Heavy optional dependencies that may be imported inside a function."""
+
+
+def project_imports(tree: ast.AST) -> list[tuple[str, int, bool]]:
+    """(top-level module, line, inside a function) for every import in ``tree``."""
+    out = []
+
+    def visit(node: ast.AST, in_func: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_func or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                out.extend((a.name.split(".")[0], child.lineno, in_func) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                out.append((child.module.split(".")[0], child.lineno, in_func))
+            visit(child, nested)
+
+    visit(tree, False)
+    return out
+
+
+def graph(packages: dict[str, Path], root: Path = ROOT) -> dict[str, list[tuple[str, str, int, bool]]]:
+    """package -> [(imported top-level module, file, line, inside a function)]."""
+    edges: dict[str, list] = {p: [] for p in packages}
+    for pkg, folder in packages.items():
+        for path in sorted(folder.rglob("*.py")):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue  # generated
+            tree = ast.parse(path.read_text(), str(path))
+            for mod, line, lazy in project_imports(tree):
+                edges[pkg].append((mod, str(path.relative_to(root)), line, lazy))
+    return edges
+
+
+def package_cycles(edges: dict[str, list]) -> list[list[str]]:
+    """Cycles between top-level packages (each as a path a -> ... -> a)."""
+    succ = {p: sorted({m for m, *_ in e if m in edges and m != p}) for p, e in edges.items()}
+    cycles, state = [], {}
+
+    def dfs(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in succ[node]:
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                dfs(nxt, path + [nxt])
+        state[node] = "done"
+
+    for p in sorted(succ):
+        if p not in state:
+            dfs(p, [p])
+    return cycles
+
+
+def violations(edges: dict[str, list]) -> list[str]:
+    """Every import that breaks the layering, the stated rules or the top-of-module rule."""
+    bad = []
+    for pkg, imports in edges.items():
+        for mod, path, line, lazy in imports:
+            where = f"{path}:{line}: {pkg} imports {mod}"
+            if mod in FORBIDDEN.get(pkg, ()):
+                bad.append(f"{where} (forbidden)")
+            elif mod in LAYER and mod != pkg and LAYER[mod] >= LAYER[pkg]:
+                bad.append(f"{where} (not below {pkg})")
+            if lazy and (mod in LAYER):
+                bad.append(f"{where} inside a function (project imports go at module top)")
+    return bad
+
+
+def test_no_cycles_between_top_level_packages():
+    assert package_cycles(graph(PACKAGES)) == []
+
+
+def test_imports_point_one_way():
+    assert violations(graph(PACKAGES)) == []
+
+
+def test_only_heavy_optional_dependencies_are_imported_lazily():
+    lazy = sorted({(m, f"{p}:{line}") for pkg, e in graph(PACKAGES).items()
+                   for m, p, line, is_lazy in e if is_lazy and m not in LAZY_ALLOWED and m not in LAYER})
+    # stdlib modules imported late are harmless but say nothing: keep them at the top too
+    assert lazy == [], lazy
+
+
+def test_the_checks_catch_a_cycle_and_a_forbidden_import(tmp_path: Path):
+    """The checker itself: a toy tree with engine -> router -> engine and a lazy import."""
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "router").mkdir()
+    (tmp_path / "engine" / "a.py").write_text("import router.b\n")
+    (tmp_path / "router" / "b.py").write_text("def f():\n    from engine import a\n")
+    edges = graph({"engine": tmp_path / "engine", "router": tmp_path / "router"}, tmp_path)
+    assert package_cycles(edges) == [["engine", "router", "engine"]]
+    bad = violations(edges)
+    assert any("engine imports router (forbidden)" in b for b in bad)
+    assert any("inside a function" in b for b in bad)
+
+
+@pytest.mark.parametrize("pkg", sorted(p for p in LAYER if p != "kvrelay"))
+def test_every_layer_exists(pkg: str):
+    assert (PACKAGES[pkg] / "__init__.py").is_file()
