@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.kv_peer import SECRET, mooncake_engine
+from engine.blocks import blocks_for
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_cache import KVCache, KVLayout
 from engine.llm_engine import LLMEngine
@@ -202,7 +203,7 @@ def layerwise_overlap(model_path: Path, prompt_tokens: int = 4096) -> dict:
                                                                           enable_prefix_caching=False),
                                  scheduler=SchedulerConfig(max_num_batched_tokens=1024)))
     layout = eng.layout
-    n_blocks = -(-prompt_tokens // layout.block_size)
+    n_blocks = blocks_for(prompt_tokens, layout.block_size)
     spec = f"{layout.dtype},{layout.num_layers},{layout.num_kv_heads},{layout.head_dim},{layout.block_size}," \
            f"{n_blocks},{layout.model}"
     proc, endpoint = _peer("receiver", spec, "3")

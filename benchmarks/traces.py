@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from engine.blocks import blocks_for
+
 MOONCAKE_BLOCK_TOKENS = 512
 FORMATS = ("azure", "mooncake")
 SAMPLE_TRACES = Path(__file__).resolve().parent / "data"
@@ -111,9 +113,9 @@ def _mooncake(path: Path, limit: int | None) -> list[TraceRequest]:
             if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
                 raise TraceError(f"{where}: hash_ids must be a list of integers")
             n_in = _positive(row["input_length"], "input_length", where)
-            if ids and len(ids) != -(-n_in // MOONCAKE_BLOCK_TOKENS):
+            if ids and len(ids) != blocks_for(n_in, MOONCAKE_BLOCK_TOKENS):
                 raise TraceError(f"{where}: {len(ids)} hash_ids for {n_in} input tokens "
-                                 f"(expected {-(-n_in // MOONCAKE_BLOCK_TOKENS)} blocks of {MOONCAKE_BLOCK_TOKENS})")
+                                 f"(expected {blocks_for(n_in, MOONCAKE_BLOCK_TOKENS)} blocks of {MOONCAKE_BLOCK_TOKENS})")
             t0 = ts if t0 is None else t0
             out.append(TraceRequest(len(out), (ts - t0) / 1e3, n_in,
                                     _positive(row["output_length"], "output_length", where), list(ids)))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.block_pool import BlockPool, KVEvents
+from engine.blocks import blocks_for
 from engine.checkpoint import load_checkpoint
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, OutOfBlocksError
@@ -146,7 +147,7 @@ class LLMEngine:
         n = seq.num_prompt_tokens
         hit = self.pool.match_prefix(seq.hashes_up_to((n - 1) // bs, bs))
         try:
-            fresh = self.pool.allocate(-(-n // bs) - len(hit))
+            fresh = self.pool.allocate(blocks_for(n, bs) - len(hit))
         except OutOfBlocksError:
             self.pool.free(hit)
             self._seqs.pop(request_id)

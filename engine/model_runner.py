@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.blocks import blocks_for
 from engine.kv_cache import KVCache
 from engine.layers.attention import (
     AttentionMetadata,
@@ -93,7 +94,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if e.sample:
                 sample_idx.append(token_start + n - 1)
-            nblocks = -(-(start + n) // bs)
+            nblocks = blocks_for(start + n, bs)
             meta.prefills.append(PrefillSegment(
                 token_start=token_start, num_tokens=n, context_start=start,
                 block_table=torch.tensor(table[:nblocks], dtype=torch.long, device=self.device),

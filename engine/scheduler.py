@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
+from engine.blocks import blocks_for
 from engine.config import SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 
@@ -67,7 +68,7 @@ class Scheduler:
 
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
         total = seq.num_computed_tokens + num_new
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        return max(0, blocks_for(total, self.block_size) - len(seq.block_table))
 
     def _grow(self, seq: Sequence, num_new: int) -> None:
         need = self._blocks_needed(seq, num_new)

@@ -36,6 +36,21 @@ TransferId = str
 BlockId = int
 
 
+class Transport(enum.StrEnum):
+    """The KV transports kvtransfer implements (the config's and the wire's word for each)."""
+
+    TCP = "tcp"
+    """Bytes over sockets, our own framing (kvtransfer/tcp.py)."""
+    NIXL = "nixl"
+    """The receiver READs the sender's registered memory through a NIXL agent (kvtransfer/nixl.py)."""
+    LOCAL = "local"
+    """Same host: the receiver copies from the sender's shared memory (kvtransfer/local.py)."""
+
+
+AUTO = "auto"
+"""``kv.transport: auto``: nixl where the host has RDMA devices and NIXL imports, else tcp."""
+
+
 class TransferState(enum.IntEnum):
     """Ordered: a transfer only moves forward, except to FAILED from anywhere."""
 

@@ -16,6 +16,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvrelay.v1 import kv_wire_pb2 as pb
 
+from engine.blocks import ceil_div
+
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 3
@@ -159,7 +161,7 @@ class PayloadCipher:
 
     @classmethod
     def sealed_bytes(cls, plain_bytes: int) -> int:
-        return plain_bytes + cls.TAG * -(-plain_bytes // cls.PIECE)
+        return plain_bytes + cls.TAG * ceil_div(plain_bytes, cls.PIECE)
 
     @classmethod
     def _pieces(cls, views: list[memoryview]):

@@ -21,6 +21,7 @@ from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 from engine.async_engine import AsyncEngine
+from engine.blocks import blocks_for
 from engine.errors import InvalidRequestError
 from kvtransfer.base import KVSender, TransferTarget, wait_async
 from kvtransfer.errors import KVTransferError
@@ -91,7 +92,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         if target.layout_hash != self.engine.layout.compat_hash():
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV layout of the target differs from ours")
         bs = self.engine.layout.block_size
-        n_blocks = -(-len(wr.prompt_token_ids) // bs)
+        n_blocks = blocks_for(len(wr.prompt_token_ids), bs)
         if target.start_block + len(target.block_ids) != n_blocks:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"target covers blocks [{target.start_block}, "

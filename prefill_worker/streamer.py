@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.blocks import blocks_for
 from engine.model_runner import ModelRunner
 from kvtransfer.base import SendHandle
 
@@ -47,7 +48,7 @@ class LayerStreamer:
             a = self._active.get(sl.request_id)
             if a is None:
                 continue
-            upto = -(-sl.end // bs) if sl.end >= sl.num_prompt_tokens else sl.end // bs
+            upto = blocks_for(sl.end, bs) if sl.end >= sl.num_prompt_tokens else sl.end // bs
             upto = min(upto, a.start_block + a.num_blocks)
             lo = a.sent[layer]
             if upto > lo:

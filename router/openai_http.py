@@ -34,6 +34,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.blocks import ceil_div
+
 log = logging.getLogger(__name__)
 
 HTTP_STATUS = {
@@ -106,7 +108,7 @@ def api_error(exc: _Aborted, retry_after_ms: str | None = None) -> ApiError:
     status, type_ = HTTP_STATUS.get(exc.code, (500, "server_error"))
     headers = {}
     if status == 429 and retry_after_ms:
-        headers["Retry-After"] = str(max(1, -(-int(retry_after_ms) // 1000)))  # whole seconds, rounded up
+        headers["Retry-After"] = str(max(1, ceil_div(int(retry_after_ms), 1000)))  # whole seconds, rounded up
     code = "model_not_found" if exc.code == grpc.StatusCode.NOT_FOUND else exc.code.name.lower()
     return ApiError(status, exc.details, type_, code=code, headers=headers)
 

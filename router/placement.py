@@ -39,6 +39,7 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
+from engine.blocks import blocks_for
 from runtime.config import PlacementPolicy
 
 POLICIES = tuple(PlacementPolicy)
@@ -175,7 +176,7 @@ def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView
     """Prefill and decode workers the request may use, or PlacementError."""
     allowed = req.allowed_jurisdictions
     prefills, decodes, any_decode, any_allowed_decode = [], [], False, False
-    need = -(-(req.prompt_tokens + 1) // view.block_size)
+    need = blocks_for(req.prompt_tokens + 1, view.block_size)
     for w in view.workers:
         if not w.healthy or w.draining or w.worker_id in req.exclude:
             continue
@@ -292,7 +293,7 @@ def _compute_s(req: PlacementRequest, view: ClusterView, w: WorkerView) -> float
 
 
 def _exposed_s(req: PlacementRequest, view: ClusterView, link: LinkView, compute_s: float, d_cached: int) -> float:
-    blocks = max(0, -(-req.prompt_tokens // view.block_size) - d_cached)
+    blocks = max(0, blocks_for(req.prompt_tokens, view.block_size) - d_cached)
     transfer = blocks * view.kv_block_bytes * 8 / (link.gbps * 1e9)
     return max(transfer / view.num_layers, transfer - compute_s) + link.rtt_ms / 1e3
 
