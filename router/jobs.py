@@ -15,10 +15,13 @@ import grpc
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
-from kvrelay.v1.worker_pb2 import ROLE_DECODE
 
+from router.core import RouterCore
+from router.errors import ErrorKind, RouterError
+from router.grpc_api import STATUS, abort, caller_of, client_auth
 from router.jobs_store import JOB_CANCELLED, JOB_DONE, JobRow, JobStore
-from router.requests import RequestError, build_work_request
+from router.requests import Caller, Priority
+from runtime.topology import Role
 
 log = logging.getLogger(__name__)
 
@@ -27,41 +30,9 @@ POLL_S = 0.2
 """How often the runner looks for work and followers look for results."""
 
 
-class JobRequestFailed(Exception):
-    """A job's request ended with an error status (its message is stored as the
-    result, unless the cause is transient: then the request runs again later)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-
-
-TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
-"""No worker could take the request now (none registered yet, all full): not its fault."""
+TRANSIENT = frozenset({ErrorKind.UNAVAILABLE, ErrorKind.OVERLOADED})
+"""No worker could take the request now (none registered yet, all full): not its fault; it runs again later."""
 BACKOFF_S = 1.0
-
-
-class InternalContext:
-    """Stands in for a gRPC context when the router runs a job's request
-    itself: aborts become exceptions, there is no client deadline."""
-
-    batch = True
-
-    def __init__(self, tenant: str = "") -> None:
-        self.tenant = tenant
-        """The job's owner: its requests run as that tenant."""
-
-    def time_remaining(self):
-        return None
-
-    def invocation_metadata(self):
-        return ()
-
-    def set_trailing_metadata(self, md) -> None:
-        pass
-
-    async def abort(self, code, details):
-        raise JobRequestFailed(code, details)
 
 
 def _job_proto(row: JobRow) -> jpb.Job:
@@ -70,9 +41,10 @@ def _job_proto(row: JobRow) -> jpb.Job:
 
 
 class JobService(jgrpc.JobsServicer):
-    def __init__(self, router, db_path: str, concurrency: int) -> None:
-        """``router``: the RouterService whose request path runs the jobs."""
-        self.router = router
+    def __init__(self, core: RouterCore, db_path: str, concurrency: int) -> None:
+        """``core``: the router core whose request path runs the jobs."""
+        self.core = core
+        self.auth = client_auth(core)
         self.concurrency = concurrency
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jobs-db")
         self.store: JobStore | None = None
@@ -103,8 +75,15 @@ class JobService(jgrpc.JobsServicer):
         self._pool.shutdown(wait=True)
 
     # -- API -------------------------------------------------------------------
+    async def _owner(self, context) -> str:
+        """The calling tenant (a job belongs to its submitter)."""
+        try:
+            return caller_of(context, self.auth).tenant
+        except RouterError as exc:
+            await abort(context, exc)
+
     async def SubmitJob(self, request: jpb.SubmitJobRequest, context) -> jpb.Job:
-        owner = await self.router.tenant(context)
+        owner = await self._owner(context)
         if not request.requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a job needs at least one request")
         if len(request.requests) > MAX_JOB_REQUESTS:
@@ -112,9 +91,9 @@ class JobService(jgrpc.JobsServicer):
                                 f"a job holds at most {MAX_JOB_REQUESTS} requests, got {len(request.requests)}")
         for i, r in enumerate(request.requests):  # the interactive path's validation, before storing anything
             try:
-                build_work_request(r, self.router.tok, self.router.limits)
-            except RequestError as exc:
-                await context.abort(exc.code, f"requests[{i}]: {exc.message}")
+                self.core.prepare(r, Caller(owner))
+            except RouterError as exc:
+                await abort(context, exc, prefix=f"requests[{i}]: ")
         row = await self._db(self.store.submit, request.name, [r.SerializeToString() for r in request.requests],
                              owner)
         log.info("job %s (%s): %d requests", row.id, request.name or "unnamed", row.total)
@@ -123,7 +102,7 @@ class JobService(jgrpc.JobsServicer):
 
     async def _row(self, job_id: str, context) -> JobRow:
         """The caller's job (another tenant's is as unknown as a missing one)."""
-        owner = await self.router.tenant(context)
+        owner = await self._owner(context)
         row = await self._db(self.store.get, job_id)
         if row is None or row.owner != owner:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
@@ -133,7 +112,7 @@ class JobService(jgrpc.JobsServicer):
         return _job_proto(await self._row(request.id, context))
 
     async def ListJobs(self, request, context) -> jpb.ListJobsResponse:
-        owner = await self.router.tenant(context)
+        owner = await self._owner(context)
         return jpb.ListJobsResponse(jobs=[_job_proto(r) for r in await self._db(self.store.list, owner)])
 
     async def CancelJob(self, request: jpb.CancelJobRequest, context) -> jpb.Job:
@@ -163,9 +142,9 @@ class JobService(jgrpc.JobsServicer):
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
-            if self.router.waiting_interactive > 0:
+            if self.core.waiting_interactive > 0:
                 continue  # interactive requests first
-            if loop.time() < self._paused_until or not self.router.registry.candidates(ROLE_DECODE):
+            if loop.time() < self._paused_until or not self.core.registry.candidates(Role.DECODE):
                 continue  # nothing can serve now (e.g. a router that just restarted)
             room = self.concurrency - len(self.inflight)
             for job, idx, blob, owner in await self._db(self.store.claim, room):
@@ -178,19 +157,20 @@ class JobService(jgrpc.JobsServicer):
             req.request_id = f"{job}-{idx}"
         result = jpb.JobResult(index=idx, request_id=req.request_id)
         ok = True
+        caller = Caller(owner, priority=Priority.BATCH)  # runs as the job's owner, no deadline
         try:
-            async for msg in self.router.Generate(req, InternalContext(owner)):
+            async for msg in self.core.generate(self.core.prepare(req, caller), caller):
                 result.token_ids.extend(msg.token_ids)
                 result.text += msg.text
                 if msg.HasField("finish"):
                     result.finish.CopyFrom(msg.finish)
-        except JobRequestFailed as exc:
-            if exc.code in TRANSIENT:
+        except RouterError as exc:
+            if exc.kind in TRANSIENT:
                 await self._db(self.store.release, job, idx)
                 self._paused_until = asyncio.get_running_loop().time() + BACKOFF_S
                 log.info("job %s request %d: %s; it runs again later", job, idx, exc)
                 return
-            ok, result.error = False, str(exc)
+            ok, result.error = False, f"{STATUS[exc.kind].name}: {exc.message}"
         except asyncio.CancelledError:
             await asyncio.shield(self._db(self.store.release, job, idx))  # runs again after a restart
             raise

@@ -14,10 +14,11 @@ from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
+from router.core import RouterCore
+from router.grpc_api import add_router_to_server
 from router.jobs import JobService
 from router.openai_http import OpenAIServer, serve_http
 from router.requests import ModelLimits
-from router.server import RouterService, add_router_to_server
 from runtime.config import load_config
 from runtime.lifetime import die_with_parent
 from runtime.rpc import bind, create_server
@@ -28,12 +29,13 @@ async def run(args: argparse.Namespace) -> None:
     model_cfg = ModelConfig.from_file(f"{args.model_path}/config.json")
     max_len = min(cfg.scheduler.max_model_len or model_cfg.max_position_embeddings,
                   model_cfg.max_position_embeddings)
+    tok = Tokenizer(args.model_path)
     limits = ModelLimits(name=args.model_name or model_cfg.name, max_model_len=max_len,
-                         vocab_size=model_cfg.vocab_size)
-    service = RouterService(cfg, Tokenizer(args.model_path), limits)
+                         vocab_size=model_cfg.vocab_size, chat=tok.has_chat_template)
+    core = RouterCore(cfg, tok, limits)
     server = create_server()
-    add_router_to_server(service, server)
-    jobs = JobService(service, args.jobs_db or cfg.router.jobs_db or ":memory:", cfg.router.job_concurrency)
+    add_router_to_server(core, server)
+    jobs = JobService(core, args.jobs_db or cfg.router.jobs_db or ":memory:", cfg.router.job_concurrency)
     if not (args.jobs_db or cfg.router.jobs_db):
         logging.getLogger(__name__).warning("router.jobs_db is not set: batch jobs live in memory only")
     await jobs.start()
@@ -48,7 +50,7 @@ async def run(args: argparse.Namespace) -> None:
     http = None
     if cfg.router.http_port is not None:
 
-        http, http_task, http_port = await serve_http(OpenAIServer(service).app, host, cfg.router.http_port)
+        http, http_task, http_port = await serve_http(OpenAIServer(core).app, host, cfg.router.http_port)
         ready += f" http={host}:{http_port}"
     print(ready, flush=True)
     stop = asyncio.Event()
@@ -61,7 +63,7 @@ async def run(args: argparse.Namespace) -> None:
         await asyncio.wait_for(http_task, 5.0)
     await server.stop(grace=2.0)
     await jobs.stop()
-    await service.registry.close()
+    await core.registry.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,10 +2,10 @@
 ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``.
 
 Starlette on uvicorn, in the router's own event loop: a request becomes the
-same ``GenerateRequest`` a gRPC client would send and runs through
-``RouterService.Generate`` itself, so validation, admission, placement and
-recovery have one implementation; gRPC status codes map to HTTP statuses
-and OpenAI's error shape (:data:`HTTP_STATUS`).
+same ``GenerateRequest`` a gRPC client would send and runs through the
+router core (router/core.py), so validation, admission, placement and
+recovery have one implementation; each :class:`~router.errors.ErrorKind`
+maps to an HTTP status and OpenAI's error shape (:data:`HTTP_STATUS`).
 
 Streaming uses server-sent events ending in ``data: [DONE]``; with
 ``stream_options.include_usage`` a last chunk carries ``usage``. kvrelay's
@@ -26,7 +26,6 @@ import time
 import uuid
 from typing import Any
 
-import grpc
 from google.protobuf.json_format import MessageToDict
 from kvrelay.v1 import inference_pb2 as ipb
 from starlette.applications import Starlette
@@ -35,23 +34,26 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.blocks import ceil_div
+from router.auth import BearerAuth
+from router.core import RouterCore
+from router.errors import ErrorKind, RouterError
+from router.requests import Caller
 
 log = logging.getLogger(__name__)
 
 HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    ErrorKind.INVALID: (400, "invalid_request_error"),
+    ErrorKind.CONSTRAINT: (400, "invalid_request_error"),
+    ErrorKind.UNAUTHENTICATED: (401, "authentication_error"),
+    ErrorKind.NOT_FOUND: (404, "not_found_error"),
+    ErrorKind.UNKNOWN_MODEL: (404, "not_found_error"),
+    ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+    ErrorKind.CANCELLED: (499, "cancelled"),
+    ErrorKind.UNAVAILABLE: (503, "service_unavailable"),
+    ErrorKind.DEADLINE: (504, "timeout"),
+    ErrorKind.INTERNAL: (500, "server_error"),
 }
-"""gRPC status of the shared request path -> HTTP status and OpenAI error type
-(anything else: 500, server_error)."""
+"""Error kind of the shared request path -> HTTP status and OpenAI error type."""
 
 FINISH = {ipb.FINISH_REASON_STOP: "stop", ipb.FINISH_REASON_LENGTH: "length", ipb.FINISH_REASON_ABORT: "stop"}
 MAX_BODY_BYTES = 8 << 20
@@ -74,43 +76,13 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
-class HttpContext:
-    """Stands in for a gRPC context when Generate serves an HTTP request: the
-    client's credentials, an optional deadline, aborts become exceptions."""
-
-    batch = False
-
-    def __init__(self, authorization: str, timeout_s: float | None) -> None:
-        self._metadata = (("authorization", authorization),) if authorization else ()
-        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self.retry_after_ms: str | None = None
-
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-
-    def invocation_metadata(self):
-        return self._metadata
-
-    def set_trailing_metadata(self, md) -> None:
-        self.retry_after_ms = dict(md).get("retry-after-ms", self.retry_after_ms)
-
-    async def abort(self, code, details):
-        raise _Aborted(code, details)
-
-
-def api_error(exc: _Aborted, retry_after_ms: str | None = None) -> ApiError:
-    status, type_ = HTTP_STATUS.get(exc.code, (500, "server_error"))
+def api_error(exc: RouterError) -> ApiError:
+    """A router error in OpenAI's shape (``code`` is the kind, e.g. model_not_found)."""
+    status, type_ = HTTP_STATUS[exc.kind]
     headers = {}
-    if status == 429 and retry_after_ms:
-        headers["Retry-After"] = str(max(1, ceil_div(int(retry_after_ms), 1000)))  # whole seconds, rounded up
-    code = "model_not_found" if exc.code == grpc.StatusCode.NOT_FOUND else exc.code.name.lower()
-    return ApiError(status, exc.details, type_, code=code, headers=headers)
+    if status == 429 and exc.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, ceil_div(int(exc.retry_after_s * 1e3), 1000)))  # whole seconds, up
+    return ApiError(status, exc.message, type_, code=exc.kind.value, headers=headers)
 
 
 # -- request parsing ---------------------------------------------------------------------------------------------
@@ -252,10 +224,11 @@ def _logprobs(chat: bool, token_ids: list[int], logprobs: list[float]) -> dict |
 
 
 class OpenAIServer:
-    """The HTTP API over a RouterService."""
+    """The HTTP API over the router core."""
 
-    def __init__(self, router, request_timeout_s: float | None = None) -> None:
-        self.router = router
+    def __init__(self, core: RouterCore, request_timeout_s: float | None = None) -> None:
+        self.core = core
+        self.auth = BearerAuth(core.cfg.auth.clients, "client", "auth.clients")
         self.request_timeout_s = request_timeout_s
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -271,13 +244,13 @@ class OpenAIServer:
         return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
 
     async def models(self, request: Request) -> JSONResponse:
-        lim = self.router.limits
+        lim = self.core.limits
         return JSONResponse({"object": "list", "data": [{
             "id": lim.name, "object": "model", "created": 0, "owned_by": "kvrelay",
             "context_window": lim.max_model_len}]})
 
     async def health(self, request: Request) -> JSONResponse:
-        h = await self.router.Health(ipb.HealthRequest(), None)
+        h = self.core.health()
         body = MessageToDict(h, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
         return JSONResponse(body, status_code=200 if h.serving else 503)
 
@@ -308,16 +281,17 @@ class OpenAIServer:
             req, stream, include_usage = chat_request(body) if chat else completion_request(body)
         except ApiError as exc:
             return exc.response()
-        ctx = HttpContext(request.headers.get("authorization", ""), self.request_timeout_s)
-        gen = self.router.Generate(req, ctx)
         try:  # the first message, or the error, decides the HTTP status
+            tenant = self.auth.tenant(request.headers.get("authorization", ""))
+            caller = Caller.with_timeout(tenant, self.request_timeout_s)
+            gen = self.core.generate(self.core.prepare(req, caller), caller)
             first = await gen.__anext__()
-        except _Aborted as exc:
-            return api_error(exc, ctx.retry_after_ms).response()
+        except RouterError as exc:
+            return api_error(exc).response()
         except StopAsyncIteration:
             return ApiError(500, "the request ended without a result", "server_error").response()
         rid = ("chatcmpl-" if chat else "cmpl-") + (req.request_id or uuid.uuid4().hex)
-        model = req.model or self.router.limits.name
+        model = req.model or self.core.limits.name
         if stream:
             return StreamingResponse(self._sse(gen, first, rid, model, chat, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -337,7 +311,7 @@ class OpenAIServer:
                 lps.extend(msg.logprobs)
                 if msg.HasField("finish"):
                     finish = msg.finish
-        except _Aborted as exc:
+        except RouterError as exc:
             return api_error(exc).response()
         choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH.get(finish.reason, "stop"),
                                   "logprobs": _logprobs(chat, ids, lps)}
@@ -374,9 +348,9 @@ class OpenAIServer:
                     yield chunk([c], **extra)
                 if done and include_usage:
                     yield chunk([], usage=_usage(msg.finish))
-        except _Aborted as exc:  # after the status line went out: the error is the last event
+        except RouterError as exc:  # after the status line went out: the error is the last event
             yield "data: " + json.dumps(api_error(exc).body()) + "\n\n"
-        except asyncio.CancelledError:  # the client went away; Generate's cleanup frees the workers
+        except asyncio.CancelledError:  # the client went away; the relay's cleanup frees the workers
             await gen.aclose()
             raise
         yield "data: [DONE]\n\n"

@@ -35,6 +35,7 @@ the site's local link.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import random
 from dataclasses import dataclass, field
@@ -49,28 +50,50 @@ DISAGG_OVERHEAD_S = 0.002
 on loopback at ~1-3 ms; charged to every disaggregated candidate."""
 
 
+class PlacementFailure(enum.StrEnum):
+    """Why no placement is possible."""
+
+    CONSTRAINT = "constraint"
+    """The request's constraints exclude every worker (it is not served elsewhere)."""
+    CAPACITY = "capacity"
+    """Eligible workers exist but are full, or the estimated time to first token
+    exceeds the deadline; retry after ``retry_after_s``."""
+    UNAVAILABLE = "unavailable"
+    """No healthy worker of a needed role."""
+
+
+class Wait(enum.Enum):
+    """What waiting at the router (holding nothing) can bring back."""
+
+    NOTHING = enum.auto()
+    """Waiting does not help: answer now."""
+    ROOM = enum.auto()
+    """Capacity is momentarily used up; running requests free it."""
+    WORKERS = enum.auto()
+    """Workers that could serve it may come back (restarting, or not yet
+    registered with a router that just restarted)."""
+
+
 class PlacementError(Exception):
-    """No placement is possible; ``kind`` says why.
+    """No placement is possible: ``kind`` says why, ``wait`` whether waiting can help."""
 
-    - ``constraint``: the request's constraints exclude every worker (FAILED_PRECONDITION);
-    - ``capacity``: eligible workers exist but are full, or the estimated time
-      to first token exceeds the deadline (RESOURCE_EXHAUSTED, retry after
-      ``retry_after_s``);
-    - ``unavailable``: no healthy worker of a needed role (UNAVAILABLE).
-
-    ``absent``: workers that could serve it may come back (restarting, or not
-    yet registered with a router that just restarted), so waiting can help.
-    """
-
-    def __init__(self, kind: str, message: str, retry_after_s: float = 0.0, full: bool = False,
-                 absent: bool = False) -> None:
+    def __init__(self, kind: PlacementFailure, message: str, retry_after_s: float = 0.0,
+                 wait: Wait = Wait.NOTHING) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.retry_after_s = retry_after_s
-        self.absent = absent
-        self.full = full
-        """Capacity is momentarily used up (waiting for it can help)."""
+        self.wait = wait
+
+    @property
+    def absent(self) -> bool:
+        """Workers that could serve it may come back."""
+        return self.wait is Wait.WORKERS
+
+    @property
+    def full(self) -> bool:
+        """Capacity is momentarily used up."""
+        return self.wait is Wait.ROOM
 
 
 @dataclass(slots=True)
@@ -194,13 +217,16 @@ def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView
                 decodes.append(w)
     if not decodes:
         if not any_decode:
-            raise PlacementError("unavailable", "no healthy decode worker is registered", absent=True)
+            raise PlacementError(PlacementFailure.UNAVAILABLE, "no healthy decode worker is registered",
+                                 wait=Wait.WORKERS)
         if not any_allowed_decode:
             sites = sorted(s for s, j in view.jurisdiction.items() if j in (allowed or ()))
-            raise PlacementError("constraint", f"no healthy decode worker in the allowed jurisdictions "
-                                               f"{sorted(allowed or ())} (sites there: {sites or 'none'}); "
-                                               "the request is not served elsewhere", absent=bool(sites))
-        raise PlacementError("capacity", "every eligible decode worker is full", retry_after_s=1.0, full=True)
+            raise PlacementError(PlacementFailure.CONSTRAINT,
+                                 f"no healthy decode worker in the allowed jurisdictions {sorted(allowed or ())} "
+                                 f"(sites there: {sites or 'none'}); the request is not served elsewhere",
+                                 wait=Wait.WORKERS if sites else Wait.NOTHING)
+        raise PlacementError(PlacementFailure.CAPACITY, "every eligible decode worker is full", retry_after_s=1.0,
+                         wait=Wait.ROOM)
     return prefills, decodes
 
 
@@ -229,8 +255,9 @@ class Policy:
             placement.link = view.link(placement.prefill.site, placement.decode.site)
         placement.est_ttft_s = estimate(req, view, placement.prefill, placement.decode)
         if req.deadline_s is not None and placement.est_ttft_s > req.deadline_s:
-            raise PlacementError("capacity", f"estimated time to first token {placement.est_ttft_s:.3f} s exceeds "
-                                             f"the request's deadline ({req.deadline_s:.3f} s left)",
+            raise PlacementError(PlacementFailure.CAPACITY,
+                                 f"estimated time to first token {placement.est_ttft_s:.3f} s exceeds "
+                                 f"the request's deadline ({req.deadline_s:.3f} s left)",
                                  retry_after_s=placement.est_ttft_s - req.deadline_s)
         return placement
 

@@ -1,5 +1,5 @@
-"""Keeping one request alive through worker failures (DESIGN.md, failure
-semantics), as the router sees them:
+"""Keeping one request alive through worker failures (the failure table in
+the README, "When workers fail"), as the router sees them:
 
 - the prefill worker dies, or the transfer fails, times out or fails its
   checksum: the decode worker has released its reservation (the router

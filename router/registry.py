@@ -18,11 +18,9 @@ from router.placement import ClusterView, LinkView, WorkerView
 from router.prefix_index import PrefixIndex
 from runtime.config import ClusterConfig
 from runtime.rpc import aio_channel
+from runtime.topology import LOCAL_LINK, Role, link_name
 
 log = logging.getLogger(__name__)
-
-ROLE_NAMES = {wpb.ROLE_PREFILL: "prefill", wpb.ROLE_DECODE: "decode"}
-
 
 @dataclass(slots=True)
 class WorkerRecord:
@@ -43,10 +41,6 @@ class WorkerRecord:
     """When draining started (monotonic); the worker leaves by drain_timeout_s after it."""
 
 
-def link_name(a: str, b: str) -> str:
-    return "local" if a == b else "-".join(sorted((a, b)))
-
-
 @dataclass(slots=True)
 class LinkHealth:
     """What the workers' probes say about one link between two sites."""
@@ -60,6 +54,13 @@ class LinkHealth:
     so requests moving KV across it can wait on it."""
 
 
+def _role_name(proto_role: int) -> str:
+    try:
+        return Role.of(proto_role)
+    except ValueError:
+        return ""
+
+
 class WorkerRegistry:
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
@@ -71,8 +72,7 @@ class WorkerRegistry:
             frozenset(link.between): LinkView(link.rtt_ms, link.gbps, True, link_name(*link.between))
             for link in cfg.links}
         ll = cfg.local_link
-        self.local_link = LinkView(ll.rtt_ms, ll.gbps, True, "local")
-        self._link_cfg = {frozenset(link.between): link for link in cfg.links}
+        self.local_link = LinkView(ll.rtt_ms, ll.gbps, True, LOCAL_LINK)
         self.link_health = {key: LinkHealth() for key in self.links}
         self._beats = 0
         self._probe_pool: tuple[float, dict[str, list[WorkerRecord]]] = (-1e9, {})
@@ -85,7 +85,7 @@ class WorkerRegistry:
             await old.channel.close()
         self.index.remove_worker(info.worker_id)
         channel = aio_channel(info.address)
-        stub = (wgrpc.PrefillWorkerStub(channel) if info.role == wpb.ROLE_PREFILL
+        stub = (wgrpc.PrefillWorkerStub(channel) if Role.of(info.role) is Role.PREFILL
                 else wgrpc.DecodeWorkerStub(channel))
         now = time.monotonic()
         self.workers[info.worker_id] = WorkerRecord(info, wpb.WorkerLoad(worker_id=info.worker_id),
@@ -180,14 +180,10 @@ class WorkerRegistry:
     def healthy(self, rec: WorkerRecord) -> bool:
         return time.monotonic() - rec.last_seen <= self.timeout_s
 
-    def candidates(self, role: int) -> list[WorkerRecord]:
+    def candidates(self, role: Role) -> list[WorkerRecord]:
         """Healthy, non-draining workers of ``role``."""
         return [w for w in self.workers.values()
-                if w.info.role == role and not w.draining and self.healthy(w)]
-
-    def link_config(self, a: str, b: str):
-        """The configured LinkSection between two sites (local_link within one)."""
-        return self.cfg.local_link if a == b else self._link_cfg.get(frozenset((a, b)))
+                if w.info.role == role.proto and not w.draining and self.healthy(w)]
 
     def view(self) -> ClusterView:
         """A snapshot for one placement decision."""
@@ -199,7 +195,7 @@ class WorkerRegistry:
             if info.kv_block_bytes:
                 kv_block_bytes, num_layers = info.kv_block_bytes, max(1, info.num_layers)
             workers.append(WorkerView(
-                info.worker_id, ROLE_NAMES.get(info.role, ""), info.site, self.healthy(rec), rec.draining,
+                info.worker_id, _role_name(info.role), info.site, self.healthy(rec), rec.draining,
                 rec.inflight, r.max_inflight_per_worker,
                 max(load.queued_prefill_tokens, rec.pending_prefill_tokens), load.running, load.waiting,
                 load.free_blocks if load.total_blocks else (info.num_blocks or 1 << 30),

@@ -1,49 +1,91 @@
-"""Turning a client's GenerateRequest into a validated, tokenized
-WorkRequest. Every check here raises :class:`RequestError` with the gRPC
-status code to answer and a message naming the problem."""
+"""A client's request as the router core takes it: who is calling
+(:class:`Caller`), and the request validated and tokenized
+(:class:`Request`). Every check raises :class:`RouterError` with a message
+naming the problem."""
 
 from __future__ import annotations
 
+import enum
+import time
 import uuid
 from dataclasses import dataclass
 
-import grpc
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams, check_request_length
+from engine.sampling_params import check_request_length
 from engine.tokenizer import Tokenizer
+from router.errors import ErrorKind, RouterError
 from runtime.convert import sampling_params
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_MESSAGES = 256
 
 
-class RequestError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+class Priority(enum.Enum):
+    """Who goes first when capacity is short."""
+
+    INTERACTIVE = enum.auto()
+    """A client waiting for its answer."""
+    BATCH = enum.auto()
+    """A batch job's request: starts only while no interactive request waits for room."""
+
+
+@dataclass(slots=True, frozen=True)
+class Caller:
+    """Who a request comes from, as a front end established it."""
+
+    tenant: str = ""
+    """The tenant its credentials name ("" when no client credentials are configured)."""
+    deadline: float | None = None
+    """``time.monotonic()`` by which it must be done; None = no deadline."""
+    priority: Priority = Priority.INTERACTIVE
+
+    @classmethod
+    def with_timeout(cls, tenant: str, timeout_s: float | None, priority: Priority = Priority.INTERACTIVE) -> Caller:
+        """A caller whose deadline is ``timeout_s`` from now (None: none)."""
+        return cls(tenant, None if timeout_s is None else time.monotonic() + timeout_s, priority)
+
+    def time_remaining(self) -> float | None:
+        """Seconds to the deadline (never negative); None without one."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+
+@dataclass(slots=True, frozen=True)
+class ModelLimits:
+    """What the served model accepts."""
+
+    name: str
+    """The name clients use."""
+    max_model_len: int
+    """Prompt plus completion tokens, at most."""
+    vocab_size: int
+    chat: bool = False
+    """The tokenizer has a chat template."""
 
 
 @dataclass(slots=True)
-class ModelLimits:
-    name: str
-    max_model_len: int
-    vocab_size: int
+class Request:
+    """A validated, tokenized request."""
+
+    client_id: str
+    """The id the client sees in every response (its own, or one made up)."""
+    work: wpb.WorkRequest
+    """What the workers get (token ids, sampling, a unique id, the tenant's cache salt)."""
+    allowed_jurisdictions: frozenset[str] | None
+    """Where it may be processed; None = anywhere."""
 
 
 def tokenize(req: ipb.GenerateRequest, tok: Tokenizer) -> list[int]:
+    """The prompt's token ids (a prompt through the chat template unless raw, messages, or ids)."""
     which = req.WhichOneof("input")
     if which is None:
         raise InvalidRequestError("no input: set one of prompt, messages or token_ids")
     if which == "prompt":
         if not req.prompt.strip():
             raise InvalidRequestError("prompt is empty")
-        if tok.has_chat_template and not req.raw_prompt:
-            return tok.encode_chat([{"role": "user", "content": req.prompt}])
-        return tok.encode(req.prompt)
+        return tok.encode_prompt(req.prompt, raw=req.raw_prompt)
     if which == "messages":
         msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
         if not msgs:
@@ -54,27 +96,30 @@ def tokenize(req: ipb.GenerateRequest, tok: Tokenizer) -> list[int]:
     return list(req.token_ids.ids)
 
 
-def build_work_request(req: ipb.GenerateRequest, tok: Tokenizer, limits: ModelLimits,
-                       salt: str = "") -> tuple[wpb.WorkRequest, SamplingParams]:
-    if req.model and req.model != limits.name:
-        raise RequestError(grpc.StatusCode.NOT_FOUND, f"unknown model {req.model!r}; this cluster serves "
-                                                      f"{limits.name!r}")
-    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-    try:
-        if req.max_tokens < 0:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
-        params = sampling_params(req.sampling, req.max_tokens, list(req.stop), list(req.stop_token_ids),
-                                 req.ignore_eos)
-        ids = tokenize(req, tok)
-        check_request_length(len(ids), params.max_tokens, limits.max_model_len)
-        if any(not 0 <= t < limits.vocab_size for t in ids):
-            raise InvalidRequestError(f"token ids must be in [0, {limits.vocab_size})")
-    except InvalidRequestError as exc:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+def _work_request(req: ipb.GenerateRequest, tok: Tokenizer, limits: ModelLimits, salt: str) -> wpb.WorkRequest:
+    if req.max_tokens < 0:
+        raise InvalidRequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
+    params = sampling_params(req.sampling, req.max_tokens, list(req.stop), list(req.stop_token_ids), req.ignore_eos)
+    ids = tokenize(req, tok)
+    check_request_length(len(ids), params.max_tokens, limits.max_model_len)
+    if any(not 0 <= t < limits.vocab_size for t in ids):
+        raise InvalidRequestError(f"token ids must be in [0, {limits.vocab_size})")
     rid = req.request_id or uuid.uuid4().hex
-    wr = wpb.WorkRequest(request_id=f"{rid}-{uuid.uuid4().hex[:8]}", prompt_token_ids=ids,
-                         sampling=req.sampling, max_tokens=params.max_tokens, stop=req.stop,
-                         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, salt=salt)
-    return wr, params
+    return wpb.WorkRequest(request_id=f"{rid}-{uuid.uuid4().hex[:8]}", prompt_token_ids=ids, sampling=req.sampling,
+                           max_tokens=params.max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                           ignore_eos=req.ignore_eos, salt=salt)
+
+
+def parse_request(req: ipb.GenerateRequest, tok: Tokenizer, limits: ModelLimits, salt: str = "") -> Request:
+    """Validates and tokenizes ``req``; ``salt`` is the tenant's prefix-cache domain."""
+    if req.model and req.model != limits.name:
+        raise RouterError(ErrorKind.UNKNOWN_MODEL, f"unknown model {req.model!r}; this cluster serves "
+                                                   f"{limits.name!r}")
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise RouterError(ErrorKind.INVALID, f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+    try:
+        wr = _work_request(req, tok, limits, salt)
+    except InvalidRequestError as exc:
+        raise RouterError(ErrorKind.INVALID, str(exc)) from None
+    allowed = frozenset(req.allowed_jurisdictions) if req.allowed_jurisdictions else None
+    return Request(req.request_id or wr.request_id, wr, allowed)

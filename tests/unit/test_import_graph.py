@@ -28,7 +28,7 @@ FORBIDDEN = {
     "prefill_worker": {"decode_worker"},
     "decode_worker": {"prefill_worker"},
 }
-"""The rules DESIGN.md states outright (the layer order implies most of them)."""
+"""The rules the README's Architecture section states outright (the layer order implies most of them)."""
 
 LAZY_ALLOWED = {"ray", "matplotlib", "transformers", "nixl", "nixl_cu12", "mooncake", "uvicorn", "openai", "torch"}
 """Heavy optional dependencies that may be imported inside a function."""

@@ -1,0 +1,161 @@
+"""The router's core, which knows no front end: one entry,
+:meth:`RouterCore.generate`, takes a validated :class:`~router.requests.Request`
+and its :class:`~router.requests.Caller` and yields the messages of its
+answer (``kvrelay.v1.GenerateResponse``: tokens, and a last one with the
+finish reason, usage and placement). Every failure is a
+:class:`~router.errors.RouterError`; the gRPC API, the HTTP API and batch
+jobs are thin adapters over this.
+
+Per request: ask the prefix index what each worker caches of the prompt ->
+the placement policy picks a decode worker D and a prefill worker P, or
+colocated at D (router/placement.py) -> one attempt on it (router/relay.py).
+When nothing can take it yet (every eligible worker full, or none
+registered), it waits, holding nothing, within its deadline and the
+configured waits. When a worker fails it, recovery (router/recovery.py)
+places it again or migrates the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import worker_pb2 as wpb
+
+from engine.hashing import hash_blocks
+from engine.tokenizer import Tokenizer
+from router.errors import ErrorKind, RouterError
+from router.placement import (
+    PlacementError,
+    PlacementFailure,
+    PlacementRequest,
+    Wait,
+    make_policy,
+    place,
+)
+from router.pools import PoolManager
+from router.recovery import Failover, Recovery
+from router.registry import WorkerRegistry
+from router.relay import Relay, placement_proto
+from router.requests import Caller, ModelLimits, Priority, Request, parse_request
+from runtime.config import ClusterConfig, RouterSection
+from runtime.topology import Role, Topology
+
+log = logging.getLogger(__name__)
+
+ADMISSION_BACKOFF_S = (0.05, 1.0)
+"""First and longest pause of a request waiting at the router for a decode worker with room, or for one to come back."""
+
+PLACEMENT_KIND = {PlacementFailure.CONSTRAINT: ErrorKind.CONSTRAINT, PlacementFailure.CAPACITY: ErrorKind.OVERLOADED,
+                  PlacementFailure.UNAVAILABLE: ErrorKind.UNAVAILABLE}
+
+
+class AdmissionWait:
+    """How long one request may still wait at the router, for room or for workers."""
+
+    def __init__(self, r: RouterSection, caller: Caller) -> None:
+        self.loop = asyncio.get_running_loop()
+        remaining = caller.time_remaining()
+        now, left = self.loop.time(), float("inf") if remaining is None else remaining
+        self.until = {Wait.ROOM: now + min(r.admission_wait_s, left), Wait.WORKERS: now + min(r.unavailable_wait_s, left),
+                      Wait.NOTHING: 0.0}
+        self.backoff = ADMISSION_BACKOFF_S[0]
+
+    def allows(self, wait: Wait) -> bool:
+        """Waiting the next backoff still ends before the wait's limit."""
+        return self.loop.time() + self.backoff < self.until[wait]
+
+    async def pause(self) -> None:
+        await asyncio.sleep(self.backoff)
+        self.backoff = min(ADMISSION_BACKOFF_S[1], self.backoff * 2)
+
+
+def refusal(exc: PlacementError) -> RouterError:
+    """What the caller is told when no placement is possible and waiting cannot help."""
+    kind = PLACEMENT_KIND[exc.kind]
+    if kind is not ErrorKind.OVERLOADED:
+        return RouterError(kind, exc.message)
+    ms = max(1, int(exc.retry_after_s * 1e3))
+    return RouterError(kind, f"{exc.message}; retry in {ms} ms", retry_after_s=ms / 1e3)
+
+
+class RouterCore:
+    """Admission, placement, the P/D relay and recovery for every front end."""
+
+    def __init__(self, cfg: ClusterConfig, tokenizer: Tokenizer, limits: ModelLimits,
+                 policy_seed: int | None = None) -> None:
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.limits = limits
+        self.topology = Topology(cfg)
+        self.registry = WorkerRegistry(cfg)
+        self.pools = PoolManager(cfg, self.registry)
+        self.policy = make_policy(cfg.router.policy, policy_seed)
+        self.waiting_interactive = 0
+        """Interactive requests waiting at the router for room (batch jobs hold back meanwhile)."""
+
+    def prepare(self, msg: ipb.GenerateRequest, caller: Caller) -> Request:
+        """Validates and tokenizes a request; each tenant's prompts hash into their own prefix-cache domain."""
+        return parse_request(msg, self.tok, self.limits, salt=caller.tenant)
+
+    def health(self) -> ipb.HealthResponse:
+        p = len(self.registry.candidates(Role.PREFILL))
+        d = len(self.registry.candidates(Role.DECODE))
+        return ipb.HealthResponse(serving=d > 0, prefill_workers=p, decode_workers=d)
+
+    async def generate(self, req: Request, caller: Caller) -> AsyncIterator[ipb.GenerateResponse]:
+        """The answer to ``req``, message by message; raises RouterError."""
+        run = Recovery(req.work)
+        admission = AdmissionWait(self.cfg.router, caller)
+        while True:
+            work = run.work_request()
+            if work is None:  # every token was sent before the decode worker failed
+                yield run.finish_without_worker(req.client_id)
+                return
+            hashes = hash_blocks(work.prompt_token_ids, self.cfg.cache.block_size, work.salt)
+            try:
+                async for msg in self._placed(req, work, hashes, run, caller, admission):
+                    yield run.passed(msg)
+                return
+            except Failover as f:
+                if f.suspect:
+                    self.registry.suspect(f.worker_id)
+                why = run.failed(f)
+                log.warning("%s: %s", req.client_id, why)
+                if run.exhausted:
+                    raise RouterError(ErrorKind.UNAVAILABLE, why) from None
+
+    async def _placed(self, req: Request, work: wpb.WorkRequest, hashes: list, run: Recovery, caller: Caller,
+                      admission: AdmissionWait) -> AsyncIterator[ipb.GenerateResponse]:
+        """One attempt, placed as soon as a placement is possible (waiting for one when that can help)."""
+        while True:
+            preq = PlacementRequest(len(work.prompt_token_ids), self.registry.index.leading_blocks(hashes),
+                                    req.allowed_jurisdictions, caller.time_remaining(), frozenset(run.exclude),
+                                    run.colocated_only)
+            try:
+                async for msg in self._attempt(work, req.client_id, preq, caller):
+                    yield msg
+                return
+            except PlacementError as exc:
+                if not admission.allows(exc.wait):
+                    raise refusal(exc) from None
+                # capacity frees up as running requests finish, workers come back after a
+                # restart: wait for that (holding nothing), then place again
+                interactive = caller.priority is Priority.INTERACTIVE
+                self.waiting_interactive += interactive
+                try:
+                    await admission.pause()
+                finally:
+                    self.waiting_interactive -= interactive
+
+    async def _attempt(self, work: wpb.WorkRequest, client_id: str, preq: PlacementRequest,
+                       caller: Caller) -> AsyncIterator[ipb.GenerateResponse]:
+        pl = place(preq, self.registry.view(), self.policy)
+        d = self.registry.workers[pl.decode.worker_id]
+        p = self.registry.workers[pl.prefill.worker_id] if pl.prefill is not None else None
+        shown = placement_proto(pl.est_ttft_s, pl.policy, pl.cached_blocks_prefill, pl.cached_blocks_decode, p, d)
+        relay = Relay(work, client_id, p, d, shown, caller, registry=self.registry, topology=self.topology,
+                      window=self.pools.window, lease_s=self.cfg.router.kv_lease_s)
+        async for msg in relay.run():
+            yield msg

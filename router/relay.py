@@ -1,0 +1,243 @@
+"""One attempt of one request on its placement, in named steps:
+
+1. **reserve**: open the decode worker D's ``Decode`` stream; D reserves KV
+   blocks and answers with a reservation (or, colocated, computes the prompt
+   itself and streams tokens at once);
+2. **prefill**: on the reservation, call the prefill worker P's ``Prefill``
+   with it as the KV target (plus what the link between P and D asks for);
+3. **relay**: stream D's tokens to the caller, watching P's call and the link
+   the KV crosses while it moves;
+4. **finish**: complete the last message with P's figures, the placement and
+   usage, and feed the planner.
+
+Failures become data: :class:`~router.recovery.Failover` (another worker may
+succeed), :class:`~router.placement.PlacementError` (D had no room: nothing
+was sent yet), or :class:`~router.errors.RouterError` (the request fails).
+Leaving the attempt, by any path, cancels both worker calls, which free their
+blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import worker_pb2 as wpb
+
+from router.errors import ErrorKind, RouterError
+from router.placement import PlacementError, PlacementFailure, Wait
+from router.planner import RequestWindow, Served
+from router.recovery import Failover
+from router.registry import WorkerRecord, WorkerRegistry
+from router.requests import Caller
+from runtime.topology import Role, Topology, link_name
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+"""Worker errors that another worker may not have (a crash, a failed transfer, a lease)."""
+
+WORKER_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID, grpc.StatusCode.OUT_OF_RANGE: ErrorKind.INVALID,
+    grpc.StatusCode.NOT_FOUND: ErrorKind.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION: ErrorKind.CONSTRAINT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorKind.OVERLOADED, grpc.StatusCode.UNAVAILABLE: ErrorKind.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorKind.DEADLINE, grpc.StatusCode.CANCELLED: ErrorKind.CANCELLED,
+}
+"""A worker's final status -> what the request's caller is told (anything else: INTERNAL)."""
+
+WORKER_FULL_RETRY_S = 1.0
+"""Retry hint when the chosen decode worker turned out to have no room."""
+
+
+def placement_proto(est_ttft_s: float, policy: str, cached_prefill: int, cached_decode: int,
+                    p: WorkerRecord | None, d: WorkerRecord) -> ipb.Placement:
+    """What the caller is told of a placement (the measured fields are filled in later)."""
+    return ipb.Placement(
+        decode_worker=d.info.worker_id, decode_site=d.info.site, prefill_worker=(p or d).info.worker_id,
+        prefill_site=(p or d).info.site, colocated=p is None, estimated_ttft_ms=est_ttft_s * 1e3,
+        policy=policy, prefill_cached_blocks=cached_prefill, decode_cached_blocks=cached_decode,
+        link="" if p is None else link_name(p.info.site, d.info.site))
+
+
+def _worker_error(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or "worker failed"
+    return grpc.StatusCode.INTERNAL, str(exc)
+
+
+class Relay:
+    """Runs one attempt: ``async for msg in Relay(...).run()``."""
+
+    def __init__(self, wr: wpb.WorkRequest, client_id: str, p: WorkerRecord | None, d: WorkerRecord,
+                 placement: ipb.Placement, caller: Caller, *, registry: WorkerRegistry, topology: Topology,
+                 window: RequestWindow, lease_s: float) -> None:
+        self.wr, self.client_id, self.p, self.d = wr, client_id, p, d
+        self.placement, self.caller = placement, caller
+        self.registry, self.topology, self.window, self.lease_s = registry, topology, window, lease_s
+        self.n_out = 0
+        self.t0 = self.t_first = time.perf_counter()
+        self.prefiller = p or d
+        self.pending = 0
+        """Prompt tokens this router has queued at the prefilling worker, known at
+        once (heartbeats lag); released with the first token."""
+        self.call = None
+        self.read: asyncio.Future | None = None
+        self.prefill: asyncio.Future | None = None
+        self.link_down: asyncio.Future | None = None
+
+    async def run(self) -> AsyncIterator[ipb.GenerateResponse]:
+        """The attempt's messages for the caller; raises Failover, PlacementError or RouterError."""
+        self._hold()
+        try:
+            self._reserve()
+            while True:
+                ev = await self._next_event()
+                if ev is grpc.aio.EOF:
+                    return
+                if ev.HasField("reservation"):
+                    self._start_prefill(ev.reservation)
+                    continue
+                out = self._relay(ev.output)
+                if out.HasField("finish"):
+                    async for msg in self._finish(out):
+                        yield msg
+                else:
+                    yield out
+        except grpc.aio.AioRpcError as exc:
+            raise self._decode_failed(exc) from None
+        finally:
+            self._release()
+
+    # -- the steps ------------------------------------------------------------------------------------------------
+    def _reserve(self) -> None:
+        """Opens D's Decode stream; its first answer is a reservation, or tokens when colocated."""
+        self.call = self.d.stub.Decode(wpb.DecodeRequest(request=self.wr, colocated=self.p is None,
+                                                         lease_s=self.lease_s))
+        # KV crossing a link between sites: if the link goes down meanwhile, re-place at once
+        # (the transfer would otherwise stall until its timeout)
+        if self.p is not None:
+            down = self.registry.link_down_event(self.p.info.site, self.d.info.site)
+            if down is not None:
+                self.link_down = asyncio.ensure_future(down.wait())
+
+    def _start_prefill(self, target: wpb.KVTarget) -> None:
+        """Calls P.Prefill with D's reservation plus what the link between them asks for."""
+        link = self.topology.link(self.p.info.site, self.d.info.site)
+        target.link_rtt_ms, target.link_gbps = link.rtt_ms, link.gbps
+        target.encrypt = self.topology.encrypts(link)
+        # the sender's kind decides unless the link pins one (tcp = bytes over the socket)
+        target.transport = self.topology.transport(link, self.p.info.transport)
+        self.placement.transport = target.transport
+        self.prefill = asyncio.ensure_future(self.p.stub.Prefill(wpb.PrefillRequest(request=self.wr, target=target)))
+
+    def _relay(self, out: ipb.GenerateResponse) -> ipb.GenerateResponse:
+        """One message from D on its way to the caller."""
+        out.request_id = self.client_id
+        if self.n_out == 0 and out.token_ids:
+            self.t_first = time.perf_counter()
+            self.placement.ttft_ms = (self.t_first - self.t0) * 1e3
+            self.prefiller.pending_prefill_tokens -= self.pending
+            self.pending = 0
+        self.n_out += len(out.token_ids)
+        return out
+
+    async def _finish(self, out: ipb.GenerateResponse) -> AsyncIterator[ipb.GenerateResponse]:
+        """D's last message, completed with P's figures, usage and placement."""
+        if self.prefill is not None and not self.prefill.done() and out.token_ids:
+            # the prefill worker's figures come a little later: do not hold the tokens for them
+            early = ipb.GenerateResponse()
+            early.CopyFrom(out)
+            early.ClearField("finish")
+            yield early
+            for f in ("token_ids", "logprobs", "text"):
+                out.ClearField(f)
+        if self.prefill is not None:
+            try:
+                resp = await self.prefill
+            except grpc.aio.AioRpcError:  # every token is here; only P's figures are lost
+                resp = wpb.PrefillResponse()
+            self.placement.kv_bytes = resp.kv_bytes
+            self.placement.kv_transfer_ms, self.placement.prefill_ms = resp.transfer_ms, resp.prefill_ms
+            out.finish.usage.cached_prompt_tokens = max(out.finish.usage.cached_prompt_tokens, resp.cached_tokens)
+        out.finish.usage.completion_tokens = self.n_out
+        out.finish.placement.CopyFrom(self.placement)
+        self._feed_planner()
+        yield out
+
+    def _feed_planner(self) -> None:
+        if not self.n_out:
+            return
+        n = self.n_out
+        self.window.add(Served(
+            time.monotonic(), self.prefiller.info.site, Role.PREFILL if self.p is not None else Role.DECODE,
+            self.d.info.site, len(self.wr.prompt_token_ids), self.placement.ttft_ms / 1e3,
+            (time.perf_counter() - self.t_first) / (n - 1) if n > 1 else None))
+
+    # -- waiting and failing ----------------------------------------------------------------------------------------
+    def _kv_moving(self) -> bool:
+        return self.n_out == 0 and (self.prefill is None or not self.prefill.done())
+
+    async def _next_event(self):
+        """D's next message; meanwhile a failed prefill or a link that went down ends the attempt."""
+        while True:
+            self.read = self.read or asyncio.ensure_future(self.call.read())
+            waiting = {self.read}
+            if self.prefill is not None and not self.prefill.done():
+                waiting.add(self.prefill)
+            if self.link_down is not None and self._kv_moving():
+                waiting.add(self.link_down)
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if not self.read.done():
+                self._check_sides()
+                continue
+            ev, self.read = self.read.result(), None
+            return ev
+
+    def _check_sides(self) -> None:
+        """Raises when the KV cannot arrive: its link went down, or P failed."""
+        if self.link_down is not None and self.link_down.done() and self._kv_moving():
+            raise Failover("prefill", self.p.info.worker_id, f"link {self.placement.link} went down", suspect=False)
+        if self.prefill is not None and self.prefill.done() and self.prefill.exception() is not None:
+            code, details = _worker_error(self.prefill.exception())
+            if code in RETRYABLE:
+                raise Failover("prefill", self.p.info.worker_id, f"{code.name}: {details}")
+            kind = ErrorKind.INVALID if code == grpc.StatusCode.INVALID_ARGUMENT else ErrorKind.UNAVAILABLE
+            raise RouterError(kind, f"prefill failed: {details}")
+
+    def _decode_failed(self, exc: grpc.aio.AioRpcError) -> Exception:
+        """What D's failed stream means for the request."""
+        code, details = _worker_error(exc)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and self.prefill is None and self.n_out == 0:
+            return PlacementError(PlacementFailure.CAPACITY, details, retry_after_s=WORKER_FULL_RETRY_S,
+                                  wait=Wait.ROOM)
+        if code in RETRYABLE:
+            remaining = self.caller.time_remaining()
+            if remaining is not None and remaining <= 0:
+                return RouterError(ErrorKind.DEADLINE, details)
+            if self.p is not None and self.n_out == 0 and code in (grpc.StatusCode.ABORTED,
+                                                                    grpc.StatusCode.DEADLINE_EXCEEDED):
+                # D gave up on the KV (transfer failed, checksum, lease): the prefill side failed
+                return Failover("prefill", self.p.info.worker_id, f"{code.name}: {details}")
+            return Failover("decode", self.d.info.worker_id, f"{code.name}: {details}")
+        return RouterError(WORKER_STATUS.get(code, ErrorKind.INTERNAL), details)
+
+    # -- what the attempt holds -------------------------------------------------------------------------------------
+    def _hold(self) -> None:
+        self.d.inflight += 1
+        if self.p is not None:
+            self.p.inflight += 1
+        self.pending = len(self.wr.prompt_token_ids)
+        self.prefiller.pending_prefill_tokens += self.pending
+
+    def _release(self) -> None:
+        self.d.inflight -= 1
+        if self.p is not None:
+            self.p.inflight -= 1
+        self.prefiller.pending_prefill_tokens -= self.pending
+        self.pending = 0
+        for t in (self.read, self.prefill, self.link_down):
+            if t is not None and not t.done():
+                t.cancel()
+        if self.call is not None:
+            self.call.cancel()
