@@ -30,8 +30,9 @@ from engine.kv_cache import KVCache, KVLayout
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import TransferState, TransferTarget
+from kvtransfer.config import TransferConfig
 from kvtransfer.nixl import NixlKVSender, nixl_available
-from kvtransfer.tcp import TcpConfig, TcpKVSender
+from kvtransfer.tcp import TcpKVSender
 from prefill_worker.streamer import LayerStreamer
 
 LAYOUT = KVLayout("peer", "float32", 30, 3, 64, 16)
@@ -109,9 +110,9 @@ def ours(n_blocks: int, streams: int, repeat: int, transport: str = "tcp", encry
     proc, endpoint = _peer("receiver", _spec(n_blocks), str(repeat + 1), transport)
     if transport == "nixl":
 
-        tx = NixlKVSender(src, TcpConfig(secret=SECRET, streams=streams))
+        tx = NixlKVSender(src, TransferConfig(secret=SECRET, streams=streams))
     else:
-        tx = TcpKVSender(src, TcpConfig(secret=SECRET, streams=streams, encrypt=encrypt))
+        tx = TcpKVSender(src, TransferConfig(secret=SECRET, streams=streams, encrypt=encrypt))
     times = []
     try:
         for i in range(repeat + 1):
@@ -176,7 +177,7 @@ def memcpy(nbytes: int, repeat: int) -> list[float]:
 def one_block_latency_ms(samples: int = 50) -> float:
     src = KVCache(LAYOUT, 4)
     proc, endpoint = _peer("receiver", _spec(1), str(samples + 1))
-    tx = TcpKVSender(src, TcpConfig(secret=SECRET, streams=4))
+    tx = TcpKVSender(src, TransferConfig(secret=SECRET, streams=4))
     times = []
     try:
         for i in range(samples + 1):
@@ -207,7 +208,7 @@ def layerwise_overlap(model_path: Path, prompt_tokens: int = 4096) -> dict:
     spec = f"{layout.dtype},{layout.num_layers},{layout.num_kv_heads},{layout.head_dim},{layout.block_size}," \
            f"{n_blocks},{layout.model}"
     proc, endpoint = _peer("receiver", spec, "3")
-    sender = TcpKVSender(eng.cache, TcpConfig(secret=SECRET, streams=4))
+    sender = TcpKVSender(eng.cache, TransferConfig(secret=SECRET, streams=4))
     streamer = LayerStreamer(eng.runner, layout.num_layers)
     prompt = torch.randint(0, 40000, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     one = SamplingParams(max_tokens=1)

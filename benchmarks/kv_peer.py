@@ -25,8 +25,9 @@ import torch
 
 from engine.kv_cache import KVCache, KVLayout
 from kvtransfer.base import TransferTarget
+from kvtransfer.config import TransferConfig
 from kvtransfer.nixl import NixlKVReceiver
-from kvtransfer.tcp import TcpConfig, TcpKVReceiver, TcpKVSender
+from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 from kvtransfer.wire import recv_exact_into
 
 SECRET = b"test-secret"
@@ -96,9 +97,9 @@ def main() -> None:
         cache = make_cache(spec, seed=None)
         if len(sys.argv) > 4 and sys.argv[4] == "nixl":
 
-            rx = NixlKVReceiver(cache, cfg=TcpConfig(secret=SECRET))
+            rx = NixlKVReceiver(cache, cfg=TransferConfig(secret=SECRET))
         else:
-            rx = TcpKVReceiver(cache, cfg=TcpConfig(secret=SECRET))
+            rx = TcpKVReceiver(cache, cfg=TransferConfig(secret=SECRET))
         for i in range(int(sys.argv[3])):
             rx.expect(f"t{i}", list(range(cache.num_blocks)))
         print("ENDPOINT", rx.endpoint, flush=True)
@@ -106,7 +107,7 @@ def main() -> None:
     else:
         cache = make_cache(spec)
         endpoint, tid, n, layers = sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
-        tx = TcpKVSender(cache, TcpConfig(secret=SECRET, streams=1))
+        tx = TcpKVSender(cache, TransferConfig(secret=SECRET, streams=1))
         h = tx.open(TransferTarget(endpoint, tid, tuple(range(n)), cache.layout.compat_hash()))
         for layer in range(layers):
             h.send_layer(layer, list(range(n)), 0)

@@ -20,8 +20,9 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError, OutOfBlocksError
-from kvtransfer.base import KVReceiver, wait_async
+from kvtransfer.base import KVReceiver
 from kvtransfer.errors import KVTransferError, TransferTimeout
+from kvtransfer.handles import wait_async
 from runtime.convert import output_to_proto, work_params
 from runtime.worker import WorkerIdentity, worker_load
 

@@ -1,6 +1,7 @@
 """The KV transport interface: receivers expect KV into reserved blocks,
 senders push a request's blocks layer by layer; both sides report an
-ordered transfer state and failures as data.
+ordered transfer state and failures as data. Interfaces and data only: the
+handle implementation and ``wait_async`` are in kvtransfer/handles.py.
 
 Call order, sender side (prefill worker)::
 
@@ -20,17 +21,15 @@ Receiver side (decode worker)::
 
 from __future__ import annotations
 
-import asyncio
 import enum
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-import torch
+from kvrelay.v1 import kv_wire_pb2 as pb
 
-from engine.kv_cache import KVCache
-from kvtransfer.errors import KVTransferError, TransferTimeout
+from kvtransfer.errors import KVTransferError
 
 TransferId = str
 BlockId = int
@@ -88,96 +87,38 @@ class TransferResult:
     seconds: float
 
 
-class TransferHandle:
+class TransferHandle(ABC):
     """Thread-safe state of one transfer (either side)."""
 
-    def __init__(self, transfer_id: TransferId) -> None:
-        self.transfer_id = transfer_id
-        self._state = TransferState.CONNECTING
-        self._error: KVTransferError | None = None
-        self._result: TransferResult | None = None
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._callbacks: list[Callable[[TransferHandle], None]] = []
+    transfer_id: TransferId
 
-    def poll(self) -> TransferState:
-        return self._state
+    @abstractmethod
+    def poll(self) -> TransferState: ...
 
+    @abstractmethod
     def failure(self) -> KVTransferError | None:
-        return self._error
+        """Why it FAILED; None otherwise."""
 
+    @abstractmethod
     def result(self) -> TransferResult | None:
-        return self._result
+        """What it delivered once DONE; None otherwise."""
 
-    def advance(self, state: TransferState) -> None:
-        """Moves forward (never backward, never out of FAILED)."""
-        with self._lock:
-            if self._state in (TransferState.FAILED, TransferState.DONE) or state <= self._state:
-                return
-            self._state = state
-        if state is TransferState.DONE:
-            self._settle()
-
-    def complete(self, result: TransferResult) -> None:
-        with self._lock:
-            if self._state in (TransferState.FAILED, TransferState.DONE):
-                return
-            self._result = result
-            self._state = TransferState.DONE
-        self._settle()
-
+    @abstractmethod
     def fail(self, reason: str, blocks: list[BlockId] | None = None) -> None:
         """FAILED from any state but DONE; the first reason wins."""
-        with self._lock:
-            if self._state in (TransferState.FAILED, TransferState.DONE):
-                return
-            self._state = TransferState.FAILED
-            self._error = KVTransferError(self.transfer_id, reason, blocks)
-        self._settle()
 
-    def _settle(self) -> None:
-        self._done.set()
-        with self._lock:
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            cb(self)
-
+    @abstractmethod
     def add_done_callback(self, cb: Callable[[TransferHandle], None]) -> None:
         """Calls ``cb(handle)`` once DONE or FAILED (at once if already so)."""
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(cb)
-                return
-        cb(self)
 
+    @abstractmethod
     def wait(self, timeout_s: float) -> TransferState:
         """Blocks until DONE or FAILED; on timeout the transfer FAILS."""
-        if not self._done.wait(timeout_s):
-            self.fail(f"not complete within {timeout_s:.1f} s")
-        return self._state
 
 
-async def wait_async(handle: TransferHandle, timeout_s: float) -> TransferResult:
-    """Awaits a transfer; returns its result or raises its KVTransferError."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
+class SendHandle(TransferHandle):
+    """Sender side of one transfer."""
 
-    def settled(h: TransferHandle) -> None:
-        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
-
-    handle.add_done_callback(settled)
-    try:
-        await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-    except asyncio.TimeoutError:
-        handle.fail(f"not complete within {timeout_s:.1f} s")
-        if handle.poll() is not TransferState.DONE:
-            raise TransferTimeout(handle.transfer_id, f"not complete within {timeout_s:.1f} s") from None
-    if handle.poll() is TransferState.DONE:
-        return handle.result()
-    raise handle.failure()
-
-
-class SendHandle(TransferHandle, ABC):
     @abstractmethod
     def send_layer(self, layer: int, src_blocks: list[BlockId], first: int) -> None:
         """Queues K and V of ``layer`` for ``src_blocks`` (this worker's
@@ -196,7 +137,7 @@ class SendHandle(TransferHandle, ABC):
 class KVSender(ABC):
     """Sender side of a transport, bound to this worker's KV cache."""
 
-    name: str
+    name: Transport
 
     @abstractmethod
     def open(self, target: TransferTarget) -> SendHandle: ...
@@ -208,7 +149,7 @@ class KVSender(ABC):
 class KVReceiver(ABC):
     """Receiver side of a transport, bound to this worker's KV cache."""
 
-    name: str
+    name: Transport
     endpoint: str
     bytes_received: int = 0
     """KV bytes landed since start."""
@@ -224,30 +165,24 @@ class KVReceiver(ABC):
     def close(self) -> None: ...
 
 
-def coalesce(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive block ids as (position in list, first id, length)."""
-    runs: list[tuple[int, int, int]] = []
-    for i, b in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == b:
-            pos, first, n = runs[-1]
-            runs[-1] = (pos, first, n + 1)
-        else:
-            runs.append((i, b, 1))
-    return runs
+class MemoryOffer(Protocol):
+    """Sender side of pulling: how a sender lets receivers read its KV memory
+    themselves (kvtransfer/local.py: shared memory; kvtransfer/nixl.py: NIXL)."""
+
+    def hello_fields(self) -> pb.KVHello:
+        """The KVHello fields, merged into the handshake's hello, that locate
+        this sender's KV memory."""
 
 
-class KVBytes:
-    """Zero-copy byte views into a (host) KV cache, by offset arithmetic:
-    slicing one memoryview costs ~0.1 us, a torch view ~20 us."""
+class MemorySource(Protocol):
+    """Receiver side of pulling: a sender's KV memory, attached in the
+    handshake (kvtransfer.wire.PeerAttacher), that the receiver copies from."""
 
-    def __init__(self, cache: KVCache) -> None:
-        if cache.kv.device.type != "cpu":
-            raise ValueError("KVBytes needs the KV cache in host memory")
-        self.cache = cache
-        self.mem = memoryview(cache.kv.view(-1).view(torch.uint8).numpy())
-        self.block_bytes = cache.layout.block_bytes
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the sender's KV cache (frames must name blocks below it)."""
 
-    def run(self, layer: int, kind: int, first_block: int, count: int) -> memoryview:
-        """K (kind 0) or V (kind 1) of ``layer`` for blocks [first, first + count)."""
-        off = self.cache.block_offset(layer, kind, first_block)
-        return self.mem[off:off + count * self.block_bytes]
+    def pull(self, layers: range, src: list[BlockId], dest: list[BlockId]) -> None:
+        """Copies K and V of ``layers`` for the sender's ``src`` blocks into the
+        receiver's ``dest`` blocks. Raises kvtransfer.wire.ProtocolError when the
+        copy fails (the connection is then dropped and its transfers fail)."""

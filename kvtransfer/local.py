@@ -3,16 +3,25 @@ cache lives in a shared-memory file (/dev/shm/kvrelay-*), and the decode
 worker copies the blocks it is told about straight from it into its own
 reserved blocks (one memcpy, no bytes on a socket). Control frames (the
 authenticated handshake, block lists with their CRC32C, done and its
-acknowledgement) use the TCP transport's connection, and the receiver is the
-TCP receiver: it serves both kinds of sender. A receiver on another host
-simply gets the bytes over TCP."""
+acknowledgement) use the channel every transport shares
+(kvtransfer/channel.py). Receivers map the file with ``SharedMemoryAttacher``
+(the tcp and nixl receivers both do, so they serve local senders); a
+receiver on another host simply gets the bytes over TCP."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
+
+import torch
+from kvrelay.v1 import kv_wire_pb2 as pb
 
 from engine.kv_cache import KVCache
-from kvtransfer.tcp import TcpConfig, TcpKVSender
+from kvtransfer.base import Transport
+from kvtransfer.config import TransferConfig
+from kvtransfer.sender import ChannelSender
+from kvtransfer.wire import SHM_NAME, host_id
 
 
 def shm_path_for(worker_id: str, pid: int) -> str:
@@ -21,10 +30,65 @@ def shm_path_for(worker_id: str, pid: int) -> str:
     return f"/dev/shm/kvrelay-{safe}-{pid}"
 
 
-class LocalKVSender(TcpKVSender):
-    name = "local"
+class SharedMemoryOffer:
+    """MemoryOffer: a sender's KV cache in its shared-memory file, for receivers on this host."""
 
-    def __init__(self, cache: KVCache, cfg: TcpConfig | None = None) -> None:
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    def hello_fields(self) -> pb.KVHello:
+        return pb.KVHello(host_id=host_id(), shm_path=self.cache.shm_path, shm_num_blocks=self.cache.num_blocks)
+
+
+class SharedMemorySource:
+    """MemorySource: a same-host sender's KV cache, mapped; pulling is one
+    indexed copy per layer and K/V into the receiver's cache."""
+
+    def __init__(self, peer: KVCache, cache: KVCache) -> None:
+        self.peer = peer
+        self.cache = cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.peer.num_blocks
+
+    def pull(self, layers: range, src: list[int], dest: list[int]) -> None:
+        s = torch.tensor(src, dtype=torch.long)
+        d = torch.tensor(dest, dtype=torch.long)
+        for layer in layers:
+            for kind in (0, 1):
+                self.cache.kv[layer, kind].index_copy_(0, d, self.peer.kv[layer, kind].index_select(0, s))
+
+
+class SharedMemoryAttacher:
+    """PeerAttacher (kvtransfer/wire.py): maps the shared-memory KV of senders
+    on this host into a receiver with ``cache``; mappings are kept per file."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self._lock = threading.Lock()
+        self._peers: dict[str, KVCache] = {}
+
+    def can_attach(self, hello: pb.KVHello) -> bool:
+        return bool(not hello.nixl_metadata and hello.shm_path and hello.host_id == host_id()
+                    and SHM_NAME.fullmatch(hello.shm_path) and os.path.exists(hello.shm_path))
+
+    def attach(self, hello: pb.KVHello) -> SharedMemorySource:
+        with self._lock:
+            peer = self._peers.get(hello.shm_path)
+            if peer is None or peer.num_blocks != hello.shm_num_blocks:
+                peer = KVCache.attach(self.cache.layout, hello.shm_num_blocks, hello.shm_path)
+                self._peers[hello.shm_path] = peer
+            return SharedMemorySource(peer, self.cache)
+
+
+class LocalKVSender(ChannelSender):
+    """Offers its shared-memory KV to receivers on this host; frames then carry block ids only."""
+
+    name = Transport.LOCAL
+
+    def __init__(self, cache: KVCache, cfg: TransferConfig | None = None) -> None:
         if not cache.shm_path:
             raise ValueError("the local transport needs the sender's KV cache in shared memory (shm_path)")
-        super().__init__(cache, dataclasses.replace(cfg or TcpConfig(), shared_memory=True))
+        super().__init__(cache, dataclasses.replace(cfg or TransferConfig(), offer_memory=True),
+                         SharedMemoryOffer(cache))

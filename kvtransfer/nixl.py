@@ -3,7 +3,8 @@ shared memory or TCP otherwise) from the prefill worker's registered KV
 tensor (DRAM on CPU, VRAM on CUDA) into the decode worker's.
 
 The decode worker READs: it learns the sender's agent metadata and KV
-address in the handshake of the TCP control connection, and each blocks
+address in the handshake of the control connection (kvtransfer/channel.py,
+kvtransfer/wire.py), and each blocks
 frame names the sender's blocks; the receiver pulls them into the
 reservation it still holds, under the reservation's lock, then verifies
 their CRC32C. We read rather than let the prefill worker WRITE because a
@@ -25,8 +26,15 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from kvrelay.v1 import kv_wire_pb2 as pb
+
 from engine.kv_cache import KVCache
-from kvtransfer.tcp import TcpConfig, TcpKVReceiver, TcpKVSender
+from kvtransfer.base import Transport
+from kvtransfer.config import TransferConfig
+from kvtransfer.local import SharedMemoryAttacher
+from kvtransfer.receiver import ChannelReceiver
+from kvtransfer.sender import ChannelSender
+from kvtransfer.wire import ProtocolError
 
 
 def nixl_available() -> bool:
@@ -119,6 +127,11 @@ class NixlAgent:
     def base_address(self) -> int:
         return self.cache.kv.data_ptr()
 
+    def hello_fields(self) -> pb.KVHello:
+        """MemoryOffer: what lets a receiver's agent READ our registered KV."""
+        return pb.KVHello(nixl_metadata=self.metadata, kv_base_address=self.base_address,
+                          kv_device_id=self.device_id, shm_num_blocks=self.cache.num_blocks)
+
     def add_peer(self, metadata: bytes, base_address: int, device_id: int, num_blocks: int) -> NixlPeer:
         name = self._peers.get(metadata)
         if name is None:
@@ -156,29 +169,67 @@ class NixlAgent:
             agent.release_xfer_handle(handle)
 
 
-class NixlKVSender(TcpKVSender):
+class NixlSource:
+    """MemorySource: a NIXL sender's registered KV, READ through our agent."""
+
+    def __init__(self, agent: NixlAgent, peer: NixlPeer, timeout_s: float) -> None:
+        self.agent = agent
+        self.peer = peer
+        self.timeout_s = timeout_s
+
+    @property
+    def num_blocks(self) -> int:
+        return self.peer.num_blocks
+
+    def pull(self, layers: range, src: list[int], dest: list[int]) -> None:
+        try:
+            self.agent.read(self.peer, layers, src, dest, self.timeout_s)
+        except RuntimeError as exc:
+            raise ProtocolError(str(exc)) from None
+
+
+class NixlAttacher:
+    """PeerAttacher (kvtransfer/wire.py): connects our agent to senders that
+    offer NIXL metadata; each READ may take up to ``timeout_s``."""
+
+    def __init__(self, agent: NixlAgent, timeout_s: float) -> None:
+        self.agent = agent
+        self.timeout_s = timeout_s
+
+    def can_attach(self, hello: pb.KVHello) -> bool:
+        return bool(hello.nixl_metadata)
+
+    def attach(self, hello: pb.KVHello) -> NixlSource:
+        peer = self.agent.add_peer(hello.nixl_metadata, hello.kv_base_address, hello.kv_device_id,
+                                   hello.shm_num_blocks)
+        return NixlSource(self.agent, peer, self.timeout_s)
+
+
+class NixlKVSender(ChannelSender):
     """Offers its registered KV to receivers; frames then carry block ids only."""
 
-    name = "nixl"
+    name = Transport.NIXL
 
-    def __init__(self, cache: KVCache, cfg: TcpConfig | None = None) -> None:
+    def __init__(self, cache: KVCache, cfg: TransferConfig | None = None) -> None:
         self.nixl = NixlAgent(cache)
-        super().__init__(cache, dataclasses.replace(cfg or TcpConfig(), shared_memory=True))
+        super().__init__(cache, dataclasses.replace(cfg or TransferConfig(), offer_memory=True), self.nixl)
 
     def close(self) -> None:
         super().close()
         self.nixl.close()
 
 
-class NixlKVReceiver(TcpKVReceiver):
-    """The TCP receiver with an agent: pulls from NIXL senders, and still
-    accepts bytes from tcp senders and shared memory from local ones."""
+class NixlKVReceiver(ChannelReceiver):
+    """A receiver with an agent: pulls from NIXL senders, and still accepts
+    bytes from tcp senders and shared memory from local ones."""
 
-    name = "nixl"
+    name = Transport.NIXL
 
-    def __init__(self, cache: KVCache, host: str = "127.0.0.1", cfg: TcpConfig | None = None) -> None:
+    def __init__(self, cache: KVCache, host: str = "127.0.0.1", cfg: TransferConfig | None = None) -> None:
+        cfg = cfg or TransferConfig()
         self.nixl = NixlAgent(cache)
-        super().__init__(cache, host, cfg)
+        super().__init__(cache, host, cfg, (NixlAttacher(self.nixl, cfg.connect_timeout_s * 6),
+                                            SharedMemoryAttacher(cache)))
 
     def close(self) -> None:
         super().close()

@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvrelay.v1 import kv_wire_pb2 as pb
 
 from engine.blocks import ceil_div
+from kvtransfer.base import MemorySource
 
 log = logging.getLogger(__name__)
 
@@ -256,18 +257,19 @@ def client_handshake(sock: socket.socket, secret: bytes, layout_hash: str, offer
 
 
 class PeerAttacher(Protocol):
-    """How a receiver pulls from a sender's memory (shared memory, NIXL)."""
+    """How a receiver maps a sender's memory to pull from (kvtransfer/local.py:
+    shared memory, kvtransfer/nixl.py: NIXL)."""
 
     def can_attach(self, hello: pb.KVHello) -> bool:
         """Cheap checks before authentication: will we pull from this sender?"""
 
-    def attach(self, hello: pb.KVHello) -> object:
+    def attach(self, hello: pb.KVHello) -> MemorySource:
         """After authentication: map or connect the sender's KV memory."""
 
 
 def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str,
                      attacher: PeerAttacher | None = None, require_encryption: bool = False
-                     ) -> tuple[object, PayloadCipher | None]:
+                     ) -> tuple[MemorySource | None, PayloadCipher | None]:
     """Receiver side: checks version, layout and the sender's proof before
     anything else is read. Raises ProtocolError (after telling the peer why).
     Returns the attached sender memory (or None for bytes on the wire) and

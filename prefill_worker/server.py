@@ -23,8 +23,9 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from engine.async_engine import AsyncEngine
 from engine.blocks import blocks_for
 from engine.errors import InvalidRequestError
-from kvtransfer.base import KVSender, TransferTarget, wait_async
+from kvtransfer.base import KVSender, TransferTarget
 from kvtransfer.errors import KVTransferError
+from kvtransfer.handles import wait_async
 from kvtransfer.wire import link_socket_buffer
 from prefill_worker.streamer import LayerStreamer
 from runtime.convert import work_params

@@ -24,8 +24,8 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from kvtransfer.config import TransferConfig
 from kvtransfer.select import choose_transport, host_has_rdma
-from kvtransfer.tcp import TcpConfig
 from runtime.config import ClusterConfig, PoolSection, load_config
 from runtime.lifetime import die_with_parent
 from runtime.rpc import aio_channel, bind, create_server
@@ -232,7 +232,7 @@ class WorkerSetup:
     """This worker's pool in the config (its device)."""
     transport: str
     """KV transport of this host: tcp, nixl or local (``kv.transport`` resolved)."""
-    transfer: TcpConfig
+    transfer: TransferConfig
     """Settings of the KV sender or receiver."""
     host: str
     """Address to bind and advertise."""
@@ -247,9 +247,9 @@ def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str) -> Wo
     if site is None:
         raise SystemExit(f"--site {args.site!r} is not a site of the config ({', '.join(s.name for s in cfg.sites)})")
     kv = cfg.kv
-    transfer = TcpConfig(secret=read_secret(kv.secret_file, kv_secret_env), streams=kv.streams,
-                         socket_buffer_bytes=kv.socket_buffer_bytes, encrypt=kv.encrypt,
-                         stall_timeout_s=kv.transfer_timeout_s, corrupt_first=kv.corrupt_first_transfers)
+    transfer = TransferConfig(secret=read_secret(kv.secret_file, kv_secret_env), streams=kv.streams,
+                              socket_buffer_bytes=kv.socket_buffer_bytes, encrypt=kv.encrypt,
+                              stall_timeout_s=kv.transfer_timeout_s, corrupt_first=kv.corrupt_first_transfers)
     host = args.host or cfg.workers.host
     if host == "auto":
         host = local_address_towards(args.router)

@@ -19,13 +19,14 @@ from kvrelay.v1 import kv_wire_pb2 as pb
 from benchmarks.kv_peer import SECRET
 from engine.kv_cache import KVCache, KVLayout
 from kvtransfer.base import TransferState, TransferTarget
+from kvtransfer.config import TransferConfig
 from kvtransfer.local import LocalKVSender
 from kvtransfer.nixl import NixlKVReceiver, NixlKVSender
-from kvtransfer.tcp import TcpConfig, TcpKVReceiver, TcpKVSender
+from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 from kvtransfer.wire import recv_frame, send_frame
 from tests.integration.conftest import wait_until
 
-CFG = TcpConfig(secret=SECRET, streams=2)
+CFG = TransferConfig(secret=SECRET, streams=2)
 
 
 def make_cache(layout: KVLayout, blocks: int, seed: int | None) -> KVCache:
@@ -63,7 +64,7 @@ def test_received_bytes_equal_sent_bytes(layers, heads, dim, bs, dtype, data, st
     src_blocks = data.draw(st.lists(st.integers(0, 31), min_size=n, max_size=n, unique=True))
     dst_blocks = data.draw(st.lists(st.integers(0, 39), min_size=n, max_size=n, unique=True))
     src, dst = make_cache(layout, 32, 1), make_cache(layout, 40, None)
-    h, rh, _ = transfer(src, dst, src_blocks, dst_blocks, cfg=TcpConfig(secret=SECRET, streams=streams))
+    h, rh, _ = transfer(src, dst, src_blocks, dst_blocks, cfg=TransferConfig(secret=SECRET, streams=streams))
     assert h.poll() is TransferState.DONE and rh.poll() is TransferState.DONE, (h.failure(), rh.failure())
     assert rh.result().first_token_id == 7
     assert torch.equal(dst.kv[:, :, dst_blocks], src.kv[:, :, src_blocks])
@@ -109,7 +110,7 @@ def test_encrypted_transfer_integrity(dtype, data, streams):
     src_blocks = data.draw(st.lists(st.integers(0, 23), min_size=n, max_size=n, unique=True))
     dst_blocks = data.draw(st.lists(st.integers(0, 29), min_size=n, max_size=n, unique=True))
     src, dst = make_cache(layout, 24, n), make_cache(layout, 30, None)
-    cfg = TcpConfig(secret=SECRET, streams=streams, encrypt=True)
+    cfg = TransferConfig(secret=SECRET, streams=streams, encrypt=True)
     h, rh, _ = transfer(src, dst, src_blocks, dst_blocks, cfg=cfg)
     assert rh.poll() is TransferState.DONE and h.poll() is TransferState.DONE, (rh.failure(), h.failure())
     assert torch.equal(dst.kv[:, :, dst_blocks], src.kv[:, :, src_blocks])
@@ -117,8 +118,8 @@ def test_encrypted_transfer_integrity(dtype, data, streams):
 
 def test_receiver_requiring_encryption_refuses_plaintext_sender():
     src, dst = make_cache(LAYOUT, 8, 1), make_cache(LAYOUT, 8, None)
-    h, rh, _ = transfer(src, dst, [0, 1], [2, 3], cfg=TcpConfig(secret=SECRET, streams=1),
-                        rx_cfg=TcpConfig(secret=SECRET, encrypt=True), timeout=5)
+    h, rh, _ = transfer(src, dst, [0, 1], [2, 3], cfg=TransferConfig(secret=SECRET, streams=1),
+                        rx_cfg=TransferConfig(secret=SECRET, encrypt=True), timeout=5)
     assert h.poll() is TransferState.FAILED and "requires encrypted" in h.failure().reason
     assert not dst.kv.any()
 
@@ -128,7 +129,7 @@ def test_256_mib_transfer_integrity():
     n = 1024  # 2 layers x 2 x 1024 x 64 KiB = 256 MiB
     src, dst = make_cache(layout, n, 3), make_cache(layout, n, None)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
-    h, rh, _ = transfer(src, dst, list(range(n)), perm, cfg=TcpConfig(secret=SECRET, streams=4), timeout=120)
+    h, rh, _ = transfer(src, dst, list(range(n)), perm, cfg=TransferConfig(secret=SECRET, streams=4), timeout=120)
     assert rh.poll() is TransferState.DONE, rh.failure()
     assert h.result().nbytes == 256 << 20
     assert torch.equal(dst.kv[:, :, perm], src.kv)
@@ -163,7 +164,7 @@ def test_layout_mismatch_refused_before_any_byte():
 
 def test_wrong_secret_refused_before_any_byte():
     src, dst = make_cache(LAYOUT, 8, 1), make_cache(LAYOUT, 8, None)
-    h, rh, rx = transfer(src, dst, [0, 1], [2, 3], cfg=TcpConfig(secret=b"wrong", streams=1), rx_cfg=CFG,
+    h, rh, rx = transfer(src, dst, [0, 1], [2, 3], cfg=TransferConfig(secret=b"wrong", streams=1), rx_cfg=CFG,
                          timeout=5)
     assert h.poll() is TransferState.FAILED and "authentication" in h.failure().reason
     assert rh.poll() is TransferState.FAILED  # never completed; timed out waiting
@@ -224,7 +225,7 @@ def test_flipped_byte_fails_the_transfer(encrypt):
     src, dst = make_cache(layout, 16, 1), make_cache(layout, 16, None)
     rx = TcpKVReceiver(dst, cfg=CFG)
     proxy = FlippingProxy(rx.endpoint, offset=300_000)  # well inside the KV payload
-    tx = TcpKVSender(src, TcpConfig(secret=SECRET, streams=1, encrypt=encrypt))
+    tx = TcpKVSender(src, TransferConfig(secret=SECRET, streams=1, encrypt=encrypt))
     try:
         rh = rx.expect("t", list(range(16)))
         h = tx.open(TransferTarget(proxy.endpoint, "t", tuple(range(16)), layout.compat_hash()))
@@ -273,7 +274,7 @@ def test_receiver_killed_mid_transfer_fails_sender_promptly():
     n = 2048  # 256 MiB: long enough to kill the receiver in the middle
     src = make_cache(layout, n, 1)
     peer = _peer("receiver", f"float32,2,8,128,16,{n}", "1")
-    tx = TcpKVSender(src, TcpConfig(secret=SECRET, streams=1))
+    tx = TcpKVSender(src, TransferConfig(secret=SECRET, streams=1))
     try:
         endpoint = peer.stdout.readline().split()[1]
         h = tx.open(TransferTarget(endpoint, "t0", tuple(range(n)), layout.compat_hash()))

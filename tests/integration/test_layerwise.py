@@ -10,7 +10,8 @@ from benchmarks.kv_peer import SECRET
 from engine.kv_cache import KVCache
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import TransferState, TransferTarget
-from kvtransfer.tcp import TcpConfig, TcpKVReceiver, TcpKVSender
+from kvtransfer.config import TransferConfig
+from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 from prefill_worker.streamer import LayerStreamer
 
 
@@ -22,8 +23,8 @@ def test_chunked_prefill_streams_layers_during_compute(tiny_checkpoints, make_en
     start_block = 2  # pretend the decode side caches the first two blocks
     dst = KVCache(layout, 32)
     dest_ids = list(range(31, 31 - (n_blocks - start_block), -1))
-    rx = TcpKVReceiver(dst, cfg=TcpConfig(secret=SECRET))
-    tx = TcpKVSender(eng.cache, TcpConfig(secret=SECRET, streams=2))
+    rx = TcpKVReceiver(dst, cfg=TransferConfig(secret=SECRET))
+    tx = TcpKVSender(eng.cache, TransferConfig(secret=SECRET, streams=2))
     streamer = LayerStreamer(eng.runner, layout.num_layers)
     calls = []
     steps = [0]

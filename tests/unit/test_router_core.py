@@ -1,0 +1,141 @@
+"""The router core without any front end: typed requests and callers in,
+typed errors out, and the adapters' mappings cover every error kind."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from engine.tokenizer import Tokenizer
+from kvrelay.v1 import inference_pb2 as ipb
+from router.core import AdmissionWait, RouterCore, refusal
+from router.errors import ErrorKind, RouterError
+from router.grpc_api import STATUS
+from router.openai_http import HTTP_STATUS, api_error
+from router.placement import PlacementError, PlacementFailure, Wait
+from router.requests import Caller, ModelLimits, Priority, parse_request
+from runtime.config import parse_config
+from runtime.topology import Role, Topology, link_name
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_checkpoints) -> Tokenizer:
+    return Tokenizer(tiny_checkpoints["llama"])
+
+
+LIMITS = ModelLimits(name="tiny", max_model_len=512, vocab_size=320)
+
+
+def test_every_error_kind_has_a_grpc_and_an_http_status():
+    assert set(STATUS) == set(ErrorKind) and set(HTTP_STATUS) == set(ErrorKind)
+    assert STATUS[ErrorKind.OVERLOADED] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert HTTP_STATUS[ErrorKind.UNKNOWN_MODEL][0] == 404 and HTTP_STATUS[ErrorKind.OVERLOADED][0] == 429
+
+
+def test_overload_carries_a_retry_hint_to_both_front_ends():
+    err = refusal(PlacementError(PlacementFailure.CAPACITY, "every eligible decode worker is full", 1.5, Wait.ROOM))
+    assert err.kind is ErrorKind.OVERLOADED and err.retry_after_s == 1.5 and "retry in 1500 ms" in err.message
+    http = api_error(err)
+    assert http.status == 429 and http.headers["Retry-After"] == "2" and http.code == "resource_exhausted"
+    constraint = refusal(PlacementError(PlacementFailure.CONSTRAINT, "no site in FR"))
+    assert (constraint.kind, constraint.retry_after_s) == (ErrorKind.CONSTRAINT, None)
+
+
+def test_parse_request_refuses_with_typed_errors(tok):
+    cases = [
+        (ipb.GenerateRequest(prompt="hi", model="gpt-17"), ErrorKind.UNKNOWN_MODEL, "unknown model"),
+        (ipb.GenerateRequest(prompt="hi", request_id="x" * 129), ErrorKind.INVALID, "longer than 128"),
+        (ipb.GenerateRequest(prompt="hi", max_tokens=-1), ErrorKind.INVALID, "max_tokens must be >= 1"),
+        (ipb.GenerateRequest(prompt="   "), ErrorKind.INVALID, "prompt is empty"),
+        (ipb.GenerateRequest(), ErrorKind.INVALID, "no input"),
+        (ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[1, 999])), ErrorKind.INVALID, "token ids must be in"),
+        (ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[1] * 60), max_tokens=500), ErrorKind.INVALID, "exceeds"),
+    ]
+    for msg, kind, text in cases:
+        with pytest.raises(RouterError) as err:
+            parse_request(msg, tok, LIMITS)
+        assert err.value.kind is kind and text in err.value.message, (msg, err.value)
+
+
+def test_parse_request_salts_by_tenant_and_keeps_the_client_id(tok):
+    req = parse_request(ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 6, 7]), request_id="mine", max_tokens=3,
+                                            allowed_jurisdictions=["CA-ON"]), tok, LIMITS, salt="lab-a")
+    assert req.client_id == "mine" and req.work.request_id.startswith("mine-") and req.work.salt == "lab-a"
+    assert list(req.work.prompt_token_ids) == [5, 6, 7] and req.work.max_tokens == 3
+    assert req.allowed_jurisdictions == frozenset({"CA-ON"})
+    anywhere = parse_request(ipb.GenerateRequest(prompt="hello"), tok, LIMITS)
+    assert anywhere.allowed_jurisdictions is None and anywhere.client_id == anywhere.work.request_id
+
+
+def test_caller_deadline():
+    assert Caller().time_remaining() is None
+    c = Caller.with_timeout("lab-a", 10.0, Priority.BATCH)
+    assert 9.0 < c.time_remaining() <= 10.0 and c.priority is Priority.BATCH
+    assert Caller(deadline=time.monotonic() - 5).time_remaining() == 0.0
+
+
+def _core(tok, **router) -> RouterCore:
+    cfg = parse_config({"router": {"unavailable_wait_s": 0.4, "admission_wait_s": 0.4, **router}})
+    return RouterCore(cfg, tok, LIMITS)
+
+
+def test_core_waits_for_workers_then_is_unavailable(tok):
+    async def go():
+        core = _core(tok)
+        caller = Caller("lab-a")
+        req = core.prepare(ipb.GenerateRequest(prompt="hello", max_tokens=2), caller)
+        t0 = time.monotonic()
+        with pytest.raises(RouterError) as err:
+            async for _ in core.generate(req, caller):
+                pass
+        took = time.monotonic() - t0
+        await core.registry.close()
+        return err.value, took
+
+    err, took = asyncio.run(go())
+    assert err.kind is ErrorKind.UNAVAILABLE and "no healthy decode worker" in err.message
+    assert 0.3 <= took < 10.0  # it waited (unavailable_wait_s) instead of refusing at once
+
+
+def test_core_never_waits_past_the_callers_deadline(tok):
+    async def go():
+        core = _core(tok, unavailable_wait_s=30.0)
+        caller = Caller.with_timeout("", 0.3)
+        req = core.prepare(ipb.GenerateRequest(prompt="hello", max_tokens=2), caller)
+        t0 = time.monotonic()
+        with pytest.raises(RouterError) as err:
+            async for _ in core.generate(req, caller):
+                pass
+        await core.registry.close()
+        return err.value, time.monotonic() - t0
+
+    err, took = asyncio.run(go())
+    assert err.kind is ErrorKind.UNAVAILABLE and took < 10.0  # bounded by the 0.3 s deadline, not the 30 s wait
+
+
+def test_admission_wait_tells_what_waiting_can_bring(tok):
+    async def go():
+        cfg = parse_config({"router": {"admission_wait_s": 5.0, "unavailable_wait_s": 0.01}})
+        w = AdmissionWait(cfg.router, Caller())
+        return w.allows(Wait.ROOM), w.allows(Wait.WORKERS), w.allows(Wait.NOTHING)
+
+    assert asyncio.run(go()) == (True, False, False)
+
+
+def test_roles_and_links():
+    assert Role.of(Role.PREFILL.proto) is Role.PREFILL and Role.of(Role.DECODE.proto) is Role.DECODE
+    assert Role.DECODE == "decode"
+    with pytest.raises(ValueError, match="prefill or decode"):
+        Role.of(0)
+    cfg = parse_config({"sites": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
+                        "links": [{"between": ["a", "b"], "rtt_ms": 9, "encrypt": True, "transport": "tcp"}]})
+    topo = Topology(cfg)
+    assert link_name("b", "a") == "a-b" and link_name("a", "a") == "local"
+    ab = topo.link("a", "b")
+    assert ab is topo.link("b", "a") and ab.rtt_ms == 9 and topo.link("a", "c") is None
+    assert topo.link("c", "c") is cfg.local_link
+    assert topo.encrypts(ab) and not topo.encrypts(cfg.local_link)
+    assert topo.transport(ab, "nixl") == "tcp" and topo.transport(cfg.local_link, "nixl") == "nixl"
