@@ -20,7 +20,7 @@ import pytest
 from kvrelay.v1 import inference_pb2 as ipb
 
 from engine.tokenizer import Tokenizer
-from router.admin import token_sha256
+from router.auth import token_sha256
 from tests.integration.conftest import CLUSTER_YAML, running_cluster
 
 pytestmark = pytest.mark.model
