@@ -15,7 +15,7 @@ from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 from cli.common import default_token_file, grpc_error, table
-from router.admin import token_sha256
+from router.auth import token_sha256
 from runtime.rpc import sync_channel
 
 

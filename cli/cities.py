@@ -24,9 +24,9 @@ from launch.cities import (
     link_signal,
     load_state,
 )
+from launch.linkprobe import measure_link
 from launch.local import LocalCluster
 from runtime.config import load_config
-from runtime.linkprobe import measure_link
 
 
 def cmd_bench_cities(args: argparse.Namespace) -> int:

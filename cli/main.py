@@ -123,9 +123,7 @@ def cmd_generate_local(args: argparse.Namespace) -> int:
 
     path = resolve_model(args.model, args.cache_dir)
     eng = LLMEngine(EngineConfig(model_path=path, dtype=args.dtype))
-    tok = eng.tokenizer
-    ids = (tok.encode_chat([{"role": "user", "content": args.prompt}]) if tok.has_chat_template and not args.raw
-           else tok.encode(args.prompt))
+    ids = eng.tokenizer.encode_prompt(args.prompt, raw=args.raw)
     eng.add_request("cli", ids, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                                seed=args.seed))
     while eng.has_unfinished():
@@ -212,7 +210,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
                    help="where prepared models live (default: %(default)s)")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_model_parsers(sub)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    _add_serve_parser(sub)
+    _add_generate_parser(sub)
+    cli_admin.add_parsers(sub)
+    cli_jobs.add_parsers(sub)
+    _add_bench_parsers(bench)
+    cli_cities.add_parsers(sub, bench)
+    _add_generate_local_parser(sub)
+    return p
 
+
+def _add_model_parsers(sub) -> None:
     model = sub.add_parser("model", help="prepare or generate model checkpoints").add_subparsers(
         dest="model_command", required=True)
     prep = model.add_parser("prepare", help="convert the embedded SmolLM2-135M-Instruct once; print its folder")
@@ -223,18 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_model_tiny)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    be = bench.add_parser("engine", help="engine vs transformers: prefill and decode throughput")
-    be.add_argument("--model", help="checkpoint folder (default: the embedded model)")
-    be.add_argument("--dtype", default="float32", help="comma-separated dtypes (float32, bfloat16)")
-    be.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    be.add_argument("--batches", default="1,8,32")
-    be.add_argument("--new-tokens", type=int, default=64)
-    be.add_argument("--repeat", type=int, default=3)
-    be.add_argument("--no-reference", action="store_true", help="skip transformers")
-    be.add_argument("--json", help="also write results to this path (.<dtype>.json)")
-    be.set_defaults(func=cmd_bench_engine)
 
+def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="run the cluster (router + workers) in the foreground")
     serve.add_argument("--config", help="cluster config YAML (default: one site, one prefill + one decode worker, "
                                         "the embedded SmolLM2-135M-Instruct)")
@@ -248,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     cities_flag(serve)
     serve.set_defaults(func=cmd_serve)
 
+
+def _add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="stream an answer from a running cluster")
     g.add_argument("prompt")
     g.add_argument("--router", default="127.0.0.1:50051")
@@ -260,8 +262,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-v", "--verbose", action="store_true", help="print usage and placement")
     g.set_defaults(func=cmd_generate)
 
-    cli_admin.add_parsers(sub)
-    cli_jobs.add_parsers(sub)
+
+def _add_bench_parsers(bench) -> None:
+    """bench engine, kv, placement and replay (bench cities comes with the cities commands)."""
+    be = bench.add_parser("engine", help="engine vs transformers: prefill and decode throughput")
+    be.add_argument("--model", help="checkpoint folder (default: the embedded model)")
+    be.add_argument("--dtype", default="float32", help="comma-separated dtypes (float32, bfloat16)")
+    be.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    be.add_argument("--batches", default="1,8,32")
+    be.add_argument("--new-tokens", type=int, default=64)
+    be.add_argument("--repeat", type=int, default=3)
+    be.add_argument("--no-reference", action="store_true", help="skip transformers")
+    be.add_argument("--json", help="also write results to this path (.<dtype>.json)")
+    be.set_defaults(func=cmd_bench_engine)
 
     bk = bench.add_parser("kv", help="KV transfer throughput vs raw sockets and memcpy; layer-wise overlap")
     bk.add_argument("--sizes", default="1,16,256,1024", help="MiB of KV per transfer, comma-separated")
@@ -277,7 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--prompt-tokens", type=int, default=8192)
     bp.add_argument("--decisions", type=int, default=500)
     bp.set_defaults(func=cmd_bench_placement)
+    _add_replay_parser(bench)
 
+
+def _add_replay_parser(bench) -> None:
     br = bench.add_parser("replay", help="replay a request trace (Azure CSV or Mooncake JSONL) and report")
     br.add_argument("--trace", required=True, type=Path, help="trace file")
     br.add_argument("--format", choices=["azure", "mooncake"], help="default: from the file's first line")
@@ -296,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     cli_chaos.add_flags(br)
     br.set_defaults(func=cmd_bench_replay)
 
-    cli_cities.add_parsers(sub, bench)
 
+def _add_generate_local_parser(sub) -> None:
     gen = sub.add_parser("generate-local", help="generate with an in-process engine (no cluster)")
     gen.add_argument("prompt")
     gen.add_argument("--model", help="checkpoint folder (default: the embedded model)")
@@ -307,7 +323,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.set_defaults(func=cmd_generate_local)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

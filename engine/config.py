@@ -187,6 +187,13 @@ class SchedulerConfig:
             raise ValueError("scheduler.max_model_len must be positive")
 
 
+def effective_max_model_len(model_cfg: ModelConfig, scheduler_cfg: SchedulerConfig) -> int:
+    """The context window a worker and the router enforce: ``scheduler.max_model_len``
+    when set, else the model's ``max_position_embeddings``, and never more than that."""
+    return min(scheduler_cfg.max_model_len or model_cfg.max_position_embeddings,
+               model_cfg.max_position_embeddings)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything an engine instance needs."""

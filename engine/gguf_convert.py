@@ -96,6 +96,26 @@ def _tokenizer_json(tokens: list[str], merges: list[str], types: list[int], pre:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Writes a checkpoint folder for ``gguf_path`` at ``out_dir`` (atomically)."""
 
+    reader = _open_llama_gguf(gguf_path)
+    n_head = int(_field(reader, "llama.attention.head_count"))
+    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_head))
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    weights = _hf_weights(reader, n_head, n_kv)
+    config = _hf_config(reader, tokens, n_head, n_kv, tied="lm_head.weight" not in weights)
+    tok_cfg = _tokenizer_config(reader, tokens, config)
+    tok_json = _tokenizer_json(tokens, list(_field(reader, "tokenizer.ggml.merges")),
+                               list(_field(reader, "tokenizer.ggml.token_type")),
+                               _field(reader, "tokenizer.ggml.pre", "default"))
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+                  "pad_token_id": config["pad_token_id"]}
+    _write_checkpoint(out_dir, weights, {"config.json": json.dumps(config, indent=2), "tokenizer.json": tok_json,
+                                         "tokenizer_config.json": json.dumps(tok_cfg, indent=2),
+                                         "generation_config.json": json.dumps(generation, indent=2)})
+    return out_dir
+
+
+def _open_llama_gguf(gguf_path: Path) -> GGUFReader:
+    """The reader of a Llama GGUF file with a byte-level BPE tokenizer; CheckpointError otherwise."""
     try:
         reader = GGUFReader(str(gguf_path))
     except (OSError, ValueError) as exc:
@@ -105,13 +125,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         raise CheckpointError(f"{gguf_path}: GGUF architecture {arch!r} is not supported (only 'llama')")
     if _field(reader, "tokenizer.ggml.model") != "gpt2":
         raise CheckpointError(f"{gguf_path}: only byte-level BPE ('gpt2') GGUF tokenizers are supported")
-    n_head = int(_field(reader, "llama.attention.head_count"))
-    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_head))
-    hidden = int(_field(reader, "llama.embedding_length"))
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    bos = int(_field(reader, "tokenizer.ggml.bos_token_id", 1))
-    eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 2))
+    return reader
 
+
+def _hf_weights(reader: GGUFReader, n_head: int, n_kv: int) -> dict[str, torch.Tensor]:
+    """Dequantized float32 tensors under Hugging Face names, q/k in HF's rotary layout."""
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
@@ -123,8 +141,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         elif t.name.endswith("attn_k.weight"):
             w = _unpermute(w, n_kv)
         weights[name] = torch.from_numpy(np.ascontiguousarray(w))
-    tied = "lm_head.weight" not in weights
-    config = {
+    return weights
+
+
+def _hf_config(reader: GGUFReader, tokens: list, n_head: int, n_kv: int, tied: bool) -> dict:
+    """config.json of the checkpoint."""
+    hidden = int(_field(reader, "llama.embedding_length"))
+    eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 2))
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": len(tokens),
@@ -141,37 +165,39 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         "tie_word_embeddings": tied,
         "attention_bias": False,
         "mlp_bias": False,
-        "bos_token_id": bos,
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
         "eos_token_id": eos,
         "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id", eos)),
         "torch_dtype": "float32",
     }
-    tok_cfg = {
+
+
+def _tokenizer_config(reader: GGUFReader, tokens: list, config: dict) -> dict:
+    """tokenizer_config.json of the checkpoint (special tokens, chat template)."""
+    return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tokens[bos],
-        "eos_token": tokens[eos],
+        "bos_token": tokens[config["bos_token_id"]],
+        "eos_token": tokens[config["eos_token_id"]],
         "pad_token": tokens[int(config["pad_token_id"])],
         "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
         "model_max_length": config["max_position_embeddings"],
         "chat_template": _field(reader, "tokenizer.chat_template"),
         "clean_up_tokenization_spaces": False,
     }
-    tok_json = _tokenizer_json(tokens, list(_field(reader, "tokenizer.ggml.merges")),
-                               list(_field(reader, "tokenizer.ggml.token_type")),
-                               _field(reader, "tokenizer.ggml.pre", "default"))
+
+
+def _write_checkpoint(out_dir: Path, weights: dict[str, torch.Tensor], files: dict[str, str]) -> None:
+    """Writes the weights and the text ``files`` into a temporary folder beside
+    ``out_dir``, then puts it in place of ``out_dir`` (removed on failure)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir.parent))
     try:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "tokenizer.json").write_text(tok_json)
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": config["pad_token_id"]}, indent=2))
+        for name, text in files.items():
+            (tmp / name).write_text(text)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir

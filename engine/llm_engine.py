@@ -20,7 +20,7 @@ import torch
 from engine.block_pool import BlockPool, KVEvents
 from engine.blocks import blocks_for
 from engine.checkpoint import load_checkpoint
-from engine.config import EngineConfig
+from engine.config import EngineConfig, effective_max_model_len
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.kv_cache import KVCache, KVLayout, torch_dtype
 from engine.model_runner import ModelRunner
@@ -83,8 +83,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler, self.pool, cfg.cache.block_size)
         self.runner = ModelRunner(self.model, self.cache)
         self.sampler = Sampler()
-        self.max_model_len = min(cfg.scheduler.max_model_len or ckpt.config.max_position_embeddings,
-                                 ckpt.config.max_position_embeddings)
+        self.max_model_len = effective_max_model_len(ckpt.config, cfg.scheduler)
         eos = set(ckpt.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

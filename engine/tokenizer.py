@@ -101,6 +101,13 @@ class Tokenizer:
         (special tokens come from the template, none are added)."""
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
+    def encode_prompt(self, text: str, raw: bool = False) -> list[int]:
+        """Token ids for a plain prompt: a one-message user chat through the chat
+        template when the model has one and ``raw`` is false, else ``text`` as is."""
+        if self.has_chat_template and not raw:
+            return self.encode_chat([{"role": "user", "content": text}])
+        return self.encode(text)
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back bytes

@@ -25,6 +25,7 @@ never enabled anywhere (no namespace routes between others). Needs root
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -317,16 +318,27 @@ def link_alive(link: LinkNet) -> bool:
 
 def down(state_dir: Path = DEFAULT_STATE_DIR, timeout_s: float = 10.0) -> list[str]:
     """Stops the delay lines and deletes every namespace, veth and the bridge
-    that ``up`` made; returns what it could not remove (empty when clean)."""
+    that ``up`` made; returns what it could not remove (empty when clean).
+    Idempotent: what is already gone (an earlier ``down``, or a veth that went
+    with its namespace meanwhile) counts as removed; any other failure, or a
+    device or namespace still there after its removal failed, is a problem."""
     st = load_state(state_dir)
     if st is None:
         return []
-    problems = []
-    for link in st.links:
+    _stop_delay_lines(st.links, timeout_s)
+    problems = _remove_namespaces(st) + _remove_devices(st)
+    if not problems:
+        state_path(state_dir).unlink(missing_ok=True)
+    return problems
+
+
+def _stop_delay_lines(links: list[LinkNet], timeout_s: float) -> None:
+    """SIGTERM to every link's delay line; SIGKILL to those still alive after ``timeout_s``."""
+    for link in links:
         if link.pid and _pid_alive(link.pid):
             os.kill(link.pid, signal.SIGTERM)
     end = time.monotonic() + timeout_s
-    for link in st.links:
+    for link in links:
         while link.pid and _pid_alive(link.pid) and time.monotonic() < end:
             try:
                 os.waitpid(link.pid, os.WNOHANG)  # reap it if it is our child
@@ -334,18 +346,53 @@ def down(state_dir: Path = DEFAULT_STATE_DIR, timeout_s: float = 10.0) -> list[s
                 pass
             time.sleep(0.05)
         if link.pid and _pid_alive(link.pid):
-            os.kill(link.pid, signal.SIGKILL)
-    existing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    for s in st.sites:  # deleting a namespace deletes its veth end, TUNs and routes
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                os.kill(link.pid, signal.SIGKILL)
+
+
+_GONE = ("Cannot find device", "No such file or directory", "does not exist")
+"""What iproute2 says when the thing to delete is not there (any more)."""
+
+
+def _netns_list() -> list[str]:
+    # `ip netns list` prints "name (id: N)" once a namespace has an id
+    return [line.split()[0] for line in
+            subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines() if line.strip()]
+
+
+def _remove(cmd: list[str], exists, what: str) -> str | None:
+    """Runs ``cmd`` to delete ``what``; None when it is gone afterwards (also
+    when it was gone already), else the problem."""
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode == 0:
+        return None
+    err = r.stderr.strip() or r.stdout.strip()
+    if any(g in err for g in _GONE) or not exists():
+        return None
+    return f"{what}: {err}"
+
+
+def _remove_namespaces(st: CitiesState) -> list[str]:
+    """Deletes the sites' namespaces (which deletes their veth ends, TUNs and routes)."""
+    existing = _netns_list()
+    problems = []
+    for s in st.sites:
         if s.netns in existing:
-            r = subprocess.run(["ip", "netns", "delete", s.netns], capture_output=True, text=True)
-            if r.returncode:
-                problems.append(f"namespace {s.netns}: {r.stderr.strip()}")
+            problem = _remove(["ip", "netns", "delete", s.netns], lambda n=s.netns: n in _netns_list(),
+                              f"namespace {s.netns}")
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+def _remove_devices(st: CitiesState) -> list[str]:
+    """Deletes the bridge and the veths' root ends (a veth may vanish on its own
+    while its peer's namespace goes away)."""
+    problems = []
     for dev in [st.bridge] + [s.veth_root for s in st.sites]:
-        if Path(f"/sys/class/net/{dev}").exists():
-            r = subprocess.run(["ip", "link", "del", dev], capture_output=True, text=True)
-            if r.returncode:
-                problems.append(f"device {dev}: {r.stderr.strip()}")
-    if not problems:
-        state_path(state_dir).unlink(missing_ok=True)
+        path = Path(f"/sys/class/net/{dev}")
+        if path.exists():
+            problem = _remove(["ip", "link", "del", dev], path.exists, f"device {dev}")
+            if problem:
+                problems.append(problem)
     return problems

@@ -1,13 +1,13 @@
 """The launcher: the router as a process on this machine, and every worker
 through a backend: processes here (:class:`LocalBackend`), or Ray actors on
-the nodes of each site (``cluster/launch_ray.py``).
+the nodes of each site (``launch/ray_backend.py``).
 
 After start, a reconciler keeps each pool at the size the router holds
 (``kvrelay scale`` changes it): it starts workers when a pool is short
 (scale-up, or a worker that died) and reaps the ones that leave after a
 drain. ``stop()`` (and Ctrl-C / SIGTERM in ``kvrelay serve``) ends all of
 them; local children also get SIGTERM from the kernel if the launcher itself
-dies (PR_SET_PDEATHSIG, which each child sets itself: cluster/lifetime.py),
+dies (PR_SET_PDEATHSIG, which each child sets itself: runtime/lifetime.py),
 so nothing is orphaned."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 from launch.cities import CitiesState
-from router.admin import token_sha256
+from router.auth import token_sha256
 from runtime.config import ClusterConfig, Credential, dump_config
 from runtime.rpc import sync_channel
 

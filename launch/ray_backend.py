@@ -39,7 +39,7 @@ def _actor_class():
 
         def __init__(self, module: str, args: list[str], env: dict[str, str]) -> None:
             # this node's Python, not the launcher's path: nodes may differ; the
-            # worker asks for SIGTERM when this actor's process exits (cluster/lifetime.py)
+            # worker asks for SIGTERM when this actor's process exits (runtime/lifetime.py)
             self.proc = subprocess.Popen([sys.executable, "-m", module, *args], env={**os.environ, **env})
 
         def node_id(self) -> str:

@@ -12,7 +12,7 @@ import sys
 
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, effective_max_model_len
 from engine.tokenizer import Tokenizer
 from router.core import RouterCore
 from router.grpc_api import add_router_to_server
@@ -27,8 +27,7 @@ from runtime.rpc import bind, create_server
 async def run(args: argparse.Namespace) -> None:
     cfg = load_config(args.config)
     model_cfg = ModelConfig.from_file(f"{args.model_path}/config.json")
-    max_len = min(cfg.scheduler.max_model_len or model_cfg.max_position_embeddings,
-                  model_cfg.max_position_embeddings)
+    max_len = effective_max_model_len(model_cfg, cfg.scheduler)
     tok = Tokenizer(args.model_path)
     limits = ModelLimits(name=args.model_name or model_cfg.name, max_model_len=max_len,
                          vocab_size=model_cfg.vocab_size, chat=tok.has_chat_template)

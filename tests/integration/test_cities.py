@@ -22,12 +22,15 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from cli.main import main
 from engine.sampling_params import SamplingParams
 from launch import cities
+from launch.linkprobe import measure_link, measure_rtt, measure_throughput
 from launch.local import LocalCluster
 from runtime.config import parse_config
-from runtime.linkprobe import measure_link, measure_rtt
 from tests.integration.conftest import wait_until, worker_stats
 
 RTT_MS, GBPS = 20.0, 0.5
+RTT_FLOOR_MS = RTT_MS - 5.0
+"""The least RTT the link may show: the delay line forwards a packet up to 2 ms
+ahead of its deadline (its wake-up allowance, launch/delayline.py), each way."""
 PREFIX, SUBNET = "kvtc", "10.216.0.0/16"
 
 CONFIG = {
@@ -69,12 +72,24 @@ def _netns_names() -> list[str]:
 
 @needs_root
 def test_link_has_the_configured_rtt_and_rate(emulated):
+    """The link delays and shapes, in both directions. Bounds that hold on a
+    busy CI machine (load only adds delay and takes throughput): the RTT is
+    never below the configured one (but for the delay line's wake-up
+    allowance) and not far above it; the rate never exceeds the configured
+    one (plus the measurement's margin), lies far below what the same sockets
+    move without the link in this run, and stays above a generous floor.
+    Exact figures are benchmarks' business (`kvrelay cities check`,
+    benchmarks/RESULTS.md)."""
     st, _ = emulated
     tor, mtl = st.site("toronto"), st.site("montreal")
+    unshaped = measure_throughput(tor.netns, tor.netns, tor.site_addr, seconds=1.5, warmup_s=0.5) * 8 / 1e9
+    ceiling = GBPS * 1.2
+    assert unshaped >= 2 * ceiling, unshaped  # else the ceiling below would not show any shaping
     for src, dst in ((tor, mtl), (mtl, tor)):
         m = measure_link(src.netns, dst.netns, dst.site_addr, seconds=3.0)
-        assert abs(m.rtt_ms - RTT_MS) <= 0.10 * RTT_MS, m
-        assert abs(m.gbps - GBPS) <= 0.15 * GBPS, m
+        assert m.rtt_min_ms >= RTT_FLOOR_MS, m  # the delay line never delivers (much) early
+        assert m.rtt_min_ms <= 2 * RTT_MS and m.rtt_ms <= 3 * RTT_MS, m
+        assert 0.2 * GBPS <= m.gbps <= ceiling, (m, unshaped)
 
 
 @needs_root
@@ -89,7 +104,7 @@ def test_cut_link_drops_everything_until_restored(emulated):
     finally:
         cities.link_signal(state_dir, "toronto", "montreal", cut=False)
     rtts = measure_rtt(tor.netns, mtl.netns, mtl.site_addr, samples=5)
-    assert min(rtts) * 1e3 >= RTT_MS * 0.9
+    assert min(rtts) * 1e3 >= RTT_FLOOR_MS
 
 
 @needs_root
@@ -104,6 +119,26 @@ def test_cities_with_no_link_cannot_reach_each_other(tmp_path):
         assert cities.down(tmp_path) == []
     assert not [n for n in _netns_names() if n.startswith("kvtn-")]
     assert not Path("/sys/class/net/kvtn-br").exists()
+
+
+@needs_root
+def test_down_treats_what_is_already_gone_as_removed(tmp_path):
+    """Teardown is idempotent: a namespace or device already gone (removed by
+    hand, or a veth that vanished with its peer's namespace between the check
+    and the delete) counts as removed; what remains is still reported."""
+    _purge("kvtd")
+    st = cities.up(parse_config(CONFIG), tmp_path, "10.218.0.0/16", "kvtd")
+    subprocess.run(["ip", "netns", "delete", st.site("montreal").netns], check=True)  # its veth goes too
+    subprocess.run(["ip", "link", "del", st.site("toronto").veth_root], check=True)
+    assert cities.down(tmp_path) == []
+    assert cities.load_state(tmp_path) is None and cities.down(tmp_path) == []
+    assert not [n for n in _netns_names() if n.startswith("kvtd-")]
+    assert not list(Path("/sys/class/net").glob("kvtd-*"))
+    # the race itself: listed when checked, gone when deleted
+    assert cities._remove(["ip", "link", "del", "kvtd-v9"], lambda: True, "device kvtd-v9") is None
+    # a real failure is a problem: the device is still there afterwards
+    fails = ["sh", "-c", "echo 'RTNETLINK answers: Operation not permitted' >&2; exit 2"]
+    assert cities._remove(fails, lambda: True, "device x") == "device x: RTNETLINK answers: Operation not permitted"
 
 
 @needs_root
@@ -165,24 +200,26 @@ def test_link_cut_is_detected_within_a_heartbeat_and_avoided(emulated, smollm_pa
         cut, t_cut = True, time.monotonic()
         assert wait_until(lambda: not _link(lc).up, 10, 0.05)
         detected_s = time.monotonic() - t_cut
-        # one heartbeat interval until the next probe starts, plus its timeout (and polling slack)
-        assert detected_s <= hb + probe + 0.5, detected_s
+        # one heartbeat interval until the next probe starts, plus its timeout; on a busy
+        # machine a late heartbeat may cost a second round, plus scheduling and polling slack;
+        # still well before the worker timeout, and the reason below says a probe found it
+        assert detected_s <= 2 * (hb + probe) + 1.0, detected_s
         down = _link(lc)
         assert "could not reach" in down.down_reason and "no answer" in down.down_reason
         t.join(120)
         fin = out["msgs"][-1].finish
         assert [tok for m in out["msgs"] for tok in m.token_ids] == want
-        assert fin.placement.retries == 1 and fin.placement.colocated
+        assert fin.placement.retries == 1 and fin.placement.colocated, fin.placement
         assert fin.placement.decode_site == "montreal"
 
         while_down = _generate(lc, list(range(3000, 3600)), 4)[-1].finish.placement
-        assert while_down.colocated and while_down.retries == 0
+        assert while_down.colocated and while_down.retries == 0, while_down
 
         cities.link_signal(state_dir, "toronto", "montreal", cut=False)
         cut = False
         assert wait_until(lambda: _link(lc).up, 10, 0.05)
         again = _generate(lc, list(range(4000, 4600)), 4)[-1].finish.placement
-        assert (again.prefill_site, again.decode_site, again.retries) == ("toronto", "montreal", 0)
+        assert (again.prefill_site, again.decode_site, again.retries) == ("toronto", "montreal", 0), again
     finally:
         if cut:
             cities.link_signal(state_dir, "toronto", "montreal", cut=False)

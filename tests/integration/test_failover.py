@@ -54,4 +54,4 @@ def test_decode_worker_killed_mid_stream_is_migrated(cluster, reference_engine):
     fin = msgs[-1].finish
     assert fin.placement.migrations == 1 and fin.placement.decode_worker != killed
     assert fin.usage.prompt_tokens == len(prompt) and fin.usage.completion_tokens == MAX_TOKENS
-    assert wait_until(lambda: not workers(cluster)[killed].healthy, 10)
+    assert wait_until(lambda: not workers(cluster)[killed].healthy, 30)  # worker_timeout_s (5 s), then some

@@ -19,6 +19,7 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 from cli.main import main
 from launch.local import LocalCluster
+from router.auth import BearerAuth, token_sha256
 from runtime.config import parse_config
 from tests.integration.conftest import running_cluster, wait_until, workers
 
@@ -48,12 +49,15 @@ def _pool(lc: LocalCluster, site: str, role: str) -> apb.PoolStatus:
 
 
 class Traffic:
-    """Streams N_REQUESTS requests, one every ``gap_s``, each in its own thread."""
+    """Streams N_REQUESTS requests, one every ``gap_s``, each in its own thread.
+    The second half waits for ``resume`` to be set: however long a busy machine
+    takes to start a new worker, requests still arrive once it is there."""
 
     def __init__(self, lc: LocalCluster, gap_s: float) -> None:
         self.results: dict[int, tuple[str, int] | str] = {}
         self.lc = lc
         self.gap_s = gap_s
+        self.resume = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -70,6 +74,8 @@ class Traffic:
     def _run(self) -> None:
         threads = []
         for i in range(N_REQUESTS):
+            if i == N_REQUESTS // 2:
+                self.resume.wait(300)
             t = threading.Thread(target=self._one, args=(i,), daemon=True)
             t.start()
             threads.append(t)
@@ -86,7 +92,11 @@ def scale_up_and_down_while_streaming(lc: LocalCluster) -> str:
     traffic = Traffic(lc, gap_s=0.6)
     resp = _admin(lc, "Scale", apb.ScaleRequest(site="montreal", role="decode", replicas=2))
     assert resp.pool.desired == 2 and not resp.draining
-    assert wait_until(lambda: _pool(lc, "montreal", "decode").active == 2, 120, 0.5), _pool(lc, "montreal", "decode")
+    try:
+        assert wait_until(lambda: _pool(lc, "montreal", "decode").active == 2, 120, 0.5), \
+            _pool(lc, "montreal", "decode")
+    finally:
+        traffic.resume.set()
     new = next(w for w in _pool(lc, "montreal", "decode").workers if w != "montreal/decode/0")
     assert wait_until(lambda: traffic.on(new) >= 2, 120, 0.2), traffic.results  # it takes load
     resp = _admin(lc, "Scale", apb.ScaleRequest(site="montreal", role="decode", replicas=1))
@@ -215,15 +225,13 @@ def test_plan_recommends_within_limits_and_applies(small, capsys, tmp_path):
 
 
 def test_launcher_keeps_reconciling_with_configured_operators(tmp_path):
-    from router.admin import BearerAuth, token_sha256
-
     raw = dict(CONFIG, auth={"operators": [{"name": "noc", "token_sha256": token_sha256("noc-token")}]})
     lc = LocalCluster(parse_config(raw), tmp_path)
     try:
-        auth = BearerAuth(lc.cfg.auth.operators)
+        auth = BearerAuth(lc.cfg.auth.operators, "operator", "auth.operators")
         assert lc.operator_token == ""  # the operators' own tokens are the only ones handed out
-        assert auth.who((("authorization", "Bearer noc-token"),)) == "noc"
-        assert auth.who((("authorization", f"Bearer {lc._launcher_token}"),)) == "kvrelay-launcher"
-        assert auth.who((("authorization", "Bearer guess"),)) is None
+        assert auth.who("Bearer noc-token") == "noc"
+        assert auth.who(f"Bearer {lc._launcher_token}") == "kvrelay-launcher"
+        assert auth.who("Bearer guess") is None
     finally:
         lc._tmp.cleanup()

@@ -47,18 +47,33 @@ def _recv(sock: socket.socket, timeout_s: float) -> tuple[bytes, float]:
     return data, time.monotonic()
 
 
+EARLY_S = 0.0025
+"""How early the delay line may forward a packet: it wakes ahead of a deadline
+by its running mean of wake-up lateness, capped at 2 ms (launch/delayline.py)."""
+
+
 def test_packets_arrive_in_order_after_the_delay(line):
+    """Received while sending (the arrival times are the packets' own): every
+    packet whole, in order, never early; on a busy machine a packet may come
+    late by scheduling, so the bound on lateness is a gross one for all of them
+    and a tight one for the best of them (a line that adds delay of its own fails it)."""
     make, a, b = line
-    make(0.03)
+    delay = 0.05
+    make(delay)
+    got: list[tuple[bytes, float]] = []
+    rx = threading.Thread(target=lambda: got.extend(_recv(b, 5.0) for _ in range(20)), daemon=True)
+    rx.start()
     sent = []
     for i in range(20):
         sent.append(time.monotonic())
         a.send(f"packet-{i}".encode() * 10)
         time.sleep(0.002)
-    for i in range(20):
-        data, at = _recv(b, 2.0)
-        assert data == f"packet-{i}".encode() * 10
-        assert 0.03 <= at - sent[i] < 0.03 + 0.1  # never early; late only by scheduling (a busy 2-core VM)
+    rx.join(30)
+    assert [data for data, _ in got] == [f"packet-{i}".encode() * 10 for i in range(20)]
+    late = [at - t - delay for (_, at), t in zip(got, sent, strict=True)]
+    assert min(late) >= -EARLY_S, late  # never early (but for the wake-up allowance)
+    assert max(late) < 1.0, late  # late only by scheduling (a busy 2-core VM)
+    assert min(late) < delay / 2, late  # and the line itself adds nothing like a delay of its own
 
 
 def test_both_directions(line):
@@ -90,12 +105,11 @@ def test_queue_bound_drops_the_excess(line):
         a.send(b"x" * 2000)  # 20 kB into a 10 kB queue: the last five are dropped
     time.sleep(0.05)
     got = 0
-    b.settimeout(1.0)
+    b.settimeout(1.5)  # all five are due 0.2 s after they were sent; a busy machine may add some
     try:
         while True:
             b.recv(4096)
             got += 1
-            b.settimeout(0.3)
     except TimeoutError:
         pass
     first = next(iter(dl.dirs.values()))
