@@ -22,6 +22,7 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from benchmarks.metrics import RequestRecord, per_link, per_site, summarize
 from benchmarks.plots import write_plots
 from benchmarks.traces import ScaledRequest, TraceRequest, scale_lengths
+from runtime.topology import Role
 
 
 @dataclass(slots=True)
@@ -133,8 +134,7 @@ async def _sample(reg, stop: asyncio.Event, interval: float, out: dict[str, Work
         try:
             resp = await reg.ListWorkers(wpb.ListWorkersRequest(), timeout=5)
             for w in resp.workers:
-                s = out.setdefault(w.info.worker_id, WorkerSamples(site=w.info.site, role=(
-                    "prefill" if w.info.role == wpb.ROLE_PREFILL else "decode")))
+                s = out.setdefault(w.info.worker_id, WorkerSamples(site=w.info.site, role=Role.of(w.info.role)))
                 s.samples += 1
                 s.busy += int(w.inflight > 0 or w.load.running > 0 or w.load.waiting > 0)
                 if w.load.total_blocks:

@@ -17,6 +17,7 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from cli.common import default_token_file, grpc_error, table
 from router.auth import token_sha256
 from runtime.rpc import sync_channel
+from runtime.topology import Role
 
 
 def operator_metadata(args: argparse.Namespace) -> tuple:
@@ -115,7 +116,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     rows = [("WORKER", "SITE", "ROLE", "HEALTH", "INFLIGHT", "RUNNING", "WAITING", "KV FREE/TOTAL", "CACHED",
              "PREFILL TOK/S", "TRANSPORT", "ADDRESS")]
     for w in resp.workers:
-        role = "prefill" if w.info.role == wpb.ROLE_PREFILL else "decode"
+        role = Role.of(w.info.role)
         health = "draining" if w.draining else "ok" if w.healthy else "UNHEALTHY"
         rows.append((w.info.worker_id, w.info.site, role, health, str(w.inflight), str(w.load.running),
                      str(w.load.waiting), f"{w.load.free_blocks}/{w.load.total_blocks}", str(w.cached_blocks),
@@ -142,7 +143,7 @@ def add_parsers(sub) -> None:
 
     sc = sub.add_parser("scale", help="set a site's prefill or decode pool size (operators)")
     sc.add_argument("--site", required=True)
-    sc.add_argument("--role", required=True, choices=["prefill", "decode"])
+    sc.add_argument("--role", required=True, choices=list(Role))
     sc.add_argument("--replicas", required=True, type=int)
     sc.add_argument("--router", default="127.0.0.1:50051")
     operator_flags(sc)

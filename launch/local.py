@@ -36,6 +36,7 @@ from launch.cities import CitiesState
 from router.auth import token_sha256
 from runtime.config import ClusterConfig, Credential, dump_config
 from runtime.rpc import sync_channel
+from runtime.topology import Role
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ class LocalCluster:
             self.router_address = self._start_router(deadline)
             expected = 0
             for site in self.cfg.sites:
-                for role in ("prefill", "decode"):
+                for role in Role:
                     for _ in range(getattr(site, role).replicas):
                         self._start_worker(site.name, role)
                         expected += 1

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from engine.blocks import blocks_for
 from runtime.config import PlacementPolicy
+from runtime.topology import Role
 
 POLICIES = tuple(PlacementPolicy)
 """Every policy's name."""
@@ -101,8 +102,7 @@ class WorkerView:
     """What placement knows about one worker (from registration and heartbeats)."""
 
     worker_id: str
-    role: str
-    """"prefill" or "decode"."""
+    role: Role
     site: str
     healthy: bool = True
     draining: bool = False
@@ -203,15 +203,15 @@ def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView
     for w in view.workers:
         if not w.healthy or w.draining or w.worker_id in req.exclude:
             continue
-        if w.role == "decode":
+        if w.role == Role.DECODE:
             any_decode = True
         if allowed is not None and view.jurisdiction.get(w.site) not in allowed:
             continue
-        if w.role == "prefill":
+        if w.role == Role.PREFILL:
             if not req.colocated_only and w.inflight < w.max_inflight and \
                     w.queued_prefill_tokens / view.throughput(w) <= view.max_prefill_queue_s:
                 prefills.append(w)
-        elif w.role == "decode":
+        elif w.role == Role.DECODE:
             any_allowed_decode = True
             if w.inflight < w.max_inflight and w.free_blocks >= need - req.cached_blocks.get(w.worker_id, 0):
                 decodes.append(w)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from runtime.topology import Role
+
 TARGET_UTILIZATION = 0.7
 KV_HIGH, KV_LOW = 0.85, 0.3
 
@@ -29,7 +31,7 @@ class PoolFigures:
     """What the router knows of one pool over the window."""
 
     site: str
-    role: str
+    role: Role
     desired: int
     active: int
     min_replicas: int
@@ -53,7 +55,7 @@ class PoolFigures:
 @dataclass(slots=True)
 class PoolPlan:
     site: str
-    role: str
+    role: Role
     current: int
     recommended: int
     reasons: list[str] = field(default_factory=list)
@@ -120,8 +122,8 @@ def plan_decode(f: PoolFigures, slo_tpot_s: float) -> PoolPlan:
 
 def plan(pools: list[PoolFigures], slo_ttft_s: float, slo_tpot_s: float) -> list[PoolPlan]:
     """One recommendation per pool; keeps at least one decode worker overall."""
-    out = [plan_prefill(f, slo_ttft_s) if f.role == "prefill" else plan_decode(f, slo_tpot_s) for f in pools]
-    decode = [p for p in out if p.role == "decode"]
+    out = [plan_prefill(f, slo_ttft_s) if f.role == Role.PREFILL else plan_decode(f, slo_tpot_s) for f in pools]
+    decode = [p for p in out if p.role == Role.DECODE]
     if decode and sum(p.recommended for p in decode) == 0:
         keep = max(decode, key=lambda p: p.current)
         keep.recommended = 1
@@ -135,8 +137,8 @@ class Served:
 
     at: float
     prefill_site: str
-    prefill_role: str
-    """"prefill", or "decode" when the decode worker computed the prompt itself."""
+    prefill_role: Role
+    """PREFILL, or DECODE when the decode worker computed the prompt itself."""
     decode_site: str
     prompt_tokens: int
     ttft_s: float

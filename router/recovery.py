@@ -24,6 +24,8 @@ import time
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
 
+from runtime.topology import Role
+
 MAX_PREFILL_FAILURES = 2
 """Prefill-side failures of one request: the first is retried on another
 worker, the second makes the decode worker recompute the prompt."""
@@ -34,10 +36,10 @@ MAX_MIGRATIONS = 3
 class Failover(Exception):
     """A worker failed a request in a way another worker may not.
 
-    ``stage`` is "prefill" (prefill worker or transfer) or "decode";
+    ``stage`` is PREFILL (the prefill worker or the transfer) or DECODE;
     ``suspect``: the worker itself may be at fault (not, e.g., a link)."""
 
-    def __init__(self, stage: str, worker_id: str, reason: str, suspect: bool = True) -> None:
+    def __init__(self, stage: Role, worker_id: str, reason: str, suspect: bool = True) -> None:
         super().__init__(f"{stage} worker {worker_id}: {reason}")
         self.stage = stage
         self.worker_id = worker_id
@@ -110,7 +112,7 @@ class Recovery:
         """Records a failure; returns what happens next (see ``exhausted``)."""
         self.attempt += 1
         self.exclude.add(f.worker_id)
-        if f.stage == "prefill":
+        if f.stage is Role.PREFILL:
             self.prefill_failures += 1
             if self.prefill_failures > MAX_PREFILL_FAILURES:
                 return f"giving up: the prompt failed {self.prefill_failures} times, last at {f.worker_id} ({f.reason})"

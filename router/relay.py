@@ -197,11 +197,11 @@ class Relay:
     def _check_sides(self) -> None:
         """Raises when the KV cannot arrive: its link went down, or P failed."""
         if self.link_down is not None and self.link_down.done() and self._kv_moving():
-            raise Failover("prefill", self.p.info.worker_id, f"link {self.placement.link} went down", suspect=False)
+            raise Failover(Role.PREFILL, self.p.info.worker_id, f"link {self.placement.link} went down", suspect=False)
         if self.prefill is not None and self.prefill.done() and self.prefill.exception() is not None:
             code, details = _worker_error(self.prefill.exception())
             if code in RETRYABLE:
-                raise Failover("prefill", self.p.info.worker_id, f"{code.name}: {details}")
+                raise Failover(Role.PREFILL, self.p.info.worker_id, f"{code.name}: {details}")
             kind = ErrorKind.INVALID if code == grpc.StatusCode.INVALID_ARGUMENT else ErrorKind.UNAVAILABLE
             raise RouterError(kind, f"prefill failed: {details}")
 
@@ -218,8 +218,8 @@ class Relay:
             if self.p is not None and self.n_out == 0 and code in (grpc.StatusCode.ABORTED,
                                                                     grpc.StatusCode.DEADLINE_EXCEEDED):
                 # D gave up on the KV (transfer failed, checksum, lease): the prefill side failed
-                return Failover("prefill", self.p.info.worker_id, f"{code.name}: {details}")
-            return Failover("decode", self.d.info.worker_id, f"{code.name}: {details}")
+                return Failover(Role.PREFILL, self.p.info.worker_id, f"{code.name}: {details}")
+            return Failover(Role.DECODE, self.d.info.worker_id, f"{code.name}: {details}")
         return RouterError(WORKER_STATUS.get(code, ErrorKind.INTERNAL), details)
 
     # -- what the attempt holds -------------------------------------------------------------------------------------

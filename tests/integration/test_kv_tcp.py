@@ -260,8 +260,8 @@ def test_sender_killed_mid_transfer_fails_receiver_promptly():
         assert rh.poll() is TransferState.TRANSFERRING
         peer.kill()
         t0 = time.monotonic()
-        assert rh.wait(5.0) is TransferState.FAILED
-        assert time.monotonic() - t0 < 2.0
+        assert rh.wait(10.0) is TransferState.FAILED
+        assert time.monotonic() - t0 < 5.0  # the lost connection, not a stall timeout (30 s)
         assert "connection lost" in rh.failure().reason
     finally:
         peer.kill()

@@ -8,9 +8,9 @@ import time
 
 import grpc
 import pytest
+from kvrelay.v1 import inference_pb2 as ipb
 
 from engine.tokenizer import Tokenizer
-from kvrelay.v1 import inference_pb2 as ipb
 from router.core import AdmissionWait, RouterCore, refusal
 from router.errors import ErrorKind, RouterError
 from router.grpc_api import STATUS
