@@ -37,6 +37,9 @@ class WorkerRecord:
     pending_prefill_tokens: int = 0
     """Prompt tokens the router sent here whose first token has not come back."""
     registered_at: float = 0.0
+    answered_at: float = 0.0
+    """When the router last answered this worker's heartbeat (or registration):
+    the probes in its next heartbeat started after this."""
     drain_since: float = 0.0
     """When draining started (monotonic); the worker leaves by drain_timeout_s after it."""
 
@@ -89,7 +92,7 @@ class WorkerRegistry:
                 else wgrpc.DecodeWorkerStub(channel))
         now = time.monotonic()
         self.workers[info.worker_id] = WorkerRecord(info, wpb.WorkerLoad(worker_id=info.worker_id),
-                                                    now, channel, stub, registered_at=now)
+                                                    now, channel, stub, registered_at=now, answered_at=now)
 
     async def deregister(self, worker_id: str) -> bool:
         """Forgets a worker that is leaving; False if it was not registered."""
@@ -111,7 +114,8 @@ class WorkerRegistry:
             rec.synced = True
         if rec.synced:
             self.index.apply(rec.info.worker_id, ev.stored, ev.removed, ev.snapshot)
-        self._link_reports(rec, req.links)
+        self._link_reports(rec, req.links, started_after=rec.answered_at)
+        rec.answered_at = time.monotonic()
         drained = rec.draining and (rec.inflight == 0 or
                                     rec.last_seen - rec.drain_since > self.cfg.router.drain_timeout_s)
         return wpb.HeartbeatResponse(known=True, send_snapshot=not rec.synced, drain=rec.draining, drained=drained,
@@ -146,14 +150,18 @@ class WorkerRegistry:
             self._probe_pool = (now, by_site)
         return by_site
 
-    def _link_reports(self, rec: WorkerRecord, reports) -> None:
-        """Marks links down or up from a worker's probe results (the latest report decides)."""
+    def _link_reports(self, rec: WorkerRecord, reports, started_after: float) -> None:
+        """Marks links down or up from a worker's probe results: the latest report
+        decides, among probes that started after the link's last change (a probe
+        still running when the link changed says nothing about its new state)."""
         for r in reports:
             key = frozenset((rec.info.site, r.site))
             lv = self.links.get(key)
             if lv is None or lv.up == r.reachable:
                 continue
             health = self.link_health[key]
+            if started_after < health.changed_at:
+                continue
             health.changed_at = time.monotonic()
             lv.up = r.reachable
             if r.reachable:
