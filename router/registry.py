@@ -57,13 +57,6 @@ class LinkHealth:
     so requests moving KV across it can wait on it."""
 
 
-def _role_name(proto_role: int) -> str:
-    try:
-        return Role.of(proto_role)
-    except ValueError:
-        return ""
-
-
 class WorkerRegistry:
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
@@ -203,7 +196,7 @@ class WorkerRegistry:
             if info.kv_block_bytes:
                 kv_block_bytes, num_layers = info.kv_block_bytes, max(1, info.num_layers)
             workers.append(WorkerView(
-                info.worker_id, _role_name(info.role), info.site, self.healthy(rec), rec.draining,
+                info.worker_id, Role.of(info.role), info.site, self.healthy(rec), rec.draining,
                 rec.inflight, r.max_inflight_per_worker,
                 max(load.queued_prefill_tokens, rec.pending_prefill_tokens), load.running, load.waiting,
                 load.free_blocks if load.total_blocks else (info.num_blocks or 1 << 30),
