@@ -32,7 +32,6 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 from benchmarks.metrics import RequestRecord
 from launch import cities
-from runtime.rpc import sync_channel
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ class Chaos:
 
 
         try:
-            with sync_channel(self.cluster.router_address) as ch:
+            with self.cluster.channel(operator=True) as ch:
                 workers = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=2.0).workers
         except grpc.RpcError:
             return set()

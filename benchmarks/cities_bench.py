@@ -84,7 +84,7 @@ def run_scenario(sc: Scenario, model_path: Path, prompts: list[ScaledRequest], r
         lc = LocalCluster(cfg, model_path, cities=st)
         try:
             address = lc.start()
-            records, samples = asyncio.run(replay(address, prompts, rcfg))
+            records, samples = asyncio.run(replay(address, prompts, rcfg, lc.client_dialer, lc.operator_dialer))
         finally:
             lc.stop()
     finally:

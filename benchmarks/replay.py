@@ -22,6 +22,7 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from benchmarks.metrics import RequestRecord, per_link, per_site, summarize
 from benchmarks.plots import write_plots
 from benchmarks.traces import ScaledRequest, TraceRequest, scale_lengths
+from runtime.rpc import Dialer
 from runtime.topology import Role
 
 
@@ -150,16 +151,18 @@ async def _sample(reg, stop: asyncio.Event, interval: float, out: dict[str, Work
             pass
 
 
-async def replay(address: str, reqs: list[ScaledRequest], cfg: ReplayConfig) -> tuple[list[RequestRecord], dict]:
-    """Runs the replay; returns a record per request and per-worker samples."""
+async def replay(address: str, reqs: list[ScaledRequest], cfg: ReplayConfig, client: Dialer,
+                 operator: Dialer) -> tuple[list[RequestRecord], dict]:
+    """Runs the replay; returns a record per request and per-worker samples.
+    ``client`` sends the requests (a tenant's credentials); ``operator``
+    samples the workers' load (ListWorkers needs an operator)."""
     records = [RequestRecord(sr.trace.index, sr.trace.arrival_s / cfg.speedup, 0.0, len(sr.prompt), sr.max_tokens)
                for sr in reqs]
     samples: dict[str, WorkerSamples] = {}
     # reconnect quickly to a router that restarted (the default backoff grows to minutes)
-    opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 1000)]
-    async with grpc.aio.insecure_channel(address, options=opts) as ch:
-        stub, reg = igrpc.InferenceStub(ch), wgrpc.RegistryStub(ch)
+    opts = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000))
+    async with client.aio(address, options=opts) as ch, operator.aio(address, options=opts) as och:
+        stub, reg = igrpc.InferenceStub(ch), wgrpc.RegistryStub(och)
         stop = asyncio.Event()
         sampler = asyncio.create_task(_sample(reg, stop, cfg.sample_interval_s, samples))
         t0 = time.perf_counter()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import sys
 from pathlib import Path
@@ -14,18 +13,23 @@ from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
-from cli.common import default_token_file, grpc_error, table
+from cli.common import (
+    add_connect_flags,
+    default_token_file,
+    dialer,
+    grpc_error,
+    operator_token,
+    table,
+)
 from router.auth import token_sha256
-from runtime.rpc import sync_channel
+from runtime.rpc import Dialer
 from runtime.topology import Role
 
 
-def operator_metadata(args: argparse.Namespace) -> tuple:
-    """gRPC metadata with the operator token: $KVRELAY_OPERATOR_TOKEN, else --token-file."""
-    token = os.environ.get("KVRELAY_OPERATOR_TOKEN", "")
-    if not token and args.token_file.exists():
-        token = args.token_file.read_text().strip()
-    return (("authorization", f"Bearer {token}"),) if token else ()
+def operator_dialer(args: argparse.Namespace) -> Dialer:
+    """Channels as an operator: --cert (an operator certificate), else the
+    token ($KVRELAY_OPERATOR_TOKEN, else --token-file)."""
+    return dialer(args, operator_token(args.token_file))
 
 
 def cmd_token(args: argparse.Namespace) -> int:
@@ -42,8 +46,8 @@ def cmd_token(args: argparse.Namespace) -> int:
 def admin_call(args: argparse.Namespace, method: str, request):
 
 
-    with sync_channel(args.router) as ch:
-        return getattr(agrpc.AdminStub(ch), method)(request, timeout=30, metadata=operator_metadata(args))
+    with operator_dialer(args).sync(args.router) as ch:
+        return getattr(agrpc.AdminStub(ch), method)(request, timeout=30)
 
 
 def pool_rows(pools) -> list[tuple[str, ...]]:
@@ -103,7 +107,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 
-    with sync_channel(args.router) as ch:
+    with operator_dialer(args).sync(args.router) as ch:
         try:
             resp = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)
         except grpc.RpcError as exc:
@@ -130,6 +134,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def operator_flags(p: argparse.ArgumentParser) -> None:
+    """The router's address, CA and operator credentials (token file or --cert)."""
+    add_connect_flags(p)
     p.add_argument("--token-file", type=Path, default=default_token_file(),
                    help="operator token (default: %(default)s, written by kvrelay serve; "
                         "$KVRELAY_OPERATOR_TOKEN takes precedence)")
@@ -137,7 +143,6 @@ def operator_flags(p: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub) -> None:
     st = sub.add_parser("status", help="sites, pools, workers with load and KV usage, links")
-    st.add_argument("--router", default="127.0.0.1:50051")
     operator_flags(st)
     st.set_defaults(func=cmd_status)
 
@@ -145,24 +150,20 @@ def add_parsers(sub) -> None:
     sc.add_argument("--site", required=True)
     sc.add_argument("--role", required=True, choices=list(Role))
     sc.add_argument("--replicas", required=True, type=int)
-    sc.add_argument("--router", default="127.0.0.1:50051")
     operator_flags(sc)
     sc.set_defaults(func=cmd_scale)
 
     dr = sub.add_parser("drain", help="stop placing on a worker; it leaves once its requests are done (operators)")
     dr.add_argument("worker", help="worker id, e.g. montreal/decode/1")
-    dr.add_argument("--router", default="127.0.0.1:50051")
     operator_flags(dr)
     dr.set_defaults(func=cmd_drain)
 
     po = sub.add_parser("pools", help="desired and actual size of every pool (operators)")
-    po.add_argument("--router", default="127.0.0.1:50051")
     operator_flags(po)
     po.set_defaults(func=cmd_pools)
 
     pl = sub.add_parser("plan", help="recommended pool sizes from recent load and SLOs (operators)")
     pl.add_argument("--apply", action="store_true", help="set every pool to its recommended size")
-    pl.add_argument("--router", default="127.0.0.1:50051")
     operator_flags(pl)
     pl.set_defaults(func=cmd_plan)
 

@@ -34,7 +34,7 @@ def run_chaos(args: argparse.Namespace, reqs, cfg, model_path: Path, cities) -> 
         chaos = None
         try:
             if prompts is None:
-                got = replay_prompts(args, reqs, address)
+                got = replay_prompts(args, reqs, address, cluster.client_dialer)
                 if isinstance(got, int):
                     return got
                 prompts, meta = got
@@ -42,7 +42,8 @@ def run_chaos(args: argparse.Namespace, reqs, cfg, model_path: Path, cities) -> 
             if name == "chaos":
                 chaos = Chaos(cluster, ccfg, args.state_dir if cities is not None else None)
                 chaos.start()
-            records, samples = asyncio.run(replay(address, prompts, rcfg))
+            records, samples = asyncio.run(replay(address, prompts, rcfg, cluster.client_dialer,
+                                                  cluster.operator_dialer))
         finally:
             faults = chaos.stop() if chaos is not None else []
             cluster.stop()

@@ -23,7 +23,10 @@ from benchmarks.replay import (
 )
 from benchmarks.traces import build_prompts
 from engine.default_model import prepare_default_model
-from runtime.rpc import sync_channel
+from launch.credentials import CLIENT_TOKEN, LOCAL_PKI
+from runtime.pki import CA_CERT, PKIError, check_pair, read_pem
+from runtime.rpc import Dialer
+from runtime.tls import TLSMaterial
 
 
 def default_cache_dir() -> Path:
@@ -43,15 +46,78 @@ VOCAB_RANGE = (100, 10000)
 """Token ids of replayed prompts: inside any real vocabulary, clear of special tokens."""
 
 
-def client_metadata() -> tuple:
-    """gRPC metadata with the client (tenant) token from $KVRELAY_API_KEY, for
-    routers whose config lists auth.clients; empty when it is not set."""
+def add_connect_flags(p: argparse.ArgumentParser, router_default: str | None = "127.0.0.1:50051") -> None:
+    """How a command reaches the router: address, CA, optional certificate."""
+    p.add_argument("--router", default=router_default,
+                   help="router address (the public port; with --cert, its internal port)"
+                        + (" (default: %(default)s)" if router_default else ""))
+    p.add_argument("--ca", type=Path, help="CA bundle the router's certificate must come from "
+                                           "(default: the local one kvrelay serve made, <cache-dir>/pki/ca.pem)")
+    p.add_argument("--cert", type=Path, help="present this client or operator certificate instead of a token "
+                                             "(kvrelay pki issue; needs --key and the router's internal port)")
+    p.add_argument("--key", type=Path, help="the key of --cert")
+    p.add_argument("--plaintext", action="store_true",
+                   help="no TLS: only for a router started with tls.enabled: false (loopback)")
+
+
+def client_token(args: argparse.Namespace) -> str | None:
+    """The tenant token: $KVRELAY_API_KEY, else the local default's (written by kvrelay serve)."""
     token = os.environ.get("KVRELAY_API_KEY", "")
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    if not token and (args.cache_dir / CLIENT_TOKEN).exists():
+        token = (args.cache_dir / CLIENT_TOKEN).read_text().strip()
+    return token or None
+
+
+def dialer(args: argparse.Namespace, token: str | None) -> Dialer:
+    """Channels as the flags say (:func:`add_connect_flags`), sending
+    ``token`` unless a certificate is presented. PKIError (a ValueError)
+    naming the file when the CA or certificate cannot be used."""
+    if args.plaintext:
+        return Dialer(None, token)
+    ca = args.ca or args.cache_dir / LOCAL_PKI / CA_CERT
+    hint = "" if args.ca else " (pass --ca with the cluster's CA bundle; `kvrelay serve` makes the local one)"
+    try:
+        ca_pem = read_pem(ca, "CA bundle")
+    except PKIError as exc:
+        raise PKIError(f"{exc}{hint}") from None
+    if args.cert is None:
+        return Dialer(TLSMaterial(ca_pem), token)
+    if args.key is None:
+        raise PKIError("--cert needs --key")
+    cert, key = read_pem(args.cert, "certificate"), read_pem(args.key, "key")
+    info = check_pair(cert, key, ca_pem, str(args.cert))
+    return Dialer(TLSMaterial(ca_pem, cert, key, info.identity))
+
+
+def operator_token(token_file: Path) -> str | None:
+    """The operator token: $KVRELAY_OPERATOR_TOKEN, else ``token_file`` (kvrelay serve writes it)."""
+    token = os.environ.get("KVRELAY_OPERATOR_TOKEN", "")
+    if not token and token_file.exists():
+        token = token_file.read_text().strip()
+    return token or None
+
+
+def client_dialer(args: argparse.Namespace) -> Dialer:
+    """Channels as a tenant: its token, or its certificate."""
+    return dialer(args, client_token(args))
+
+
+TLS_HINTS = (("certificate verify failed", "the router's certificate is not from the CA given (--ca)"),
+             ("certificate signature failure", "the router's certificate is not from the CA given (--ca)"),
+             ("unable to get local issuer", "the router's certificate is not from the CA given (--ca)"),
+             ("Hostname Verification", "the router's certificate is not valid for this address "
+                                       "(tls.server_names adds names)"),
+             ("WRONG_VERSION_NUMBER", "the router does not speak TLS (tls.enabled: false? then --plaintext)"),
+             ("Socket closed", "the router closed the connection during the TLS handshake: it speaks TLS and "
+                               "refused this client (plaintext client, or a certificate it does not accept: "
+                               "expired, revoked or from another CA; with --cert use its internal port)"))
 
 
 def grpc_error(exc) -> int:
-    print(f"kvrelay: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    """Prints a failed call's status (with what a TLS failure means); returns 1."""
+    details = exc.details() or ""
+    hint = next((h for pattern, h in TLS_HINTS if pattern in details), "")
+    print(f"kvrelay: error: {exc.code().name}: {details}" + (f"\nkvrelay: {hint}" if hint else ""), file=sys.stderr)
     return 1
 
 
@@ -83,13 +149,13 @@ def replay_config(args: argparse.Namespace):
                         progress=not args.no_progress)
 
 
-def replay_prompts(args: argparse.Namespace, reqs, address: str) -> tuple[list, dict] | int:
+def replay_prompts(args: argparse.Namespace, reqs, address: str, client: Dialer) -> tuple[list, dict] | int:
     """The prompts to replay, their lengths checked against the model the
     router at ``address`` serves, and the report's metadata; an exit code
     (after saying why) when they cannot be replayed."""
 
 
-    with sync_channel(address) as ch:
+    with client.sync(address) as ch:
         try:
             model = igrpc.InferenceStub(ch).ListModels(ipb.ListModelsRequest(), timeout=30).models[0]
         except grpc.RpcError as exc:
@@ -129,13 +195,17 @@ def run_replay(args: argparse.Namespace, reqs, address: str, cluster) -> int:
     """Replays ``reqs`` against the router at ``address``; writes and prints the report."""
 
 
-    got = replay_prompts(args, reqs, address)
+    if cluster is not None:
+        client, operator = cluster.client_dialer, cluster.operator_dialer
+    else:
+        client, operator = client_dialer(args), dialer(args, operator_token(default_token_file()))
+    got = replay_prompts(args, reqs, address, client)
     if isinstance(got, int):
         return got
     prompts, meta = got
     rcfg = replay_config(args)
     meta |= run_meta(reqs, address, cluster)
-    records, samples = asyncio.run(replay(address, prompts, rcfg))
+    records, samples = asyncio.run(replay(address, prompts, rcfg, client, operator))
     report = build_report(records, samples, rcfg, meta)
     write_report(report, Path(args.out))
     print((Path(args.out) / "report.md").read_text())

@@ -24,8 +24,7 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
-from cli.common import client_metadata, grpc_error, table
-from runtime.rpc import sync_channel
+from cli.common import add_connect_flags, client_dialer, grpc_error, table
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs")
 STATES = {0: "?", 1: "queued", 2: "running", 3: "done", 4: "cancelled"}
@@ -68,7 +67,7 @@ def parse_job_file(path: Path) -> list:
 def _stub(args):
 
 
-    ch = sync_channel(args.router, max_send_bytes=256 << 20)
+    ch = client_dialer(args).sync(args.router, max_send_bytes=256 << 20)
     return ch, jgrpc.JobsStub(ch)
 
 
@@ -86,7 +85,7 @@ def _call(args: argparse.Namespace, method: str, request, timeout_s: float = 30.
     ch, stub = _stub(args)
     with ch:
         try:
-            return getattr(stub, method)(request, timeout=timeout_s, metadata=client_metadata())
+            return getattr(stub, method)(request, timeout=timeout_s)
         except grpc.RpcError as exc:
             grpc_error(exc)
             return None
@@ -140,8 +139,7 @@ def cmd_job_results(args: argparse.Namespace) -> int:
     ch, stub = _stub(args)
     try:
         with ch:
-            for r in stub.JobResults(jpb.JobResultsRequest(id=args.id, follow=args.follow), timeout=args.timeout,
-                                     metadata=client_metadata()):
+            for r in stub.JobResults(jpb.JobResultsRequest(id=args.id, follow=args.follow), timeout=args.timeout):
                 out.write(json.dumps(json_format.MessageToDict(r, preserving_proto_field_name=True,
                                                                always_print_fields_with_no_presence=True)) + "\n")
                 out.flush()
@@ -173,4 +171,4 @@ def add_parsers(sub) -> None:
     jr.add_argument("--timeout", type=float, default=86400.0, help="give up after this many seconds")
     jr.set_defaults(func=cmd_job_results)
     for p in (js, jt, jc, jr):
-        p.add_argument("--router", default="127.0.0.1:50051")
+        add_connect_flags(p)

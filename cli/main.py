@@ -24,10 +24,12 @@ from cli import admin as cli_admin
 from cli import chaos as cli_chaos
 from cli import cities as cli_cities
 from cli import jobs as cli_jobs
+from cli import pki as cli_pki
 from cli.chaos import run_chaos
 from cli.cities import cities_flag, cities_for
 from cli.common import (
-    client_metadata,
+    add_connect_flags,
+    client_dialer,
     default_cache_dir,
     default_token_file,
     grpc_error,
@@ -41,10 +43,11 @@ from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tiny import write_tiny_checkpoint
+from launch.credentials import CLIENT_TOKEN, LOCAL_TENANT, ensure_local_pki
 from launch.local import LocalCluster
 from launch.ray_backend import RayBackend
-from runtime.config import ConfigError, load_config
-from runtime.rpc import sync_channel
+from router.auth import token_sha256
+from runtime.config import ClusterConfig, ConfigError, Credential, load_config
 
 
 def cmd_model_prepare(args: argparse.Namespace) -> int:
@@ -134,6 +137,20 @@ def cmd_generate_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def local_defaults(cfg: ClusterConfig, cache_dir: Path) -> None:
+    """Zero setup: a config that names no CA uses the per-user one under the
+    cache folder, and one that lists no clients (and allows no anonymous
+    ones) gets the per-user client token there, as tenant ``local``; both are
+    made on first use and found by every other command."""
+    if not cfg.tls.enabled or (cfg.tls.ca is not None and cfg.auth.clients):
+        return
+    local = ensure_local_pki(cache_dir)
+    if cfg.tls.ca is None:
+        cfg.tls.ca, cfg.tls.ca_key = str(local.ca_cert), str(local.ca_key)
+    if not cfg.auth.clients and not cfg.auth.allow_anonymous:
+        cfg.auth.clients.append(Credential(LOCAL_TENANT, token_sha256(local.client_token)))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Runs the cluster in the foreground until Ctrl-C / SIGTERM."""
 
@@ -141,6 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.port is not None:
         cfg.router.port = args.port
+    local_defaults(cfg, args.cache_dir)
     if cfg.router.jobs_db is None:  # batch jobs outlive this run
         cfg.router.jobs_db = str(args.cache_dir / "jobs.sqlite")
     model_path = resolve_model(cfg.model.path, args.cache_dir)
@@ -164,7 +182,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvrelay: serving {model_path.name} on {addr} with {n} workers ({args.backend}) "
               f"(try: kvrelay generate --router {addr} \"What is the capital of France?\")", flush=True)
         if cluster.http_address:
-            print(f"kvrelay: OpenAI-compatible HTTP API on http://{cluster.http_address}/v1", flush=True)
+            scheme = "https" if cfg.tls.enabled else "http"
+            print(f"kvrelay: OpenAI-compatible HTTP API on {scheme}://{cluster.http_address}/v1", flush=True)
+        if cfg.tls.enabled:
+            print(f"kvrelay: TLS by the CA in {cfg.tls.ca}; tenant token of this machine's user in "
+                  f"{args.cache_dir / CLIENT_TOKEN} (the kvrelay commands find both)", flush=True)
         while not stop:
             if any(c.name == "router" for c in cluster.dead_children()):
                 print("kvrelay: the router exited; stopping", file=sys.stderr)
@@ -186,9 +208,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.seed is not None:
         req.sampling.seed = args.seed
     finish = None
-    with sync_channel(args.router) as ch:
+    with client_dialer(args).sync(args.router) as ch:
         try:
-            for msg in igrpc.InferenceStub(ch).Generate(req, timeout=args.timeout, metadata=client_metadata()):
+            for msg in igrpc.InferenceStub(ch).Generate(req, timeout=args.timeout):
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if msg.HasField("finish"):
@@ -215,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_generate_parser(sub)
     cli_admin.add_parsers(sub)
+    cli_pki.add_parsers(sub)
     cli_jobs.add_parsers(sub)
     _add_bench_parsers(bench)
     cli_cities.add_parsers(sub, bench)
@@ -252,7 +275,7 @@ def _add_serve_parser(sub) -> None:
 def _add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="stream an answer from a running cluster")
     g.add_argument("prompt")
-    g.add_argument("--router", default="127.0.0.1:50051")
+    add_connect_flags(g)
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int)
@@ -298,7 +321,7 @@ def _add_replay_parser(bench) -> None:
     br.add_argument("--trace", required=True, type=Path, help="trace file")
     br.add_argument("--format", choices=["azure", "mooncake"], help="default: from the file's first line")
     br.add_argument("--config", help="cluster to start (default: the embedded default); ignored with --router")
-    br.add_argument("--router", help="replay against this running router instead of starting a cluster")
+    add_connect_flags(br, router_default=None)
     br.add_argument("--limit", type=int, help="first N requests of the trace")
     br.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
     br.add_argument("--length-scale", type=float, help="multiply every input and output length by this")

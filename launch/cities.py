@@ -21,7 +21,16 @@ Everything is created with names from ``prefix`` and addresses from
 ``subnet``; nothing else on the machine is touched except that forwarding is
 never enabled anywhere (no namespace routes between others). Needs root
 (CAP_NET_ADMIN); ``up`` checks and says so. State lives in a JSON file so
-``down`` and ``kvrelay serve --cities`` find what ``up`` made."""
+``down`` and ``kvrelay serve --cities`` find what ``up`` made.
+
+What runs as root: ``up``/``down`` (namespaces, bridge, veths, TUN devices,
+tc, sysctls), the delay lines ``up`` starts (they create the TUN devices),
+``cities check`` (linkprobe enters namespaces with setns), and the
+``ip netns exec`` that starts each worker. What does not: the workers
+themselves. :meth:`CitiesState.exec_prefix` has ``ip netns exec`` exec
+util-linux's ``setpriv``, which drops to the user who ran sudo (or, when
+really root, to uid 0 without any capability) and execs the worker in place
+(launch/privileges.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +46,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from launch.privileges import PrivilegeError, WorkerDrop, share_with_workers, unreadable, worker_drop
 
 if TYPE_CHECKING:
     from runtime.config import ClusterConfig
@@ -94,6 +105,10 @@ class CitiesState:
     sites: list[SiteNet] = field(default_factory=list)
     links: list[LinkNet] = field(default_factory=list)
     log_dir: str = ""
+    drop: WorkerDrop | None = field(default=None, repr=False, compare=False)
+    """How workers give up root (launch/privileges.py). Not saved: it depends on
+    who runs ``serve``, not on who ran ``up``; None until first needed, then
+    computed once from the environment (or set by the caller beforehand)."""
 
     def site(self, name: str) -> SiteNet:
         for s in self.sites:
@@ -107,9 +122,37 @@ class CitiesState:
                 return link
         raise CitiesError(f"no emulated link between {a!r} and {b!r}")
 
+    def worker_drop(self) -> WorkerDrop:
+        """How workers give up root; computed once, from this process's environment
+        (SUDO_UID/SUDO_GID), unless the caller set ``drop``. CitiesError without setpriv."""
+        if self.drop is None:
+            try:
+                self.drop = worker_drop(os.environ)  # the one place the launcher's environment is read for it
+            except PrivilegeError as exc:
+                raise CitiesError(f"workers under --cities must not run as root: {exc}") from None
+        return self.drop
+
     def exec_prefix(self, site: str) -> list[str]:
-        """Command prefix that runs a program inside ``site``'s namespace."""
-        return ["ip", "netns", "exec", self.site(site).netns]
+        """Command prefix that runs a program inside ``site``'s namespace,
+        unprivileged: ``ip netns exec <ns>`` (root) execs ``setpriv``, which
+        drops root and execs the program; the pid stays the same throughout."""
+        return ["ip", "netns", "exec", self.site(site).netns, *self.worker_drop().prefix]
+
+    def share_with_workers(self, path: Path) -> None:
+        """Makes ``path`` (a folder or file the root launcher made for the
+        workers, e.g. the config it writes) readable by the workers' group;
+        nothing to do when workers keep uid 0."""
+        share_with_workers(path, self.worker_drop())
+
+    def check_worker_access(self, paths: list[Path | str]) -> None:
+        """CitiesError naming what of ``paths`` (and the interpreter) the
+        unprivileged workers could not read, with what to do about it."""
+        drop = self.worker_drop()
+        missing = unreadable(drop, sys.executable, paths)
+        if missing:
+            raise CitiesError(f"workers run as uid {drop.uid} (not root) and cannot read "
+                              f"{', '.join(missing)}: keep the venv, model and config where that user "
+                              "can read them (e.g. --cache-dir in your home, not /root)")
 
     def matches(self, cfg: ClusterConfig) -> str | None:
         """None if this emulation fits ``cfg`` (same sites, links, RTTs, rates), else why not."""
@@ -177,7 +220,7 @@ def load_state(state_dir: Path = DEFAULT_STATE_DIR) -> CitiesState | None:
         return None
     try:
         raw = json.loads(p.read_text())
-        st = CitiesState(**{k: v for k, v in raw.items() if k not in ("sites", "links")})
+        st = CitiesState(**{k: v for k, v in raw.items() if k not in ("sites", "links", "drop")})
         st.sites = [SiteNet(**s) for s in raw["sites"]]
         st.links = [LinkNet(**lk) for lk in raw["links"]]
     except (ValueError, TypeError, KeyError) as exc:
@@ -189,7 +232,8 @@ def _save(st: CitiesState, state_dir: Path) -> None:
     p = state_path(state_dir)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(st), indent=2))
+    saved = {k: v for k, v in asdict(st).items() if k != "drop"}  # whom serve drops to is not up's business
+    tmp.write_text(json.dumps(saved, indent=2))
     tmp.rename(p)
 
 

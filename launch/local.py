@@ -33,9 +33,12 @@ from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 from launch.cities import CitiesState
+from launch.credentials import LOCAL_TENANT, ClusterCredentials, router_identity
 from router.auth import token_sha256
 from runtime.config import ClusterConfig, Credential, dump_config
-from runtime.rpc import sync_channel
+from runtime.pki import CertRole, Identity
+from runtime.rpc import Dialer
+from runtime.tls import TLSMaterial
 from runtime.topology import Role
 
 log = logging.getLogger(__name__)
@@ -109,8 +112,10 @@ class LocalCluster:
             mismatch = cities.matches(cfg)
             if mismatch:
                 raise ValueError(f"the emulated cities do not fit this config: {mismatch}")
-        if cfg.router.port == 0 and cfg.router.http_port is not None:
-            cfg.router.http_port = 0  # any free port for gRPC: the same for HTTP (tests, benchmarks)
+        if cfg.router.port == 0:  # any free port for gRPC: the same for the others (tests, benchmarks)
+            cfg.router.internal_port = 0
+            if cfg.router.http_port is not None:
+                cfg.router.http_port = 0
         self.cfg = cfg
         self.cities = cities
         self.backend = backend or LocalBackend(cities)
@@ -121,6 +126,9 @@ class LocalCluster:
         self.left: list[Child] = []
         """Workers that exited (drained, or died); kept for status and tests."""
         self.router_address = ""
+        """host:port of the router's public gRPC listener (TLS, bearer tokens)."""
+        self.internal_address = ""
+        """host:port of its mutual-TLS listener (workers, certificate holders)."""
         self.http_address = ""
         """host:port of the router's OpenAI-compatible HTTP API ("" when turned off)."""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-")
@@ -129,6 +137,13 @@ class LocalCluster:
             cfg.router.jobs_db = str(Path(self._tmp.name) / "jobs.sqlite")
         self._secret = secrets.token_hex(32)
         """Per-run KV secret for the workers when the config names no secret file."""
+        self.creds = ClusterCredentials.for_config(cfg.tls, Path(self._tmp.name) / "ca")
+        """Issues each process its certificate (None: tls.enabled false)."""
+        self.client_token = ""
+        """The token of tenant ``local`` when the config lists no clients (and allows no anonymous ones)."""
+        if not cfg.auth.clients and not cfg.auth.allow_anonymous:
+            self.client_token = secrets.token_urlsafe(32)
+            cfg.auth.clients.append(Credential(LOCAL_TENANT, token_sha256(self.client_token)))
 
         # the launcher reads pool sizes with a credential of its own; it is also the
         # operators' token for this run when the config names no operators
@@ -141,16 +156,67 @@ class LocalCluster:
         self._thread: threading.Thread | None = None
         self._next_index: dict[tuple[str, str], int] = {}
 
-    def _env(self) -> dict[str, str]:
-        return {} if self.cfg.kv.secret_file else {"KVRELAY_KV_SECRET": self._secret}
+    def _env(self, ident: Identity, hosts: tuple[str, ...] = ()) -> dict[str, str]:
+        """A child's secrets: the KV secret (unless the config names a file) and its certificate."""
+        env = {} if self.cfg.kv.secret_file else {"KVRELAY_KV_SECRET": self._secret}
+        if self.creds is not None:
+            env |= self.creds.env(ident, hosts)
+        return env
+
+    # -- how callers reach this cluster ---------------------------------------
+    @property
+    def ca_file(self) -> Path | None:
+        """The CA bundle clients verify the router by (for `kvrelay --ca`); None with TLS off."""
+        if self.creds is None:
+            return None
+        path = Path(self._tmp.name) / "clients-ca.pem"
+        if not path.exists():
+            path.write_bytes(self.creds.ca_pem)
+        return path
+
+    @property
+    def client_tls(self) -> TLSMaterial | None:
+        """What a client needs to verify the router (the CA); None with TLS off."""
+        return self.creds.client() if self.creds is not None else None
+
+    def dialer(self, token: str | None = None) -> Dialer:
+        """Channels to this cluster that send ``token`` (None: no token)."""
+        return Dialer(self.client_tls, token)
+
+    @property
+    def client_dialer(self) -> Dialer:
+        """Channels as tenant ``local`` (or with no token when the config lists clients)."""
+        return self.dialer(self.client_token or None)
+
+    @property
+    def operator_dialer(self) -> Dialer:
+        """Channels with the launcher's operator token (Admin API, ListWorkers)."""
+        return self.dialer(self._launcher_token)
+
+    def channel(self, operator: bool = False):
+        """A blocking channel to the router's public listener, as tenant
+        ``local`` or (``operator``) with the operator token."""
+        return (self.operator_dialer if operator else self.client_dialer).sync(self.router_address)
+
+    def router_dialer(self) -> Dialer:
+        """Channels that present a router certificate: what workers admit (tests of the workers)."""
+        if self.creds is None:
+            return Dialer()
+        return Dialer(self.creds.material(Identity(self.cfg.sites[0].name, CertRole.ROUTER, "launcher")))
+
+    def worker_channel(self, info):
+        """A blocking channel to a worker (``WorkerInfo``) as the router makes it."""
+        site, role, name = info.worker_id.split("/")
+        return self.router_dialer().sync(info.address, server_name=Identity(site, CertRole(role), name).dns)
 
     def _start_worker(self, site: str, role: str) -> Child:
         i = self._next_index.get((site, role), 0)
         self._next_index[(site, role)] = i + 1
         name = f"{site}/{role}/{i}"
         args = ["--config", str(self.config_path), "--model-path", str(self.model_path),
-                "--router", self.router_address, "--site", site, "--index", str(i), "--log-level", self.log_level]
-        child = Child(name, self.backend.start(name, f"{role}_worker", args, site, self._env()), site, role)
+                "--router", self.internal_address, "--site", site, "--index", str(i), "--log-level", self.log_level]
+        env = self._env(Identity(site, CertRole(role), str(i)))
+        child = Child(name, self.backend.start(name, f"{role}_worker", args, site, env), site, role)
         with self._lock:
             self.children.append(child)
         return child
@@ -179,9 +245,12 @@ class LocalCluster:
         return self.router_address
 
     def _start_router(self, deadline: float) -> str:
+        r = self.cfg.router
+        hosts = tuple(dict.fromkeys((r.host, "localhost", "127.0.0.1", *self.cfg.tls.server_names)))
+        env = self._env(router_identity(self.cfg.sites[0].name), hosts)
         router = subprocess.Popen([sys.executable, "-m", "router", "--config", str(self.config_path),
                                    "--model-path", str(self.model_path), "--log-level", self.log_level],
-                                  env={**os.environ, **self._env()}, stdout=subprocess.PIPE, text=True)
+                                  env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
         with self._lock:
             self.children.append(Child("router", router))
         return self._await_ready(router, deadline)
@@ -197,6 +266,7 @@ class LocalCluster:
         old.proc.wait(30)
         old.proc.stdout.close()
         self.cfg.router.port = int(self.router_address.rpartition(":")[2])
+        self.cfg.router.internal_port = int(self.internal_address.rpartition(":")[2])
         if self.http_address:
             self.cfg.router.http_port = int(self.http_address.rpartition(":")[2])
         dump_config(self.cfg, self.config_path)
@@ -211,13 +281,14 @@ class LocalCluster:
                 line = proc.stdout.readline()
                 if line.startswith("READY "):
                     fields = line.split()
-                    http = [f[len("http="):] for f in fields[2:] if f.startswith("http=")]
-                    self.http_address = http[0] if http else ""
+                    named = dict(f.split("=", 1) for f in fields[2:])
+                    self.http_address = named.get("http", "")
+                    self.internal_address = named["internal"]
                     return fields[1]
         raise TimeoutError("router did not become ready in time")
 
     def _await_workers(self, expected: int, deadline: float) -> None:
-        with sync_channel(self.router_address) as ch:
+        with self.channel(operator=True) as ch:
             stub = wgrpc.RegistryStub(ch)
             while time.monotonic() < deadline:
                 dead = self.dead_children()
@@ -237,12 +308,11 @@ class LocalCluster:
 
     # -- keeping pools at their desired size --------------------------------
     def _reconcile_loop(self) -> None:
-        with sync_channel(self.router_address) as ch:
+        with self.channel(operator=True) as ch:
             admin, registry = agrpc.AdminStub(ch), wgrpc.RegistryStub(ch)
-            auth = (("authorization", f"Bearer {self._launcher_token}"),)
             while not self._stop.wait(RECONCILE_INTERVAL_S):
                 try:
-                    pools = admin.ListPools(apb.ListPoolsRequest(), timeout=5.0, metadata=auth).pools
+                    pools = admin.ListPools(apb.ListPoolsRequest(), timeout=5.0).pools
                     workers = registry.ListWorkers(wpb.ListWorkersRequest(), timeout=5.0).workers
                 except grpc.RpcError as exc:
                     log.debug("router unreachable for reconciling: %s", exc.code())

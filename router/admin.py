@@ -1,6 +1,6 @@
 """The operator API (``kvrelay.v1.Admin``), a thin gRPC adapter over the
 pools (router/pools.py) and the planner (router/planner.py); every call needs
-operator credentials (``auth.operators``)."""
+operator credentials: a token in ``auth.operators`` or an operator certificate."""
 
 from __future__ import annotations
 
@@ -10,25 +10,24 @@ import grpc
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 
-from router.auth import BearerAuth
 from router.errors import RouterError
+from router.peer import STATUS, CallAuth
 from router.planner import plan
 from router.pools import PoolManager
-from runtime.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 
 
 class AdminService(agrpc.AdminServicer):
-    def __init__(self, cfg: ClusterConfig, pools: PoolManager) -> None:
-        self.auth = BearerAuth(cfg.auth.operators, "operator", "auth.operators (kvrelay: --token-file)")
+    def __init__(self, pools: PoolManager, auth: CallAuth) -> None:
+        self.auth = auth
         self.pools = pools
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> str:
         try:
-            return self.auth.require(dict(context.invocation_metadata() or ()).get("authorization", ""))
+            return self.auth.operator(context)
         except RouterError as exc:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, exc.message)
+            await context.abort(STATUS[exc.kind], exc.message)
 
     async def Scale(self, request: apb.ScaleRequest, context) -> apb.ScaleResponse:
         who = await self._authorize(context)

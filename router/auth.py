@@ -1,9 +1,13 @@
-"""Bearer-token credentials: who is calling, for every front end.
+"""Who is calling, for every front end: bearer tokens, certificates, and
+the tenants' prefix-cache salts.
 
-``auth.operators`` guard the Admin API, ``auth.clients`` name the tenants of
-the Inference and Jobs APIs (gRPC metadata or the HTTP header
-``authorization: Bearer <token>``). Only SHA-256 digests of tokens are
-configured; they are compared in constant time."""
+``auth.operators`` guard the Admin API and ``ListWorkers``; ``auth.clients``
+name the tenants of the Inference and Jobs APIs (gRPC metadata or the HTTP
+header ``authorization: Bearer <token>``). Only SHA-256 digests of tokens
+are configured; they are compared in constant time. A certificate from the
+cluster CA stands in for a token: role ``operator`` for operators, role
+``client`` for a tenant (the certificate's name is the tenant's name).
+Nobody is let in without one of these unless ``auth.allow_anonymous``."""
 
 from __future__ import annotations
 
@@ -11,7 +15,11 @@ import hashlib
 import hmac
 
 from router.errors import ErrorKind, RouterError
-from runtime.config import Credential
+from runtime.config import AuthSection, Credential
+from runtime.pki import CertRole, Identity
+
+ANONYMOUS = "anonymous"
+"""The one tenant of callers without credentials (``auth.allow_anonymous``)."""
 
 
 def token_sha256(token: str) -> str:
@@ -53,7 +61,49 @@ class BearerAuth:
                               f"token listed in {self.listed_in}")
         return who
 
-    def tenant(self, authorization: str) -> str:
-        """The tenant of a client call: "" when no client credentials are
-        configured (a trusted network), else as :meth:`require`."""
-        return self.require(authorization) if self.required else ""
+
+
+class CallerAuth:
+    """Names the caller of a call from its token or its certificate."""
+
+    def __init__(self, auth: AuthSection) -> None:
+        self.clients = BearerAuth(auth.clients, "client", "auth.clients")
+        self.operators = BearerAuth(auth.operators, "operator", "auth.operators (kvrelay: --token-file)")
+        self.allow_anonymous = auth.allow_anonymous
+
+    def tenant(self, authorization: str, cert: Identity | None = None) -> str:
+        """The tenant of a client call; RouterError(UNAUTHENTICATED) without credentials."""
+        if cert is not None:
+            if cert.role is not CertRole.CLIENT:
+                raise RouterError(ErrorKind.PERMISSION_DENIED,
+                                  f"{cert} is a {cert.role} certificate; the Inference and Jobs APIs take a "
+                                  "client certificate or a client token")
+            return cert.name
+        who = self.clients.who(authorization)
+        if who is not None:
+            return who
+        if self.allow_anonymous and not authorization:
+            return ANONYMOUS
+        raise RouterError(ErrorKind.UNAUTHENTICATED,
+                          "client credentials required: 'authorization: Bearer <token>' with a token listed in "
+                          "auth.clients, or a client certificate from the cluster CA")
+
+    def operator(self, authorization: str, cert: Identity | None = None) -> str:
+        """The operator making an Admin call; RouterError(UNAUTHENTICATED / PERMISSION_DENIED)."""
+        if cert is not None:
+            if cert.role is not CertRole.OPERATOR:
+                raise RouterError(ErrorKind.PERMISSION_DENIED,
+                                  f"{cert} is a {cert.role} certificate; this call needs an operator")
+            return str(cert)
+        return self.operators.require(authorization)
+
+
+class TenantSalts:
+    """Each tenant's prefix-cache salt, keyed by a secret: the salt reveals
+    nothing about the tenant, and nobody without the key can forge one."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def of(self, tenant: str) -> str:
+        return hmac.new(self.key, b"kvrelay prefix-cache salt\0" + tenant.encode(), hashlib.sha256).hexdigest()[:32]

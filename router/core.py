@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator
 
 from kvrelay.v1 import inference_pb2 as ipb
@@ -25,6 +26,7 @@ from kvrelay.v1 import worker_pb2 as wpb
 
 from engine.hashing import hash_blocks
 from engine.tokenizer import Tokenizer
+from router.auth import TenantSalts
 from router.errors import ErrorKind, RouterError
 from router.placement import (
     PlacementError,
@@ -40,6 +42,7 @@ from router.registry import WorkerRegistry
 from router.relay import Relay, placement_proto
 from router.requests import Caller, ModelLimits, Priority, Request, parse_request
 from runtime.config import ClusterConfig, RouterSection
+from runtime.rpc import PLAINTEXT, Dialer
 from runtime.topology import Role, Topology
 
 log = logging.getLogger(__name__)
@@ -84,12 +87,16 @@ class RouterCore:
     """Admission, placement, the P/D relay and recovery for every front end."""
 
     def __init__(self, cfg: ClusterConfig, tokenizer: Tokenizer, limits: ModelLimits,
-                 policy_seed: int | None = None) -> None:
+                 policy_seed: int | None = None, dialer: Dialer = PLAINTEXT, salt_key: bytes | None = None) -> None:
+        """``dialer``: how to reach workers (the router's certificate).
+        ``salt_key``: keys tenants' prefix-cache salts (the KV secret; None:
+        a random key for this process's life)."""
         self.cfg = cfg
         self.tok = tokenizer
         self.limits = limits
+        self.salts = TenantSalts(salt_key or secrets.token_bytes(32))
         self.topology = Topology(cfg)
-        self.registry = WorkerRegistry(cfg)
+        self.registry = WorkerRegistry(cfg, dialer)
         self.pools = PoolManager(cfg, self.registry)
         self.policy = make_policy(cfg.router.policy, policy_seed)
         self.waiting_interactive = 0
@@ -97,7 +104,7 @@ class RouterCore:
 
     def prepare(self, msg: ipb.GenerateRequest, caller: Caller) -> Request:
         """Validates and tokenizes a request; each tenant's prompts hash into their own prefix-cache domain."""
-        return parse_request(msg, self.tok, self.limits, salt=caller.tenant)
+        return parse_request(msg, self.tok, self.limits, salt=self.salts.of(caller.tenant))
 
     def health(self) -> ipb.HealthResponse:
         p = len(self.registry.candidates(Role.PREFILL))

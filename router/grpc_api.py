@@ -17,37 +17,10 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 from router.admin import AdminService
-from router.auth import BearerAuth
 from router.core import RouterCore
 from router.errors import ErrorKind, RouterError
+from router.peer import STATUS, CallAuth
 from router.registry_service import RegistryService
-from router.requests import Caller, Priority
-
-STATUS = {
-    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT, ErrorKind.UNKNOWN_MODEL: grpc.StatusCode.NOT_FOUND,
-    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND, ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    ErrorKind.CONSTRAINT: grpc.StatusCode.FAILED_PRECONDITION,
-    ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED, ErrorKind.CANCELLED: grpc.StatusCode.CANCELLED,
-    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
-}
-"""Each error kind's gRPC status."""
-
-
-def client_auth(core: RouterCore) -> BearerAuth:
-    """Tenants' credentials (auth.clients); none configured: no client authentication."""
-    return BearerAuth(core.cfg.auth.clients, "client", "auth.clients")
-
-
-def authorization(context: grpc.aio.ServicerContext) -> str:
-    """The call's ``authorization`` metadata ("" when absent)."""
-    return dict(context.invocation_metadata() or ()).get("authorization", "")
-
-
-def caller_of(context: grpc.aio.ServicerContext, auth: BearerAuth,
-              priority: Priority = Priority.INTERACTIVE) -> Caller:
-    """Who is calling, with the call's deadline; raises RouterError(UNAUTHENTICATED)."""
-    return Caller.with_timeout(auth.tenant(authorization(context)), context.time_remaining(), priority)
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: RouterError, prefix: str = ""):
@@ -74,13 +47,13 @@ def _safe_parse(data: bytes) -> ipb.GenerateRequest | BadRequest:
 class InferenceService(igrpc.InferenceServicer):
     """``kvrelay.v1.Inference`` over the router core."""
 
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore, auth: CallAuth) -> None:
         self.core = core
-        self.auth = client_auth(core)
+        self.auth = auth
 
     async def Generate(self, request: ipb.GenerateRequest | BadRequest, context: grpc.aio.ServicerContext):
         try:
-            caller = caller_of(context, self.auth)
+            caller = self.auth.caller(context)
             if isinstance(request, BadRequest):
                 raise RouterError(ErrorKind.INVALID, request.reason)
             req = self.core.prepare(request, caller)
@@ -90,6 +63,10 @@ class InferenceService(igrpc.InferenceServicer):
             await abort(context, exc)
 
     async def ListModels(self, request, context) -> ipb.ListModelsResponse:
+        try:
+            self.auth.caller(context)
+        except RouterError as exc:
+            await abort(context, exc)
         lim = self.core.limits
         return ipb.ListModelsResponse(models=[ipb.ModelInfo(name=lim.name, context_window=lim.max_model_len,
                                                             chat=lim.chat)])
@@ -98,12 +75,12 @@ class InferenceService(igrpc.InferenceServicer):
         return self.core.health()
 
 
-def add_router_to_server(core: RouterCore, server: grpc.aio.Server) -> None:
+def add_router_to_server(core: RouterCore, server: grpc.aio.Server, auth: CallAuth) -> None:
     """Registers the Inference, Registry and Admin services; Generate parses its
     request leniently so a malformed message gets INVALID_ARGUMENT, not INTERNAL."""
-    wgrpc.add_RegistryServicer_to_server(RegistryService(core), server)
-    agrpc.add_AdminServicer_to_server(AdminService(core.cfg, core.pools), server)
-    inference = InferenceService(core)
+    wgrpc.add_RegistryServicer_to_server(RegistryService(core, auth), server)
+    agrpc.add_AdminServicer_to_server(AdminService(core.pools, auth), server)
+    inference = InferenceService(core, auth)
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             inference.Generate, request_deserializer=_safe_parse,

@@ -18,8 +18,9 @@ from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
 from router.core import RouterCore
 from router.errors import ErrorKind, RouterError
-from router.grpc_api import STATUS, abort, caller_of, client_auth
+from router.grpc_api import STATUS, abort
 from router.jobs_store import JOB_CANCELLED, JOB_DONE, JobRow, JobStore
+from router.peer import CallAuth
 from router.requests import Caller, Priority
 from runtime.topology import Role
 
@@ -41,10 +42,10 @@ def _job_proto(row: JobRow) -> jpb.Job:
 
 
 class JobService(jgrpc.JobsServicer):
-    def __init__(self, core: RouterCore, db_path: str, concurrency: int) -> None:
-        """``core``: the router core whose request path runs the jobs."""
+    def __init__(self, core: RouterCore, db_path: str, concurrency: int, auth: CallAuth) -> None:
+        """``core``: the router core whose request path runs the jobs; ``auth`` names each caller's tenant."""
         self.core = core
-        self.auth = client_auth(core)
+        self.auth = auth
         self.concurrency = concurrency
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jobs-db")
         self.store: JobStore | None = None
@@ -78,7 +79,7 @@ class JobService(jgrpc.JobsServicer):
     async def _owner(self, context) -> str:
         """The calling tenant (a job belongs to its submitter)."""
         try:
-            return caller_of(context, self.auth).tenant
+            return self.auth.caller(context).tenant
         except RouterError as exc:
             await abort(context, exc)
 

@@ -1,14 +1,21 @@
 """Entry point of the router process (``python -m router``). Prints
-``READY host:port [http=host:port]`` on stdout once serving (gRPC, then the
-OpenAI-compatible HTTP API when enabled), for the launcher."""
+``READY host:port internal=host:port [http=host:port]`` on stdout once
+serving, for the launcher: the public gRPC listener (TLS; clients present
+bearer tokens), the internal one (mutual TLS; workers, and operators and
+tenants with certificates), then the OpenAI-compatible HTTP API (TLS) when
+enabled. The same services answer on both gRPC listeners; each call is
+authorised by what its peer presented (router/peer.py)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
@@ -18,38 +25,68 @@ from router.core import RouterCore
 from router.grpc_api import add_router_to_server
 from router.jobs import JobService
 from router.openai_http import OpenAIServer, serve_http
+from router.peer import CallAuth
 from router.requests import ModelLimits
-from runtime.config import load_config
+from runtime.config import ClusterConfig, load_config
+from runtime.kvsecret import pem_from_env, read_secret
 from runtime.lifetime import die_with_parent
-from runtime.rpc import bind, create_server
+from runtime.pki import CertRole, PKIError, write_private
+from runtime.rpc import Dialer, bind, create_server
+from runtime.tls import TLSMaterial, load_material
+
+
+def router_tls(cfg: ClusterConfig) -> TLSMaterial | None:
+    """The router's material; SystemExit unless its certificate is a router's."""
+    try:
+        tls = load_material(cfg.tls, pem_from_env())
+    except PKIError as exc:
+        raise SystemExit(f"router: {exc}") from None
+    if tls is not None and (tls.identity is None or tls.identity.role is not CertRole.ROUTER):
+        raise SystemExit(f"router: its certificate names {tls.identity or 'nothing'}, not a router "
+                         "(kvrelay pki issue --role router)")
+    return tls
+
+
+def http_tls_files(tls: TLSMaterial | None, folder: Path) -> tuple[str, str] | None:
+    """The router's certificate and key as files (uvicorn reads files), in a private folder."""
+    if tls is None:
+        return None
+    write_private(folder / "http.pem", tls.cert_pem)
+    write_private(folder / "http.key", tls.key_pem)
+    return str(folder / "http.pem"), str(folder / "http.key")
 
 
 async def run(args: argparse.Namespace) -> None:
     cfg = load_config(args.config)
+    tls = router_tls(cfg)
+    salt_key = read_secret(cfg.kv.secret_file, os.environ.get("KVRELAY_KV_SECRET", ""))
     model_cfg = ModelConfig.from_file(f"{args.model_path}/config.json")
     max_len = effective_max_model_len(model_cfg, cfg.scheduler)
     tok = Tokenizer(args.model_path)
     limits = ModelLimits(name=args.model_name or model_cfg.name, max_model_len=max_len,
                          vocab_size=model_cfg.vocab_size, chat=tok.has_chat_template)
-    core = RouterCore(cfg, tok, limits)
+    core = RouterCore(cfg, tok, limits, dialer=Dialer(tls), salt_key=salt_key)
+    auth = CallAuth(core, tls)
     server = create_server()
-    add_router_to_server(core, server)
-    jobs = JobService(core, args.jobs_db or cfg.router.jobs_db or ":memory:", cfg.router.job_concurrency)
+    add_router_to_server(core, server, auth)
+    jobs = JobService(core, args.jobs_db or cfg.router.jobs_db or ":memory:", cfg.router.job_concurrency, auth)
     if not (args.jobs_db or cfg.router.jobs_db):
         logging.getLogger(__name__).warning("router.jobs_db is not set: batch jobs live in memory only")
     await jobs.start()
     jgrpc.add_JobsServicer_to_server(jobs, server)
     host = cfg.router.host
     try:
-        port = bind(server, host, cfg.router.port)
+        port = bind(server, host, cfg.router.port, tls)
+        internal = bind(server, host, cfg.router.internal_port, tls, mutual=True)
     except OSError as exc:
         raise SystemExit(f"router: {exc}") from None
     await server.start()
-    ready = f"READY {host}:{port}"
+    ready = f"READY {host}:{port} internal={host}:{internal}"
     http = None
+    private = tempfile.TemporaryDirectory(prefix="kvrelay-router-")
     if cfg.router.http_port is not None:
-
-        http, http_task, http_port = await serve_http(OpenAIServer(core).app, host, cfg.router.http_port)
+        files = http_tls_files(tls, Path(private.name))
+        http, http_task, http_port = await serve_http(OpenAIServer(core).app, host, cfg.router.http_port, files)
         ready += f" http={host}:{http_port}"
     print(ready, flush=True)
     stop = asyncio.Event()
@@ -63,6 +100,7 @@ async def run(args: argparse.Namespace) -> None:
     await server.stop(grace=2.0)
     await jobs.stop()
     await core.registry.close()
+    private.cleanup()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,10 +34,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.blocks import ceil_div
-from router.auth import BearerAuth
+from router.auth import CallerAuth
 from router.core import RouterCore
 from router.errors import ErrorKind, RouterError
 from router.requests import Caller
+from runtime.config import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ HTTP_STATUS = {
     ErrorKind.INVALID: (400, "invalid_request_error"),
     ErrorKind.CONSTRAINT: (400, "invalid_request_error"),
     ErrorKind.UNAUTHENTICATED: (401, "authentication_error"),
+    ErrorKind.PERMISSION_DENIED: (403, "permission_error"),
+    ErrorKind.ALREADY_EXISTS: (409, "conflict_error"),
     ErrorKind.NOT_FOUND: (404, "not_found_error"),
     ErrorKind.UNKNOWN_MODEL: (404, "not_found_error"),
     ErrorKind.OVERLOADED: (429, "rate_limit_error"),
@@ -228,7 +231,7 @@ class OpenAIServer:
 
     def __init__(self, core: RouterCore, request_timeout_s: float | None = None) -> None:
         self.core = core
-        self.auth = BearerAuth(core.cfg.auth.clients, "client", "auth.clients")
+        self.auth = CallerAuth(core.cfg.auth)
         self.request_timeout_s = request_timeout_s
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -244,6 +247,10 @@ class OpenAIServer:
         return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
 
     async def models(self, request: Request) -> JSONResponse:
+        try:
+            self.auth.tenant(request.headers.get("authorization", ""))
+        except RouterError as exc:
+            return api_error(exc).response()
         lim = self.core.limits
         return JSONResponse({"object": "list", "data": [{
             "id": lim.name, "object": "model", "created": 0, "owned_by": "kvrelay",
@@ -356,17 +363,21 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
 
-async def serve_http(app, host: str, port: int) -> tuple[object, asyncio.Task, int]:
-    """Starts uvicorn on ``host:port`` (0: any free port) in this event loop;
-    returns the server, its task and the bound port."""
+async def serve_http(app, host: str, port: int, tls_files: tuple[str, str] | None) -> tuple[object, asyncio.Task, int]:
+    """Starts uvicorn on ``host:port`` (0: any free port) in this event loop,
+    over TLS with ``tls_files`` (certificate and key files), in plaintext
+    without (loopback only); returns the server, its task and the bound port."""
     import uvicorn
 
+    if tls_files is None and not is_loopback(host):
+        raise OSError(f"refusing to serve HTTP in plaintext on {host}:{port} (not a loopback address)")
+    ssl = {"ssl_certfile": tls_files[0], "ssl_keyfile": tls_files[1]} if tls_files else {}
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
-                                           timeout_graceful_shutdown=2))
+                                           timeout_graceful_shutdown=2, **ssl))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     for _ in range(200):
         if server.started or task.done():

@@ -17,7 +17,8 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from router.placement import ClusterView, LinkView, WorkerView
 from router.prefix_index import PrefixIndex
 from runtime.config import ClusterConfig
-from runtime.rpc import aio_channel
+from runtime.pki import CertRole, Identity
+from runtime.rpc import PLAINTEXT, Dialer
 from runtime.topology import LOCAL_LINK, Role, link_name
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,25 @@ class LinkHealth:
     so requests moving KV across it can wait on it."""
 
 
+def worker_identity(info: wpb.WorkerInfo) -> Identity | None:
+    """The certificate identity ``info`` claims (``site/role/name`` as its
+    worker id); None when the id does not spell its own site and role."""
+    site, _, rest = info.worker_id.partition("/")
+    role, _, name = rest.partition("/")
+    try:
+        ident = Identity(site, CertRole(role), name)
+    except ValueError:
+        return None
+    if site != info.site or ident.role.value != Role.of(info.role).value:
+        return None
+    return ident
+
+
 class WorkerRegistry:
-    def __init__(self, cfg: ClusterConfig) -> None:
+    def __init__(self, cfg: ClusterConfig, dialer: Dialer = PLAINTEXT) -> None:
+        """``dialer``: how the router connects to workers (its certificate)."""
         self.cfg = cfg
+        self.dialer = dialer
         self.timeout_s = cfg.router.worker_timeout_s
         self.workers: dict[str, WorkerRecord] = {}
         self.index = PrefixIndex()
@@ -75,12 +92,21 @@ class WorkerRegistry:
         """Healthy workers per site, sorted, as probe targets (rebuilt at most every half interval:
         every heartbeat asks, so not once per heartbeat over every worker)."""
 
+    def holder(self, worker_id: str) -> WorkerRecord | None:
+        """The live worker that holds ``worker_id`` (heartbeating within the
+        timeout), which no second registration may take over."""
+        rec = self.workers.get(worker_id)
+        return rec if rec is not None and self.healthy(rec) else None
+
     async def register(self, info: wpb.WorkerInfo) -> None:
+        """Records a worker (replacing a silent record of the same id); the
+        channel to it accepts only the certificate of exactly this worker."""
         old = self.workers.pop(info.worker_id, None)
         if old is not None:
             await old.channel.close()
         self.index.remove_worker(info.worker_id)
-        channel = aio_channel(info.address)
+        ident = worker_identity(info)
+        channel = self.dialer.aio(info.address, server_name=ident.dns if ident else None)
         stub = (wgrpc.PrefillWorkerStub(channel) if Role.of(info.role) is Role.PREFILL
                 else wgrpc.DecodeWorkerStub(channel))
         now = time.monotonic()

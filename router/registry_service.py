@@ -1,37 +1,79 @@
 """The worker Registry (``kvrelay.v1.Registry``): workers register, heartbeat
 their load, prefix-cache events and link probes, and leave; ``ListWorkers``
 is what ``kvrelay status`` shows. A thin gRPC adapter over
-router/registry.py and router/pools.py."""
+router/registry.py and router/pools.py.
+
+Who may call what (with TLS on; these calls come over the mutual-TLS
+listener): ``Register`` only with a prefill or decode certificate naming
+exactly the worker id, site and role it registers, and never for an id a
+live worker holds; ``Heartbeat`` and ``Deregister`` only for the caller's
+own id; ``ListWorkers`` only for operators (token or certificate). Nothing
+changes in the registry for a call that is refused."""
 
 from __future__ import annotations
 
 import logging
 import time
 
-import grpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 from router.core import RouterCore
+from router.errors import ErrorKind, RouterError
+from router.peer import STATUS, CallAuth
+from router.registry import worker_identity
 from runtime.config import LinkSection
+from runtime.pki import CertRole
 from runtime.topology import Role
 
 log = logging.getLogger(__name__)
 
 
 class RegistryService(wgrpc.RegistryServicer):
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore, auth: CallAuth) -> None:
         self.core = core
         self.registry = core.registry
+        self.auth = auth
 
-    async def Register(self, request: wpb.RegisterRequest, context) -> wpb.RegisterResponse:
-        info = request.info
+    def _own(self, context, worker_id: str, what: str) -> None:
+        """RouterError unless the caller's certificate is worker ``worker_id``'s (TLS off: no check)."""
+        if self.auth.tls is None:
+            return
+        cert = self.auth.cert(context)
+        if cert is None or cert.role not in (CertRole.PREFILL, CertRole.DECODE):
+            raise RouterError(ErrorKind.UNAUTHENTICATED if cert is None else ErrorKind.PERMISSION_DENIED,
+                              f"{what} needs a prefill or decode worker certificate from the cluster CA "
+                              f"(mutual TLS, the router's internal port); got {cert or 'none'}")
+        if cert.path != worker_id:
+            raise RouterError(ErrorKind.PERMISSION_DENIED,
+                              f"{what} for {worker_id!r} refused: the caller's certificate is for {cert.path!r}")
+
+    def _check_register(self, info: wpb.WorkerInfo, context) -> Role:
         if info.site not in self.core.topology.jurisdiction:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {info.site!r}")
+            raise RouterError(ErrorKind.INVALID, f"unknown site {info.site!r}")
         try:
             role = Role.of(info.role)
         except ValueError:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role must be prefill or decode")
+            raise RouterError(ErrorKind.INVALID, "role must be prefill or decode") from None
+        if worker_identity(info) is None:
+            raise RouterError(ErrorKind.INVALID, f"worker id {info.worker_id!r} must be <site>/<role>/<name> "
+                                                 f"with site {info.site!r} and role {role}")
+        self._own(context, info.worker_id, "Register")
+        holder = self.registry.holder(info.worker_id)
+        if holder is not None and holder.info.address != info.address:
+            age = time.monotonic() - holder.last_seen
+            raise RouterError(ErrorKind.ALREADY_EXISTS,
+                              f"worker {info.worker_id} is registered and alive at {holder.info.address} (last "
+                              f"heartbeat {age:.1f} s ago); a second registration cannot take it over")
+        return role
+
+    async def Register(self, request: wpb.RegisterRequest, context) -> wpb.RegisterResponse:
+        info = request.info
+        try:
+            role = self._check_register(info, context)
+        except RouterError as exc:
+            log.warning("refused to register %s from %s: %s", info.worker_id, context.peer(), exc.message)
+            await context.abort(STATUS[exc.kind], exc.message)
         await self.registry.register(info)
         log.info("worker %s registered at %s", info.worker_id, info.address)
         drained = self.core.pools.trim(info.site, role)  # a pool scaled down while this worker was starting
@@ -39,10 +81,18 @@ class RegistryService(wgrpc.RegistryServicer):
             log.info("%s/%s is above its desired size: draining %s", info.site, role, ", ".join(drained))
         return wpb.RegisterResponse(heartbeat_interval_s=self.core.cfg.router.heartbeat_interval_s)
 
+    async def _refuse_unless_own(self, context, worker_id: str, what: str) -> None:
+        try:
+            self._own(context, worker_id, what)
+        except RouterError as exc:
+            await context.abort(STATUS[exc.kind], exc.message)
+
     async def Heartbeat(self, request: wpb.HeartbeatRequest, context) -> wpb.HeartbeatResponse:
+        await self._refuse_unless_own(context, request.load.worker_id, "Heartbeat")
         return self.registry.heartbeat(request)
 
     async def Deregister(self, request: wpb.DeregisterRequest, context) -> wpb.DeregisterResponse:
+        await self._refuse_unless_own(context, request.worker_id, "Deregister")
         if await self.registry.deregister(request.worker_id):
             log.info("worker %s left", request.worker_id)
         return wpb.DeregisterResponse()
@@ -60,6 +110,10 @@ class RegistryService(wgrpc.RegistryServicer):
                               changed_s_ago=now - health.changed_at if health.changed_at else 0.0)
 
     async def ListWorkers(self, request, context) -> wpb.ListWorkersResponse:
+        try:
+            self.auth.operator(context)
+        except RouterError as exc:
+            await context.abort(STATUS[exc.kind], exc.message)
         now = time.monotonic()
         reg, cfg = self.registry, self.core.cfg
         links = [self._link_status(lc, now) for lc in [cfg.local_link, *cfg.links]]

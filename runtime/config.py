@@ -116,6 +116,9 @@ class RouterSection:
     http_port: int | None = 8000
     """Port of the OpenAI-compatible HTTP API (same host); 0 picks a free one;
     null turns it off."""
+    internal_port: int = 50052
+    """Mutual-TLS listener for workers (Registry) and certificate holders
+    (operators, tenants with client certificates); 0 = any free port."""
     heartbeat_interval_s: float = 1.0
     """How often workers report load."""
     worker_timeout_s: float = 5.0
@@ -162,8 +165,9 @@ class RouterSection:
     if requests remain; until then it finishes what it holds."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise FieldError("port", f"must be in [0, 65535], got {self.port}")
+        for name in ("port", "internal_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise FieldError(name, f"must be in [0, 65535], got {getattr(self, name)}")
         _positive(self, "heartbeat_interval_s", "worker_timeout_s", "kv_lease_s", "drain_timeout_s", "slo_ttft_s",
                   "slo_tpot_s", "planner_window_s", "admission_wait_s", "link_probe_timeout_s",
                   "unavailable_wait_s")
@@ -306,7 +310,11 @@ class AuthSection:
     clients: list[Credential] = field(default_factory=list)
     """Who may call the Inference and Jobs APIs (gRPC and HTTP), one entry per
     tenant (``name``); each tenant's prompts get their own prefix-cache domain.
-    Empty: no client authentication (a trusted network)."""
+    Empty (and no client certificates): nobody may call them, unless
+    ``allow_anonymous``."""
+    allow_anonymous: bool = False
+    """Serve clients that present no credentials (all of them one tenant,
+    "anonymous"). Refused unless every listener is on a loopback address."""
 
     def __post_init__(self) -> None:
         for kind in ("operators", "clients"):
@@ -315,6 +323,41 @@ class AuthSection:
                 if not cred.name or cred.name in names:
                     raise FieldError(f"{kind}[{i}].name", f"must be non-empty and unique, got {cred.name!r}")
                 names.add(cred.name)
+
+
+@dataclass(slots=True)
+class TLSSection:
+    """Certificates of the cluster PKI (``kvrelay pki``). Every gRPC and HTTP
+    listener speaks TLS; internal ones (Registry, workers) mutual TLS."""
+
+    enabled: bool = True
+    """False: plaintext everywhere (comparisons on one machine); refused
+    unless every listener is on a loopback address."""
+    ca: str | None = None
+    """CA bundle (PEM) every process trusts. None: `kvrelay serve` uses the
+    per-user CA it makes under the cache folder."""
+    ca_key: str | None = None
+    """The CA's key: the launcher then issues a certificate to each process it
+    starts. Without it, each process uses ``cert``/``key``."""
+    cert: str | None = None
+    """This process's certificate (PEM), when the launcher does not issue one."""
+    key: str | None = None
+    """Its private key (PEM, unencrypted, readable by this user only)."""
+    cert_days: float = 30.0
+    """Lifetime of the certificates the launcher and `kvrelay pki issue` make."""
+    revoked_serials: list[str] = field(default_factory=list)
+    """Serials (hex, as `kvrelay pki show` prints them) refused although the CA signed them."""
+    server_names: list[str] = field(default_factory=list)
+    """More DNS names or IP addresses for the router's server certificate
+    (its host, localhost and 127.0.0.1 are always in it)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "cert_days")
+        for i, serial in enumerate(self.revoked_serials):
+            if not re.fullmatch(r"[0-9a-fA-F:]{1,64}", serial):
+                raise FieldError(f"revoked_serials[{i}]", f"must be a hex serial, got {serial!r}")
+        if (self.cert is None) != (self.key is None):
+            raise FieldError("key" if self.key is None else "cert", "cert and key go together")
 
 
 @dataclass(slots=True)
@@ -331,6 +374,7 @@ class ClusterConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     auth: AuthSection = field(default_factory=AuthSection)
+    tls: TLSSection = field(default_factory=TLSSection)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (enums as their string values), as YAML and JSON take it."""
@@ -372,7 +416,7 @@ def _build(cls: type, raw: Any, where: str):
 
 _NESTED = {"ModelSection": ModelSection, "RouterSection": RouterSection, "PoolSection": PoolSection,
            "LinkSection": LinkSection, "AuthSection": AuthSection, "WorkerSection": WorkerSection,
-           "KVSection": KVSection, "CacheConfig": CacheConfig, "SchedulerConfig": SchedulerConfig}
+           "KVSection": KVSection, "TLSSection": TLSSection, "CacheConfig": CacheConfig, "SchedulerConfig": SchedulerConfig}
 
 _STRING_LIKE = {"DType", "PlacementPolicy", "KVTransport", "Transport | None"}
 """Annotations of fields that YAML spells as strings (the sections check the value)."""
@@ -426,6 +470,25 @@ def _validate(cfg: ClusterConfig) -> None:
     if cfg.local_link.between:
         raise ConfigError("local_link.between: must be empty (it is the network inside every site)")
     _check_links(cfg.links, sites)
+    _check_loopback(cfg)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (127.0.0.0/8, ::1, localhost)."""
+    return host in LOOPBACK or host.startswith("127.")
+
+
+def _check_loopback(cfg: ClusterConfig) -> None:
+    """Plaintext and anonymous access are for one machine only."""
+    exposed = [f"{n} {h}" for n, h in (("router.host", cfg.router.host), ("workers.host", cfg.workers.host))
+               if not is_loopback(h)]
+    if exposed and not cfg.tls.enabled:
+        raise ConfigError(f"tls.enabled: false is refused because {exposed[0]} is not a loopback address")
+    if exposed and cfg.auth.allow_anonymous:
+        raise ConfigError(f"auth.allow_anonymous: true is refused because {exposed[0]} is not a loopback address")
 
 
 def _check_probe_timeout(r: RouterSection) -> None:

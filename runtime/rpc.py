@@ -1,38 +1,95 @@
 """gRPC plumbing every process shares: servers and channels with the
-project's message limits. The one place where credentials attach to
-connections (the trust issue adds TLS here)."""
+project's message limits, and the one place where TLS attaches to them.
+
+A listener is bound with the process's :class:`~runtime.tls.TLSMaterial`:
+server-only TLS (public: clients present bearer tokens) or mutual TLS
+(internal: the peer presents a certificate from the cluster CA). A channel is
+made by a :class:`Dialer`, which holds what this process presents (its
+certificate, a bearer token) and pins the name the server's certificate must
+carry. Plaintext exists only with ``tls.enabled: false``, and only on
+loopback addresses."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import grpc
+
+from runtime.config import is_loopback
+from runtime.tls import TLSMaterial
 
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 """Message limits of every server and channel (a long prompt's token ids fit)."""
 
 
-def create_server() -> grpc.aio.Server:
+def create_server(interceptors=()) -> grpc.aio.Server:
     """An asyncio gRPC server with the project's limits (not yet bound)."""
-    return grpc.aio.server(options=GRPC_OPTIONS)
+    return grpc.aio.server(options=GRPC_OPTIONS, interceptors=tuple(interceptors))
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Binds ``server`` to ``host:port`` (0: any free port); returns the port.
-    Raises OSError naming the address when it cannot be bound."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSMaterial | None, mutual: bool = False) -> int:
+    """Binds ``server`` to ``host:port`` (0: any free port) with TLS (mutual
+    when ``mutual``), or in plaintext when ``tls`` is None, which only a
+    loopback host may do. Returns the port; OSError naming the address when
+    it cannot be bound."""
+    if tls is None:
+        if not is_loopback(host):
+            raise OSError(f"refusing to listen in plaintext on {host}:{port} (not a loopback address): turn TLS on")
+        # gRPC's local credentials: plaintext that only loopback peers may use, and that carries tokens
+        bound = server.add_secure_port(f"{host}:{port}", grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP))
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials(mutual))
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     return bound
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    """An asyncio channel to another kvrelay process."""
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+def _call_token(token: str):
+    """Call credentials that add ``authorization: Bearer <token>`` to every call."""
+    return grpc.access_token_call_credentials(token)
 
 
-def sync_channel(address: str, max_send_bytes: int | None = None) -> grpc.Channel:
-    """A blocking channel (CLI, launchers); ``max_send_bytes`` raises the send
-    limit (a batch job's requests travel in one message)."""
-    opts = dict(GRPC_OPTIONS)
-    if max_send_bytes is not None:
-        opts["grpc.max_send_message_length"] = max_send_bytes
-    return grpc.insecure_channel(address, options=list(opts.items()))
+@dataclass(frozen=True, slots=True)
+class Dialer:
+    """How this process connects to others."""
+
+    tls: TLSMaterial | None = None
+    """CA to verify servers by, and our certificate; None: plaintext on
+    loopback (tls.enabled: false), through gRPC's local credentials."""
+    token: str | None = None
+    """Bearer token sent with every call."""
+
+    def with_token(self, token: str | None) -> Dialer:
+        return replace(self, token=token)
+
+    def _args(self, address: str, server_name: str | None, options: list) -> tuple:
+        if self.tls is None:
+            creds = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+            server_name = None
+        else:
+            creds = self.tls.channel_credentials()
+        if self.token:
+            creds = grpc.composite_channel_credentials(creds, _call_token(self.token))
+        if server_name:
+            options = [*options, ("grpc.ssl_target_name_override", server_name)]
+        return (address, creds), {"options": options}
+
+    def aio(self, address: str, server_name: str | None = None, options: tuple = ()) -> grpc.aio.Channel:
+        """An asyncio channel; ``server_name``: the name the server's
+        certificate must carry instead of the address's host; ``options``:
+        more channel options (reconnect backoff, say)."""
+        args, kw = self._args(address, server_name, [*GRPC_OPTIONS, *options])
+        return grpc.aio.secure_channel(*args, **kw)
+
+    def sync(self, address: str, server_name: str | None = None, max_send_bytes: int | None = None) -> grpc.Channel:
+        """A blocking channel (CLI, launchers); ``max_send_bytes`` raises the
+        send limit (a batch job's requests travel in one message)."""
+        opts = dict(GRPC_OPTIONS)
+        if max_send_bytes is not None:
+            opts["grpc.max_send_message_length"] = max_send_bytes
+        args, kw = self._args(address, server_name, list(opts.items()))
+        return grpc.secure_channel(*args, **kw)
+
+
+PLAINTEXT = Dialer()
+"""Channels without TLS (``tls.enabled: false`` only)."""

@@ -15,7 +15,6 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from kvrelay.v1 import worker_pb2 as wpb
@@ -27,11 +26,18 @@ from engine.llm_engine import LLMEngine
 from kvtransfer.config import TransferConfig
 from kvtransfer.select import choose_transport, host_has_rdma
 from runtime.config import ClusterConfig, PoolSection, load_config
+from runtime.gate import PeerGate
+from runtime.kvsecret import pem_from_env, read_secret
 from runtime.lifetime import die_with_parent
-from runtime.rpc import aio_channel, bind, create_server
+from runtime.pki import CertRole, PKIError, role_dns
+from runtime.rpc import Dialer, bind, create_server
+from runtime.tls import TLSMaterial, load_material
 from runtime.topology import Role
 
 log = logging.getLogger(__name__)
+
+REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
+"""Registry answers that end a worker: its certificate or its claim is wrong."""
 
 EVENTS_WAIT_S = 0.2
 """How long a heartbeat waits for the engine's prefix-cache events before going without them."""
@@ -148,7 +154,7 @@ class _Heartbeats:
         return hb.drained
 
 
-async def register_and_heartbeat(router: str, info: wpb.WorkerInfo, load_fn, stop: asyncio.Event,
+async def register_and_heartbeat(router: str, dialer: Dialer, info: wpb.WorkerInfo, load_fn, stop: asyncio.Event,
                                  events_fn=None, register_deadline_s: float = 60.0) -> None:
     """Registers with the router (retrying until the deadline), then sends a
     heartbeat every interval until ``stop`` is set; re-registers when the
@@ -158,8 +164,9 @@ async def register_and_heartbeat(router: str, info: wpb.WorkerInfo, load_fn, sto
 
     ``events_fn(snapshot)`` returns the prefix-cache events to send; after a
     heartbeat that did not arrive, or when the router asks, a full snapshot
-    replaces them, so the router's prefix index never drifts."""
-    async with aio_channel(router) as ch:
+    replaces them, so the router's prefix index never drifts. The channel
+    accepts only a server whose certificate names the router role."""
+    async with dialer.aio(router, server_name=role_dns(CertRole.ROUTER)) as ch:
         hb = _Heartbeats(wgrpc.RegistryStub(ch), info, load_fn, events_fn)
         loop = asyncio.get_running_loop()
         end = loop.time() + register_deadline_s
@@ -170,6 +177,8 @@ async def register_and_heartbeat(router: str, info: wpb.WorkerInfo, load_fn, sto
                         stop.set()
                         return
                 except grpc.aio.AioRpcError as exc:
+                    if exc.code() in REFUSALS:  # the router will not take us: retrying cannot help
+                        raise RuntimeError(f"router {router} refused {info.worker_id}: {exc.details()}") from None
                     if not hb.registered and loop.time() > end:
                         raise RuntimeError(f"could not register with router {router}: {exc.details()}") from None
                     log.debug("router %s unreachable: %s", router, exc.code())
@@ -213,15 +222,6 @@ def parse_args(role: Role, argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_secret(secret_file: str | None, from_launcher: str) -> bytes:
-    """The KV deployment secret: the config's secret_file, else the launcher's per-run secret."""
-    if secret_file:
-        return Path(secret_file).read_bytes().strip()
-    if not from_launcher:
-        log.warning("no KV secret configured: KV connections are not authenticated")
-    return from_launcher.encode()
-
-
 @dataclass(slots=True)
 class WorkerSetup:
     """What one worker process is, decided once at start from its arguments and config."""
@@ -237,10 +237,35 @@ class WorkerSetup:
     host: str
     """Address to bind and advertise."""
     router: str
+    """The router's internal (mutual-TLS) address."""
     model_path: str
+    tls: TLSMaterial | None
+    """This worker's certificate (naming its site, role and index) and the CA; None: tls.enabled false."""
+
+    @property
+    def dialer(self) -> Dialer:
+        return Dialer(self.tls)
 
 
-def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str) -> WorkerSetup:
+def worker_tls(cfg: ClusterConfig, role: Role, site: str, index: int, pem: dict[str, bytes]) -> TLSMaterial | None:
+    """This worker's TLS material; SystemExit unless its certificate names
+    exactly this worker (``pem``: what the launcher handed over)."""
+    try:
+        tls = load_material(cfg.tls, pem)
+    except PKIError as exc:
+        raise SystemExit(f"{role} worker: {exc}") from None
+    if tls is None:
+        return None
+    want = f"{site}/{role}/{index}"
+    if tls.identity is None or tls.identity.path != want:
+        raise SystemExit(f"{role} worker {want}: its certificate names {tls.identity or 'no identity'}; "
+                         f"it needs one for kvrelay://{want} (kvrelay pki issue --role {role} --site {site} "
+                         f"--name {index})")
+    return tls
+
+
+def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str,
+                 pem: dict[str, bytes] | None = None) -> WorkerSetup:
     """Parses the config once and checks this worker's place in it."""
     cfg = load_config(args.config)
     site = {s.name: s for s in cfg.sites}.get(args.site)
@@ -255,7 +280,7 @@ def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str) -> Wo
         host = local_address_towards(args.router)
     return WorkerSetup(cfg, WorkerIdentity(f"{args.site}/{role}/{args.index}", role, args.site),
                        getattr(site, role), choose_transport(kv.transport), transfer, host, args.router,
-                       args.model_path)
+                       args.model_path, worker_tls(cfg, role, args.site, args.index, pem or {}))
 
 
 async def start_engine(setup: WorkerSetup, kv_shm_path: str | None = None) -> AsyncEngine:
@@ -267,9 +292,13 @@ async def start_engine(setup: WorkerSetup, kv_shm_path: str | None = None) -> As
 
 
 def listening_server(setup: WorkerSetup) -> tuple[grpc.aio.Server, int]:
-    """The worker's gRPC server, bound to a free port of its host."""
-    server = create_server()
-    return server, bind(server, setup.host, 0)
+    """The worker's gRPC server, bound to a free port of its host; with TLS,
+    it admits only the router (mutual TLS, router certificate)."""
+    if setup.tls is None:
+        server = create_server()
+    else:
+        server = create_server([PeerGate(setup.tls, (CertRole.ROUTER,))])
+    return server, bind(server, setup.host, 0, setup.tls, mutual=True)
 
 
 def worker_info(setup: WorkerSetup, engine: LLMEngine, port: int, kv_endpoint: str) -> wpb.WorkerInfo:
@@ -289,7 +318,7 @@ async def serve_worker(setup: WorkerSetup, aengine: AsyncEngine, server: grpc.ai
     log.info("%s serving on %s (kv %s)", info.worker_id, info.address, info.kv_endpoint or "-")
     await server.start()
     stop = asyncio.Event()
-    hb = asyncio.create_task(register_and_heartbeat(setup.router, info, load_fn, stop,
+    hb = asyncio.create_task(register_and_heartbeat(setup.router, setup.dialer, info, load_fn, stop,
                                                     lambda snapshot: kv_events(aengine, snapshot)))
     try:
         await serve_until_signal(server, aengine, stop, [hb])
@@ -305,6 +334,6 @@ def worker_main(role: Role, argv: list[str] | None, run) -> int:
         os.environ.setdefault("UCX_MODULES", "^ib")
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s {role}[{args.site}/{args.index}] %(levelname)s "
                         "%(name)s: %(message)s", stream=sys.stderr)
-    setup = worker_setup(role, args, os.environ.get("KVRELAY_KV_SECRET", ""))
+    setup = worker_setup(role, args, os.environ.get("KVRELAY_KV_SECRET", ""), pem_from_env())
     asyncio.run(run(setup))
     return 0

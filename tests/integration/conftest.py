@@ -4,6 +4,7 @@ serving the embedded SmolLM2-135M-Instruct, shared by a module's tests."""
 from __future__ import annotations
 
 import contextlib
+import ssl
 import time
 
 import grpc
@@ -46,7 +47,7 @@ def cluster(smollm_path):
 
 @pytest.fixture(scope="module")
 def stub(cluster):
-    with grpc.insecure_channel(cluster.router_address) as ch:
+    with cluster.channel() as ch:
         yield igrpc.InferenceStub(ch)
 
 
@@ -56,7 +57,7 @@ def reference_engine(smollm_path):
 
 
 def workers(cluster) -> dict[str, wpb.WorkerStatus]:
-    with grpc.insecure_channel(cluster.router_address) as ch:
+    with cluster.channel(operator=True) as ch:
         resp = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)
     return {w.info.worker_id: w for w in resp.workers}
 
@@ -64,9 +65,14 @@ def workers(cluster) -> dict[str, wpb.WorkerStatus]:
 def worker_stats(cluster, worker_id: str) -> wpb.WorkerLoad:
     """Asks the worker itself (not the router's cached heartbeat)."""
     info = workers(cluster)[worker_id].info
-    with grpc.insecure_channel(info.address) as ch:
+    with cluster.worker_channel(info) as ch:
         stub = (wgrpc.DecodeWorkerStub(ch) if info.role == wpb.ROLE_DECODE else wgrpc.PrefillWorkerStub(ch))
         return stub.Stats(wpb.StatsRequest(), timeout=10)
+
+
+def tls_context(cluster) -> ssl.SSLContext:
+    """What an HTTPS client of ``cluster`` verifies the router by: its CA."""
+    return ssl.create_default_context(cafile=str(cluster.ca_file))
 
 
 def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.1) -> bool:

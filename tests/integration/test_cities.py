@@ -149,7 +149,7 @@ def test_cluster_across_the_emulated_link(emulated, smollm_path, reference_engin
     lc.start()
     try:
         prompt = list(range(1000, 1600))  # 600 tokens: ~27 MiB of KV over a 0.5 Gbit/s, 20 ms link
-        with grpc.insecure_channel(lc.router_address) as ch:
+        with lc.channel() as ch:
             msgs = list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
                 token_ids=ipb.TokenIds(ids=prompt), max_tokens=6, ignore_eos=True), timeout=120))
         pl = msgs[-1].finish.placement
@@ -165,13 +165,13 @@ def test_cluster_across_the_emulated_link(emulated, smollm_path, reference_engin
 
 
 def _link(lc: LocalCluster) -> wpb.LinkStatus:
-    with grpc.insecure_channel(lc.router_address) as ch:
+    with lc.channel(operator=True) as ch:
         links = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10).links
     return next(lk for lk in links if lk.name == "montreal-toronto")
 
 
 def _generate(lc: LocalCluster, prompt: list[int], max_tokens: int) -> list[ipb.GenerateResponse]:
-    with grpc.insecure_channel(lc.router_address) as ch:
+    with lc.channel() as ch:
         return list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
             token_ids=ipb.TokenIds(ids=prompt), max_tokens=max_tokens, ignore_eos=True), timeout=120))
 

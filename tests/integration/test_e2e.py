@@ -116,7 +116,7 @@ def test_bad_inputs_get_clear_statuses_and_service_survives(cluster, stub, refer
         got, details = _code(stub, req)
         assert got == code and text in details, (req, got, details)
     # Invalid UTF-8 in a string field, sent as raw bytes.
-    with grpc.insecure_channel(cluster.router_address) as ch:
+    with cluster.channel() as ch:
         raw = ch.unary_stream("/kvrelay.v1.Inference/Generate", request_serializer=lambda b: b,
                               response_deserializer=ipb.GenerateResponse.FromString)
         with pytest.raises(grpc.RpcError) as err:

@@ -30,7 +30,7 @@ def test_transport_end_to_end(transport, smollm_path, reference_engine):
         assert ws["local/prefill/0"].info.transport == transport
         pid = next(c.proc.pid for c in lc.children if c.name == "local/prefill/0")
         assert bool(list(Path("/dev/shm").glob(f"kvrelay-*-{pid}"))) == (transport == "local")
-        with grpc.insecure_channel(lc.router_address) as ch:
+        with lc.channel() as ch:
             stub = igrpc.InferenceStub(ch)
             for text in PROMPTS[:4]:
                 tokens, msgs = collect(stub, chat_request(text))

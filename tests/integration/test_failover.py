@@ -36,7 +36,7 @@ def test_decode_worker_killed_mid_stream_is_migrated(cluster, reference_engine):
     prompt = reference_engine.tokenizer.encode("The first research networks in Canada connected universities")
     want = reference_engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
     tokens, msgs, killed = [], [], None
-    with grpc.insecure_channel(cluster.router_address) as ch:
+    with cluster.channel() as ch:
         call = igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
             token_ids=ipb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True), timeout=180)
         for msg in call:

@@ -36,7 +36,7 @@ def cluster(smollm_path):
 
 
 def _stub(lc):
-    ch = grpc.insecure_channel(lc.router_address)
+    ch = lc.channel()
     return ch, jgrpc.JobsStub(ch)
 
 

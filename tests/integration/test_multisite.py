@@ -53,7 +53,7 @@ def token_request(ids: list[int], **kw) -> ipb.GenerateRequest:
 
 
 def generate(lc: LocalCluster, req: ipb.GenerateRequest) -> ipb.Finish:
-    with grpc.insecure_channel(lc.router_address) as ch:
+    with lc.channel() as ch:
         msgs = list(igrpc.InferenceStub(ch).Generate(req, timeout=120))
     return msgs[-1].finish
 
@@ -86,7 +86,7 @@ def test_restricted_request_is_served_only_in_its_jurisdiction(multisite):
 
 
 def test_unsatisfiable_jurisdiction_fails_with_failed_precondition(multisite):
-    with grpc.insecure_channel(multisite.router_address) as ch:
+    with multisite.channel() as ch:
         with pytest.raises(grpc.RpcError) as err:
             list(igrpc.InferenceStub(ch).Generate(token_request(list(range(100, 200)),
                                                                 allowed_jurisdictions=["EU"]), timeout=30))
@@ -95,7 +95,7 @@ def test_unsatisfiable_jurisdiction_fails_with_failed_precondition(multisite):
 
 
 def test_unreachable_deadline_is_refused_with_a_retry_hint(multisite):
-    with grpc.insecure_channel(multisite.router_address) as ch:
+    with multisite.channel() as ch:
         call = igrpc.InferenceStub(ch).Generate(token_request(list(range(100, 1900))), timeout=0.05)
         with pytest.raises(grpc.RpcError) as err:
             list(call)

@@ -21,7 +21,7 @@ from kvrelay.v1 import inference_pb2 as ipb
 
 from engine.tokenizer import Tokenizer
 from router.auth import token_sha256
-from tests.integration.conftest import CLUSTER_YAML, running_cluster
+from tests.integration.conftest import CLUSTER_YAML, running_cluster, tls_context
 
 pytestmark = pytest.mark.model
 
@@ -45,7 +45,8 @@ def cluster(smollm_path):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"https://{cluster.http_address}/v1", api_key=TOKEN, max_retries=0, timeout=120,
+                         http_client=HTTP_CLIENT(verify=tls_context(cluster)))
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,8 @@ def tok(smollm_path):
     return Tokenizer(smollm_path)
 
 
+HTTP_CLIENT = getattr(openai, "DefaultHttpx2Client", None) or openai.DefaultHttpxClient
+"""The HTTP client class the installed openai package builds on (httpx2 from openai 3)."""
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 
 
@@ -122,7 +125,8 @@ def test_seeded_sampling_is_reproducible(client):
 def test_models_and_health(client, cluster):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
-    with urllib.request.urlopen(f"http://{cluster.http_address}/health", timeout=10) as r:
+    with urllib.request.urlopen(f"https://{cluster.http_address}/health", timeout=10,
+                               context=tls_context(cluster)) as r:
         body = json.load(r)
     assert r.status == 200 and body["serving"] and body["decode_workers"] == 1
 
@@ -132,9 +136,9 @@ def _post(cluster, path: str, body, token: str | None = TOKEN, raw: bytes | None
     if token:
         headers["Authorization"] = f"Bearer {token}"
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://{cluster.http_address}{path}", data=data, headers=headers)
+    req = urllib.request.Request(f"https://{cluster.http_address}{path}", data=data, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=60, context=tls_context(cluster)) as r:
             return r.status, json.load(r), r.headers
     except urllib.error.HTTPError as e:
         return e.code, json.load(e), e.headers
@@ -172,7 +176,8 @@ def test_bad_inputs_get_openai_errors_with_the_right_status(client, cluster):
     for token in (None, "wrong-token"):
         got, err, _ = _post(cluster, chat, {"model": MODEL, "messages": msgs}, token=token)
         assert got == 401 and err["error"]["type"] == "authentication_error", err
-    bad = openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="wrong", max_retries=0)
+    bad = openai.OpenAI(base_url=f"https://{cluster.http_address}/v1", api_key="wrong", max_retries=0,
+                        http_client=HTTP_CLIENT(verify=tls_context(cluster)))
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
     with pytest.raises(openai.NotFoundError) as nf:
@@ -192,7 +197,7 @@ def test_tenants_authenticate_on_grpc_and_see_only_their_own_jobs(cluster, stub)
         list(stub.Generate(ipb.GenerateRequest(prompt="hi", max_tokens=2), timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "auth.clients" in err.value.details()
     other = (("authorization", f"Bearer {OTHER}"),)
-    with grpc.insecure_channel(cluster.router_address) as ch:
+    with cluster.channel() as ch:
         jobs = jgrpc.JobsStub(ch)
         with pytest.raises(grpc.RpcError) as err:
             jobs.SubmitJob(jpb.SubmitJobRequest(requests=[ipb.GenerateRequest(prompt="hi", max_tokens=2)]), timeout=30)
@@ -239,5 +244,6 @@ def test_no_decode_worker_is_503_and_health_says_so(cluster):
                                                                                         "content": "hi"}]})
     assert got == 503 and err["error"]["type"] == "service_unavailable", err
     with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(f"http://{cluster.http_address}/health", timeout=10)
+        urllib.request.urlopen(f"https://{cluster.http_address}/health", timeout=10,
+                               context=tls_context(cluster))
     assert e.value.code == 503

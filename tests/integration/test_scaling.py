@@ -40,7 +40,7 @@ N_REQUESTS, MAX_TOKENS = 50, 16
 def _admin(lc: LocalCluster, method: str, request, token: str | None = None):
     token = lc.operator_token if token is None else token
     md = (("authorization", f"Bearer {token}"),) if token else ()
-    with grpc.insecure_channel(lc.router_address) as ch:
+    with lc.dialer().sync(lc.router_address) as ch:
         return getattr(agrpc.AdminStub(ch), method)(request, timeout=30, metadata=md)
 
 
@@ -65,7 +65,7 @@ class Traffic:
         prompt = [100 + (i * 37 + k) % 5000 for k in range(48)]
         req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True)
         try:
-            with grpc.insecure_channel(self.lc.router_address) as ch:
+            with self.lc.channel() as ch:
                 msgs = list(igrpc.InferenceStub(ch).Generate(req, timeout=300))
             self.results[i] = (msgs[-1].finish.placement.decode_worker, sum(len(m.token_ids) for m in msgs))
         except grpc.RpcError as exc:
@@ -184,12 +184,12 @@ def test_drain_unknown_worker(small):
 
 def test_cli_scale_messages(small, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("KVRELAY_OPERATOR_TOKEN", raising=False)
-    no_token = ["--router", small.router_address, "--token-file", str(tmp_path / "none")]
+    no_token = ["--router", small.router_address, "--ca", str(small.ca_file), "--token-file", str(tmp_path / "none")]
     assert main(["scale", "--site", "montreal", "--role", "decode", "--replicas", "2", *no_token]) == 1
     assert "UNAUTHENTICATED: operator credentials required" in capsys.readouterr().err
     token_file = tmp_path / "token"
     token_file.write_text(small.operator_token + "\n")
-    ok = ["--router", small.router_address, "--token-file", str(token_file)]
+    ok = ["--router", small.router_address, "--ca", str(small.ca_file), "--token-file", str(token_file)]
     assert main(["scale", "--site", "montreal", "--role", "decode", "--replicas", "-1", *ok]) == 2
     assert "--replicas must be >= 0" in capsys.readouterr().err
     assert main(["scale", "--site", "ottawa", "--role", "decode", "--replicas", "1", *ok]) == 1
@@ -204,7 +204,7 @@ def test_cli_scale_messages(small, tmp_path, capsys, monkeypatch):
 
 def test_plan_recommends_within_limits_and_applies(small, capsys, tmp_path):
     for i in range(3):
-        with grpc.insecure_channel(small.router_address) as ch:
+        with small.channel() as ch:
             list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
                 token_ids=ipb.TokenIds(ids=list(range(200 + i, 260 + i))), max_tokens=4, ignore_eos=True), timeout=120))
     resp = _admin(small, "Plan", apb.PlanRequest())
@@ -216,7 +216,8 @@ def test_plan_recommends_within_limits_and_applies(small, capsys, tmp_path):
     assert _pool(small, "montreal", "decode").desired == 1  # a plan alone changes nothing
     token_file = tmp_path / "token"
     token_file.write_text(small.operator_token)
-    assert main(["plan", "--router", small.router_address, "--token-file", str(token_file)]) == 0
+    assert main(["plan", "--router", small.router_address, "--ca", str(small.ca_file),
+                 "--token-file", str(token_file)]) == 0
     assert "RECOMMENDED" in capsys.readouterr().out and _pool(small, "montreal", "decode").desired == 1
     applied = _admin(small, "Plan", apb.PlanRequest(apply=True))
     assert applied.applied

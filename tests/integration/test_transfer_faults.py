@@ -51,7 +51,7 @@ def _send_in_background(lc: LocalCluster) -> dict:
     out: dict = {}
 
     def run() -> None:
-        with grpc.insecure_channel(lc.router_address) as ch:
+        with lc.channel() as ch:
             req = ipb.GenerateRequest(prompt=LONG_PROMPT, raw_prompt=True, max_tokens=8)
             try:
                 out["msgs"] = list(igrpc.InferenceStub(ch).Generate(req, timeout=120))
@@ -132,7 +132,7 @@ def test_corrupted_transfers_are_refused_retried_then_recomputed(smollm_path, re
     raw["router"]["kv_lease_s"] = STALLED_S
     prompt = list(range(500, 900))
     want = reference_engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
-    with running_cluster(raw, smollm_path) as lc, grpc.insecure_channel(lc.router_address) as ch:
+    with running_cluster(raw, smollm_path) as lc, lc.channel() as ch:
         stub = igrpc.InferenceStub(ch)
 
         def generate() -> tuple[list[int], ipb.Placement]:
@@ -182,7 +182,7 @@ def test_frozen_decode_worker_prefill_frees_at_its_deadline(smollm_path):
             assert req["msgs"][-1].finish.placement.retries == 1
         else:
             assert req["error"] == grpc.StatusCode.UNAVAILABLE, req
-        with grpc.insecure_channel(lc.router_address) as ch:
+        with lc.channel() as ch:
             msgs = list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
                 prompt="Say hi.", max_tokens=4, ignore_eos=True), timeout=60))
         assert sum(len(m.token_ids) for m in msgs) == 4
@@ -194,7 +194,7 @@ def test_cancel_or_deadline_mid_transfer_frees_both_sides(smollm_path, how):
     """A client that goes away (or whose deadline passes) while the prompt is
     still being prefilled and streamed: both workers stop and free their blocks."""
     with running_cluster(_config(), smollm_path) as lc, \
-            grpc.insecure_channel(lc.router_address) as ch:
+            lc.channel() as ch:
         req = ipb.GenerateRequest(prompt=LONG_PROMPT, raw_prompt=True, max_tokens=8)
         call = igrpc.InferenceStub(ch).Generate(req, timeout=120 if how == "cancel" else 3.0)
         if how == "cancel":

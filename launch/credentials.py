@@ -1,0 +1,107 @@
+"""The credentials a launcher hands the processes it starts: a certificate
+per process from the cluster CA (the router's names its hosts; a worker's
+names exactly its site, role and index), the KV secret, and the tokens of
+this run.
+
+The local default needs no setup: :func:`ensure_local_pki` makes a per-user
+CA and a client token under the cache folder on first use (folders 0700,
+files 0600) and reuses them after; `kvrelay generate`, `status` and the
+other commands find them there."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.config import TLSSection
+from runtime.kvsecret import TLS_ENV
+from runtime.pki import (
+    CA,
+    CA_CERT,
+    CA_KEY,
+    CertRole,
+    Identity,
+    PKIError,
+    init_ca_dir,
+    issue,
+    load_ca,
+    write_private,
+)
+from runtime.tls import TLSMaterial, parse_serials
+
+LOCAL_PKI = "pki"
+"""Folder of the per-user CA inside the cache folder."""
+CLIENT_TOKEN = "client-token"
+"""File (in the cache folder) of the local default's client token (tenant ``local``)."""
+LOCAL_TENANT = "local"
+
+
+@dataclass(slots=True)
+class LocalPKI:
+    """Where the local default's CA and client token live."""
+
+    ca_cert: Path
+    ca_key: Path
+    client_token: str
+
+
+def ensure_local_pki(cache_dir: Path) -> LocalPKI:
+    """The per-user CA and client token under ``cache_dir``, made on first use."""
+    cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    cache_dir.chmod(0o700)  # it holds the jobs database (prompts and outputs) and the tokens too
+    folder = cache_dir / LOCAL_PKI
+    if not (folder / CA_CERT).exists():
+        init_ca_dir(folder)
+    token_file = cache_dir / CLIENT_TOKEN
+    if not token_file.exists():
+        write_private(token_file, (secrets.token_urlsafe(32) + "\n").encode())
+    return LocalPKI(folder / CA_CERT, folder / CA_KEY, token_file.read_text().strip())
+
+
+class ClusterCredentials:
+    """Issues each process of one cluster its TLS material."""
+
+    def __init__(self, ca: CA, tls: TLSSection) -> None:
+        self.ca = ca
+        self.days = tls.cert_days
+        self.revoked = parse_serials(tls.revoked_serials)
+
+    @classmethod
+    def for_config(cls, tls: TLSSection, scratch: Path) -> ClusterCredentials | None:
+        """The CA the config names (``tls.ca`` with ``tls.ca_key``), or a new
+        one in ``scratch`` for this cluster's life; None when TLS is off.
+        PKIError when the config names a CA without its key."""
+        if not tls.enabled:
+            return None
+        if tls.ca is None:
+            init_ca_dir(scratch)
+            return cls(load_ca(scratch / CA_CERT, scratch / CA_KEY), tls)
+        if tls.ca_key is None:
+            raise PKIError("tls.ca_key: the launcher issues each process its certificate, so it needs the CA's key "
+                           "(or start each process yourself with its own --tls-cert/--tls-key)")
+        return cls(load_ca(Path(tls.ca), Path(tls.ca_key)), tls)
+
+    @property
+    def ca_pem(self) -> bytes:
+        return self.ca.pem
+
+    def material(self, ident: Identity, hosts: tuple[str, ...] = ()) -> TLSMaterial:
+        """A new certificate for ``ident`` (valid for ``hosts`` too), as a process uses it."""
+        cert, key = issue(self.ca, ident, self.days, hosts)
+        return TLSMaterial(self.ca.pem, cert, key, ident, self.revoked)
+
+    def env(self, ident: Identity, hosts: tuple[str, ...] = ()) -> dict[str, str]:
+        """The environment that hands a child process its certificate."""
+        mat = self.material(ident, hosts)
+        return {TLS_ENV["ca"]: mat.ca_pem.decode(), TLS_ENV["cert"]: mat.cert_pem.decode(),
+                TLS_ENV["key"]: mat.key_pem.decode()}
+
+    def client(self) -> TLSMaterial:
+        """What a client that presents no certificate needs: the CA."""
+        return TLSMaterial(self.ca.pem, revoked=self.revoked)
+
+
+def router_identity(first_site: str) -> Identity:
+    """The identity of the router a launcher starts."""
+    return Identity(first_site, CertRole.ROUTER, "0")
