@@ -1,12 +1,21 @@
 """Same workload as the replay (40 requests, 128 random prompt tokens, 16 forced
 output tokens, one every 2 s), sent through the HTTP API with the official
-openai client (async, streaming), timing TTFT and inter-token gaps at the client."""
+openai client (async, streaming), timing TTFT and inter-token gaps at the client.
+
+Against `kvrelay serve` with the local default: https, verified by the per-user
+CA, with the per-user tenant token (both under the cache folder)."""
 import asyncio
+import os
 import random
+import ssl
 import statistics
 import time
+from pathlib import Path
 
 import openai
+
+CACHE = Path(os.environ.get("KVRELAY_CACHE_DIR") or Path.home() / ".cache" / "kvrelay")
+HTTP_CLIENT = getattr(openai, "DefaultAsyncHttpx2Client", None) or openai.DefaultAsyncHttpxClient
 
 
 async def one(client, i, t0, out):
@@ -23,7 +32,9 @@ async def one(client, i, t0, out):
     out.append((times[0] - sent, [b - a for a, b in zip(times, times[1:])], len(times)))
 
 async def main():
-    client = openai.AsyncOpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x", max_retries=0)
+    tls = ssl.create_default_context(cafile=str(CACHE / "pki" / "ca.pem"))
+    client = openai.AsyncOpenAI(base_url="https://127.0.0.1:8000/v1", api_key=(CACHE / "client-token").read_text().strip(),
+                                max_retries=0, http_client=HTTP_CLIENT(verify=tls))
     out = []
     t0 = time.perf_counter()
     await asyncio.gather(*(one(client, i, t0, out) for i in range(40)))
@@ -33,4 +44,6 @@ async def main():
     print(f"TTFT ms mean {statistics.mean(ttft):.1f} median {statistics.median(ttft):.1f}")
     print(f"ITL ms mean {statistics.mean(itl):.1f} median {statistics.median(itl):.1f}")
 
-asyncio.run(main())
+
+if __name__ == "__main__":
+    asyncio.run(main())

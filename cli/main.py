@@ -6,6 +6,7 @@ receives typed values."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -19,6 +20,7 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 from benchmarks.engine_bench import format_result, run_engine_bench, to_json
 from benchmarks.kv_bench import format_kv, run_kv_bench
 from benchmarks.placement_bench import format_placement, run_placement_bench
+from benchmarks.tls_bench import format_tls, run_tls_bench
 from benchmarks.traces import TraceError, load_trace
 from cli import admin as cli_admin
 from cli import chaos as cli_chaos
@@ -87,6 +89,17 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
 def cmd_bench_placement(args: argparse.Namespace) -> int:
 
     print(format_placement(run_placement_bench(args.workers, args.sites, args.prompt_tokens, args.decisions)))
+    return 0
+
+
+def cmd_bench_tls(args: argparse.Namespace) -> int:
+
+    cfg = load_config(args.config)
+    res = run_tls_bench(cfg, resolve_model(cfg.model.path, args.cache_dir), args.prompt_tokens, args.requests,
+                        args.rtt_calls)
+    print(format_tls(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res.to_dict(), indent=2) + "\n")
     return 0
 
 
@@ -168,6 +181,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError("--cities runs workers in this machine's namespaces; it cannot be combined with "
                              "--backend ray")
 
+        if args.ray_address and os.environ.get("RAY_USE_TLS", "0") not in ("1", "true"):
+            print("kvrelay: warning: Ray's TLS is off (RAY_USE_TLS): the launcher hands each worker on another "
+                  "node its certificate key and the KV secret through Ray's control channel, which then "
+                  "crosses the network in clear (README: Two Ray nodes)", file=sys.stderr)
         backend = RayBackend([s.name for s in cfg.sites], args.ray_address)
     cluster = LocalCluster(cfg, model_path, log_level=args.log_level, cities=cities_for(args), backend=backend)
     stop = []
@@ -314,6 +331,14 @@ def _add_bench_parsers(bench) -> None:
     bp.add_argument("--decisions", type=int, default=500)
     bp.set_defaults(func=cmd_bench_placement)
     _add_replay_parser(bench)
+
+    bt = bench.add_parser("tls", help="TTFT and gRPC round trip with TLS against the same build with TLS off")
+    bt.add_argument("--config", help="cluster of both runs (default: the embedded default)")
+    bt.add_argument("--prompt-tokens", type=int, default=256)
+    bt.add_argument("--requests", type=int, default=40, help="measured requests per cluster (after 4 warm-up)")
+    bt.add_argument("--rtt-calls", type=int, default=400, help="unary calls per cluster for the round trip")
+    bt.add_argument("--json", help="also write the result to this file")
+    bt.set_defaults(func=cmd_bench_tls)
 
 
 def _add_replay_parser(bench) -> None:

@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import struct
+from pathlib import Path
 from typing import Protocol
 
 from cryptography.exceptions import InvalidTag
@@ -324,22 +325,37 @@ AUTOTUNE_MAX = 4 << 20
 """Linux's default ceiling for TCP buffer autotuning (tcp_wmem/tcp_rmem max)."""
 
 
+def autotune_max(which: str) -> int:
+    """The most this network namespace's TCP autotuning gives a socket
+    (net.ipv4.tcp_wmem or tcp_rmem, third field); 0 when it cannot be read."""
+    try:
+        return int(Path(f"/proc/sys/net/ipv4/tcp_{which}mem").read_text().split()[2])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def tune_socket(sock: socket.socket, buffer_bytes: int | None) -> None:
     """No Nagle delay; socket buffers of ``buffer_bytes`` when given (else the
     kernel autotunes). Buffers above net.core.[rw]mem_max need CAP_NET_ADMIN
-    (SO_*BUFFORCE); without it the kernel caps them, and a warning says so."""
+    (SO_*BUFFORCE). Without it (workers run unprivileged), a namespace whose
+    TCP autotuning reaches the size is left to autotune (a fixed SO_*BUF would
+    cap it lower); otherwise the kernel caps the buffer and a warning says so."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if not buffer_bytes:
         return
-    for force, plain in ((_SNDBUFFORCE, socket.SO_SNDBUF), (_RCVBUFFORCE, socket.SO_RCVBUF)):
+    capped = False
+    for force, plain, which in ((_SNDBUFFORCE, socket.SO_SNDBUF, "w"), (_RCVBUFFORCE, socket.SO_RCVBUF, "r")):
         try:
             sock.setsockopt(socket.SOL_SOCKET, force, buffer_bytes)
         except OSError:
+            if autotune_max(which) >= buffer_bytes:
+                continue
             sock.setsockopt(socket.SOL_SOCKET, plain, buffer_bytes)
-    got = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2  # the kernel reports double
-    if got < buffer_bytes:
-        log.warning("socket buffer capped at %d bytes (asked %d for the link's bandwidth-delay product); "
-                    "raise net.core.wmem_max/rmem_max or use more streams", got, buffer_bytes)
+            capped = capped or sock.getsockopt(socket.SOL_SOCKET, plain) // 2 < buffer_bytes  # reported double
+    if capped:
+        log.warning("socket buffer capped below %d bytes (the link's bandwidth-delay product); "
+                    "raise net.core.wmem_max/rmem_max or net.ipv4.tcp_wmem/tcp_rmem, or use more streams",
+                    buffer_bytes)
 
 
 def link_socket_buffer(gbps: float, rtt_ms: float) -> int | None:

@@ -47,7 +47,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launch.privileges import PrivilegeError, WorkerDrop, share_with_workers, unreadable, worker_drop
+from launch.privileges import (
+    PrivilegeError,
+    WorkerDrop,
+    share_with_workers,
+    unreadable,
+    worker_drop,
+)
 
 if TYPE_CHECKING:
     from runtime.config import ClusterConfig

@@ -132,29 +132,37 @@ class LocalCluster:
         self.http_address = ""
         """host:port of the router's OpenAI-compatible HTTP API ("" when turned off)."""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-")
-        self.config_path = Path(self._tmp.name) / "cluster.yaml"
+        """The launcher's own files: the jobs database, the CA of this run."""
+        self._worker_tmp = tempfile.TemporaryDirectory(prefix="kvrelay-workers-")
+        """What the workers read (the config): readable by unprivileged workers under --cities."""
+        self.config_path = Path(self._worker_tmp.name) / "cluster.yaml"
+        if cities is not None:
+            cities.share_with_workers(Path(self._worker_tmp.name))
         if cfg.router.jobs_db is None:  # durable across router restarts, for this cluster's life
             cfg.router.jobs_db = str(Path(self._tmp.name) / "jobs.sqlite")
         self._secret = secrets.token_hex(32)
         """Per-run KV secret for the workers when the config names no secret file."""
         self.creds = ClusterCredentials.for_config(cfg.tls, Path(self._tmp.name) / "ca")
         """Issues each process its certificate (None: tls.enabled false)."""
-        self.client_token = ""
-        """The token of tenant ``local`` when the config lists no clients (and allows no anonymous ones)."""
-        if not cfg.auth.clients and not cfg.auth.allow_anonymous:
-            self.client_token = secrets.token_urlsafe(32)
-            cfg.auth.clients.append(Credential(LOCAL_TENANT, token_sha256(self.client_token)))
-
-        # the launcher reads pool sizes with a credential of its own; it is also the
-        # operators' token for this run when the config names no operators
-        self._launcher_token = secrets.token_urlsafe(32)
-        self.operator_token = "" if cfg.auth.operators else self._launcher_token
-        """Bearer token for the Admin API when the config lists no operators ("" otherwise)."""
-        cfg.auth.operators.append(Credential("kvrelay-launcher", token_sha256(self._launcher_token)))
+        self._add_run_tokens(cfg)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_index: dict[tuple[str, str], int] = {}
+
+    def _add_run_tokens(self, cfg: ClusterConfig) -> None:
+        """This run's tokens: tenant ``local``'s when the config lists no
+        clients (nor allows anonymous ones); the launcher's own operator token
+        (reading pool sizes), which is the operators' one when none are listed."""
+        self.client_token = ""
+        """The token of tenant ``local`` ("" when the config lists clients)."""
+        if not cfg.auth.clients and not cfg.auth.allow_anonymous:
+            self.client_token = secrets.token_urlsafe(32)
+            cfg.auth.clients.append(Credential(LOCAL_TENANT, token_sha256(self.client_token)))
+        self._launcher_token = secrets.token_urlsafe(32)
+        self.operator_token = "" if cfg.auth.operators else self._launcher_token
+        """Bearer token for the Admin API when the config lists no operators ("" otherwise)."""
+        cfg.auth.operators.append(Credential("kvrelay-launcher", token_sha256(self._launcher_token)))
 
     def _env(self, ident: Identity, hosts: tuple[str, ...] = ()) -> dict[str, str]:
         """A child's secrets: the KV secret (unless the config names a file) and its certificate."""
@@ -226,6 +234,10 @@ class LocalCluster:
         if self.cities is not None:
             self.cfg.router.host = self.cities.gateway
         dump_config(self.cfg, self.config_path)
+        if self.cities is not None:
+            self.cities.share_with_workers(self.config_path)
+            self.cities.check_worker_access([sys.executable, self.model_path, self.config_path,
+                                             *([self.cfg.kv.secret_file] if self.cfg.kv.secret_file else [])])
         deadline = time.monotonic() + timeout_s
         try:
             self.router_address = self._start_router(deadline)
@@ -391,3 +403,4 @@ class LocalCluster:
         self.children.clear()
         self.backend.close()
         self._tmp.cleanup()
+        self._worker_tmp.cleanup()

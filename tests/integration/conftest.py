@@ -70,6 +70,15 @@ def worker_stats(cluster, worker_id: str) -> wpb.WorkerLoad:
         return stub.Stats(wpb.StatsRequest(), timeout=10)
 
 
+@pytest.fixture
+def as_cluster_user(cluster, monkeypatch) -> list[str]:
+    """CLI flags (and environment) that reach ``cluster`` as its local tenant
+    and its operator: the router, its CA, the tokens."""
+    monkeypatch.setenv("KVRELAY_API_KEY", cluster.client_token)
+    monkeypatch.setenv("KVRELAY_OPERATOR_TOKEN", cluster.operator_token)
+    return ["--router", cluster.router_address, "--ca", str(cluster.ca_file)]
+
+
 def tls_context(cluster) -> ssl.SSLContext:
     """What an HTTPS client of ``cluster`` verifies the router by: its CA."""
     return ssl.create_default_context(cafile=str(cluster.ca_file))

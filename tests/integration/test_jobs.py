@@ -80,7 +80,7 @@ def test_router_restart_mid_job_every_result_exactly_once(cluster):
         assert after[i] == r
 
 
-def test_job_cli_submit_status_results_and_bad_input(cluster, tmp_path, capsys):
+def test_job_cli_submit_status_results_and_bad_input(cluster, tmp_path, capsys, as_cluster_user):
     f = tmp_path / "job.jsonl"
     f.write_text("\n".join(json.dumps(x) for x in [
         {"prompt": "What is a research network?", "max_tokens": 4},
@@ -88,7 +88,7 @@ def test_job_cli_submit_status_results_and_bad_input(cluster, tmp_path, capsys):
          "seed": 3},
         {"token_ids": [400, 401, 402, 403], "max_tokens": 3, "ignore_eos": True},
     ]) + "\n")
-    r = ["--router", cluster.router_address]
+    r = as_cluster_user
     assert main(["job", "submit", str(f), *r]) == 0
     job_id = capsys.readouterr().out.strip()
     ch, stub = _stub(cluster)

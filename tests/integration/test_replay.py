@@ -14,9 +14,9 @@ pytestmark = pytest.mark.model
 
 
 @pytest.mark.parametrize("trace,scale,limit", [(AZURE, 0.1, 40), (MOONCAKE, 0.01, 40)])
-def test_replay_reports_every_request(cluster, tmp_path, trace, scale, limit, capsys):
+def test_replay_reports_every_request(cluster, tmp_path, trace, scale, limit, capsys, as_cluster_user):
     out = tmp_path / "report"
-    rc = main(["bench", "replay", "--trace", str(trace), "--router", cluster.router_address, "--limit", str(limit),
+    rc = main(["bench", "replay", "--trace", str(trace), *as_cluster_user, "--limit", str(limit),
                "--speedup", "5", "--length-scale", str(scale), "--slo-ttft", "30", "--slo-tpot", "5",
                "--no-progress", "--out", str(out)])
     assert rc == 0, capsys.readouterr()
@@ -37,8 +37,8 @@ def test_replay_reports_every_request(cluster, tmp_path, trace, scale, limit, ca
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({png})" in md
 
 
-def test_replay_refuses_lengths_over_the_context_without_a_scale(cluster, tmp_path, capsys):
-    rc = main(["bench", "replay", "--trace", str(MOONCAKE), "--router", cluster.router_address, "--limit", "3",
+def test_replay_refuses_lengths_over_the_context_without_a_scale(cluster, tmp_path, capsys, as_cluster_user):
+    rc = main(["bench", "replay", "--trace", str(MOONCAKE), *as_cluster_user, "--limit", "3",
                "--no-progress", "--out", str(tmp_path / "r")])
     assert rc == 2
     err = capsys.readouterr().err

@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 
 from launch import cities
-from launch.privileges import CAP_FLAGS, PrivilegeError, WorkerDrop, target_ids, unreadable, worker_drop
+from launch.privileges import (
+    CAP_FLAGS,
+    PrivilegeError,
+    WorkerDrop,
+    target_ids,
+    unreadable,
+    worker_drop,
+)
 
 SETPRIV = "/usr/bin/setpriv"
 ALICE = pwd.struct_passwd(("alice", "x", 1000, 1000, "", "/home/alice", "/bin/sh"))

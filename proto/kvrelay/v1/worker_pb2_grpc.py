@@ -27,6 +27,16 @@ if _version_not_supported:
 
 class RegistryStub:
     """Worker registry, served by the router next to the Inference service.
+
+    Who may call (TLS on): Register, Heartbeat and Deregister come over the
+    router's internal, mutual-TLS listener with a prefill or decode
+    certificate from the cluster CA whose identity kvrelay://<site>/<role>/<name>
+    is exactly the worker_id (<site>/<role>/<name>), site and role of the
+    call. No certificate: UNAUTHENTICATED; another identity, or an operator's
+    or client's certificate: PERMISSION_DENIED; a worker_id a live worker
+    (heartbeating within router.worker_timeout_s) holds at another address:
+    ALREADY_EXISTS. ListWorkers needs an operator (token or certificate).
+    A refused call changes nothing in the registry.
     """
 
     def __init__(self, channel):
@@ -59,6 +69,16 @@ class RegistryStub:
 
 class RegistryServicer:
     """Worker registry, served by the router next to the Inference service.
+
+    Who may call (TLS on): Register, Heartbeat and Deregister come over the
+    router's internal, mutual-TLS listener with a prefill or decode
+    certificate from the cluster CA whose identity kvrelay://<site>/<role>/<name>
+    is exactly the worker_id (<site>/<role>/<name>), site and role of the
+    call. No certificate: UNAUTHENTICATED; another identity, or an operator's
+    or client's certificate: PERMISSION_DENIED; a worker_id a live worker
+    (heartbeating within router.worker_timeout_s) holds at another address:
+    ALREADY_EXISTS. ListWorkers needs an operator (token or certificate).
+    A refused call changes nothing in the registry.
     """
 
     def Register(self, request, context):
@@ -76,7 +96,7 @@ class RegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListWorkers(self, request, context):
-        """Every worker with its last load (for `kvrelay status`).
+        """Every worker with its last load (for `kvrelay status`; operators only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +142,16 @@ def add_RegistryServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Registry:
     """Worker registry, served by the router next to the Inference service.
+
+    Who may call (TLS on): Register, Heartbeat and Deregister come over the
+    router's internal, mutual-TLS listener with a prefill or decode
+    certificate from the cluster CA whose identity kvrelay://<site>/<role>/<name>
+    is exactly the worker_id (<site>/<role>/<name>), site and role of the
+    call. No certificate: UNAUTHENTICATED; another identity, or an operator's
+    or client's certificate: PERMISSION_DENIED; a worker_id a live worker
+    (heartbeating within router.worker_timeout_s) holds at another address:
+    ALREADY_EXISTS. ListWorkers needs an operator (token or certificate).
+    A refused call changes nothing in the registry.
     """
 
     @staticmethod
@@ -234,7 +264,9 @@ class Registry:
 
 
 class DecodeWorkerStub:
-    """Decode worker: reserves KV blocks, receives KV, decodes.
+    """Decode worker: reserves KV blocks, receives KV, decodes. Workers listen
+    with mutual TLS and admit only the router's certificate: any other peer
+    cannot connect (no certificate) or gets PERMISSION_DENIED.
     """
 
     def __init__(self, channel):
@@ -256,7 +288,9 @@ class DecodeWorkerStub:
 
 
 class DecodeWorkerServicer:
-    """Decode worker: reserves KV blocks, receives KV, decodes.
+    """Decode worker: reserves KV blocks, receives KV, decodes. Workers listen
+    with mutual TLS and admit only the router's certificate: any other peer
+    cannot connect (no certificate) or gets PERMISSION_DENIED.
     """
 
     def Decode(self, request, context):
@@ -295,7 +329,9 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DecodeWorker:
-    """Decode worker: reserves KV blocks, receives KV, decodes.
+    """Decode worker: reserves KV blocks, receives KV, decodes. Workers listen
+    with mutual TLS and admit only the router's certificate: any other peer
+    cannot connect (no certificate) or gets PERMISSION_DENIED.
     """
 
     @staticmethod
@@ -354,7 +390,8 @@ class DecodeWorker:
 
 
 class PrefillWorkerStub:
-    """Prefill worker: computes prompts and pushes their KV to decode workers.
+    """Prefill worker: computes prompts and pushes their KV to decode workers
+    (the router's certificate only, as DecodeWorker).
     """
 
     def __init__(self, channel):
@@ -376,7 +413,8 @@ class PrefillWorkerStub:
 
 
 class PrefillWorkerServicer:
-    """Prefill worker: computes prompts and pushes their KV to decode workers.
+    """Prefill worker: computes prompts and pushes their KV to decode workers
+    (the router's certificate only, as DecodeWorker).
     """
 
     def Prefill(self, request, context):
@@ -415,7 +453,8 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PrefillWorker:
-    """Prefill worker: computes prompts and pushes their KV to decode workers.
+    """Prefill worker: computes prompts and pushes their KV to decode workers
+    (the router's certificate only, as DecodeWorker).
     """
 
     @staticmethod

@@ -1,0 +1,304 @@
+"""Trust between components, on real processes over loopback: every call
+without the right identity is refused, and nothing changes in the router's
+registry; certificates from another CA, expired or revoked ones, and
+plaintext clients cannot connect, and the CLI says which; a client
+certificate stands in for a token; nothing readable crosses the wire."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from kvrelay.v1 import admin_pb2 as apb
+from kvrelay.v1 import admin_pb2_grpc as agrpc
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+from runtime.pki import CA_CERT, CA_KEY, CertRole, Identity, init_ca_dir, issue, load_ca, new_ca
+from runtime.rpc import Dialer
+from runtime.tls import TLSMaterial
+from tests.integration.conftest import CLUSTER_YAML, running_cluster, workers
+
+pytestmark = pytest.mark.model
+
+KVRELAY = [sys.executable, "-m", "cli"]
+REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A cluster CA of the test's own, with one operator certificate revoked in the config."""
+    folder = tmp_path_factory.mktemp("pki")
+    init_ca_dir(folder)
+    ca = load_ca(folder / CA_CERT, folder / CA_KEY)
+    revoked = issue(ca, Identity("local", CertRole.OPERATOR, "former-staff"))
+    serial = x509.load_pem_x509_certificate(revoked[0]).serial_number
+    return {"folder": folder, "ca": ca, "revoked": revoked, "serial": format(serial, "x")}
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm_path, pki):
+    raw = dict(CLUSTER_YAML, sites=[*CLUSTER_YAML["sites"], {"name": "other", "jurisdiction": "EU",
+                                                              "prefill": {"replicas": 0},
+                                                              "decode": {"replicas": 0}}])
+    raw["tls"] = {"ca": str(pki["folder"] / CA_CERT), "ca_key": str(pki["folder"] / CA_KEY),
+                  "revoked_serials": [pki["serial"]]}
+    with running_cluster(raw, smollm_path, reconcile=False) as lc:
+        yield lc
+
+
+def as_cert(lc, pki, ident: Identity) -> Dialer:
+    cert, key = issue(pki["ca"], ident)
+    return Dialer(TLSMaterial(lc.creds.ca_pem, cert, key, ident))
+
+
+def registry_state(lc) -> list[tuple[str, str, str]]:
+    return sorted((w.info.worker_id, w.info.address, w.info.kv_endpoint) for w in workers(lc).values())
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def registry_calls(stub, info: wpb.WorkerInfo) -> dict:
+    return {
+        "Register": lambda: stub.Register(wpb.RegisterRequest(info=info), timeout=10),
+        "Heartbeat": lambda: stub.Heartbeat(wpb.HeartbeatRequest(load=wpb.WorkerLoad(worker_id=info.worker_id)),
+                                            timeout=10),
+        "Deregister": lambda: stub.Deregister(wpb.DeregisterRequest(worker_id=info.worker_id), timeout=10),
+        "ListWorkers": lambda: stub.ListWorkers(wpb.ListWorkersRequest(), timeout=10),
+    }
+
+
+def test_registry_refuses_callers_without_a_worker_certificate(cluster, pki):
+    before = registry_state(cluster)
+    real = workers(cluster)["local/decode/0"].info
+    impostor = wpb.WorkerInfo()
+    impostor.CopyFrom(real)
+    impostor.address = "127.0.0.1:1"
+    # the public listener: TLS, but no client certificate can be presented there
+    with cluster.dialer().sync(cluster.router_address) as ch:
+        for name, call in registry_calls(wgrpc.RegistryStub(ch), impostor).items():
+            assert code_of(call) in REFUSED, name
+    # the internal listener without a certificate, or with one from another CA: no connection at all
+    other_ca = new_ca()
+    stranger = issue(other_ca, Identity("local", CertRole.DECODE, "0"))
+    for dialer in (cluster.dialer(), Dialer(TLSMaterial(cluster.creds.ca_pem, *stranger))):
+        with dialer.sync(cluster.internal_address) as ch:
+            for name, call in registry_calls(wgrpc.RegistryStub(ch), impostor).items():
+                assert code_of(call) == grpc.StatusCode.UNAVAILABLE, name
+    # an operator may list workers, but not be one
+    with as_cert(cluster, pki, Identity("local", CertRole.OPERATOR, "noc")).sync(cluster.internal_address) as ch:
+        stub = wgrpc.RegistryStub(ch)
+        assert len(stub.ListWorkers(wpb.ListWorkersRequest(), timeout=10).workers) == 2
+        for name in ("Register", "Heartbeat", "Deregister"):
+            assert code_of(registry_calls(stub, impostor)[name]) in REFUSED, name
+    assert registry_state(cluster) == before
+
+
+def _register(lc, pki, cert_ident: Identity, info: wpb.WorkerInfo) -> grpc.RpcError:
+    with as_cert(lc, pki, cert_ident).sync(lc.internal_address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            wgrpc.RegistryStub(ch).Register(wpb.RegisterRequest(info=info), timeout=10)
+    return err.value
+
+
+def test_a_certificate_registers_only_its_own_site_role_and_live_id(cluster, pki):
+    before = registry_state(cluster)
+    real = workers(cluster)["local/prefill/0"].info
+
+    def claim(worker_id: str, site: str, role: int) -> wpb.WorkerInfo:
+        info = wpb.WorkerInfo()
+        info.CopyFrom(real)
+        info.worker_id, info.site, info.role, info.address = worker_id, site, role, "127.0.0.1:1"
+        return info
+
+    prefill9 = Identity("local", CertRole.PREFILL, "9")
+    err = _register(cluster, pki, prefill9, claim("local/decode/9", "local", wpb.ROLE_DECODE))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "local/prefill/9" in err.details()
+    err = _register(cluster, pki, prefill9, claim("other/prefill/9", "other", wpb.ROLE_PREFILL))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    err = _register(cluster, pki, Identity("other", CertRole.PREFILL, "0"),
+                    claim("local/prefill/0", "local", wpb.ROLE_PREFILL))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    # even a valid certificate for the live worker's own id cannot take its place
+    err = _register(cluster, pki, Identity("local", CertRole.PREFILL, "0"),
+                    claim("local/prefill/0", "local", wpb.ROLE_PREFILL))
+    assert err.code() == grpc.StatusCode.ALREADY_EXISTS and "alive" in err.details()
+    assert registry_state(cluster) == before
+
+
+def test_worker_certificates_cannot_call_the_admin_api(cluster, pki):
+    with as_cert(cluster, pki, Identity("local", CertRole.DECODE, "0")).sync(cluster.internal_address) as ch:
+        for call in (lambda: agrpc.AdminStub(ch).ListPools(apb.ListPoolsRequest(), timeout=10),
+                     lambda: agrpc.AdminStub(ch).Scale(apb.ScaleRequest(site="local", role="decode", replicas=0),
+                                                       timeout=10),
+                     lambda: wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)):
+            assert code_of(call) == grpc.StatusCode.PERMISSION_DENIED
+    with cluster.channel(operator=True) as ch:  # nothing was scaled
+        pools = agrpc.AdminStub(ch).ListPools(apb.ListPoolsRequest(), timeout=10).pools
+    assert {(p.site, p.role): p.desired for p in pools}[("local", "decode")] == 1
+
+
+def test_workers_admit_only_the_router(cluster, pki):
+    infos = workers(cluster)
+    decode, prefill = infos["local/decode/0"].info, infos["local/prefill/0"].info
+    work = wpb.WorkRequest(request_id="x", prompt_token_ids=[300, 301, 302], salt="lab-b")
+    calls = {
+        "Decode": lambda ch: list(wgrpc.DecodeWorkerStub(ch).Decode(wpb.DecodeRequest(request=work, colocated=True),
+                                                                    timeout=10)),
+        "Stats": lambda ch: wgrpc.DecodeWorkerStub(ch).Stats(wpb.StatsRequest(), timeout=10),
+    }
+    pcalls = {
+        "Prefill": lambda ch: wgrpc.PrefillWorkerStub(ch).Prefill(wpb.PrefillRequest(request=work), timeout=10),
+        "Stats": lambda ch: wgrpc.PrefillWorkerStub(ch).Stats(wpb.StatsRequest(), timeout=10),
+    }
+    operator = as_cert(cluster, pki, Identity("local", CertRole.OPERATOR, "noc"))
+    peer_worker = as_cert(cluster, pki, Identity("local", CertRole.PREFILL, "0"))
+    for info, table in ((decode, calls), (prefill, pcalls)):
+        site, role, name = info.worker_id.split("/")
+        pin = Identity(site, CertRole(role), name).dns
+        with cluster.dialer().sync(info.address, server_name=pin) as ch:  # no certificate: no connection
+            for what, call in table.items():
+                assert code_of(lambda: call(ch)) == grpc.StatusCode.UNAVAILABLE, what
+        for dialer in (operator, peer_worker):
+            with dialer.sync(info.address, server_name=pin) as ch:
+                for what, call in table.items():
+                    assert code_of(lambda: call(ch)) == grpc.StatusCode.PERMISSION_DENIED, what
+        with cluster.router_dialer().sync(info.address, server_name=pin) as ch:
+            assert table["Stats"](ch).worker_id == info.worker_id
+
+
+def _cli(*args, cluster, cache_dir, env_extra=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")} | (env_extra or {})
+    return subprocess.run([*KVRELAY, "--cache-dir", str(cache_dir), *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def _expired(ca, ident: Identity) -> tuple[bytes, bytes]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([])).issuer_name(ca.cert.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(days=10)).not_valid_after(now - dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(ident.uri)]), critical=False)
+            .sign(ca.key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+
+
+def test_bad_clients_cannot_connect_and_are_told_why(cluster, pki, tmp_path):
+    token = {"KVRELAY_API_KEY": cluster.client_token}
+    ca = ["--ca", str(cluster.ca_file)]
+    ok = _cli("generate", "--router", cluster.router_address, *ca, "--max-tokens", "2", "hi", cluster=cluster,
+              cache_dir=tmp_path, env_extra=token)
+    assert ok.returncode == 0, ok.stderr
+    plain = _cli("generate", "--router", cluster.router_address, "--plaintext", "hi", cluster=cluster,
+                 cache_dir=tmp_path, env_extra=token)
+    assert plain.returncode == 1 and "TLS handshake" in plain.stderr, plain.stderr
+    (tmp_path / "other-ca.pem").write_bytes(new_ca().pem)
+    wrong = _cli("generate", "--router", cluster.router_address, "--ca", str(tmp_path / "other-ca.pem"), "hi",
+                 cluster=cluster, cache_dir=tmp_path, env_extra=token)
+    assert wrong.returncode == 1 and "not from the CA given" in wrong.stderr, wrong.stderr
+    no_ca = _cli("generate", "--router", cluster.router_address, "hi", cluster=cluster, cache_dir=tmp_path,
+                 env_extra=token)
+    assert no_ca.returncode == 2 and "CA bundle" in no_ca.stderr and "not found" in no_ca.stderr
+    ident = Identity("local", CertRole.OPERATOR, "noc")
+    for name, (cert, key) in (("expired", _expired(pki["ca"], ident)), ("revoked", pki["revoked"])):
+        (tmp_path / f"{name}.pem").write_bytes(cert)
+        (tmp_path / f"{name}.key").write_bytes(key)
+        got = _cli("status", "--router", cluster.internal_address, *ca, "--cert", str(tmp_path / f"{name}.pem"),
+                   "--key", str(tmp_path / f"{name}.key"), cluster=cluster, cache_dir=tmp_path)
+        assert got.returncode != 0 and name in got.stderr, (name, got.stderr)
+    # the expired certificate, presented by a client that does not check it first: the router refuses it
+    with Dialer(TLSMaterial(cluster.creds.ca_pem, *_expired(pki["ca"], ident))).sync(cluster.internal_address) as ch:
+        assert code_of(lambda: wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)) == \
+            grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_grpc_client_without_the_ca_cannot_connect(cluster):
+    creds = grpc.composite_channel_credentials(grpc.ssl_channel_credentials(),
+                                               grpc.access_token_call_credentials(cluster.client_token))
+    with grpc.secure_channel(cluster.router_address, creds) as ch:
+        assert code_of(lambda: igrpc.InferenceStub(ch).ListModels(ipb.ListModelsRequest(), timeout=10)) == \
+            grpc.StatusCode.UNAVAILABLE
+
+
+def test_client_certificates_name_tenants_and_no_credentials_is_refused(cluster, pki):
+    req = ipb.GenerateRequest(prompt="Say hi.", max_tokens=3)
+    with cluster.dialer().sync(cluster.router_address) as ch:
+        assert code_of(lambda: list(igrpc.InferenceStub(ch).Generate(req, timeout=30))) == \
+            grpc.StatusCode.UNAUTHENTICATED
+    with as_cert(cluster, pki, Identity("local", CertRole.CLIENT, "lab-c")).sync(cluster.internal_address) as ch:
+        msgs = list(igrpc.InferenceStub(ch).Generate(req, timeout=60))
+    assert msgs[-1].finish.usage.completion_tokens == 3
+    with as_cert(cluster, pki, Identity("local", CertRole.DECODE, "0")).sync(cluster.internal_address) as ch:
+        assert code_of(lambda: list(igrpc.InferenceStub(ch).Generate(req, timeout=30))) == \
+            grpc.StatusCode.PERMISSION_DENIED
+
+
+class LoopbackTap:
+    """Every byte on the loopback interface while it runs (AF_PACKET; root only)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))
+        self.sock.bind(("lo", 0))
+        self.sock.settimeout(0.2)
+        self.frames: list[bytes] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.frames.append(self.sock.recv(1 << 16))
+            except (TimeoutError, socket.timeout):
+                continue
+
+    def __enter__(self) -> LoopbackTap:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.frames)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root")
+def test_a_packet_capture_shows_no_prompt_output_or_token(cluster):
+    prompt = "Spell the name Quixotlantis-Marvelwood backwards, then explain it."
+    with LoopbackTap() as tap:
+        with socket.create_connection(("127.0.0.1", int(cluster.router_address.rpartition(":")[2]))) as s:
+            s.sendall(b"PLAINTEXT-CONTROL-7731")  # the tap sees cleartext when there is some
+        time.sleep(0.2)
+        with cluster.channel() as ch:
+            msgs = list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt=prompt, max_tokens=24),
+                                                         timeout=120))
+        time.sleep(0.5)
+    output = "".join(m.text for m in msgs)
+    assert len(output) > 10
+    assert b"PLAINTEXT-CONTROL-7731" in tap.data
+    assert b"Quixotlantis" not in tap.data
+    assert cluster.client_token.encode() not in tap.data
+    for word in {w for w in output.split() if len(w) >= 6}:
+        assert word.encode() not in tap.data, word
