@@ -147,6 +147,23 @@ class DelayLine:
                 f"(a->b / b->a)")
 
 
+NOBODY = 65534
+_PR_SET_NO_NEW_PRIVS = 38
+
+
+def drop_root() -> None:
+    """Once the TUN devices are open (the one step that needs root), become
+    ``nobody`` with no supplementary groups and no way back (no_new_privs):
+    the open descriptors keep working, and root can still signal the process."""
+    if os.geteuid() != 0:
+        return
+    os.setgroups([])
+    os.setresgid(NOBODY, NOBODY, NOBODY)
+    os.setresuid(NOBODY, NOBODY, NOBODY)
+    if ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        log.warning("could not set no_new_privs (errno %d)", ctypes.get_errno())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.delayline", description=__doc__.split("\n\n")[0])
     p.add_argument("--dev-a", required=True, help="name of the first TUN device to create")
@@ -167,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         pass
     fd_a, fd_b = open_tun(args.dev_a), open_tun(args.dev_b)
+    drop_root()
     line = DelayLine(fd_a, fd_b, args.delay_ms / 1000.0, args.mtu, args.max_queue_bytes,
                      args.read_latency_us / 1e6)
 

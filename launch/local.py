@@ -260,7 +260,12 @@ class LocalCluster:
         r = self.cfg.router
         hosts = tuple(dict.fromkeys((r.host, "localhost", "127.0.0.1", *self.cfg.tls.server_names)))
         env = self._env(router_identity(self.cfg.sites[0].name), hosts)
-        router = subprocess.Popen([sys.executable, "-m", "router", "--config", str(self.config_path),
+        prefix: list[str] = []
+        if self.cities is not None and self.cities.worker_drop().keeps_root_uid:
+            # root without capabilities, as the workers (its files stay root's); with an invoking user
+            # to drop to, it stays root: the jobs database is in root's folders
+            prefix = list(self.cities.worker_drop().prefix)
+        router = subprocess.Popen([*prefix, sys.executable, "-m", "router", "--config", str(self.config_path),
                                    "--model-path", str(self.model_path), "--log-level", self.log_level],
                                   env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
         with self._lock:
