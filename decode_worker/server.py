@@ -82,8 +82,11 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "KV did not arrive before the lease expired")
             except KVTransferError as exc:
                 await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {exc.reason}")
-            first = await self.aengine.call(self.engine.commit_prefilled, rid, res.first_token_id,
-                                            res.first_logprob if params.logprobs else None)
+            try:
+                first = await self.aengine.call(self.engine.commit_prefilled, rid, res.first_token_id,
+                                                res.first_logprob if params.logprobs else None)
+            except InvalidRequestError as exc:  # from the wire: the router recovers as for a failed transfer
+                await context.abort(grpc.StatusCode.ABORTED, f"KV transfer refused: {exc}")
             finished = first.finished
             yield wpb.DecodeEvent(output=output_to_proto(first))
             if finished:

@@ -39,9 +39,14 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self.busy_s = 0.0
         """Seconds spent in engine steps since start."""
+        self.failure: Exception | None = None
+        """Why the engine thread died (a failed step); None while it runs."""
+        self.dead: asyncio.Event | None = None
+        """Set when the engine thread died of a failed step (not at a normal stop)."""
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.dead = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -72,6 +77,9 @@ class AsyncEngine:
                 outputs = eng.step()
             except Exception as exc:  # a bug in a step must not hang every client
                 log.exception("engine step failed")
+                self.failure = exc
+                self._loop.call_soon_threadsafe(self.dead.set)
+                self._stopping.set()  # calls fail fast from now on instead of waiting out their timeout
                 self._fail_all(exc)
                 return
             self.busy_s += time.perf_counter() - t0

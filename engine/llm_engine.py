@@ -159,7 +159,12 @@ class LLMEngine:
 
     def commit_prefilled(self, request_id: str, first_token: int, logprob: float | None) -> RequestOutput:
         """The reserved request's prompt KV has landed: it joins the running
-        batch with ``first_token`` (sampled by the prefill worker) as its first output."""
+        batch with ``first_token`` (sampled by the prefill worker) as its first output.
+        InvalidRequestError, with the reservation kept (abort frees it), when
+        ``first_token`` is outside the vocabulary: it came from the wire."""
+        vocab = self.model_config.vocab_size
+        if not 0 <= first_token < vocab:
+            raise InvalidRequestError(f"first token id {first_token} is outside the vocabulary [0, {vocab})")
         seq = self._reserved.pop(request_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
         self._register_full_blocks(seq)

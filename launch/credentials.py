@@ -79,7 +79,7 @@ class ClusterCredentials:
             return cls(load_ca(scratch / CA_CERT, scratch / CA_KEY), tls)
         if tls.ca_key is None:
             raise PKIError("tls.ca_key: the launcher issues each process its certificate, so it needs the CA's key "
-                           "(or start each process yourself with its own --tls-cert/--tls-key)")
+                           "(or start each process yourself, each with a config whose tls.cert/tls.key are its own)")
         return cls(load_ca(Path(tls.ca), Path(tls.ca_key)), tls)
 
     @property

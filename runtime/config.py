@@ -255,6 +255,14 @@ class WorkerSection:
     worker's own address on the route to the router (multi-node, e.g. Ray)."""
     threads: int | None = None
     """torch threads per worker; None = torch's default."""
+    fail_engine_worker: str | None = None
+    """Fault injection (tests and chaos only, never for service): the worker
+    with this id has its engine step number ``fail_engine_at_step`` raise."""
+    fail_engine_at_step: int = 1
+
+    def __post_init__(self) -> None:
+        if self.fail_engine_at_step < 1:
+            raise FieldError("fail_engine_at_step", "must be >= 1")
 
 
 @dataclass(slots=True)

@@ -192,21 +192,39 @@ async def register_and_heartbeat(router: str, dialer: Dialer, info: wpb.WorkerIn
 
 
 async def serve_until_signal(server: grpc.aio.Server, aengine: AsyncEngine, stop: asyncio.Event,
-                             tasks: list[asyncio.Task]) -> None:
-    """Runs until SIGTERM/SIGINT, then shuts down gracefully."""
+                             tasks: list[asyncio.Task]) -> BaseException | None:
+    """Runs until SIGTERM/SIGINT, a drain, or one of ``tasks`` failing, then
+    shuts down gracefully; returns the failure (None after a signal or a drain)."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-    for t in done:
-        if t is not waiter and t.exception() is not None:
-            log.error("worker task failed: %s", t.exception())
+    failure = next((t.exception() for t in done if t is not waiter and t.exception() is not None), None)
+    if failure is not None:
+        log.error("worker task failed: %s", failure)
     stop.set()
     await server.stop(grace=2.0)
     for t in tasks:
         t.cancel()
     await aengine.stop()
+    return failure
+
+
+async def engine_watch(aengine: AsyncEngine) -> None:
+    """Raises when the engine thread dies, so the worker leaves instead of
+    heartbeating as healthy with no engine behind it."""
+    await aengine.dead.wait()
+    raise RuntimeError(f"the engine thread died: {aengine.failure!r}")
+
+
+async def leave(setup: WorkerSetup, worker_id: str) -> None:
+    """Tells the router this worker is gone (best effort, a few seconds at most)."""
+    try:
+        async with setup.dialer.aio(setup.router, server_name=role_dns(CertRole.ROUTER)) as ch:
+            await wgrpc.RegistryStub(ch).Deregister(wpb.DeregisterRequest(worker_id=worker_id), timeout=3.0)
+    except grpc.aio.AioRpcError as exc:
+        log.warning("could not deregister %s: %s", worker_id, exc.code())
 
 
 # -- the worker process ------------------------------------------------------------------------------------------
@@ -283,9 +301,25 @@ def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str,
                        args.model_path, worker_tls(cfg, role, args.site, args.index, pem or {}))
 
 
+def failing_step(step, at: int):
+    """``step``, except that call number ``at`` raises (fault injection: workers.fail_engine_*)."""
+    calls = 0
+
+    def wrapped():
+        nonlocal calls
+        calls += 1
+        if calls == at:
+            raise RuntimeError(f"injected engine failure at step {at} (workers.fail_engine_at_step)")
+        return step()
+    return wrapped
+
+
 async def start_engine(setup: WorkerSetup, kv_shm_path: str | None = None) -> AsyncEngine:
     """Builds this worker's engine and starts its step loop."""
     engine = build_engine(setup.cfg, setup.model_path, kv_shm_path, setup.pool.device)
+    w = setup.cfg.workers
+    if w.fail_engine_worker == setup.ident.worker_id:
+        engine.step = failing_step(engine.step, w.fail_engine_at_step)
     aengine = AsyncEngine(engine)
     await aengine.start()
     return aengine
@@ -314,16 +348,21 @@ def worker_info(setup: WorkerSetup, engine: LLMEngine, port: int, kv_endpoint: s
 
 async def serve_worker(setup: WorkerSetup, aengine: AsyncEngine, server: grpc.aio.Server, info: wpb.WorkerInfo,
                        load_fn) -> None:
-    """Serves, registers and heartbeats until a signal or a drain; then shuts down."""
+    """Serves, registers and heartbeats until a signal or a drain; then shuts
+    down. SystemExit(1), after deregistering, when the engine thread dies or
+    the router refuses this worker: the launcher replaces it."""
     log.info("%s serving on %s (kv %s)", info.worker_id, info.address, info.kv_endpoint or "-")
     await server.start()
     stop = asyncio.Event()
     hb = asyncio.create_task(register_and_heartbeat(setup.router, setup.dialer, info, load_fn, stop,
                                                     lambda snapshot: kv_events(aengine, snapshot)))
     try:
-        await serve_until_signal(server, aengine, stop, [hb])
+        failure = await serve_until_signal(server, aengine, stop, [hb, asyncio.create_task(engine_watch(aengine))])
     finally:
         aengine.engine.cache.unlink()
+    if failure is not None:
+        await leave(setup, info.worker_id)
+        raise SystemExit(1)
 
 
 def worker_main(role: Role, argv: list[str] | None, run) -> int:
