@@ -7,7 +7,6 @@ import contextlib
 import ssl
 import time
 
-import grpc
 import pytest
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb

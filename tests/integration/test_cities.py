@@ -12,7 +12,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import grpc
 import pytest
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 

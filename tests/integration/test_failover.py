@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import signal
 
-import grpc
 import pytest
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc

@@ -26,7 +26,16 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
-from runtime.pki import CA_CERT, CA_KEY, CertRole, Identity, init_ca_dir, issue, load_ca, new_ca
+from runtime.pki import (
+    CA_CERT,
+    CA_KEY,
+    CertRole,
+    Identity,
+    init_ca_dir,
+    issue,
+    load_ca,
+    new_ca,
+)
 from runtime.rpc import Dialer
 from runtime.tls import TLSMaterial
 from tests.integration.conftest import CLUSTER_YAML, running_cluster, workers

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 from kvrelay.v1 import worker_pb2 as wpb
+
 from router.registry import WorkerRegistry
 from runtime.config import parse_config
 from runtime.topology import Role
