@@ -28,17 +28,19 @@ from kvtransfer.base import (
     TransferState,
 )
 from kvtransfer.config import TransferConfig
+from kvtransfer.gate import GateConfig, HandshakeGate
 from kvtransfer.handles import StateHandle
 from kvtransfer.memory import KVBytes, block_crcs, coalesce
 from kvtransfer.wire import (
     PayloadCipher,
     PeerAttacher,
+    PeerHello,
     ProtocolError,
+    accept_peer,
     recv_exact_into,
     recv_frame,
     recv_views,
     send_frame,
-    server_handshake,
     tune_socket,
 )
 
@@ -144,10 +146,12 @@ class ChannelReceiver(KVReceiver):
         self._listener = socket.create_server((host, 0), backlog=128)
         self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
         self.bytes_received = 0
-        self.refused = 0
-        """Connections refused at the handshake."""
+        self._refused_after_auth = 0
         self._conns: set[_Conn] = set()
-        threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
+        self.gate = HandshakeGate(
+            self._listener, GateConfig(self.cfg.secret, self.layout_hash, self.cfg.encrypt, self.cfg.connect_timeout_s),
+            lambda: _Attach(self.attachers), self._on_peer)
+        """Every connection's handshake until the sender is authenticated (one thread for all)."""
 
     def expect(self, transfer_id: str, block_ids: list[int]) -> TransferHandle:
         h = StateHandle(transfer_id)
@@ -175,32 +179,37 @@ class ChannelReceiver(KVReceiver):
 
     def close(self) -> None:
         self._closed.set()
+        self.gate.close()
         self._listener.close()
         for conn in list(self._conns):
             conn.abort()
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), name="kv-recv", daemon=True).start()
+    @property
+    def refused(self) -> int:
+        """Connections refused at the handshake (by the gate, or their memory could not be attached)."""
+        return self.gate.refused + self._refused_after_auth
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _on_peer(self, sock: socket.socket, peer: PeerHello, attacher: PeerAttacher | None) -> None:
+        """The gate authenticated a sender: serve it on a thread of its own."""
+        threading.Thread(target=self._serve, args=(sock, peer, attacher), name="kv-recv", daemon=True).start()
+
+    def _accept(self, conn: _Conn, peer: PeerHello, attacher: PeerAttacher | None) -> bool:
+        """Attaches an authenticated sender's memory (if agreed) and confirms; False (logged) when it cannot."""
+        try:
+            tune_socket(conn.sock, self.cfg.socket_buffer_bytes)
+            conn.source, conn.cipher = accept_peer(conn.sock, self.cfg.secret, peer, attacher)
+            return True
+        except (ProtocolError, OSError) as exc:
+            self._refused_after_auth += 1
+            log.warning("refused KV connection: %s", exc)
+            return False
+
+    def _serve(self, sock: socket.socket, peer: PeerHello, attacher: PeerAttacher | None) -> None:
         conn = _Conn(sock)
         self._conns.add(conn)
         try:
-            tune_socket(sock, self.cfg.socket_buffer_bytes)
-            sock.settimeout(self.cfg.connect_timeout_s)
-            try:
-                conn.source, conn.cipher = server_handshake(sock, self.cfg.secret, self.layout_hash,
-                                                            _Attach(self.attachers), self.cfg.encrypt)
-            except (ProtocolError, OSError) as exc:  # incl. a sender that hung up on our proof
-                self.refused += 1
-                log.warning("refused KV connection: %s", exc)
+            if not self._accept(conn, peer, attacher):
                 return
-            sock.settimeout(None)
             threading.Thread(target=self._verify_loop, args=(conn,), name="kv-verify", daemon=True).start()
             while not self._closed.is_set():
                 frame = recv_frame(sock)

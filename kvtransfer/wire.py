@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -24,7 +25,11 @@ log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 3
 MAX_FRAME = 1 << 20
-"""Largest header frame accepted (payloads are not frames)."""
+"""Largest header frame accepted from an authenticated peer (payloads are not frames)."""
+HANDSHAKE_FRAME_MAX = 64 << 10
+"""Largest frame accepted before the peer has authenticated (its hello, its
+proof): no unauthenticated peer makes a receiver allocate more. (A NIXL hello
+still carries the agent metadata, tens of KiB at most.)"""
 NONCE_BYTES = 16
 SHM_NAME = re.compile(r"/dev/shm/kvrelay-[A-Za-z0-9_.-]+")
 """Shared-memory KV files a receiver agrees to map."""
@@ -108,12 +113,14 @@ def send_frame(sock: socket.socket, frame: pb.KVFrame) -> None:
     sock.sendall(struct.pack("<I", len(body)) + body)
 
 
-def recv_frame(sock: socket.socket) -> pb.KVFrame:
+def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME) -> pb.KVFrame:
+    """One length-prefixed frame of at most ``max_bytes`` (ProtocolError
+    before allocating anything larger)."""
     head = bytearray(4)
     recv_exact_into(sock, memoryview(head))
     (n,) = struct.unpack("<I", head)
-    if n > MAX_FRAME:
-        raise ProtocolError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
+    if n > max_bytes:
+        raise ProtocolError(f"frame of {n} bytes exceeds the {max_bytes}-byte limit")
     body = bytearray(n)
     recv_exact_into(sock, memoryview(body))
     frame = pb.KVFrame()
@@ -268,17 +275,43 @@ class PeerAttacher(Protocol):
         """After authentication: map or connect the sender's KV memory."""
 
 
-def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str,
-                     attacher: PeerAttacher | None = None, require_encryption: bool = False
-                     ) -> tuple[MemorySource | None, PayloadCipher | None]:
-    """Receiver side: checks version, layout and the sender's proof before
-    anything else is read. Raises ProtocolError (after telling the peer why).
-    Returns the attached sender memory (or None for bytes on the wire) and
-    the payload cipher when the sender encrypts."""
-    hello = recv_frame(sock)
-    if hello.WhichOneof("body") != "hello":
-        raise ProtocolError("expected hello")
-    h = hello.hello
+@dataclass(slots=True)
+class PeerHello:
+    """A sender's hello that passed the checks, and the receiver's answer to it."""
+
+    hello: pb.KVHello
+    nonce_r: bytes
+    shared: bool
+    """The receiver will pull from the sender's memory (agreed before
+    authentication; the memory is touched only after)."""
+
+
+def parse_frame(buf: bytes | bytearray, max_bytes: int = HANDSHAKE_FRAME_MAX) -> tuple[pb.KVFrame | None, int]:
+    """The first complete frame in ``buf`` and the bytes it took; (None, 0)
+    while it is incomplete. ProtocolError for a frame over ``max_bytes``
+    (before it is buffered) or one that does not decode."""
+    if len(buf) < 4:
+        return None, 0
+    (n,) = struct.unpack_from("<I", buf)
+    if n > max_bytes:
+        raise ProtocolError(f"frame of {n} bytes exceeds the {max_bytes}-byte limit")
+    if len(buf) < 4 + n:
+        return None, 0
+    frame = pb.KVFrame()
+    try:
+        frame.ParseFromString(bytes(buf[4:4 + n]))
+    except Exception as exc:  # protobuf's DecodeError has no stable import path
+        raise ProtocolError(f"undecodable frame: {exc}") from None
+    return frame, 4 + n
+
+
+def answer_hello(frame: pb.KVFrame, secret: bytes, layout_hash: str, attacher: PeerAttacher | None,
+                 require_encryption: bool) -> tuple[PeerHello | None, pb.KVFrame]:
+    """Receiver side, step 1: checks version, layout and nonce of a hello;
+    returns the accepted hello (None when refused) and the frame to answer with."""
+    if frame.WhichOneof("body") != "hello":
+        return None, pb.KVFrame(hello_ack=pb.KVHelloAck(accepted=False, reason="expected hello"))
+    h = frame.hello
     reason = ""
     if h.protocol_version != PROTOCOL_VERSION:
         reason = f"protocol version {h.protocol_version} unsupported (receiver speaks {PROTOCOL_VERSION})"
@@ -289,22 +322,28 @@ def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str,
     elif require_encryption and not h.encrypt:
         reason = "this receiver requires encrypted KV payloads"
     if reason:
-        send_frame(sock, pb.KVFrame(hello_ack=pb.KVHelloAck(accepted=False, reason=reason)))
-        raise ProtocolError(reason)
-    # Agree to pull before authentication, but touch the sender's memory only after.
-    shared = attacher is not None and attacher.can_attach(h)
-    nonce_r = os.urandom(NONCE_BYTES)
-    send_frame(sock, pb.KVFrame(hello_ack=pb.KVHelloAck(
-        accepted=True, nonce=nonce_r, proof=_proof(secret, b"R", h.nonce, nonce_r, h),
-        shared_memory=shared)))
-    auth = recv_frame(sock)
-    ok = auth.WhichOneof("body") == "auth" and hmac.compare_digest(
-        auth.auth.proof, _proof(secret, b"S", nonce_r, h.nonce, h))
-    if not ok:
-        send_frame(sock, pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=False, reason="authentication failed")))
-        raise ProtocolError("sender failed authentication (wrong deployment secret?)")
-    peer_kv = None
-    if shared:
+        return None, pb.KVFrame(hello_ack=pb.KVHelloAck(accepted=False, reason=reason))
+    peer = PeerHello(h, os.urandom(NONCE_BYTES), attacher is not None and attacher.can_attach(h))
+    return peer, pb.KVFrame(hello_ack=pb.KVHelloAck(
+        accepted=True, nonce=peer.nonce_r, proof=_proof(secret, b"R", h.nonce, peer.nonce_r, h),
+        shared_memory=peer.shared))
+
+
+def check_auth(frame: pb.KVFrame, secret: bytes, peer: PeerHello) -> bool:
+    """Receiver side, step 2: the sender proved the deployment secret for this handshake."""
+    h = peer.hello
+    return frame.WhichOneof("body") == "auth" and hmac.compare_digest(
+        frame.auth.proof, _proof(secret, b"S", peer.nonce_r, h.nonce, h))
+
+
+def accept_peer(sock: socket.socket, secret: bytes, peer: PeerHello, attacher: PeerAttacher | None
+                ) -> tuple[MemorySource | None, PayloadCipher | None]:
+    """Receiver side, step 3, for an authenticated sender: attach its memory
+    if agreed, confirm, tune the socket. Returns the attached sender memory
+    (or None for bytes on the wire) and the payload cipher when it encrypts.
+    ProtocolError (after telling the peer) when its memory cannot be attached."""
+    h, peer_kv = peer.hello, None
+    if peer.shared:
         try:
             peer_kv = attacher.attach(h)
         except (OSError, ValueError, RuntimeError) as exc:
@@ -314,7 +353,7 @@ def server_handshake(sock: socket.socket, secret: bytes, layout_hash: str,
     send_frame(sock, pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=True)))
     if h.socket_buffer_bytes:
         tune_socket(sock, min(h.socket_buffer_bytes, MAX_SOCKET_BUFFER))
-    return peer_kv, (PayloadCipher(secret, h.nonce, nonce_r) if h.encrypt else None)
+    return peer_kv, (PayloadCipher(secret, h.nonce, peer.nonce_r) if h.encrypt else None)
 
 
 _SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)

@@ -291,3 +291,84 @@ def test_receiver_killed_mid_transfer_fails_sender_promptly():
         peer.kill()
         peer.wait()
         tx.close()
+
+
+def _closed_by_peer(sock: socket.socket, within_s: float) -> bool:
+    """The receiver closed ``sock`` (EOF or reset) within ``within_s``."""
+    sock.settimeout(within_s)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:  # reset
+        pass
+    return True
+
+
+def test_a_trickling_peer_is_cut_at_the_handshake_deadline():
+    dst = make_cache(LAYOUT, 8, None)
+    rx = TcpKVReceiver(dst, cfg=TransferConfig(secret=SECRET, connect_timeout_s=1.0))
+    try:
+        host, port = rx.endpoint.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as s:
+            hello = pb.KVFrame(hello=pb.KVHello(protocol_version=1, layout_hash=LAYOUT.compat_hash(),
+                                                nonce=b"n" * 16)).SerializeToString()
+            data = len(hello).to_bytes(4, "little") + hello
+            t0 = time.monotonic()
+            cut = False
+            for b in data:  # one byte every 0.3 s: each read is quick, the handshake is not
+                try:
+                    s.sendall(bytes([b]))
+                except OSError:
+                    cut = True
+                    break
+                time.sleep(0.3)
+                if time.monotonic() - t0 > 15:
+                    break
+            assert cut or _closed_by_peer(s, 5.0)
+            assert time.monotonic() - t0 < 15  # cut near the 1 s deadline, not after the whole hello
+        assert wait_until(lambda: rx.refused == 1, 5)
+    finally:
+        rx.close()
+
+
+def test_an_oversized_frame_is_refused_before_it_is_buffered():
+    dst = make_cache(LAYOUT, 8, None)
+    rx = TcpKVReceiver(dst, cfg=CFG)
+    try:
+        host, port = rx.endpoint.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall((512 << 20).to_bytes(4, "little") + b"x" * 1024)  # claims 512 MiB
+            assert _closed_by_peer(s, 5.0)
+        assert wait_until(lambda: rx.refused == 1, 5)
+    finally:
+        rx.close()
+
+
+def test_a_flood_of_unauthenticated_connections_holds_no_threads_and_a_transfer_goes_through():
+    src, dst = make_cache(LAYOUT, 8, 1), make_cache(LAYOUT, 8, None)
+    rx = TcpKVReceiver(dst, cfg=TransferConfig(secret=SECRET, streams=1, connect_timeout_s=30.0))
+    tx = TcpKVSender(src, TransferConfig(secret=SECRET, streams=1))
+    host, port = rx.endpoint.rsplit(":", 1)
+    flood: list[socket.socket] = []
+    try:
+        threads = threading.active_count()
+        for i in range(1000):
+            s = socket.create_connection((host, int(port)))
+            s.sendall(b"\x10\x00" if i % 2 else b"")  # half send part of a length prefix, half nothing
+            flood.append(s)
+        assert wait_until(lambda: rx.gate.pending == 1000, 10)
+        assert threading.active_count() - threads <= 2  # the sender's own threads at most
+        rh = rx.expect("t", [2, 3])
+        h = tx.open(TransferTarget(rx.endpoint, "t", (2, 3), LAYOUT.compat_hash()))
+        h.send_layer(0, [0, 1], 0)
+        h.send_layer(1, [0, 1], 0)
+        h.finish(7, 0.0)
+        assert h.wait(30) is TransferState.DONE and rh.wait(30) is TransferState.DONE, (h.failure(), rh.failure())
+        assert torch.equal(dst.kv[:, :, [2, 3]], src.kv[:, :, [0, 1]])
+    finally:
+        for s in flood:
+            s.close()
+        tx.close()
+        rx.close()

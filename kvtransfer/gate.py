@@ -1,0 +1,189 @@
+"""The receiver's gate: every KV connection's handshake, up to the moment
+the sender has proved the deployment secret, in one thread.
+
+Before authentication a peer costs a socket and a small buffer, nothing
+else: its frames may be at most :data:`~kvtransfer.wire.HANDSHAKE_FRAME_MAX`
+bytes (refused before they are buffered), the whole handshake has one
+deadline however the bytes trickle in, and at most ``max_pending``
+connections wait at once (more are closed on accept). No thread is started
+for a peer that has not authenticated; an authenticated one is handed to
+``on_peer`` (which attaches its memory, confirms, and serves it on a
+thread of its own). So a flood of unauthenticated connections cannot hold
+threads or memory, and a real sender gets through meanwhile."""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvrelay.v1 import kv_wire_pb2 as pb
+
+from kvtransfer.wire import (
+    HANDSHAKE_FRAME_MAX,
+    PeerAttacher,
+    PeerHello,
+    ProtocolError,
+    answer_hello,
+    check_auth,
+    parse_frame,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING = 4096
+"""Connections in their handshake at once; more are closed on accept."""
+TICK_S = 0.1
+"""How often deadlines are checked."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    sock: socket.socket
+    deadline: float
+    attacher: PeerAttacher | None
+    buf: bytearray = field(default_factory=bytearray)
+    peer: PeerHello | None = None
+    """Set once the hello was accepted (the proof comes next)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GateConfig:
+    """What a gate checks: the secret, the layout, the policy, the limits."""
+
+    secret: bytes
+    layout_hash: str
+    require_encryption: bool
+    timeout_s: float
+    """Deadline of a whole handshake, from accept."""
+    max_pending: int = MAX_PENDING
+
+
+class HandshakeGate:
+    """Runs handshakes of connections on ``listener`` until :meth:`close`."""
+
+    def __init__(self, listener: socket.socket, cfg: GateConfig, new_attacher: Callable[[], PeerAttacher | None],
+                 on_peer: Callable[[socket.socket, PeerHello, PeerAttacher | None], None]) -> None:
+        """``new_attacher()``: the attacher for one connection (it remembers
+        which of the receiver's transports accepted the offer)."""
+        self.listener, self.cfg = listener, cfg
+        self.new_attacher, self.on_peer = new_attacher, on_peer
+        self.refused = 0
+        """Connections refused (bad handshake, deadline, or the gate full)."""
+        self._pending: dict[int, _Pending] = {}
+        self._closed = threading.Event()
+        self._sel = selectors.DefaultSelector()
+        listener.setblocking(False)
+        self._sel.register(listener, selectors.EVENT_READ)
+        self.thread = threading.Thread(target=self._run, name="kv-gate", daemon=True)
+        self.thread.start()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.thread.join(5.0)
+
+    def _run(self) -> None:
+        try:
+            while not self._closed.is_set():
+                for key, _ in self._sel.select(TICK_S):
+                    if key.fileobj is self.listener:
+                        self._accept()
+                    else:
+                        self._readable(self._pending.get(key.fd))
+                self._expire(time.monotonic())
+        finally:
+            for p in list(self._pending.values()):
+                self._drop(p, None)
+            self._sel.close()
+
+    def _accept(self) -> None:
+        for _ in range(64):  # a burst at a time, then deadlines get their turn
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if len(self._pending) >= self.cfg.max_pending:
+                self.refused += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            p = _Pending(sock, time.monotonic() + self.cfg.timeout_s, self.new_attacher())
+            self._pending[sock.fileno()] = p
+            self._sel.register(sock, selectors.EVENT_READ)
+
+    def _expire(self, now: float) -> None:
+        for p in [p for p in self._pending.values() if now > p.deadline]:
+            self._drop(p, f"no complete handshake within {self.cfg.timeout_s:g} s")
+
+    def _drop(self, p: _Pending, reason: str | None, answer: pb.KVFrame | None = None) -> None:
+        """Ends a pending connection (refused when ``reason``), telling the peer ``answer`` first."""
+        self._pending.pop(p.sock.fileno(), None)
+        self._sel.unregister(p.sock)
+        if answer is not None:
+            _send_small(p.sock, answer)
+        p.sock.close()
+        if reason is not None:
+            self.refused += 1
+            log.warning("refused KV connection: %s", reason)
+
+    def _readable(self, p: _Pending | None) -> None:
+        if p is None:
+            return
+        try:
+            chunk = p.sock.recv(HANDSHAKE_FRAME_MAX + 4 - len(p.buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop(p, f"connection failed during the handshake ({exc})")
+            return
+        if not chunk:
+            self._drop(p, "peer closed the connection during the handshake")
+            return
+        p.buf += chunk
+        try:
+            frame, used = parse_frame(p.buf)
+            if frame is not None:
+                del p.buf[:used]
+                self._step(p, frame)
+        except ProtocolError as exc:
+            self._drop(p, str(exc))
+
+    def _step(self, p: _Pending, frame: pb.KVFrame) -> None:
+        """One complete frame of a pending handshake: the hello, then the proof."""
+        cfg = self.cfg
+        if p.peer is None:
+            peer, answer = answer_hello(frame, cfg.secret, cfg.layout_hash, p.attacher, cfg.require_encryption)
+            if peer is None:
+                self._drop(p, answer.hello_ack.reason, answer)
+                return
+            p.peer = peer
+            _send_small(p.sock, answer)
+            return
+        if p.buf or not check_auth(frame, cfg.secret, p.peer):
+            self._drop(p, "sender failed authentication (wrong deployment secret?)",
+                       pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=False, reason="authentication failed")))
+            return
+        self._pending.pop(p.sock.fileno(), None)
+        self._sel.unregister(p.sock)
+        p.sock.setblocking(True)
+        self.on_peer(p.sock, p.peer, p.attacher)
+
+
+def _send_small(sock: socket.socket, frame: pb.KVFrame) -> None:
+    """Sends a handshake answer (a few hundred bytes: it fits an empty socket
+    buffer) on a non-blocking socket; a peer that does not read is its own loss."""
+    body = frame.SerializeToString()
+    try:
+        sock.send(len(body).to_bytes(4, "little") + body)
+    except OSError:
+        pass
