@@ -73,6 +73,8 @@ def dialer(args: argparse.Namespace, token: str | None) -> Dialer:
     ``token`` unless a certificate is presented. PKIError (a ValueError)
     naming the file when the CA or certificate cannot be used."""
     if args.plaintext:
+        if args.cert or args.ca:
+            raise PKIError("--plaintext presents no certificate and verifies none: drop --cert/--ca, or --plaintext")
         return Dialer(None, token)
     ca = args.ca or args.cache_dir / LOCAL_PKI / CA_CERT
     hint = "" if args.ca else " (pass --ca with the cluster's CA bundle; `kvrelay serve` makes the local one)"
@@ -116,7 +118,8 @@ TLS_HINTS = (("certificate verify failed", "the router's certificate is not from
 def grpc_error(exc) -> int:
     """Prints a failed call's status (with what a TLS failure means); returns 1."""
     details = exc.details() or ""
-    hint = next((h for pattern, h in TLS_HINTS if pattern in details), "")
+    connecting = "failed to connect" in details  # the channel never got through its handshake
+    hint = next((h for pattern, h in TLS_HINTS if connecting and pattern in details), "")
     print(f"kvrelay: error: {exc.code().name}: {details}" + (f"\nkvrelay: {hint}" if hint else ""), file=sys.stderr)
     return 1
 

@@ -45,7 +45,12 @@ from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tiny import write_tiny_checkpoint
-from launch.credentials import CLIENT_TOKEN, LOCAL_TENANT, ensure_local_pki
+from launch.credentials import (
+    CLIENT_TOKEN,
+    LOCAL_TENANT,
+    ensure_client_token,
+    ensure_local_ca,
+)
 from launch.local import LocalCluster
 from launch.ray_backend import RayBackend
 from router.auth import token_sha256
@@ -155,13 +160,10 @@ def local_defaults(cfg: ClusterConfig, cache_dir: Path) -> None:
     cache folder, and one that lists no clients (and allows no anonymous
     ones) gets the per-user client token there, as tenant ``local``; both are
     made on first use and found by every other command."""
-    if not cfg.tls.enabled or (cfg.tls.ca is not None and cfg.auth.clients):
-        return
-    local = ensure_local_pki(cache_dir)
-    if cfg.tls.ca is None:
-        cfg.tls.ca, cfg.tls.ca_key = str(local.ca_cert), str(local.ca_key)
+    if cfg.tls.enabled and cfg.tls.ca is None:
+        cfg.tls.ca, cfg.tls.ca_key = (str(p) for p in ensure_local_ca(cache_dir))
     if not cfg.auth.clients and not cfg.auth.allow_anonymous:
-        cfg.auth.clients.append(Credential(LOCAL_TENANT, token_sha256(local.client_token)))
+        cfg.auth.clients.append(Credential(LOCAL_TENANT, token_sha256(ensure_client_token(cache_dir))))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -113,22 +113,30 @@ def send_frame(sock: socket.socket, frame: pb.KVFrame) -> None:
     sock.sendall(struct.pack("<I", len(body)) + body)
 
 
-def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME) -> pb.KVFrame:
-    """One length-prefixed frame of at most ``max_bytes`` (ProtocolError
-    before allocating anything larger)."""
-    head = bytearray(4)
-    recv_exact_into(sock, memoryview(head))
-    (n,) = struct.unpack("<I", head)
+def _frame_length(head: bytes | bytearray, max_bytes: int) -> int:
+    """The body length a 4-byte prefix announces; ProtocolError over ``max_bytes`` (before any allocation)."""
+    (n,) = struct.unpack_from("<I", head)
     if n > max_bytes:
         raise ProtocolError(f"frame of {n} bytes exceeds the {max_bytes}-byte limit")
-    body = bytearray(n)
-    recv_exact_into(sock, memoryview(body))
+    return n
+
+
+def _decode_frame(body: bytes) -> pb.KVFrame:
     frame = pb.KVFrame()
     try:
-        frame.ParseFromString(bytes(body))
+        frame.ParseFromString(body)
     except Exception as exc:  # protobuf's DecodeError has no stable import path
         raise ProtocolError(f"undecodable frame: {exc}") from None
     return frame
+
+
+def recv_frame(sock: socket.socket) -> pb.KVFrame:
+    """One length-prefixed frame of an authenticated peer (at most :data:`MAX_FRAME`)."""
+    head = bytearray(4)
+    recv_exact_into(sock, memoryview(head))
+    body = bytearray(_frame_length(head, MAX_FRAME))
+    recv_exact_into(sock, memoryview(body))
+    return _decode_frame(bytes(body))
 
 
 def _proof(secret: bytes, role: bytes, first: bytes, second: bytes, hello: pb.KVHello) -> bytes:
@@ -292,17 +300,10 @@ def parse_frame(buf: bytes | bytearray, max_bytes: int = HANDSHAKE_FRAME_MAX) ->
     (before it is buffered) or one that does not decode."""
     if len(buf) < 4:
         return None, 0
-    (n,) = struct.unpack_from("<I", buf)
-    if n > max_bytes:
-        raise ProtocolError(f"frame of {n} bytes exceeds the {max_bytes}-byte limit")
+    n = _frame_length(buf, max_bytes)
     if len(buf) < 4 + n:
         return None, 0
-    frame = pb.KVFrame()
-    try:
-        frame.ParseFromString(bytes(buf[4:4 + n]))
-    except Exception as exc:  # protobuf's DecodeError has no stable import path
-        raise ProtocolError(f"undecodable frame: {exc}") from None
-    return frame, 4 + n
+    return _decode_frame(bytes(buf[4:4 + n])), 4 + n
 
 
 def answer_hello(frame: pb.KVFrame, secret: bytes, layout_hash: str, attacher: PeerAttacher | None,

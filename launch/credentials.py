@@ -3,15 +3,14 @@ per process from the cluster CA (the router's names its hosts; a worker's
 names exactly its site, role and index), the KV secret, and the tokens of
 this run.
 
-The local default needs no setup: :func:`ensure_local_pki` makes a per-user
-CA and a client token under the cache folder on first use (folders 0700,
-files 0600) and reuses them after; `kvrelay generate`, `status` and the
-other commands find them there."""
+The local default needs no setup: :func:`ensure_local_ca` and
+:func:`ensure_client_token` make a per-user CA and a client token under the
+cache folder on first use (folders 0700, files 0600) and reuse them after;
+`kvrelay generate`, `status` and the other commands find them there."""
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.config import TLSSection
@@ -37,26 +36,27 @@ CLIENT_TOKEN = "client-token"
 LOCAL_TENANT = "local"
 
 
-@dataclass(slots=True)
-class LocalPKI:
-    """Where the local default's CA and client token live."""
-
-    ca_cert: Path
-    ca_key: Path
-    client_token: str
-
-
-def ensure_local_pki(cache_dir: Path) -> LocalPKI:
-    """The per-user CA and client token under ``cache_dir``, made on first use."""
+def _private_cache(cache_dir: Path) -> None:
     cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     cache_dir.chmod(0o700)  # it holds the jobs database (prompts and outputs) and the tokens too
+
+
+def ensure_local_ca(cache_dir: Path) -> tuple[Path, Path]:
+    """The per-user CA under ``cache_dir`` (certificate, key), made on first use."""
+    _private_cache(cache_dir)
     folder = cache_dir / LOCAL_PKI
     if not (folder / CA_CERT).exists():
         init_ca_dir(folder)
+    return folder / CA_CERT, folder / CA_KEY
+
+
+def ensure_client_token(cache_dir: Path) -> str:
+    """The per-user tenant token under ``cache_dir``, made on first use."""
+    _private_cache(cache_dir)
     token_file = cache_dir / CLIENT_TOKEN
     if not token_file.exists():
         write_private(token_file, (secrets.token_urlsafe(32) + "\n").encode())
-    return LocalPKI(folder / CA_CERT, folder / CA_KEY, token_file.read_text().strip())
+    return token_file.read_text().strip()
 
 
 class ClusterCredentials:

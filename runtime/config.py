@@ -424,7 +424,8 @@ def _build(cls: type, raw: Any, where: str):
 
 _NESTED = {"ModelSection": ModelSection, "RouterSection": RouterSection, "PoolSection": PoolSection,
            "LinkSection": LinkSection, "AuthSection": AuthSection, "WorkerSection": WorkerSection,
-           "KVSection": KVSection, "TLSSection": TLSSection, "CacheConfig": CacheConfig, "SchedulerConfig": SchedulerConfig}
+           "KVSection": KVSection, "TLSSection": TLSSection, "CacheConfig": CacheConfig,
+           "SchedulerConfig": SchedulerConfig}
 
 _STRING_LIKE = {"DType", "PlacementPolicy", "KVTransport", "Transport | None"}
 """Annotations of fields that YAML spells as strings (the sections check the value)."""

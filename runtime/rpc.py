@@ -36,7 +36,8 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSMaterial | None,
         if not is_loopback(host):
             raise OSError(f"refusing to listen in plaintext on {host}:{port} (not a loopback address): turn TLS on")
         # gRPC's local credentials: plaintext that only loopback peers may use, and that carries tokens
-        bound = server.add_secure_port(f"{host}:{port}", grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP))
+        local = grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+        bound = server.add_secure_port(f"{host}:{port}", local)
     else:
         bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials(mutual))
     if bound == 0:

@@ -116,9 +116,7 @@ def load_material(section: TLSSection, pem: dict[str, bytes] | None = None,
         ca_pem = read_pem(section.ca, f"{where}.ca")
     if cert_pem is None and section.cert is not None:
         cert_pem = read_pem(section.cert, f"{where}.cert")
-        if section.key is None:
-            raise PKIError(f"{where}.key: tls.cert is set, so its key is needed too")
-        key_pem = read_pem(section.key, f"{where}.key")
+        key_pem = read_pem(section.key, f"{where}.key")  # the config requires them together
     ident = None
     if cert_pem is not None:
         if key_pem is None:

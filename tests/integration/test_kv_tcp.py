@@ -359,7 +359,8 @@ def test_a_flood_of_unauthenticated_connections_holds_no_threads_and_a_transfer_
             s.sendall(b"\x10\x00" if i % 2 else b"")  # half send part of a length prefix, half nothing
             flood.append(s)
         assert wait_until(lambda: rx.gate.pending == 1000, 10)
-        assert threading.active_count() - threads <= 2  # the sender's own threads at most
+        # a thread per connection would be +1,000; the margin is for threads other parts of this process start
+        assert threading.active_count() - threads < 50
         rh = rx.expect("t", [2, 3])
         h = tx.open(TransferTarget(rx.endpoint, "t", (2, 3), LAYOUT.compat_hash()))
         h.send_layer(0, [0, 1], 0)

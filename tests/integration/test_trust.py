@@ -192,7 +192,7 @@ def test_workers_admit_only_the_router(cluster, pki):
             assert table["Stats"](ch).worker_id == info.worker_id
 
 
-def _cli(*args, cluster, cache_dir, env_extra=None) -> subprocess.CompletedProcess:
+def _cli(*args, cache_dir, env_extra=None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")} | (env_extra or {})
     return subprocess.run([*KVRELAY, "--cache-dir", str(cache_dir), *args], capture_output=True, text=True,
                           timeout=120, env=env)
@@ -214,17 +214,17 @@ def _expired(ca, ident: Identity) -> tuple[bytes, bytes]:
 def test_bad_clients_cannot_connect_and_are_told_why(cluster, pki, tmp_path):
     token = {"KVRELAY_API_KEY": cluster.client_token}
     ca = ["--ca", str(cluster.ca_file)]
-    ok = _cli("generate", "--router", cluster.router_address, *ca, "--max-tokens", "2", "hi", cluster=cluster,
-              cache_dir=tmp_path, env_extra=token)
+    ok = _cli("generate", "--router", cluster.router_address, *ca, "--max-tokens", "2", "hi", cache_dir=tmp_path,
+              env_extra=token)
     assert ok.returncode == 0, ok.stderr
-    plain = _cli("generate", "--router", cluster.router_address, "--plaintext", "hi", cluster=cluster,
-                 cache_dir=tmp_path, env_extra=token)
+    plain = _cli("generate", "--router", cluster.router_address, "--plaintext", "hi", cache_dir=tmp_path,
+                 env_extra=token)
     assert plain.returncode == 1 and "TLS handshake" in plain.stderr, plain.stderr
     (tmp_path / "other-ca.pem").write_bytes(new_ca().pem)
     wrong = _cli("generate", "--router", cluster.router_address, "--ca", str(tmp_path / "other-ca.pem"), "hi",
-                 cluster=cluster, cache_dir=tmp_path, env_extra=token)
+                 cache_dir=tmp_path, env_extra=token)
     assert wrong.returncode == 1 and "not from the CA given" in wrong.stderr, wrong.stderr
-    no_ca = _cli("generate", "--router", cluster.router_address, "hi", cluster=cluster, cache_dir=tmp_path,
+    no_ca = _cli("generate", "--router", cluster.router_address, "hi", cache_dir=tmp_path,
                  env_extra=token)
     assert no_ca.returncode == 2 and "CA bundle" in no_ca.stderr and "not found" in no_ca.stderr
     ident = Identity("local", CertRole.OPERATOR, "noc")
@@ -232,7 +232,7 @@ def test_bad_clients_cannot_connect_and_are_told_why(cluster, pki, tmp_path):
         (tmp_path / f"{name}.pem").write_bytes(cert)
         (tmp_path / f"{name}.key").write_bytes(key)
         got = _cli("status", "--router", cluster.internal_address, *ca, "--cert", str(tmp_path / f"{name}.pem"),
-                   "--key", str(tmp_path / f"{name}.key"), cluster=cluster, cache_dir=tmp_path)
+                   "--key", str(tmp_path / f"{name}.key"), cache_dir=tmp_path)
         assert got.returncode != 0 and name in got.stderr, (name, got.stderr)
     # the expired certificate, presented by a client that does not check it first: the router refuses it
     with Dialer(TLSMaterial(cluster.creds.ca_pem, *_expired(pki["ca"], ident))).sync(cluster.internal_address) as ch:

@@ -107,3 +107,10 @@ def test_a_registration_claims_its_own_site_and_role():
     assert worker_identity(info("toronto/decode/3", "toronto", wpb.ROLE_PREFILL)) is None
     assert worker_identity(info("toronto/router/3", "toronto", wpb.ROLE_DECODE)) is None
     assert worker_identity(info("just-a-name", "toronto", wpb.ROLE_DECODE)) is None
+
+
+def test_plaintext_with_a_certificate_or_ca_is_refused_not_ignored(tmp_path, capsys):
+    from cli.main import main
+
+    assert main(["--cache-dir", str(tmp_path), "generate", "--plaintext", "--ca", str(tmp_path / "ca.pem"), "hi"]) == 2
+    assert "--plaintext presents no certificate" in capsys.readouterr().err
