@@ -1,7 +1,11 @@
 """``kvrelay bench kv``: KV transfer throughput between two processes on
-loopback, side by side in one run with the limits (raw sockets with the
-same stream count, memcpy), the one-block latency, and the layer-wise
-overlap of a 4k-token prefill.
+loopback, with protection on (aead, the default, and integrity), side by
+side in one run with its limits: a plain raw socket, and a raw socket that
+does the same cipher work with the same stream count (benchmarks/kv_limit.py;
+on loopback both ends share this machine's cores, so the cipher work is part
+of the fair limit). Then the peers at the largest size (Mooncake's transfer
+engine over TCP, a bare NIXL READ against our NIXL path, memcpy), the
+one-block latency, and the layer-wise overlap of a 4k-token prefill.
 
 KV uses SmolLM2-135M-Instruct's fp32 layout (30 layers, 3 KV heads, head
 dim 64, 16-token blocks: 720 KiB per block over all layers).
@@ -23,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import kv_limit
+from benchmarks.kv_limit import PLAIN
 from benchmarks.kv_peer import SECRET, mooncake_engine
 from engine.blocks import blocks_for
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -31,7 +37,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer.base import TransferState, TransferTarget
 from kvtransfer.config import TransferConfig
-from kvtransfer.nixl import NixlKVSender, nixl_available
+from kvtransfer.nixl import NixlKVSender, make_agent, nixl_available
 from kvtransfer.tcp import TcpKVSender
 from prefill_worker.streamer import LayerStreamer
 
@@ -42,8 +48,12 @@ PER_BLOCK = 2 * LAYOUT.num_layers * LAYOUT.block_bytes
 @dataclass(slots=True)
 class KVBenchResult:
     rows: list[dict] = field(default_factory=list)
+    """One per (size, streams, mode): see :func:`kv_json`."""
     one_block_ms: float = 0.0
     overlap: dict | None = None
+    extra: dict = field(default_factory=dict)
+    """Peers and memcpy at the largest size."""
+    wan_link_ratio: float | None = None
 
 
 def _spec(n: int) -> str:
@@ -96,23 +106,58 @@ def nixl_over_tcp(n_blocks: int, repeat: int) -> list[float]:
     """Our NIXL transport with UCX restricted to TCP (``UCX_TLS=tcp``), in a
     child process because UCX reads its environment once."""
     env = {**os.environ, "UCX_TLS": "tcp"}
-    code = f"import json; from benchmarks.kv_bench import ours; print(json.dumps(ours({n_blocks}, 1, {repeat}, 'nixl')))"
+    code = ("import json; from benchmarks.kv_bench import ours; "
+            f"print(json.dumps(ours({n_blocks}, 1, {repeat}, 'nixl', 'integrity')))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     if out.returncode:
         raise RuntimeError(f"NIXL over TCP failed: {out.stderr[-500:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def ours(n_blocks: int, streams: int, repeat: int, transport: str = "tcp", encrypt: bool = False) -> list[float]:
+def nixl_bare(nbytes: int, repeat: int) -> list[float]:
+    """Seconds per bare NIXL READ of ``nbytes`` (one descriptor, agents set up
+    as ours are, metadata passed out of band): what our NIXL path is measured against."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    proc, endpoint = _peer("nixl-target", str(nbytes), full=True)
+    meta, addr = endpoint.split()
+    agent = make_agent(nixl_agent, nixl_agent_config, "bare-reader")
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    reg = agent.register_memory(buf)
+    times = []
+    try:
+        peer = agent.add_remote_agent(bytes.fromhex(meta))
+        peer = peer.decode() if isinstance(peer, bytes) else peer
+        local = agent.get_xfer_descs([(buf.data_ptr(), nbytes, 0)], "DRAM")
+        remote = agent.get_xfer_descs([(int(addr), nbytes, 0)], "DRAM")
+        for i in range(repeat + 1):
+            t = time.perf_counter()
+            handle = agent.initialize_xfer("READ", local, remote, peer)
+            state = agent.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                time.sleep(0.0002)
+                state = agent.check_xfer_state(handle)
+            agent.release_xfer_handle(handle)
+            if state == "ERR":
+                raise RuntimeError("bare NIXL read failed")
+            if i:
+                times.append(time.perf_counter() - t)
+        if not bool((buf == 1).all()):
+            raise RuntimeError("bare NIXL delivered wrong bytes")
+    finally:
+        agent.deregister_memory(reg)
+        proc.kill()
+        proc.wait()
+    return times
+
+
+def ours(n_blocks: int, streams: int, repeat: int, transport: str = "tcp", protection: str = "aead") -> list[float]:
     """Seconds per transfer of ``n_blocks`` (every layer) with our TCP or NIXL backend."""
     src = KVCache(LAYOUT, n_blocks)
     src.kv.normal_()
     proc, endpoint = _peer("receiver", _spec(n_blocks), str(repeat + 1), transport)
-    if transport == "nixl":
-
-        tx = NixlKVSender(src, TransferConfig(secret=SECRET, streams=streams))
-    else:
-        tx = TcpKVSender(src, TransferConfig(secret=SECRET, streams=streams, encrypt=encrypt))
+    cfg = TransferConfig(secret=SECRET, streams=streams, protection=protection)
+    tx = NixlKVSender(src, cfg) if transport == "nixl" else TcpKVSender(src, cfg)
     times = []
     try:
         for i in range(repeat + 1):
@@ -132,9 +177,10 @@ def ours(n_blocks: int, streams: int, repeat: int, transport: str = "tcp", encry
     return times
 
 
-def raw(nbytes: int, streams: int, repeat: int) -> list[float]:
-    """Seconds per round of sendall/recv_into of ``nbytes`` over ``streams`` sockets."""
-    proc, endpoint = _peer("raw-receiver", str(nbytes), str(streams), str(repeat))
+def raw(nbytes: int, streams: int, repeat: int, mode: str = PLAIN) -> list[float]:
+    """Seconds per round of ``nbytes`` over ``streams`` sockets, doing the
+    cipher work of ``mode`` (plain, aead, integrity: benchmarks/kv_limit.py)."""
+    proc, endpoint = _peer("raw-receiver", str(nbytes), str(streams), str(repeat), mode)
     host, port = endpoint.split(":")
     buf = memoryview(bytearray(nbytes))
     share = nbytes // streams
@@ -144,12 +190,12 @@ def raw(nbytes: int, streams: int, repeat: int) -> list[float]:
             socks = [socket.create_connection((host, int(port))) for _ in range(streams)]
             t = time.perf_counter()
 
-            def push(i: int) -> None:
+            def send(i: int) -> None:
                 end = nbytes if i == streams - 1 else (i + 1) * share
-                socks[i].sendall(buf[i * share:end])
+                kv_limit.push(socks[i], buf[i * share:end], mode, i)
                 socks[i].recv(1)
 
-            ts = [threading.Thread(target=push, args=(i,)) for i in range(streams)]
+            ts = [threading.Thread(target=send, args=(i,)) for i in range(streams)]
             for th in ts:
                 th.start()
             for th in ts:
@@ -177,7 +223,7 @@ def memcpy(nbytes: int, repeat: int) -> list[float]:
 def one_block_latency_ms(samples: int = 50) -> float:
     src = KVCache(LAYOUT, 4)
     proc, endpoint = _peer("receiver", _spec(1), str(samples + 1))
-    tx = TcpKVSender(src, TransferConfig(secret=SECRET, streams=4))
+    tx = TcpKVSender(src, TransferConfig(secret=SECRET, streams=4))  # aead, the default
     times = []
     try:
         for i in range(samples + 1):
@@ -244,46 +290,96 @@ def layerwise_overlap(model_path: Path, prompt_tokens: int = 4096) -> dict:
     return out
 
 
-def run_kv_bench(sizes_mib: list[int], streams: list[int], repeat: int, model_path: Path | None) -> KVBenchResult:
+def _gbps(nbytes: int, times: list[float]) -> float:
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _rows_for(mib: int, streams: list[int], modes: list[str], repeat: int) -> list[dict]:
+    """One record per (streams, mode) at ``mib``: ours, the plain raw socket,
+    and the raw socket doing the same protection work (the limit)."""
+    n = max(1, round(mib * 2**20 / PER_BLOCK))
+    nbytes = n * PER_BLOCK
+    rows = []
+    for s in streams:
+        plain = _gbps(nbytes, raw(nbytes, s, repeat))
+        for mode in modes:
+            t_ours, t_limit = [], []
+            for _ in range(repeat):  # alternating, so both meet the same machine load
+                t_ours += ours(n, s, 2, protection=mode)
+                t_limit += raw(nbytes, s, 2, mode)
+            ours_gbps, limit = _gbps(nbytes, t_ours), _gbps(nbytes, t_limit)
+            rows.append({"size_mib": round(nbytes / 2**20, 2), "streams": s, "mode": mode,
+                         "ours_gbps": round(ours_gbps, 3), "raw_gbps": round(plain, 3),
+                         "limit_gbps": round(limit, 3), "ratio": round(ours_gbps / limit, 3)})
+    return rows
+
+
+def _peers(mib: int, repeat: int) -> dict:
+    """The peers at one size: Mooncake's TCP READ, bare NIXL vs our NIXL path, memcpy."""
+    n = max(1, round(mib * 2**20 / PER_BLOCK))
+    nbytes = n * PER_BLOCK
+    out = {"peers_size_mib": round(nbytes / 2**20, 2), "memcpy_gbps": round(nbytes / min(memcpy(nbytes, repeat)) / 1e9, 2)}
+    if mooncake_available():
+        out["mooncake_gbps"] = round(_gbps(nbytes, mooncake(nbytes, repeat)), 3)
+    if nixl_available():
+        out["nixl_bare_gbps"] = round(_gbps(nbytes, nixl_bare(nbytes, repeat)), 3)
+        out["nixl_ours_gbps"] = round(_gbps(nbytes, ours(n, 1, repeat, "nixl", "integrity")), 3)
+    return out
+
+
+def run_kv_bench(sizes_mib: list[int], streams: list[int], repeat: int, model_path: Path | None,
+                 modes: list[str] = ("aead", "integrity")) -> KVBenchResult:
+    """Every (size, streams, mode) side by side with its limits, then the peers at the largest size."""
     res = KVBenchResult()
     for mib in sizes_mib:
-        n = max(1, round(mib * 2**20 / PER_BLOCK))
-        nbytes = n * PER_BLOCK
-        row = {"mib": mib, "bytes": nbytes, "memcpy": nbytes / min(memcpy(nbytes, repeat)) / 1e9}
-        for s in streams:
-            row[f"ours_{s}"] = nbytes / statistics.median(ours(n, s, repeat)) / 1e9
-            row[f"raw_{s}"] = nbytes / statistics.median(raw(nbytes, s, repeat)) / 1e9
-        if nixl_available():
-            row["nixl"] = nbytes / statistics.median(ours(n, 1, repeat, "nixl")) / 1e9
-            row["nixl_tcp"] = nbytes / statistics.median(nixl_over_tcp(n, repeat)) / 1e9
-        if mooncake_available():
-            row["mooncake"] = nbytes / statistics.median(mooncake(nbytes, repeat)) / 1e9
-        row["enc"] = nbytes / statistics.median(ours(n, streams[-1], repeat, encrypt=True)) / 1e9
-        res.rows.append(row)
+        res.rows += _rows_for(mib, streams, list(modes), repeat)
+    res.extra = _peers(max(sizes_mib), repeat)
     res.one_block_ms = one_block_latency_ms()
     if model_path is not None:
         res.overlap = layerwise_overlap(model_path)
     return res
 
 
-def format_kv(res: KVBenchResult, streams: list[int]) -> str:
-    head = "| KV size | " + " | ".join(f"ours {s} stream{'s' * (s > 1)} | raw {s} | ratio" for s in streams) \
-           + f" | ours {streams[-1]} streams encrypted | our nixl (UCX defaults) | our nixl (UCX_TLS=tcp) " \
-             "| Mooncake tcp (ours best / it) | memcpy |"
-    lines = ["## kv bench: two processes on loopback, GB/s (median)", "", head,
-             "|" + "---|" * (6 + 3 * len(streams))]
+def kv_json(res: KVBenchResult, command: str) -> dict:
+    """The record ``kvrelay bench kv --json`` writes (field names are stable)."""
+    out = {"date": time.strftime("%Y-%m-%d"), "command": command, "machine": machine(), "rows": res.rows,
+           "one_block_ms": round(res.one_block_ms, 3),
+           "overlap_fraction": round(res.overlap["fraction"], 4) if res.overlap else None,
+           "wan_link_ratio": res.wan_link_ratio, **res.extra}
+    return out
+
+
+def machine() -> dict:
+    """CPU model and the flags that matter for these numbers (lscpu)."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        text = ""
+    info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    flags = set(info.get("Flags", "").split())
+    return {"cpu": info.get("Model name", "?").strip(), "cpus": os.cpu_count(),
+            "flags": sorted(flags & {"aes", "vaes", "avx2", "avx512f", "avx512_bf16", "pclmulqdq", "vpclmulqdq",
+                                     "sha_ni"})}
+
+
+def format_kv(res: KVBenchResult) -> str:
+    lines = ["## kv bench: two processes on loopback, GB/s (median)", "",
+             "| KV size | streams | mode | ours | raw socket | raw socket, same cipher work (limit) | ours / limit |",
+             "|---|---|---|---|---|---|---|"]
     for r in res.rows:
-        cells = []
-        for s in streams:
-            cells += [f"{r[f'ours_{s}']:.2f}", f"{r[f'raw_{s}']:.2f}", f"{r[f'ours_{s}'] / r[f'raw_{s}']:.0%}"]
-        nixl = f"{r['nixl']:.2f} | {r['nixl_tcp']:.2f}" if "nixl" in r else "not installed | not installed"
-        best = max(r[f"ours_{s}"] for s in streams)
-        moon = f"{r['mooncake']:.2f} ({best / r['mooncake']:.1f}x)" if "mooncake" in r else "not installed"
-        enc = f"{r['enc']:.2f} ({r['enc'] / r[f'ours_{streams[-1]}']:.0%})"
-        lines.append(f"| {r['bytes'] / 2**20:.1f} MiB | " + " | ".join(cells) + f" | {enc} | {nixl} | {moon} | "
-                     f"{r['memcpy']:.1f} |")
+        lines.append(f"| {r['size_mib']:g} MiB | {r['streams']} | {r['mode']} | {r['ours_gbps']:.2f} | "
+                     f"{r['raw_gbps']:.2f} | {r['limit_gbps']:.2f} | {r['ratio']:.0%} |")
+    e = res.extra
     lines.append("")
-    lines.append(f"one block (all 30 layers, {PER_BLOCK // 1024} KiB), warm connections: {res.one_block_ms:.2f} ms")
+    peers = [f"memcpy {e['memcpy_gbps']:.1f}"]
+    if "mooncake_gbps" in e:
+        peers.append(f"Mooncake TCP READ {e['mooncake_gbps']:.2f}")
+    if "nixl_bare_gbps" in e:
+        peers.append(f"bare NIXL READ {e['nixl_bare_gbps']:.2f} vs our NIXL path {e['nixl_ours_gbps']:.2f} "
+                     f"({e['nixl_ours_gbps'] / e['nixl_bare_gbps']:.0%})")
+    lines.append(f"peers at {e['peers_size_mib']:g} MiB, GB/s: " + "; ".join(peers))
+    lines.append(f"one block (all 30 layers, {PER_BLOCK // 1024} KiB, aead), warm connections: "
+                 f"{res.one_block_ms:.2f} ms")
     if res.overlap:
         o = res.overlap
         lines.append(f"layer-wise overlap, {o['prompt_tokens']}-token prompt ({o['kv_bytes'] / 2**20:.0f} MiB of KV): "

@@ -4,9 +4,12 @@ kill one side. SPEC is ``dtype,layers,kv_heads,head_dim,block_size,num_blocks[,m
     python -m benchmarks.kv_peer receiver SPEC COUNT [tcp|nixl]
         expects transfers t0..t{COUNT-1}, each into every block;
         prints "ENDPOINT host:port", then serves until killed
-    python -m benchmarks.kv_peer raw-receiver NBYTES STREAMS ROUNDS
-        accepts STREAMS connections per round and recv_into's its share of
-        NBYTES, answering one byte per stream; prints "ENDPOINT host:port"
+    python -m benchmarks.kv_peer raw-receiver NBYTES STREAMS ROUNDS [MODE]
+        accepts STREAMS connections per round and receives its share of
+        NBYTES as MODE sends it (plain, aead or integrity: benchmarks/kv_limit.py),
+        answering one byte per stream; prints "ENDPOINT host:port"
+    python -m benchmarks.kv_peer nixl-target NBYTES
+        registers NBYTES with a bare NIXL agent; prints "ENDPOINT hex_metadata address"
     python -m benchmarks.kv_peer mooncake-target NBYTES
         registers NBYTES with a Mooncake transfer engine (P2PHANDSHAKE, tcp)
         and prints "ENDPOINT host:rpc_port buffer_address"
@@ -23,14 +26,17 @@ import time
 
 import torch
 
+from benchmarks import kv_limit
+from benchmarks.kv_limit import PLAIN
 from engine.kv_cache import KVCache, KVLayout
 from kvtransfer.base import TransferTarget
 from kvtransfer.config import TransferConfig
-from kvtransfer.nixl import NixlKVReceiver
+from kvtransfer.nixl import NixlKVReceiver, make_agent
 from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
-from kvtransfer.wire import recv_exact_into
 
 SECRET = b"test-secret"
+RECEIVER = TransferConfig(secret=SECRET, protection="integrity")
+"""A benchmark receiver accepts senders of either protection (aead satisfies integrity)."""
 
 
 def make_cache(spec: str, seed: int | None = 5) -> KVCache:
@@ -43,7 +49,7 @@ def make_cache(spec: str, seed: int | None = 5) -> KVCache:
     return cache
 
 
-def raw_receiver(nbytes: int, streams: int, rounds: int) -> None:
+def raw_receiver(nbytes: int, streams: int, rounds: int, mode: str = PLAIN) -> None:
     srv = socket.create_server(("127.0.0.1", 0), backlog=64)
     print("ENDPOINT", f"127.0.0.1:{srv.getsockname()[1]}", flush=True)
     buf = memoryview(bytearray(nbytes))
@@ -53,7 +59,7 @@ def raw_receiver(nbytes: int, streams: int, rounds: int) -> None:
 
         def pull(i: int, c: socket.socket) -> None:
             end = nbytes if i == streams - 1 else (i + 1) * share
-            recv_exact_into(c, buf[i * share:end])
+            kv_limit.pull(c, buf[i * share:end], mode, i)
             c.sendall(b"k")
 
         ts = [threading.Thread(target=pull, args=(i, c)) for i, c in enumerate(conns)]
@@ -84,10 +90,24 @@ def mooncake_target(nbytes: int) -> None:
     time.sleep(3600)
 
 
+def nixl_target(nbytes: int) -> None:
+    """A bare NIXL agent (the same progress-thread setting as ours) with NBYTES registered."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = make_agent(nixl_agent, nixl_agent_config, "bare-target")
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    agent.register_memory(buf)
+    print("ENDPOINT", agent.get_agent_metadata().hex(), buf.data_ptr(), flush=True)
+    time.sleep(3600)
+
+
 def main() -> None:
     role = sys.argv[1]
     if role == "raw-receiver":
-        raw_receiver(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        raw_receiver(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])
+        return
+    if role == "nixl-target":
+        nixl_target(int(sys.argv[2]))
         return
     if role == "mooncake-target":
         mooncake_target(int(sys.argv[2]))
@@ -97,9 +117,9 @@ def main() -> None:
         cache = make_cache(spec, seed=None)
         if len(sys.argv) > 4 and sys.argv[4] == "nixl":
 
-            rx = NixlKVReceiver(cache, cfg=TransferConfig(secret=SECRET))
+            rx = NixlKVReceiver(cache, cfg=RECEIVER)
         else:
-            rx = TcpKVReceiver(cache, cfg=TransferConfig(secret=SECRET))
+            rx = TcpKVReceiver(cache, cfg=RECEIVER)
         for i in range(int(sys.argv[3])):
             rx.expect(f"t{i}", list(range(cache.num_blocks)))
         print("ENDPOINT", rx.endpoint, flush=True)

@@ -127,8 +127,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                      f"{w.load.prefill_tokens_per_s:.0f}", w.info.transport, w.info.address))
     table(rows)
     print(f"\nplacement policy: {resp.policy}\n")
-    table([("LINK", "RTT MS", "GBPS", "TRANSPORT", "ENCRYPT", "STATE")] + [
-        (lk.name, f"{lk.rtt_ms:g}", f"{lk.gbps:g}", lk.transport, "yes" if lk.encrypt else "no",
+    table([("LINK", "RTT MS", "GBPS", "TRANSPORT", "PROTECTION", "STATE")] + [
+        (lk.name, f"{lk.rtt_ms:g}", f"{lk.gbps:g}", lk.transport, lk.protection,
          "up" if lk.up else f"DOWN ({lk.down_reason})") for lk in resp.links])
     return 0
 

@@ -18,7 +18,7 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 from benchmarks.engine_bench import format_result, run_engine_bench, to_json
-from benchmarks.kv_bench import format_kv, run_kv_bench
+from benchmarks.kv_bench import format_kv, kv_json, run_kv_bench
 from benchmarks.placement_bench import format_placement, run_placement_bench
 from benchmarks.tls_bench import format_tls, run_tls_bench
 from benchmarks.traces import TraceError, load_trace
@@ -45,6 +45,7 @@ from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tiny import write_tiny_checkpoint
+from kvtransfer.protection import Protection
 from launch.credentials import (
     CLIENT_TOKEN,
     LOCAL_TENANT,
@@ -85,9 +86,17 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 def cmd_bench_kv(args: argparse.Namespace) -> int:
 
     streams = [int(s) for s in args.streams.split(",")]
+    modes = args.modes.split(",")
+    try:
+        modes = [Protection.parse(m) for m in modes]
+    except ValueError as exc:
+        raise SystemExit(f"kvrelay bench kv --modes: {exc}") from None
     model = None if args.no_overlap else resolve_model(args.model, args.cache_dir)
-    res = run_kv_bench([int(m) for m in args.sizes.split(",")], streams, args.repeat, model)
-    print(format_kv(res, streams))
+    res = run_kv_bench([int(m) for m in args.sizes.split(",")], streams, args.repeat, model, modes)
+    print(format_kv(res))
+    if args.json:
+        command = "kvrelay bench kv " + " ".join(sys.argv[3:])
+        Path(args.json).write_text(json.dumps(kv_json(res, command), indent=1) + "\n")
     return 0
 
 
@@ -319,8 +328,10 @@ def _add_bench_parsers(bench) -> None:
     be.set_defaults(func=cmd_bench_engine)
 
     bk = bench.add_parser("kv", help="KV transfer throughput vs raw sockets and memcpy; layer-wise overlap")
-    bk.add_argument("--sizes", default="1,16,256,1024", help="MiB of KV per transfer, comma-separated")
+    bk.add_argument("--sizes", default="1,16,256", help="MiB of KV per transfer, comma-separated")
     bk.add_argument("--streams", default="1,4")
+    bk.add_argument("--modes", default="aead,integrity", help="protections to measure, comma-separated")
+    bk.add_argument("--json", help="write the results (one record per size, streams and mode) to this file")
     bk.add_argument("--repeat", type=int, default=3)
     bk.add_argument("--model", help="checkpoint for the overlap measurement (default: the embedded model)")
     bk.add_argument("--no-overlap", action="store_true", help="skip the 4k-token layer-wise overlap run")

@@ -43,7 +43,7 @@ class KVLayout:
 
     @property
     def element_size(self) -> int:
-        return torch.tensor([], dtype=torch_dtype(self.dtype)).element_size()
+        return torch_dtype(self.dtype).itemsize  # on the transfer path: no tensor per call
 
     @property
     def block_bytes(self) -> int:

@@ -71,10 +71,13 @@ class TransferTarget:
     layout_hash: str
     socket_buffer_bytes: int | None = None
     """Per link: socket buffers (the link's bandwidth-delay product); None = the sender's config."""
-    encrypt: bool | None = None
-    """Per link: encrypt the payloads; None = the sender's config."""
+    protection: str | None = None
+    """Per link: aead or integrity (kvtransfer.protection.Protection); None = the sender's config."""
     pull: bool | None = None
     """Per link: offer the receiver to pull (shared memory, NIXL); False = bytes over TCP."""
+    receiver: str | None = None
+    """The receiver's identity (``site/role/name``) its certificate must name;
+    None = any receiver the sender's credentials accept."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,9 +172,45 @@ class MemoryOffer(Protocol):
     """Sender side of pulling: how a sender lets receivers read its KV memory
     themselves (kvtransfer/local.py: shared memory; kvtransfer/nixl.py: NIXL)."""
 
-    def hello_fields(self) -> pb.KVHello:
-        """The KVHello fields, merged into the handshake's hello, that locate
-        this sender's KV memory."""
+    def offer(self) -> pb.KVOffer:
+        """What locates this sender's KV memory; sent sealed, only to a
+        receiver that has proved itself."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerId:
+    """Who a KV peer proved to be: what its certificate names."""
+
+    site: str
+    role: str
+    name: str
+
+    @property
+    def path(self) -> str:
+        return f"{self.site}/{self.role}/{self.name}"
+
+    def __str__(self) -> str:
+        return f"kvrelay://{self.path}"
+
+
+class Credentials(Protocol):
+    """A KV endpoint's certificate and what it accepts of peers' ones
+    (runtime/kvcreds.py implements it from the cluster PKI)."""
+
+    @property
+    def certificate(self) -> bytes:
+        """Our certificate, DER."""
+
+    def sign(self, message: bytes) -> bytes:
+        """Signs with our certificate's key."""
+
+    def identify(self, certificate: bytes) -> PeerId:
+        """Who a peer's certificate (DER) names; it must be valid now, issued
+        by the cluster CA, not revoked and of a role we accept. ValueError
+        saying what failed otherwise."""
+
+    def verify_signature(self, certificate: bytes, message: bytes, signature: bytes) -> None:
+        """ValueError unless ``signature`` is by the key of ``certificate`` over ``message``."""
 
 
 class MemorySource(Protocol):

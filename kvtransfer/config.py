@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from kvtransfer.base import Credentials
+from kvtransfer.protection import Protection
 
 
 @dataclass(slots=True)
@@ -10,7 +14,9 @@ class TransferConfig:
     """One worker's KV transfer settings; every transport reads the same ones."""
 
     secret: bytes = b""
-    """Deployment secret both ends prove they hold (HMAC challenge-response)."""
+    """Deployment secret both ends prove they hold (mixed into every connection's keys)."""
+    credentials: Credentials | None = None
+    """This end's certificate, and what it accepts of peers' (None: secret only, tls off)."""
     streams: int = 4
     """Parallel connections per peer."""
     socket_buffer_bytes: int | None = None
@@ -18,9 +24,12 @@ class TransferConfig:
     (None or 0: the kernel autotunes)."""
     connect_timeout_s: float = 5.0
     """Deadline for connecting and for the handshake."""
-    encrypt: bool = False
-    """Sender: encrypt KV payloads (AES-256-GCM) on links that leave a site.
-    Receiver: refuse senders that do not."""
+    protection: Protection = Protection.AEAD
+    """Sender: what it asks on links whose target names none. Receiver: what
+    it requires of every sender when ``required_protection`` is None."""
+    required_protection: Callable[[str | None], Protection] | None = None
+    """Receiver: the protection the link from a sender's site requires (the
+    site its certificate names; None without certificates)."""
     offer_memory: bool = False
     """Sender: offer receivers to pull from this sender's KV memory (its NIXL
     registration, or its KV cache's shared-memory file on the same host), so
@@ -32,9 +41,20 @@ class TransferConfig:
     its transfers fail and a new connection replaces it, instead of blocking."""
     corrupt_first: int = 0
     """Fault injection: the first N transfers of a sender carry one flipped
-    byte (plaintext payloads) or checksum (shared memory) the receiver must catch."""
+    sealed byte (as an on-path attacker would flip) or checksum (shared
+    memory) the receiver must catch."""
+
+    def required(self, site: str | None) -> Protection:
+        """Receiver: the protection a sender from ``site`` must use."""
+        return self.protection if self.required_protection is None else self.required_protection(site)
+
+    def check_authenticating(self) -> None:
+        """ValueError when neither a secret nor credentials could authenticate a peer."""
+        if not self.secret and self.credentials is None:
+            raise ValueError("KV transfer needs a deployment secret or certificates to authenticate peers")
 
     def __post_init__(self) -> None:
+        self.protection = Protection.parse(self.protection)
         if not isinstance(self.secret, bytes):
             raise ValueError(f"secret must be bytes, got {type(self.secret).__name__}")
         if not 1 <= self.streams <= 64:

@@ -1,9 +1,9 @@
 """The receiver's gate: every KV connection's handshake, up to the moment
-the sender has proved the deployment secret, in one thread.
+the sender has proved itself (kvtransfer/handshake.py), in one thread.
 
 Before authentication a peer costs a socket and a small buffer, nothing
 else: its frames may be at most :data:`~kvtransfer.wire.HANDSHAKE_FRAME_MAX`
-bytes (refused before they are buffered), the whole handshake has one
+bytes (refused before they are buffered; nothing beyond the frame is read), the whole handshake has one
 deadline however the bytes trickle in, and at most ``max_pending``
 connections wait at once (more are closed on accept). No thread is started
 for a peer that has not authenticated; an authenticated one is handed to
@@ -23,15 +23,14 @@ from dataclasses import dataclass, field
 
 from kvrelay.v1 import kv_wire_pb2 as pb
 
-from kvtransfer.wire import (
-    HANDSHAKE_FRAME_MAX,
-    PeerAttacher,
-    PeerHello,
-    ProtocolError,
+from kvtransfer.handshake import (
+    PendingPeer,
+    ReceiverPolicy,
     answer_hello,
     check_auth,
-    parse_frame,
+    refusal_record,
 )
+from kvtransfer.wire import ProtocolError, decode_frame, frame_needs
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +44,16 @@ TICK_S = 0.1
 class _Pending:
     sock: socket.socket
     deadline: float
-    attacher: PeerAttacher | None
     buf: bytearray = field(default_factory=bytearray)
-    peer: PeerHello | None = None
-    """Set once the hello was accepted (the proof comes next)."""
+    peer: PendingPeer | None = None
+    """Set once the hello was accepted (the proofs come next)."""
 
 
 @dataclass(frozen=True, slots=True)
 class GateConfig:
-    """What a gate checks: the secret, the layout, the policy, the limits."""
+    """What a gate checks (the policy) and its limits."""
 
-    secret: bytes
-    layout_hash: str
-    require_encryption: bool
+    policy: ReceiverPolicy
     timeout_s: float
     """Deadline of a whole handshake, from accept."""
     max_pending: int = MAX_PENDING
@@ -66,12 +62,10 @@ class GateConfig:
 class HandshakeGate:
     """Runs handshakes of connections on ``listener`` until :meth:`close`."""
 
-    def __init__(self, listener: socket.socket, cfg: GateConfig, new_attacher: Callable[[], PeerAttacher | None],
-                 on_peer: Callable[[socket.socket, PeerHello, PeerAttacher | None], None]) -> None:
-        """``new_attacher()``: the attacher for one connection (it remembers
-        which of the receiver's transports accepted the offer)."""
+    def __init__(self, listener: socket.socket, cfg: GateConfig,
+                 on_peer: Callable[[socket.socket, PendingPeer], None]) -> None:
         self.listener, self.cfg = listener, cfg
-        self.new_attacher, self.on_peer = new_attacher, on_peer
+        self.on_peer = on_peer
         self.refused = 0
         """Connections refused (bad handshake, deadline, or the gate full)."""
         self._pending: dict[int, _Pending] = {}
@@ -117,7 +111,7 @@ class HandshakeGate:
                 sock.close()
                 continue
             sock.setblocking(False)
-            p = _Pending(sock, time.monotonic() + self.cfg.timeout_s, self.new_attacher())
+            p = _Pending(sock, time.monotonic() + self.cfg.timeout_s)
             self._pending[sock.fileno()] = p
             self._sel.register(sock, selectors.EVENT_READ)
 
@@ -125,11 +119,11 @@ class HandshakeGate:
         for p in [p for p in self._pending.values() if now > p.deadline]:
             self._drop(p, f"no complete handshake within {self.cfg.timeout_s:g} s")
 
-    def _drop(self, p: _Pending, reason: str | None, answer: pb.KVFrame | None = None) -> None:
+    def _drop(self, p: _Pending, reason: str | None, answer: bytes = b"") -> None:
         """Ends a pending connection (refused when ``reason``), telling the peer ``answer`` first."""
         self._pending.pop(p.sock.fileno(), None)
         self._sel.unregister(p.sock)
-        if answer is not None:
+        if answer:
             _send_small(p.sock, answer)
         p.sock.close()
         if reason is not None:
@@ -140,7 +134,10 @@ class HandshakeGate:
         if p is None:
             return
         try:
-            chunk = p.sock.recv(HANDSHAKE_FRAME_MAX + 4 - len(p.buf))
+            chunk = p.sock.recv(frame_needs(p.buf))  # never beyond this frame: the sealed offer follows the proofs
+        except ProtocolError as exc:
+            self._drop(p, str(exc))
+            return
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -151,39 +148,38 @@ class HandshakeGate:
             return
         p.buf += chunk
         try:
-            frame, used = parse_frame(p.buf)
-            if frame is not None:
-                del p.buf[:used]
-                self._step(p, frame)
+            if frame_needs(p.buf) == 0:
+                body = bytes(p.buf[4:])
+                p.buf.clear()
+                self._step(p, decode_frame(body), body)
         except ProtocolError as exc:
             self._drop(p, str(exc))
 
-    def _step(self, p: _Pending, frame: pb.KVFrame) -> None:
-        """One complete frame of a pending handshake: the hello, then the proof."""
-        cfg = self.cfg
+    def _step(self, p: _Pending, frame: pb.KVFrame, body: bytes) -> None:
+        """One complete frame of a pending handshake: the hello, then the proofs."""
+        policy = self.cfg.policy
         if p.peer is None:
-            peer, answer = answer_hello(frame, cfg.secret, cfg.layout_hash, p.attacher, cfg.require_encryption)
+            peer, answer, reason = answer_hello(frame, body, policy)
             if peer is None:
-                self._drop(p, answer.hello_ack.reason, answer)
+                self._drop(p, reason, answer)
                 return
             p.peer = peer
             _send_small(p.sock, answer)
             return
-        if p.buf or not check_auth(frame, cfg.secret, p.peer):
-            self._drop(p, "sender failed authentication (wrong deployment secret?)",
-                       pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=False, reason="authentication failed")))
+        reason = check_auth(frame, policy, p.peer)
+        if reason:
+            self._drop(p, reason, refusal_record(p.peer, "authentication failed"))
             return
         self._pending.pop(p.sock.fileno(), None)
         self._sel.unregister(p.sock)
         p.sock.setblocking(True)
-        self.on_peer(p.sock, p.peer, p.attacher)
+        self.on_peer(p.sock, p.peer)
 
 
-def _send_small(sock: socket.socket, frame: pb.KVFrame) -> None:
-    """Sends a handshake answer (a few hundred bytes: it fits an empty socket
+def _send_small(sock: socket.socket, data: bytes) -> None:
+    """Sends a handshake answer (at most a few KiB: it fits an empty socket
     buffer) on a non-blocking socket; a peer that does not read is its own loss."""
-    body = frame.SerializeToString()
     try:
-        sock.send(len(body).to_bytes(4, "little") + body)
+        sock.send(data)
     except OSError:
         pass

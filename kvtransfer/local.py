@@ -36,8 +36,8 @@ class SharedMemoryOffer:
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
 
-    def hello_fields(self) -> pb.KVHello:
-        return pb.KVHello(host_id=host_id(), shm_path=self.cache.shm_path, shm_num_blocks=self.cache.num_blocks)
+    def offer(self) -> pb.KVOffer:
+        return pb.KVOffer(host_id=host_id(), shm_path=self.cache.shm_path, num_blocks=self.cache.num_blocks)
 
 
 class SharedMemorySource:
@@ -61,24 +61,26 @@ class SharedMemorySource:
 
 
 class SharedMemoryAttacher:
-    """PeerAttacher (kvtransfer/wire.py): maps the shared-memory KV of senders
+    """PeerAttacher (kvtransfer/handshake.py): maps the shared-memory KV of senders
     on this host into a receiver with ``cache``; mappings are kept per file."""
+
+    same_host = True
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
         self._lock = threading.Lock()
         self._peers: dict[str, KVCache] = {}
 
-    def can_attach(self, hello: pb.KVHello) -> bool:
-        return bool(not hello.nixl_metadata and hello.shm_path and hello.host_id == host_id()
-                    and SHM_NAME.fullmatch(hello.shm_path) and os.path.exists(hello.shm_path))
+    def can_attach(self, offer: pb.KVOffer) -> bool:
+        return bool(not offer.nixl_metadata and offer.shm_path and offer.host_id == host_id()
+                    and SHM_NAME.fullmatch(offer.shm_path) and os.path.exists(offer.shm_path))
 
-    def attach(self, hello: pb.KVHello) -> SharedMemorySource:
+    def attach(self, offer: pb.KVOffer) -> SharedMemorySource:
         with self._lock:
-            peer = self._peers.get(hello.shm_path)
-            if peer is None or peer.num_blocks != hello.shm_num_blocks:
-                peer = KVCache.attach(self.cache.layout, hello.shm_num_blocks, hello.shm_path)
-                self._peers[hello.shm_path] = peer
+            peer = self._peers.get(offer.shm_path)
+            if peer is None or peer.num_blocks != offer.num_blocks:
+                peer = KVCache.attach(self.cache.layout, offer.num_blocks, offer.shm_path)
+                self._peers[offer.shm_path] = peer
             return SharedMemorySource(peer, self.cache)
 
 

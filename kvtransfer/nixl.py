@@ -66,7 +66,7 @@ of CPU per 2 s idle) and halves a 2-core worker's compute."""
 _config_lock = threading.Lock()
 
 
-def _make_agent(nixl_agent, nixl_agent_config, name: str):
+def make_agent(nixl_agent, nixl_agent_config, name: str):
     """An agent (UCX backend, progress thread) whose progress thread sleeps
     PROGRESS_DELAY_US between polls: the binding's config class is swapped,
     for this construction only, for one that keeps the delay from being zeroed."""
@@ -110,7 +110,7 @@ class NixlAgent:
 
         self.cache = cache
         self.name = name or f"kvrelay-{uuid.uuid4().hex[:12]}"
-        self.agent = _make_agent(nixl_agent, nixl_agent_config, self.name)
+        self.agent = make_agent(nixl_agent, nixl_agent_config, self.name)
         self.registration = self.agent.register_memory(cache.kv)
         self.mem_type = "VRAM" if cache.kv.is_cuda else "DRAM"
         self.device_id = (cache.kv.device.index or 0) if cache.kv.is_cuda else 0
@@ -127,10 +127,11 @@ class NixlAgent:
     def base_address(self) -> int:
         return self.cache.kv.data_ptr()
 
-    def hello_fields(self) -> pb.KVHello:
-        """MemoryOffer: what lets a receiver's agent READ our registered KV."""
-        return pb.KVHello(nixl_metadata=self.metadata, kv_base_address=self.base_address,
-                          kv_device_id=self.device_id, shm_num_blocks=self.cache.num_blocks)
+    def offer(self) -> pb.KVOffer:
+        """MemoryOffer: what lets a receiver's agent READ our registered KV
+        (sent sealed, only to a receiver that proved itself)."""
+        return pb.KVOffer(nixl_metadata=self.metadata, kv_base_address=self.base_address,
+                          kv_device_id=self.device_id, num_blocks=self.cache.num_blocks)
 
     def add_peer(self, metadata: bytes, base_address: int, device_id: int, num_blocks: int) -> NixlPeer:
         name = self._peers.get(metadata)
@@ -189,19 +190,22 @@ class NixlSource:
 
 
 class NixlAttacher:
-    """PeerAttacher (kvtransfer/wire.py): connects our agent to senders that
+    """PeerAttacher (kvtransfer/handshake.py): connects our agent to senders that
     offer NIXL metadata; each READ may take up to ``timeout_s``."""
+
+    same_host = False
+    """NIXL bytes cross the fabric unencrypted: only integrity links pull (aead ones get sealed bytes)."""
 
     def __init__(self, agent: NixlAgent, timeout_s: float) -> None:
         self.agent = agent
         self.timeout_s = timeout_s
 
-    def can_attach(self, hello: pb.KVHello) -> bool:
-        return bool(hello.nixl_metadata)
+    def can_attach(self, offer: pb.KVOffer) -> bool:
+        return bool(offer.nixl_metadata)
 
-    def attach(self, hello: pb.KVHello) -> NixlSource:
-        peer = self.agent.add_peer(hello.nixl_metadata, hello.kv_base_address, hello.kv_device_id,
-                                   hello.shm_num_blocks)
+    def attach(self, offer: pb.KVOffer) -> NixlSource:
+        peer = self.agent.add_peer(offer.nixl_metadata, offer.kv_base_address, offer.kv_device_id,
+                                   offer.num_blocks)
         return NixlSource(self.agent, peer, self.timeout_s)
 
 

@@ -1,11 +1,14 @@
-"""The receiver every transport builds on: a listener thread, and per
-connection a thread that checks the handshake (kvtransfer/wire.py), then
-lands each blocks frame in the reserved blocks: ``recv_into`` straight into
-their memory, or a pull from the sender's memory (a ``MemorySource`` its
-attachers map: shared memory, NIXL). A verifier thread per connection checks
-CRC32C per block while the next frame arrives. Bytes for a transfer that is
-unknown or was cancelled are read into scratch memory and dropped: a freed
-reservation is never written."""
+"""The receiver every transport builds on: a gate thread runs every
+handshake (kvtransfer/gate.py, kvtransfer/handshake.py); each authenticated
+connection gets a thread that opens its records (kvtransfer/record.py) and
+lands each blocks frame in the reserved blocks: decrypted (or MAC-checked)
+straight into their memory, or pulled from the sender's memory (a
+``MemorySource`` its attachers map: shared memory, NIXL) and checked against
+the CRC32Cs of the authenticated header, on a verifier thread for large
+frames. A block counts as landed only once its frame verified; a record that
+fails ends the connection and fails every transfer on it. Payloads for a
+transfer that is unknown or was cancelled are read into scratch memory (their
+tags still checked) and dropped: a freed reservation is never written."""
 
 from __future__ import annotations
 
@@ -30,19 +33,17 @@ from kvtransfer.base import (
 from kvtransfer.config import TransferConfig
 from kvtransfer.gate import GateConfig, HandshakeGate
 from kvtransfer.handles import StateHandle
-from kvtransfer.memory import KVBytes, block_crcs, coalesce
-from kvtransfer.wire import (
-    PayloadCipher,
+from kvtransfer.handshake import (
     PeerAttacher,
-    PeerHello,
-    ProtocolError,
+    PendingPeer,
+    ReceiverPolicy,
+    Session,
     accept_peer,
-    recv_exact_into,
-    recv_frame,
-    recv_views,
-    send_frame,
-    tune_socket,
 )
+from kvtransfer.memory import KVBytes, block_crcs, coalesce
+from kvtransfer.protection import Protection
+from kvtransfer.record import RecordError
+from kvtransfer.wire import ProtocolError, tune_socket
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +87,17 @@ class _Attach:
     """The handshake's PeerAttacher for one connection: the first of the
     receiver's attachers that accepts the sender's offer maps its memory."""
 
-    def __init__(self, attachers: Sequence[PeerAttacher]) -> None:
-        self.attachers = attachers
+    def __init__(self, attachers: Sequence[PeerAttacher], remote_ok: bool) -> None:
+        self.attachers = [a for a in attachers if a.same_host or remote_ok]
+        self.same_host = True
         self.chosen: PeerAttacher | None = None
 
-    def can_attach(self, hello: pb.KVHello) -> bool:
-        self.chosen = next((a for a in self.attachers if a.can_attach(hello)), None)
+    def can_attach(self, offer: pb.KVOffer) -> bool:
+        self.chosen = next((a for a in self.attachers if a.can_attach(offer)), None)
         return self.chosen is not None
 
-    def attach(self, hello: pb.KVHello) -> MemorySource:
-        return self.chosen.attach(hello)
+    def attach(self, offer: pb.KVOffer) -> MemorySource:
+        return self.chosen.attach(offer)
 
 
 class _Conn:
@@ -105,17 +107,17 @@ class _Conn:
         self.sock = sock
         self.lock = threading.Lock()
         self.transfers: set[str] = set()
+        self.session: Session | None = None
+        """Its records each way, once the handshake completed."""
         self.source: MemorySource | None = None
         """The sender's memory, when it offered it and we pull from it."""
-        self.cipher: PayloadCipher | None = None
-        """When the sender encrypts its payloads."""
         self.verify: queue.SimpleQueue = queue.SimpleQueue()
-        """Frames whose bytes landed, for the verifier thread to checksum."""
+        """Pulled frames, for the verifier thread to checksum."""
 
     def send(self, frame: pb.KVFrame) -> None:
         with self.lock:
             try:
-                send_frame(self.sock, frame)
+                self.session.writer.send(frame)
             except OSError:
                 pass
 
@@ -148,9 +150,9 @@ class ChannelReceiver(KVReceiver):
         self.bytes_received = 0
         self._refused_after_auth = 0
         self._conns: set[_Conn] = set()
-        self.gate = HandshakeGate(
-            self._listener, GateConfig(self.cfg.secret, self.layout_hash, self.cfg.encrypt, self.cfg.connect_timeout_s),
-            lambda: _Attach(self.attachers), self._on_peer)
+        self.cfg.check_authenticating()
+        policy = ReceiverPolicy(self.cfg.secret, self.layout_hash, self.cfg.credentials, self.cfg.required)
+        self.gate = HandshakeGate(self._listener, GateConfig(policy, self.cfg.connect_timeout_s), self._on_peer)
         """Every connection's handshake until the sender is authenticated (one thread for all)."""
 
     def expect(self, transfer_id: str, block_ids: list[int]) -> TransferHandle:
@@ -189,92 +191,85 @@ class ChannelReceiver(KVReceiver):
         """Connections refused at the handshake (by the gate, or their memory could not be attached)."""
         return self.gate.refused + self._refused_after_auth
 
-    def _on_peer(self, sock: socket.socket, peer: PeerHello, attacher: PeerAttacher | None) -> None:
+    def _on_peer(self, sock: socket.socket, peer: PendingPeer) -> None:
         """The gate authenticated a sender: serve it on a thread of its own."""
-        threading.Thread(target=self._serve, args=(sock, peer, attacher), name="kv-recv", daemon=True).start()
+        threading.Thread(target=self._serve, args=(sock, peer), name="kv-recv", daemon=True).start()
 
-    def _accept(self, conn: _Conn, peer: PeerHello, attacher: PeerAttacher | None) -> bool:
-        """Attaches an authenticated sender's memory (if agreed) and confirms; False (logged) when it cannot."""
+    def _accept(self, conn: _Conn, peer: PendingPeer) -> bool:
+        """Reads the sender's sealed offer, attaches its memory if we can, and
+        confirms; False (logged) when it cannot."""
         try:
             tune_socket(conn.sock, self.cfg.socket_buffer_bytes)
-            conn.source, conn.cipher = accept_peer(conn.sock, self.cfg.secret, peer, attacher)
+            attach = _Attach(self.attachers, remote_ok=peer.protection is Protection.INTEGRITY)
+            conn.session, conn.source = accept_peer(conn.sock, peer, attach, self.cfg.connect_timeout_s)
             return True
         except (ProtocolError, OSError) as exc:
             self._refused_after_auth += 1
             log.warning("refused KV connection: %s", exc)
             return False
 
-    def _serve(self, sock: socket.socket, peer: PeerHello, attacher: PeerAttacher | None) -> None:
+    def _serve(self, sock: socket.socket, peer: PendingPeer) -> None:
         conn = _Conn(sock)
         self._conns.add(conn)
         try:
-            if not self._accept(conn, peer, attacher):
+            if not self._accept(conn, peer):
                 return
             threading.Thread(target=self._verify_loop, args=(conn,), name="kv-verify", daemon=True).start()
             while not self._closed.is_set():
-                frame = recv_frame(sock)
+                frame, payload = conn.session.reader.recv()
                 kind = frame.WhichOneof("body")
                 if kind == "blocks":
-                    self._on_blocks(conn, frame.blocks)
-                elif kind == "done":
+                    self._on_blocks(conn, frame.blocks, payload)
+                elif kind == "done" and not payload:
                     self._on_done(conn, frame.done)
                 else:
                     raise ProtocolError(f"unexpected {kind!r} frame")
         except (OSError, ConnectionError, ProtocolError) as exc:
+            if conn.session is not None and isinstance(exc, ProtocolError):  # tell the sender why
+                conn.send(pb.KVFrame(done_ack=pb.KVDoneAck(ok=False, reason=f"stream refused: {exc}")))
+            who = conn.session.peer if conn.session and conn.session.peer else "the sender"
+            if isinstance(exc, RecordError) and exc.transfer_id:
+                conn.transfers.add(exc.transfer_id)
             for tid in list(conn.transfers):
                 inc = self._expected.get(tid)
                 if inc is not None:
-                    inc.handle.fail(f"sender connection lost ({exc})")
+                    inc.handle.fail(f"KV connection from {who} lost: {exc}")
                     self._maybe_complete(tid, inc)
         finally:
             conn.verify.put(None)
             self._conns.discard(conn)
             sock.close()
 
-    def _discard(self, conn: _Conn, n: int) -> None:
-        """Reads and drops a payload that must not land in any block."""
-        scratch = memoryview(bytearray(min(n, 1 << 20)))
-        while n:
-            k = min(n, len(scratch))
-            recv_exact_into(conn.sock, scratch[:k])
-            n -= k
-        if conn.cipher is not None:
-            conn.cipher.next_frame()
-
-    def _frame_shape(self, conn: _Conn, hdr: pb.KVBlocks) -> tuple[range, bool, bool]:
-        """The frame's layers, whether we pull its blocks and whether its
-        payload is sealed; ProtocolError when the frame contradicts itself."""
+    def _frame_shape(self, conn: _Conn, hdr: pb.KVBlocks, payload: int) -> tuple[range, bool]:
+        """The frame's layers and whether we pull its blocks; ProtocolError
+        when the (authenticated) frame contradicts itself or the model."""
         layers = range(hdr.layer, hdr.layer + max(1, hdr.num_layers))
         runs = len(layers) * 2 * hdr.count
         pulled = len(hdr.src_blocks) > 0
-        sealed = conn.cipher is not None and not pulled
         if pulled and (conn.source is None or len(hdr.src_blocks) != hdr.count
                        or max(hdr.src_blocks) >= conn.source.num_blocks):
             raise ProtocolError("shared-memory blocks frame without a valid shared KV mapping")
-        if pulled:
-            payload = 0
-        elif sealed:
-            payload = PayloadCipher.sealed_bytes(runs * self.cache.layout.block_bytes)
-        else:
-            payload = runs * self.cache.layout.block_bytes
-        if hdr.payload_bytes != payload or len(hdr.crc32c) != (0 if sealed else runs):
-            raise ProtocolError(f"blocks frame of {hdr.payload_bytes} bytes and {len(hdr.crc32c)} checksums "
+        want = 0 if pulled else runs * self.cache.layout.block_bytes
+        if hdr.payload_bytes != payload or payload != want or len(hdr.crc32c) != (runs if pulled else 0):
+            raise ProtocolError(f"blocks frame of {payload} bytes and {len(hdr.crc32c)} checksums "
                                 f"for {hdr.count} blocks x {hdr.num_layers} layers")
-        return layers, pulled, sealed
+        if layers.stop > self.cache.layout.num_layers or hdr.count == 0:
+            raise ProtocolError(f"blocks frame for layers {layers.start}-{layers.stop - 1} of a "
+                                f"{self.cache.layout.num_layers}-layer model, {hdr.count} blocks")
+        return layers, pulled
 
-    def _outside(self, inc: _Incoming, hdr: pb.KVBlocks, layers: range) -> str:
-        """Why the frame's blocks lie outside the reservation or the model; "" when inside."""
-        if layers.stop > self.cache.layout.num_layers or hdr.count == 0 or hdr.first + hdr.count > len(inc.block_ids):
-            return f"blocks [{hdr.first}, {hdr.first + hdr.count}) of layers {layers.start}-{layers.stop - 1} " \
-                   "outside the reservation or the model"
+    def _outside(self, inc: _Incoming, hdr: pb.KVBlocks) -> str:
+        """Why the frame's blocks lie outside the reservation; "" when inside."""
+        if hdr.first + hdr.count > len(inc.block_ids):
+            return f"blocks [{hdr.first}, {hdr.first + hdr.count}) outside the reservation of {len(inc.block_ids)}"
         return ""
 
-    def _on_blocks(self, conn: _Conn, hdr: pb.KVBlocks) -> None:
+    def _on_blocks(self, conn: _Conn, hdr: pb.KVBlocks, payload: int) -> None:
         inc = self._expected.get(hdr.transfer_id)
-        layers, pulled, sealed = self._frame_shape(conn, hdr)
-        bad = self._outside(inc, hdr, layers) if inc is not None else ""
+        layers, pulled = self._frame_shape(conn, hdr, payload)
+        bad = self._outside(inc, hdr) if inc is not None else ""
         if inc is None or bad or not inc.enter(conn):
-            self._discard(conn, hdr.payload_bytes)
+            conn.session.reader.skip_payload()
             if inc is not None and bad:
                 inc.handle.fail(bad)
                 self._maybe_complete(hdr.transfer_id, inc)
@@ -287,15 +282,13 @@ class ChannelReceiver(KVReceiver):
             inc.handle.advance(TransferState.TRANSFERRING)
             if pulled:
                 conn.source.pull(layers, list(hdr.src_blocks), dest)
-            elif sealed:
-                conn.cipher.recv_sealed(conn.sock, views)
             else:
-                recv_views(conn.sock, views)
+                conn.session.reader.recv_payload(views, hdr.count * self.cache.layout.block_bytes)
         finally:
             inc.leave(conn)
-        if sealed:  # the AEAD tags authenticated every byte
+        if not pulled:  # the tags authenticated every byte
             self._land(inc, hdr, layers)
-        elif hdr.payload_bytes <= INLINE_VERIFY_BYTES:
+        elif sum(len(v) for v in views) <= INLINE_VERIFY_BYTES:
             self._verify(inc, hdr, layers, views, dest)
         else:
             conn.verify.put((inc, hdr, layers, views, dest))
@@ -324,8 +317,9 @@ class ChannelReceiver(KVReceiver):
                 for kind in (0, 1):
                     for i in range(hdr.first, hdr.first + hdr.count):
                         inc.landed.add((layer, kind, i))
-            inc.nbytes += hdr.payload_bytes
-        self.bytes_received += hdr.payload_bytes
+            nbytes = len(layers) * 2 * hdr.count * self.cache.layout.block_bytes
+            inc.nbytes += nbytes
+        self.bytes_received += nbytes
         self._maybe_complete(hdr.transfer_id, inc)
 
     def _on_done(self, conn: _Conn, done: pb.KVDone) -> None:

@@ -21,6 +21,7 @@ from kvtransfer.base import (
 from kvtransfer.channel import PeerChannel, SendStream
 from kvtransfer.config import TransferConfig
 from kvtransfer.handles import StateHandle
+from kvtransfer.protection import Protection
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class ChannelSender(KVSender):
         self.cache = cache
         self.cfg = cfg or TransferConfig()
         self.memory = memory
+        self.cfg.check_authenticating()
         self._pools: dict[tuple, PeerChannel] = {}
         self._lock = threading.Lock()
         self._corrupt_left = self.cfg.corrupt_first
@@ -98,23 +100,30 @@ class ChannelSender(KVSender):
     def _link_config(self, target: TransferTarget) -> TransferConfig:
         """The config with the target's per-link settings applied."""
         cfg = self.cfg
-        if target.socket_buffer_bytes is not None or target.encrypt is not None or target.pull is False:
+        if target.socket_buffer_bytes is not None or target.protection is not None or target.pull is False:
             cfg = dataclasses.replace(
                 cfg, socket_buffer_bytes=target.socket_buffer_bytes or cfg.socket_buffer_bytes,
-                encrypt=cfg.encrypt if target.encrypt is None else target.encrypt,
+                protection=Protection.parse(target.protection or cfg.protection),
                 offer_memory=cfg.offer_memory and target.pull is not False)
         return cfg
 
     def open(self, target: TransferTarget) -> SendHandle:
-        """Starts a transfer. Connections are pooled per receiver and per link
-        setting (socket buffers, encryption, pulling)."""
-        cfg = self._link_config(target)
-        key = (target.endpoint, cfg.socket_buffer_bytes, cfg.encrypt, cfg.offer_memory)
+        """Starts a transfer. Connections are pooled per receiver (and the
+        identity it must prove) and per link setting (socket buffers,
+        protection, pulling)."""
+        try:
+            cfg, refused = self._link_config(target), ""
+        except ValueError as exc:
+            cfg, refused = self.cfg, f"bad link setting: {exc}"
+        key = (target.endpoint, target.receiver, cfg.socket_buffer_bytes, cfg.protection, cfg.offer_memory)
         with self._lock:
             pool = self._pools.get(key)
             if pool is None:
-                pool = self._pools[key] = PeerChannel(target.endpoint, self.cache, cfg, self.memory)
+                pool = self._pools[key] = PeerChannel(target.endpoint, self.cache, cfg, self.memory, target.receiver)
         h = ChannelSendHandle(pool, target)
+        if refused:
+            h.fail(refused)
+            return h
         with self._lock:
             if self._corrupt_left > 0:
                 self._corrupt_left -= 1

@@ -206,6 +206,11 @@ class LocalCluster:
         ``local`` or (``operator``) with the operator token."""
         return (self.operator_dialer if operator else self.client_dialer).sync(self.router_address)
 
+    @property
+    def kv_secret(self) -> bytes:
+        """The KV secret this run's workers prove (tests that act as a KV peer)."""
+        return self._secret.encode()
+
     def router_dialer(self) -> Dialer:
         """Channels that present a router certificate: what workers admit (tests of the workers)."""
         if self.creds is None:

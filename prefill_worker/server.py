@@ -105,7 +105,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         handle = self.sender.open(TransferTarget(
             target.endpoint, target.transfer_id, tuple(target.block_ids), target.layout_hash,
             socket_buffer_bytes=link_socket_buffer(target.link_gbps, target.link_rtt_ms),
-            encrypt=target.encrypt or None, pull=False if target.transport == "tcp" else None))
+            protection=target.protection or None, pull=False if target.transport == "tcp" else None,
+            receiver=target.receiver or None))
         self.streamer.add(rid, handle, target.start_block, len(target.block_ids))
         t0 = time.perf_counter()
         try:

@@ -125,7 +125,8 @@ class Relay:
         """Calls P.Prefill with D's reservation plus what the link between them asks for."""
         link = self.topology.link(self.p.info.site, self.d.info.site)
         target.link_rtt_ms, target.link_gbps = link.rtt_ms, link.gbps
-        target.encrypt = self.topology.encrypts(link)
+        target.protection = self.topology.protection(link)
+        target.receiver = self.d.info.worker_id  # the receiver's certificate must name it
         # the sender's kind decides unless the link pins one (tcp = bytes over the socket)
         target.transport = self.topology.transport(link, self.p.info.transport)
         self.placement.transport = target.transport

@@ -20,7 +20,7 @@ Example::
         jurisdiction: CA-QC
         decode: {replicas: 1, device: cpu}
     links:                  # sites without a link never exchange KV
-      - {between: [toronto, montreal], rtt_ms: 9, gbps: 10, transport: tcp, encrypt: true}
+      - {between: [toronto, montreal], rtt_ms: 9, gbps: 10, transport: tcp}
     cache: {block_size: 16, memory_gib: 1.0}
     scheduler: {max_num_batched_tokens: 2048, max_num_seqs: 64}
 """
@@ -39,6 +39,7 @@ import yaml
 
 from engine.config import CacheConfig, DType, SchedulerConfig
 from kvtransfer.base import AUTO, Transport
+from kvtransfer.protection import Protection
 
 
 class PlacementPolicy(StrEnum):
@@ -222,8 +223,10 @@ class LinkSection:
     """Bandwidth available to KV transfers, Gbit/s."""
     transport: Transport | None = None
     """KV transport on this link: tcp, nixl or local; None = kv.transport."""
-    encrypt: bool | None = None
-    """Encrypt KV payloads on this link; None = kv.encrypt."""
+    protection: Protection | None = None
+    """KV protection on this link: aead (encrypted and authenticated) or
+    integrity (authenticated, readable); None = kv.protection. Receivers
+    enforce it for senders whose certificate names the other end's site."""
 
     def __post_init__(self) -> None:
         if not self.rtt_ms >= 0:
@@ -232,6 +235,8 @@ class LinkSection:
             raise FieldError("gbps", f"must be positive, got {self.gbps}")
         if self.transport is not None:
             self.transport = _enum(Transport, self.transport, "transport", f"must be {_one_of(Transport)}")
+        if self.protection is not None:
+            self.protection = _enum(Protection, self.protection, "protection", f"must be {_one_of(Protection)}")
 
 
 @dataclass(slots=True)
@@ -278,8 +283,10 @@ class KVSection:
     None = `kvrelay serve` makes a random one per run and hands it to its workers."""
     transfer_timeout_s: float = 30.0
     """A prefill worker gives up on (and frees the blocks of) a transfer not acknowledged by then."""
-    encrypt: bool = False
-    """Encrypt KV payloads on the wire (AES-256-GCM); receivers then refuse plaintext senders."""
+    protection: Protection = Protection.AEAD
+    """KV protection of links that name none: aead (AES-256-GCM, or
+    ChaCha20-Poly1305 without AES instructions, over every frame) or integrity
+    (a MAC over every frame, for links inside one machine room)."""
     corrupt_first_transfers: int = 0
     """Fault injection (tests, chaos runs; never in service): each prefill worker
     flips one byte of the first N KV transfers it sends over TCP, after
@@ -290,6 +297,7 @@ class KVSection:
             self.transport = _enum(Transport, self.transport, "transport", f"must be {_one_of([AUTO, *Transport])}")
         if not 1 <= self.streams <= 64:
             raise FieldError("streams", f"must be in [1, 64], got {self.streams}")
+        self.protection = _enum(Protection, self.protection, "protection", f"must be {_one_of(Protection)}")
         if self.corrupt_first_transfers < 0:
             raise FieldError("corrupt_first_transfers", "must be >= 0")
         _positive(self, "transfer_timeout_s")
@@ -412,7 +420,8 @@ def _build(cls: type, raw: Any, where: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; expected {', '.join(fields)}")
+        hints = "".join(f" ({name}: {_RENAMED[name]})" for name in unknown if name in _RENAMED)
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}{hints}; expected {', '.join(fields)}")
     kwargs = {name: _convert(fields[name].type, value, _path(where, name)) for name, value in raw.items()}
     try:
         return cls(**kwargs)
@@ -427,7 +436,10 @@ _NESTED = {"ModelSection": ModelSection, "RouterSection": RouterSection, "PoolSe
            "KVSection": KVSection, "TLSSection": TLSSection, "CacheConfig": CacheConfig,
            "SchedulerConfig": SchedulerConfig}
 
-_STRING_LIKE = {"DType", "PlacementPolicy", "KVTransport", "Transport | None"}
+_RENAMED = {"encrypt": "replaced by protection: aead | integrity; every link is encrypted unless it says integrity"}
+"""Fields that no longer exist, and what replaced them."""
+
+_STRING_LIKE = {"DType", "PlacementPolicy", "KVTransport", "Transport | None", "Protection", "Protection | None"}
 """Annotations of fields that YAML spells as strings (the sections check the value)."""
 
 

@@ -1,5 +1,5 @@
 """Roles and the rules of the topology: which link joins two sites, its
-name, and what it asks of a KV transfer (transport, encryption). The router,
+name, and what it asks of a KV transfer (transport, protection). The router,
 the workers and the launchers all read the topology through this module."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from enum import StrEnum
 
 from kvrelay.v1 import worker_pb2 as wpb
 
+from kvtransfer.protection import Protection
 from runtime.config import ClusterConfig, LinkSection
 
 LOCAL_LINK = "local"
@@ -53,9 +54,19 @@ class Topology:
         """The link between two sites (``local_link`` within one); None: they never exchange KV."""
         return self.cfg.local_link if a == b else self._links.get(frozenset((a, b)))
 
-    def encrypts(self, link: LinkSection) -> bool:
-        """A link's encryption: its own setting, else ``kv.encrypt``."""
-        return self.cfg.kv.encrypt if link.encrypt is None else link.encrypt
+    def protection(self, link: LinkSection) -> Protection:
+        """A link's KV protection: its own setting, else ``kv.protection``."""
+        return self.cfg.kv.protection if link.protection is None else link.protection
+
+    def required_protection(self, site: str, peer_site: str | None) -> Protection:
+        """What a receiver at ``site`` requires of a sender at ``peer_site``
+        (the site its certificate names): the link's protection; without a
+        certificate (peer_site None), the strongest of any link into ``site``."""
+        if peer_site is not None:
+            link = self.link(site, peer_site)
+            return self.protection(link) if link is not None else Protection.AEAD
+        links = [self.cfg.local_link, *(lk for lk in self.cfg.links if site in lk.between)]
+        return max((self.protection(lk) for lk in links), key=lambda p: p.strength)
 
     def transport(self, link: LinkSection, sender_transport: str = "") -> str:
         """The transport a transfer over ``link`` uses: the link's own setting,

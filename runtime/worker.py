@@ -27,12 +27,13 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.select import choose_transport, host_has_rdma
 from runtime.config import ClusterConfig, PoolSection, load_config
 from runtime.gate import PeerGate
+from runtime.kvcreds import CertCredentials
 from runtime.kvsecret import pem_from_env, read_secret
 from runtime.lifetime import die_with_parent
 from runtime.pki import CertRole, PKIError, role_dns
 from runtime.rpc import Dialer, bind, create_server
 from runtime.tls import TLSMaterial, load_material
-from runtime.topology import Role
+from runtime.topology import Role, Topology
 
 log = logging.getLogger(__name__)
 
@@ -289,16 +290,29 @@ def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str,
     site = {s.name: s for s in cfg.sites}.get(args.site)
     if site is None:
         raise SystemExit(f"--site {args.site!r} is not a site of the config ({', '.join(s.name for s in cfg.sites)})")
-    kv = cfg.kv
-    transfer = TransferConfig(secret=read_secret(kv.secret_file, kv_secret_env), streams=kv.streams,
-                              socket_buffer_bytes=kv.socket_buffer_bytes, encrypt=kv.encrypt,
-                              stall_timeout_s=kv.transfer_timeout_s, corrupt_first=kv.corrupt_first_transfers)
+    tls = worker_tls(cfg, role, args.site, args.index, pem or {})
+    transfer = kv_transfer_config(cfg, role, args.site, read_secret(cfg.kv.secret_file, kv_secret_env), tls)
     host = args.host or cfg.workers.host
     if host == "auto":
         host = local_address_towards(args.router)
     return WorkerSetup(cfg, WorkerIdentity(f"{args.site}/{role}/{args.index}", role, args.site),
-                       getattr(site, role), choose_transport(kv.transport), transfer, host, args.router,
-                       args.model_path, worker_tls(cfg, role, args.site, args.index, pem or {}))
+                       getattr(site, role), choose_transport(cfg.kv.transport), transfer, host, args.router,
+                       args.model_path, tls)
+
+
+def kv_transfer_config(cfg: ClusterConfig, role: Role, site: str, secret: bytes,
+                       tls: TLSMaterial | None) -> TransferConfig:
+    """This worker's KV transfer settings: the secret, its certificate (a
+    prefill worker sends only to decode workers, a decode worker receives
+    only from prefill workers) and, receiving, the protection the link from
+    each sender's site requires."""
+    kv, topo = cfg.kv, Topology(cfg)
+    peer = CertRole.DECODE if role is Role.PREFILL else CertRole.PREFILL
+    creds = CertCredentials(tls, (peer,)) if tls is not None else None
+    return TransferConfig(secret=secret, credentials=creds, streams=kv.streams,
+                          socket_buffer_bytes=kv.socket_buffer_bytes, protection=kv.protection,
+                          required_protection=lambda peer_site: topo.required_protection(site, peer_site),
+                          stall_timeout_s=kv.transfer_timeout_s, corrupt_first=kv.corrupt_first_transfers)
 
 
 def failing_step(step, at: int):

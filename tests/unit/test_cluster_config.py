@@ -24,10 +24,15 @@ TWO = {"sites": [{"name": "a"}, {"name": "b"}]}
 
 
 def test_topology_config():
-    cfg = parse_config({**TWO, "links": [{"between": ["a", "b"], "rtt_ms": 9, "gbps": 1, "encrypt": True}],
+    cfg = parse_config({**TWO, "links": [{"between": ["a", "b"], "rtt_ms": 9, "gbps": 1, "protection": "integrity"}],
                         "router": {"policy": "prefix_aware"}})
-    assert cfg.links[0].between == ["a", "b"] and cfg.links[0].rtt_ms == 9.0 and cfg.links[0].encrypt
+    assert cfg.links[0].between == ["a", "b"] and cfg.links[0].rtt_ms == 9.0 and cfg.links[0].protection == "integrity"
     assert cfg.router.policy == "prefix_aware" and load_config(None).router.policy == "cost_model"
+    assert load_config(None).kv.protection == "aead"  # every link is encrypted unless it says otherwise
+    with pytest.raises(ConfigError, match="encrypt: replaced by protection"):
+        parse_config({**TWO, "links": [{"between": ["a", "b"], "encrypt": True}]})
+    with pytest.raises(ConfigError, match="links.*protection: must be aead or integrity, got 'none'"):
+        parse_config({**TWO, "links": [{"between": ["a", "b"], "protection": "none"}]})
 
 
 def test_example_configs_parse():

@@ -131,11 +131,14 @@ def test_roles_and_links():
     with pytest.raises(ValueError, match="prefill or decode"):
         Role.of(0)
     cfg = parse_config({"sites": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
-                        "links": [{"between": ["a", "b"], "rtt_ms": 9, "encrypt": True, "transport": "tcp"}]})
+                        "links": [{"between": ["a", "b"], "rtt_ms": 9, "protection": "integrity", "transport": "tcp"}]})
     topo = Topology(cfg)
     assert link_name("b", "a") == "a-b" and link_name("a", "a") == "local"
     ab = topo.link("a", "b")
     assert ab is topo.link("b", "a") and ab.rtt_ms == 9 and topo.link("a", "c") is None
     assert topo.link("c", "c") is cfg.local_link
-    assert topo.encrypts(ab) and not topo.encrypts(cfg.local_link)
+    assert topo.protection(ab) == "integrity" and topo.protection(cfg.local_link) == "aead"
+    # a receiver enforces the link its sender's certificate names; without one, the strongest into its site
+    assert topo.required_protection("a", "b") == "integrity" and topo.required_protection("a", "a") == "aead"
+    assert topo.required_protection("b", None) == "aead"
     assert topo.transport(ab, "nixl") == "tcp" and topo.transport(cfg.local_link, "nixl") == "nixl"

@@ -182,12 +182,12 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., draining: _Optional[bool] = ..., inflight: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class LinkStatus(_message.Message):
-    __slots__ = ("name", "rtt_ms", "gbps", "transport", "encrypt", "up", "down_reason", "changed_s_ago")
+    __slots__ = ("name", "rtt_ms", "gbps", "transport", "protection", "up", "down_reason", "changed_s_ago")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
     GBPS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    ENCRYPT_FIELD_NUMBER: _ClassVar[int]
+    PROTECTION_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
     DOWN_REASON_FIELD_NUMBER: _ClassVar[int]
     CHANGED_S_AGO_FIELD_NUMBER: _ClassVar[int]
@@ -195,11 +195,11 @@ class LinkStatus(_message.Message):
     rtt_ms: float
     gbps: float
     transport: str
-    encrypt: bool
+    protection: str
     up: bool
     down_reason: str
     changed_s_ago: float
-    def __init__(self, name: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., gbps: _Optional[float] = ..., transport: _Optional[str] = ..., encrypt: _Optional[bool] = ..., up: _Optional[bool] = ..., down_reason: _Optional[str] = ..., changed_s_ago: _Optional[float] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., gbps: _Optional[float] = ..., transport: _Optional[str] = ..., protection: _Optional[str] = ..., up: _Optional[bool] = ..., down_reason: _Optional[str] = ..., changed_s_ago: _Optional[float] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers", "links", "policy")
@@ -232,7 +232,7 @@ class WorkRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., salt: _Optional[str] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("endpoint", "transfer_id", "start_block", "block_ids", "layout_hash", "transport", "link_rtt_ms", "link_gbps", "encrypt")
+    __slots__ = ("endpoint", "transfer_id", "start_block", "block_ids", "layout_hash", "transport", "link_rtt_ms", "link_gbps", "protection", "receiver")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -241,7 +241,8 @@ class KVTarget(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LINK_RTT_MS_FIELD_NUMBER: _ClassVar[int]
     LINK_GBPS_FIELD_NUMBER: _ClassVar[int]
-    ENCRYPT_FIELD_NUMBER: _ClassVar[int]
+    PROTECTION_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     transfer_id: str
     start_block: int
@@ -250,8 +251,9 @@ class KVTarget(_message.Message):
     transport: str
     link_rtt_ms: float
     link_gbps: float
-    encrypt: bool
-    def __init__(self, endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., start_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., transport: _Optional[str] = ..., link_rtt_ms: _Optional[float] = ..., link_gbps: _Optional[float] = ..., encrypt: _Optional[bool] = ...) -> None: ...
+    protection: str
+    receiver: str
+    def __init__(self, endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., start_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., transport: _Optional[str] = ..., link_rtt_ms: _Optional[float] = ..., link_gbps: _Optional[float] = ..., protection: _Optional[str] = ..., receiver: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request", "colocated", "lease_s")

@@ -1,0 +1,230 @@
+"""Who may move KV, and how it must be protected, decided by certificates
+from a real cluster CA (runtime/pki.py) in the KV handshake: a receiver
+enforces the link its sender's certificate names, whatever the sender asks;
+a sender talks only to the decode worker the router named; wrong roles,
+revoked and foreign certificates are refused before any KV byte moves; an
+unauthenticated peer never learns where a sender's memory is."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from benchmarks.kv_peer import SECRET
+from engine.kv_cache import KVCache, KVLayout
+from kvtransfer.base import TransferState, TransferTarget
+from kvtransfer.config import TransferConfig
+from kvtransfer.nixl import NixlKVSender, nixl_available
+from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
+from runtime.config import parse_config
+from runtime.kvcreds import CertCredentials
+from runtime.pki import CertRole, Identity, issue, new_ca
+from runtime.tls import TLSMaterial
+from runtime.topology import Role
+from runtime.worker import kv_transfer_config
+
+LAYOUT = KVLayout("m", "float32", 2, 2, 16, 4)
+CA = new_ca()
+CFG = parse_config({
+    "sites": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
+    "kv": {"protection": "integrity"},  # the default of links that name none: here, inside a site
+    "links": [{"between": ["a", "b"], "protection": "aead"}, {"between": ["a", "c"]}],
+})
+
+
+def material(site: str, role: CertRole, name: str = "0", ca=CA, revoked: frozenset[int] = frozenset()
+             ) -> TLSMaterial:
+    cert, key = issue(ca, Identity(site, role, name))
+    return TLSMaterial(CA.pem, cert, key, Identity(site, role, name), revoked)
+
+
+def cache(seed: int | None) -> KVCache:
+    c = KVCache(LAYOUT, 8)
+    if seed is not None:
+        c.kv.copy_(torch.randn(c.kv.shape, generator=torch.Generator().manual_seed(seed)))
+    return c
+
+
+def receiver_at(site: str, dst: KVCache, **tls) -> TcpKVReceiver:
+    """A decode worker's receiver at ``site``, configured as the worker entry point does."""
+    cfg = kv_transfer_config(CFG, Role.DECODE, site, SECRET, material(site, CertRole.DECODE, **tls))
+    return TcpKVReceiver(dst, cfg=cfg)
+
+
+def send(src: KVCache, endpoint: str, cfg: TransferConfig, protection: str | None = None,
+         receiver: str | None = None):
+    tx = TcpKVSender(src, cfg)
+    try:
+        h = tx.open(TransferTarget(endpoint, "t", (2, 3), LAYOUT.compat_hash(), protection=protection,
+                                   receiver=receiver))
+        for layer in range(LAYOUT.num_layers):
+            h.send_layer(layer, [0, 1], 0)
+        h.finish(3, 0.0)
+        h.wait(20)
+        return h
+    finally:
+        tx.close()
+
+
+def prefill_cfg(site: str, role: CertRole = CertRole.PREFILL, **kw) -> TransferConfig:
+    if role is CertRole.PREFILL:
+        return kv_transfer_config(CFG, Role.PREFILL, site, SECRET, material(site, role, **kw))
+    return TransferConfig(secret=SECRET, credentials=CertCredentials(material(site, role, **kw), (CertRole.DECODE,)))
+
+
+def test_the_receiver_enforces_the_link_its_senders_certificate_names():
+    src, dst = cache(1), cache(None)
+    rx = receiver_at("a", dst)
+    try:
+        # from b, over a link declared aead: an integrity-only sender is refused (kv.protection says integrity)
+        h = send(src, rx.endpoint, prefill_cfg("b"), protection="integrity")
+        assert h.poll() is TransferState.FAILED
+        assert "link from site b requires aead protection; the sender offered integrity" in h.failure().reason
+        assert not dst.kv.any()
+        # the same sender encrypting is accepted
+        rh = rx.expect("t", [2, 3])
+        assert send(src, rx.endpoint, prefill_cfg("b"), protection="aead").poll() is TransferState.DONE
+        assert rh.wait(5) is TransferState.DONE and torch.equal(dst.kv[:, :, [2, 3]], src.kv[:, :, [0, 1]])
+        rx.cancel("t")
+        # from c (a link that names none: kv.protection) and within a, integrity is what the operator allowed
+        for site in ("c", "a"):
+            rh = rx.expect("t", [2, 3])
+            h = send(src, rx.endpoint, prefill_cfg(site), protection="integrity")
+            assert h.poll() is TransferState.DONE and rh.wait(5) is TransferState.DONE, (site, h.failure())
+            rx.cancel("t")
+    finally:
+        rx.close()
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("decode-role sender", "is a decode; only a prefill may do this"),
+    ("revoked", "is revoked"),
+    ("foreign CA", "not issued by the cluster CA"),
+])
+def test_senders_with_the_wrong_certificate_are_refused_before_any_byte(case, reason):
+    src, dst = cache(1), cache(None)
+    if case == "decode-role sender":
+        cfg = prefill_cfg("a", CertRole.DECODE)
+    elif case == "foreign CA":
+        cfg = prefill_cfg("a", ca=new_ca())
+    else:
+        cfg = prefill_cfg("a")
+    revoked = frozenset({_serial(cfg)}) if case == "revoked" else frozenset()
+    rx = TcpKVReceiver(dst, cfg=kv_transfer_config(CFG, Role.DECODE, "a", SECRET,
+                                                    material("a", CertRole.DECODE, revoked=revoked)))
+    try:
+        rh = rx.expect("t", [2, 3])
+        h = send(src, rx.endpoint, cfg)
+        assert h.poll() is TransferState.FAILED and reason in h.failure().reason, h.failure()
+        assert rh.poll() is TransferState.WAITING and not dst.kv.any()
+        assert rx.refused == 1
+    finally:
+        rx.close()
+
+
+def _serial(cfg: TransferConfig) -> int:
+    from cryptography import x509
+
+    return x509.load_der_x509_certificate(cfg.credentials.certificate).serial_number
+
+
+def test_a_sender_talks_only_to_the_decode_worker_the_router_named():
+    src, dst = cache(1), cache(None)
+    rx = receiver_at("a", dst, name="1")
+    try:
+        h = send(src, rx.endpoint, prefill_cfg("a"), receiver="a/decode/0")
+        assert h.poll() is TransferState.FAILED
+        assert "the receiver is kvrelay://a/decode/1, not kvrelay://a/decode/0" in h.failure().reason
+        rh = rx.expect("t", [2, 3])
+        assert send(src, rx.endpoint, prefill_cfg("a"), receiver="a/decode/1").poll() is TransferState.DONE
+        assert rh.wait(5) is TransferState.DONE
+    finally:
+        rx.close()
+
+
+class _Recorder:
+    """A listener that records every byte a connecting sender sends and
+    answers what ``answer`` returns (a fake receiver without the secret or
+    certificate), then closes."""
+
+    def __init__(self, answer=None) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.seen = bytearray()
+        self.done = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            conn, _ = self.listener.accept()
+            conn.settimeout(2.0)
+            try:
+                while data := conn.recv(65536):
+                    self.seen += data
+            except OSError:
+                pass
+            conn.close()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+def test_an_unauthenticated_peer_learns_no_nixl_metadata_or_memory_address():
+    """A NIXL sender pointed at a peer that cannot prove itself (a silent
+    listener; a real receiver with the wrong secret behind a tap): the
+    bytes it received hold neither the agent metadata nor the KV address."""
+    src = cache(1)
+    tx = NixlKVSender(src, TransferConfig(secret=SECRET, streams=1, connect_timeout_s=2.0))
+    secrets = [tx.nixl.metadata, tx.nixl.base_address.to_bytes(8, "little"),
+               tx.nixl.base_address.to_bytes(8, "big")]
+    silent = _Recorder()
+    wrong = TcpKVReceiver(cache(None), cfg=TransferConfig(secret=b"s" * 32))
+    tap = _Tap(wrong.endpoint)
+    try:
+        for endpoint in (silent.endpoint, tap.endpoint):
+            h = tx.open(TransferTarget(endpoint, f"t-{endpoint}", (2, 3), LAYOUT.compat_hash()))
+            h.send_layer(0, [0, 1], 0)
+            h.finish(3, 0.0)
+            assert h.wait(20) is TransferState.FAILED
+        assert "authentication" in h.failure().reason
+        for seen in (silent.seen, tap.seen):
+            assert len(seen) > 0
+            assert not any(s in seen for s in secrets)
+            assert len(seen) < 4096  # a hello and nothing after it: the proofs failed
+    finally:
+        silent.done.set()
+        tx.close()
+        wrong.close()
+
+
+class _Tap:
+    """Forwards one connection, recording what the sender sent."""
+
+    def __init__(self, target: str) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.target, self.seen = target, bytearray()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        client, _ = self.listener.accept()
+        host, port = self.target.rsplit(":", 1)
+        server = socket.create_connection((host, int(port)))
+        threading.Thread(target=self._back, args=(server, client), daemon=True).start()
+        try:
+            while data := client.recv(65536):
+                self.seen += data
+                server.sendall(data)
+        except OSError:
+            pass
+        server.close()
+
+    @staticmethod
+    def _back(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        b.close()
