@@ -60,8 +60,17 @@ def _spec(n: int) -> str:
     return f"float32,{LAYOUT.num_layers},{LAYOUT.num_kv_heads},{LAYOUT.head_dim},{LAYOUT.block_size},{n}"
 
 
+PEER_NETNS: str | None = None
+"""Run benchmark peers in this network namespace (benchmarks/kv_wan.py)."""
+PEER_HOST: str | None = None
+"""The address peers listen on there."""
+
+
 def _peer(*args: str, full: bool = False) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.kv_peer", *args], stdout=subprocess.PIPE, text=True)
+    where = ["ip", "netns", "exec", PEER_NETNS] if PEER_NETNS else []
+    host = [f"host={PEER_HOST}"] if PEER_HOST else []
+    proc = subprocess.Popen([*where, sys.executable, "-m", "benchmarks.kv_peer", *args, *host],
+                            stdout=subprocess.PIPE, text=True)
     for _ in range(50):  # NIXL and Mooncake log to stdout before the peer is ready
         line = proc.stdout.readline()
         if line.startswith("ENDPOINT") or not line:
@@ -178,16 +187,19 @@ def ours(n_blocks: int, streams: int, repeat: int, transport: str = "tcp", prote
 
 
 def raw(nbytes: int, streams: int, repeat: int, mode: str = PLAIN) -> list[float]:
-    """Seconds per round of ``nbytes`` over ``streams`` sockets, doing the
-    cipher work of ``mode`` (plain, aead, integrity: benchmarks/kv_limit.py)."""
-    proc, endpoint = _peer("raw-receiver", str(nbytes), str(streams), str(repeat), mode)
-    host, port = endpoint.split(":")
+    """Seconds per round of ``nbytes`` over ``streams`` warm sockets (one
+    unmeasured round first, as ours has), doing the cipher work of ``mode``
+    (plain, aead, integrity: benchmarks/kv_limit.py)."""
+    proc, endpoint = _peer("raw-receiver", str(nbytes), str(streams), str(repeat + 1), mode)
+    host, port = endpoint.rsplit(":", 1)
     buf = memoryview(bytearray(nbytes))
     share = nbytes // streams
     times = []
+    socks = [socket.create_connection((host, int(port))) for _ in range(streams)]
+    for s in socks:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as ours
     try:
-        for _ in range(repeat):
-            socks = [socket.create_connection((host, int(port))) for _ in range(streams)]
+        for r in range(repeat + 1):
             t = time.perf_counter()
 
             def send(i: int) -> None:
@@ -200,10 +212,11 @@ def raw(nbytes: int, streams: int, repeat: int, mode: str = PLAIN) -> list[float
                 th.start()
             for th in ts:
                 th.join()
-            times.append(time.perf_counter() - t)
-            for s in socks:
-                s.close()
+            if r:
+                times.append(time.perf_counter() - t)
     finally:
+        for s in socks:
+            s.close()
         proc.kill()
         proc.wait()
     return times
@@ -329,7 +342,8 @@ def _peers(mib: int, repeat: int) -> dict:
 
 def run_kv_bench(sizes_mib: list[int], streams: list[int], repeat: int, model_path: Path | None,
                  modes: list[str] = ("aead", "integrity")) -> KVBenchResult:
-    """Every (size, streams, mode) side by side with its limits, then the peers at the largest size."""
+    """Every (size, streams, mode) side by side with its limits, then the
+    peers at the largest size (the WAN link: benchmarks/kv_wan.py)."""
     res = KVBenchResult()
     for mib in sizes_mib:
         res.rows += _rows_for(mib, streams, list(modes), repeat)
@@ -378,6 +392,10 @@ def format_kv(res: KVBenchResult) -> str:
         peers.append(f"bare NIXL READ {e['nixl_bare_gbps']:.2f} vs our NIXL path {e['nixl_ours_gbps']:.2f} "
                      f"({e['nixl_ours_gbps'] / e['nixl_bare_gbps']:.0%})")
     lines.append(f"peers at {e['peers_size_mib']:g} MiB, GB/s: " + "; ".join(peers))
+    if res.wan_link_ratio is not None:
+        lines.append(f"emulated WAN link (1 Gbit/s, 60 ms RTT), {e['wan_size_mib']:g} MiB, {e['wan_streams']} streams: "
+                     f"ours {e['wan_ours_gbps'] * 8:.3f} Gbit/s vs the link's TCP {e['wan_link_tcp_gbps'] * 8:.3f} "
+                     f"-> {res.wan_link_ratio:.0%}")
     lines.append(f"one block (all 30 layers, {PER_BLOCK // 1024} KiB, aead), warm connections: "
                  f"{res.one_block_ms:.2f} ms")
     if res.overlap:

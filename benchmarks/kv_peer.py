@@ -5,9 +5,9 @@ kill one side. SPEC is ``dtype,layers,kv_heads,head_dim,block_size,num_blocks[,m
         expects transfers t0..t{COUNT-1}, each into every block;
         prints "ENDPOINT host:port", then serves until killed
     python -m benchmarks.kv_peer raw-receiver NBYTES STREAMS ROUNDS [MODE]
-        accepts STREAMS connections per round and receives its share of
-        NBYTES as MODE sends it (plain, aead or integrity: benchmarks/kv_limit.py),
-        answering one byte per stream; prints "ENDPOINT host:port"
+        accepts STREAMS connections, then for each of ROUNDS receives on each
+        its share of NBYTES as MODE sends it (plain, aead or integrity:
+        benchmarks/kv_limit.py) and answers one byte; prints "ENDPOINT host:port"
     python -m benchmarks.kv_peer nixl-target NBYTES
         registers NBYTES with a bare NIXL agent; prints "ENDPOINT hex_metadata address"
     python -m benchmarks.kv_peer mooncake-target NBYTES
@@ -15,6 +15,9 @@ kill one side. SPEC is ``dtype,layers,kv_heads,head_dim,block_size,num_blocks[,m
         and prints "ENDPOINT host:rpc_port buffer_address"
     python -m benchmarks.kv_peer sender SPEC ENDPOINT TRANSFER_ID N_BLOCKS LAYERS
         sends LAYERS layers of N_BLOCKS blocks, prints "SENT", then hangs
+
+Receivers listen on 127.0.0.1, or on ADDR given as ``host=ADDR`` anywhere
+on the command line.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from kvtransfer.nixl import NixlKVReceiver, make_agent
 from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 
 SECRET = b"test-secret"
+HOST = "127.0.0.1"
+"""Where receivers listen (``host=ADDR`` on the command line: an emulated site's address)."""
 RECEIVER = TransferConfig(secret=SECRET, protection="integrity")
 """A benchmark receiver accepts senders of either protection (aead satisfies integrity)."""
 
@@ -50,25 +55,27 @@ def make_cache(spec: str, seed: int | None = 5) -> KVCache:
 
 
 def raw_receiver(nbytes: int, streams: int, rounds: int, mode: str = PLAIN) -> None:
-    srv = socket.create_server(("127.0.0.1", 0), backlog=64)
-    print("ENDPOINT", f"127.0.0.1:{srv.getsockname()[1]}", flush=True)
+    srv = socket.create_server((HOST, 0), backlog=64)
+    print("ENDPOINT", f"{HOST}:{srv.getsockname()[1]}", flush=True)
     buf = memoryview(bytearray(nbytes))
     share = nbytes // streams
-    for _ in range(rounds):
-        conns = [srv.accept()[0] for _ in range(streams)]
+    conns = [srv.accept()[0] for _ in range(streams)]  # warm connections, as ours are
+    for c in conns:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-        def pull(i: int, c: socket.socket) -> None:
-            end = nbytes if i == streams - 1 else (i + 1) * share
+    def pull(i: int, c: socket.socket) -> None:
+        end = nbytes if i == streams - 1 else (i + 1) * share
+        for _ in range(rounds):
             kv_limit.pull(c, buf[i * share:end], mode, i)
             c.sendall(b"k")
 
-        ts = [threading.Thread(target=pull, args=(i, c)) for i, c in enumerate(conns)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        for c in conns:
-            c.close()
+    ts = [threading.Thread(target=pull, args=(i, c)) for i, c in enumerate(conns)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for c in conns:
+        c.close()
 
 
 def mooncake_engine():
@@ -102,6 +109,11 @@ def nixl_target(nbytes: int) -> None:
 
 
 def main() -> None:
+    global HOST
+    hosts = [a for a in sys.argv if a.startswith("host=")]
+    for a in hosts:
+        sys.argv.remove(a)
+        HOST = a.split("=", 1)[1]
     role = sys.argv[1]
     if role == "raw-receiver":
         raw_receiver(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])
@@ -117,9 +129,9 @@ def main() -> None:
         cache = make_cache(spec, seed=None)
         if len(sys.argv) > 4 and sys.argv[4] == "nixl":
 
-            rx = NixlKVReceiver(cache, cfg=RECEIVER)
+            rx = NixlKVReceiver(cache, HOST, cfg=RECEIVER)
         else:
-            rx = TcpKVReceiver(cache, cfg=RECEIVER)
+            rx = TcpKVReceiver(cache, HOST, cfg=RECEIVER)
         for i in range(int(sys.argv[3])):
             rx.expect(f"t{i}", list(range(cache.num_blocks)))
         print("ENDPOINT", rx.endpoint, flush=True)

@@ -19,6 +19,7 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 from benchmarks.engine_bench import format_result, run_engine_bench, to_json
 from benchmarks.kv_bench import format_kv, kv_json, run_kv_bench
+from benchmarks.kv_wan import add_wan
 from benchmarks.placement_bench import format_placement, run_placement_bench
 from benchmarks.tls_bench import format_tls, run_tls_bench
 from benchmarks.traces import TraceError, load_trace
@@ -93,6 +94,8 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvrelay bench kv --modes: {exc}") from None
     model = None if args.no_overlap else resolve_model(args.model, args.cache_dir)
     res = run_kv_bench([int(m) for m in args.sizes.split(",")], streams, args.repeat, model, modes)
+    if args.wan:
+        add_wan(res)
     print(format_kv(res))
     if args.json:
         command = "kvrelay bench kv " + " ".join(sys.argv[3:])
@@ -332,6 +335,7 @@ def _add_bench_parsers(bench) -> None:
     bk.add_argument("--streams", default="1,4")
     bk.add_argument("--modes", default="aead,integrity", help="protections to measure, comma-separated")
     bk.add_argument("--json", help="write the results (one record per size, streams and mode) to this file")
+    bk.add_argument("--wan", action="store_true", help="also over an emulated 1 Gbit/s, 60 ms link (root: kvrelay cities)")
     bk.add_argument("--repeat", type=int, default=3)
     bk.add_argument("--model", help="checkpoint for the overlap measurement (default: the embedded model)")
     bk.add_argument("--no-overlap", action="store_true", help="skip the 4k-token layer-wise overlap run")

@@ -3,9 +3,9 @@ the sender has proved itself (kvtransfer/handshake.py), in one thread.
 
 Before authentication a peer costs a socket and a small buffer, nothing
 else: its frames may be at most :data:`~kvtransfer.wire.HANDSHAKE_FRAME_MAX`
-bytes (refused before they are buffered; nothing beyond the frame is read), the whole handshake has one
-deadline however the bytes trickle in, and at most ``max_pending``
-connections wait at once (more are closed on accept). No thread is started
+bytes (refused before they are buffered; nothing past a frame is read),
+the whole handshake has one deadline however the bytes trickle in, and at
+most ``max_pending`` connections wait at once (more are closed on accept). No thread is started
 for a peer that has not authenticated; an authenticated one is handed to
 ``on_peer`` (which attaches its memory, confirms, and serves it on a
 thread of its own). So a flood of unauthenticated connections cannot hold

@@ -255,7 +255,7 @@ def check_auth(frame: pb.KVFrame, policy: ReceiverPolicy, p: PendingPeer) -> str
 
 def refusal_record(p: PendingPeer, reason: str) -> bytes:
     """The sealed auth_ack that tells a sender (who may hold the keys) why it was refused."""
-    writer = RecordWriter(None, p.cipher, p.keys.to_sender, p.protection)  # type: ignore[arg-type]
+    writer = RecordWriter(None, p.cipher, p.keys.to_sender, p.protection)
     return writer.seal(pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=False, reason=reason)))[1]
 
 

@@ -85,11 +85,13 @@ class _Incoming:
 
 class _Attach:
     """The handshake's PeerAttacher for one connection: the first of the
-    receiver's attachers that accepts the sender's offer maps its memory."""
+    receiver's attachers that accepts the sender's offer maps its memory
+    (only same-host ones unless ``remote_ok``: an integrity link)."""
 
     def __init__(self, attachers: Sequence[PeerAttacher], remote_ok: bool) -> None:
         self.attachers = [a for a in attachers if a.same_host or remote_ok]
         self.same_host = True
+        """The filter above already applied the rule accept_peer checks."""
         self.chosen: PeerAttacher | None = None
 
     def can_attach(self, offer: pb.KVOffer) -> bool:

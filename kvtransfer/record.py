@@ -128,7 +128,8 @@ class _Direction:
 class RecordWriter(_Direction):
     """Seals and sends records; one thread at a time (the caller's lock)."""
 
-    def __init__(self, sock: socket.socket, cipher: Cipher, key: bytes, protection: Protection) -> None:
+    def __init__(self, sock: socket.socket | None, cipher: Cipher, key: bytes, protection: Protection) -> None:
+        """``sock`` None: a writer that only seals (:meth:`seal`)."""
         super().__init__(cipher, key, protection)
         self.sock = sock
 

@@ -1,6 +1,7 @@
-"""End to end with the local (shared-memory) and NIXL KV transports: the same
-tokens as the engine alone (tcp is covered by test_e2e.py); the prefill's
-shared KV file is gone after shutdown."""
+"""End to end with the local (shared-memory) and NIXL KV transports (NIXL on
+an integrity link, where the decode worker pulls): the same tokens as the
+engine alone (tcp is covered by test_e2e.py); the prefill's shared KV file
+is gone after shutdown."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.model
 @pytest.mark.parametrize("transport", ["local", "nixl"])
 def test_transport_end_to_end(transport, smollm_path, reference_engine):
     raw = copy.deepcopy(CLUSTER_YAML)
-    raw["kv"] = {"transport": transport}
+    # NIXL pulls cross the fabric unencrypted: only an integrity link lets the decode worker pull
+    raw["kv"] = {"transport": transport, **({"protection": "integrity"} if transport == "nixl" else {})}
     lc = LocalCluster(parse_config(raw), smollm_path)
     lc.start()
     try:

@@ -121,10 +121,13 @@ def test_decode_killed_mid_transfer_prefill_frees_blocks(smollm_path):
 
 
 def test_corrupted_transfers_are_refused_retried_then_recomputed(smollm_path, reference_engine):
-    """Each prefill worker flips a byte of its first transfer: the decode worker's
-    checksums catch it and it drops the reservation; the router places the prompt
-    at the other prefill worker (corrupted again), then has the decode worker
-    compute it. The client gets the right tokens; later transfers are clean."""
+    """Each prefill worker flips a sealed byte of its first transfer (what an
+    on-path attacker would flip: tests/integration/test_kv_mitm.py has the
+    proxy): the decode worker's AEAD check refuses it and it drops the
+    reservation; the router places the prompt at the other prefill worker
+    (tampered again), then has the decode worker compute it. The client gets
+    the reference tokens (so no refused block entered the prefix cache the
+    colocated computation used); later transfers are clean."""
     raw = copy.deepcopy(CLUSTER_YAML)
     raw["sites"][0]["prefill"]["replicas"] = 2
     # a transfer that merely stalled would take this long to fail (either side's deadline)
@@ -143,7 +146,7 @@ def test_corrupted_transfers_are_refused_retried_then_recomputed(smollm_path, re
         t0 = time.monotonic()
         tokens, pl = generate()
         took_s = time.monotonic() - t0
-        # refused on arrival (checksums), not timed out: three prompt computations,
+        # refused on arrival (AEAD tags), not timed out: three prompt computations,
         # however slow a busy machine makes them, take far less than one deadline
         assert took_s < STALLED_S / 2, took_s
         assert tokens == want

@@ -1,0 +1,30 @@
+"""`kvrelay bench kv --json` on the smallest run: real transfers and raw
+sockets, and the record's field names (other tools read them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_kv_json_has_its_stable_fields(tmp_path):
+    out = tmp_path / "kv.json"
+    res = subprocess.run([sys.executable, "-m", "cli", "bench", "kv", "--sizes", "1", "--streams", "1",
+                          "--repeat", "1", "--modes", "aead,integrity", "--no-overlap", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert [(r["mode"], r["streams"]) for r in rec["rows"]] == [("aead", 1), ("integrity", 1)]
+    for r in rec["rows"]:
+        assert set(r) == {"size_mib", "streams", "mode", "ours_gbps", "raw_gbps", "limit_gbps", "ratio"}
+        assert r["ours_gbps"] > 0 and r["limit_gbps"] > 0 and abs(r["ratio"] - r["ours_gbps"] / r["limit_gbps"]) < 0.01
+    assert rec["one_block_ms"] > 0 and rec["overlap_fraction"] is None and rec["wan_link_ratio"] is None
+    assert rec["machine"]["cpu"] and "command" in rec and "date" in rec
+    assert "ours / limit" in res.stdout
+
+
+def test_bench_kv_refuses_an_unknown_mode():
+    res = subprocess.run([sys.executable, "-m", "cli", "bench", "kv", "--modes", "plain", "--no-overlap"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "protection must be aead or integrity, got 'plain'" in res.stderr
