@@ -2,7 +2,7 @@
 ``streams`` authenticated connections (kvtransfer/handshake.py), each with a
 writer thread that merges queued layers into frames and sends them as records
 (kvtransfer/record.py: the sealed header, then the payload sealed straight
-from the KV tensor, or block ids and their checksums when the receiver
+from the KV tensor, or block ids and a MAC of each run when the receiver
 pulls) and an ack thread."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from engine.kv_cache import KVCache
 from kvtransfer.base import MemoryOffer, TransferResult, TransferState
 from kvtransfer.config import TransferConfig
 from kvtransfer.handshake import SenderHello, Session, client_handshake
-from kvtransfer.memory import KVBytes, block_crcs, coalesce
+from kvtransfer.memory import KVBytes, coalesce, paired_runs
 from kvtransfer.wire import ProtocolError, tune_socket
 
 if TYPE_CHECKING:
@@ -189,12 +189,16 @@ class SendStream:
     def _send_blocks(self, h: ChannelSendHandle, item: tuple, views: list[memoryview], nbytes: int) -> None:
         _, _, layer, src, first, num_layers = item
         tamper, h.corrupt = h.corrupt, False  # fault injection: what arrives must be refused
-        if self.shared:  # the receiver pulls: block ids and their checksums only
-            crcs = block_crcs(views, self.pool.mem.block_bytes)
+        if self.shared:  # the receiver pulls: block ids and a MAC of each run it pulls
+            dest = list(h.target.block_ids[first:first + len(src)])
+            mem = self.pool.mem
+            runs = [mem.run(lyr, kind, s, n) for lyr in range(layer, layer + num_layers) for kind in (0, 1)
+                    for s, _, n in paired_runs(src, dest)]
+            tags = bytearray(self.session.writer.tag_pulled(runs))
             if tamper:
-                crcs = [crcs[0] ^ 1, *crcs[1:]]
+                tags[0] ^= 1
             frame = pb.KVBlocks(transfer_id=h.transfer_id, layer=layer, num_layers=num_layers, first=first,
-                                count=len(src), src_blocks=src, crc32c=crcs)
+                                count=len(src), src_blocks=src, pulled_tags=bytes(tags))
             self.session.writer.send(pb.KVFrame(blocks=frame))
         else:
             frame = pb.KVBlocks(transfer_id=h.transfer_id, layer=layer, num_layers=num_layers, first=first,

@@ -41,8 +41,8 @@ class TransferConfig:
     its transfers fail and a new connection replaces it, instead of blocking."""
     corrupt_first: int = 0
     """Fault injection: the first N transfers of a sender carry one flipped
-    sealed byte (as an on-path attacker would flip) or checksum (shared
-    memory) the receiver must catch."""
+    sealed byte (as an on-path attacker would flip) or pulled-run MAC the
+    receiver must catch."""
 
     def required(self, site: str | None) -> Protection:
         """Receiver: the protection a sender from ``site`` must use."""

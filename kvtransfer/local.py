@@ -2,7 +2,7 @@
 cache lives in a shared-memory file (/dev/shm/kvrelay-*), and the decode
 worker copies the blocks it is told about straight from it into its own
 reserved blocks (one memcpy, no bytes on a socket). Control frames (the
-authenticated handshake, block lists with their CRC32C, done and its
+authenticated handshake, block lists with a MAC of each run, done and its
 acknowledgement) use the channel every transport shares
 (kvtransfer/channel.py). Receivers map the file with ``SharedMemoryAttacher``
 (the tcp and nixl receivers both do, so they serve local senders); a

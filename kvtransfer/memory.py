@@ -1,9 +1,9 @@
 """Host KV memory as bytes: zero-copy views by offset (``KVBytes``), runs of
-consecutive blocks (``coalesce``) and per-block CRC32C (``block_crcs``)."""
+consecutive blocks (``coalesce``) and runs consecutive at both ends of a
+transfer (``paired_runs``)."""
 
 from __future__ import annotations
 
-import crc32c
 import torch
 
 from engine.kv_cache import KVCache
@@ -21,11 +21,17 @@ def coalesce(block_ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def block_crcs(views: list[memoryview], block_bytes: int) -> list[int]:
-    """CRC32C of every block in ``views`` (each a whole number of blocks), in order."""
-    # gil_release_mode=1: other transport threads run while a block is summed.
-    f = crc32c.crc32c
-    return [f(v[i:i + block_bytes], 0, 1) for v in views for i in range(0, len(v), block_bytes)]
+def paired_runs(src: list[int], dest: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs where source and destination blocks are both consecutive:
+    (first source block, first destination block, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dest):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            a, b, n = runs[-1]
+            runs[-1] = (a, b, n + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
 
 
 class KVBytes:

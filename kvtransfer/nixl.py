@@ -3,11 +3,11 @@ shared memory or TCP otherwise) from the prefill worker's registered KV
 tensor (DRAM on CPU, VRAM on CUDA) into the decode worker's.
 
 The decode worker READs: it learns the sender's agent metadata and KV
-address in the handshake of the control connection (kvtransfer/channel.py,
-kvtransfer/wire.py), and each blocks
-frame names the sender's blocks; the receiver pulls them into the
-reservation it still holds, under the reservation's lock, then verifies
-their CRC32C. We read rather than let the prefill worker WRITE because a
+address from the sender's sealed offer, after both ends authenticated
+(kvtransfer/handshake.py), and each blocks frame names the sender's blocks
+and carries a MAC of each run; the receiver pulls them into the
+reservation it still holds, under the reservation's lock, then checks the
+MACs. Only on integrity links: the bytes cross the fabric unencrypted. We read rather than let the prefill worker WRITE because a
 one-sided write cannot know that the reservation was not freed (lease
 expired, request cancelled) and handed to another request in the meantime;
 with READ, the side that owns the memory decides. Metadata travels over our
@@ -32,6 +32,7 @@ from engine.kv_cache import KVCache
 from kvtransfer.base import Transport
 from kvtransfer.config import TransferConfig
 from kvtransfer.local import SharedMemoryAttacher
+from kvtransfer.memory import paired_runs
 from kvtransfer.receiver import ChannelReceiver
 from kvtransfer.sender import ChannelSender
 from kvtransfer.wire import ProtocolError
@@ -43,19 +44,6 @@ def nixl_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def paired_runs(src: list[int], dest: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs where source and destination blocks are both consecutive:
-    (first source block, first destination block, length)."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dest):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            a, b, n = runs[-1]
-            runs[-1] = (a, b, n + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
 
 
 PROGRESS_DELAY_US = 500

@@ -4,8 +4,8 @@ connection gets a thread that opens its records (kvtransfer/record.py) and
 lands each blocks frame in the reserved blocks: decrypted (or MAC-checked)
 straight into their memory, or pulled from the sender's memory (a
 ``MemorySource`` its attachers map: shared memory, NIXL) and checked against
-the CRC32Cs of the authenticated header, on a verifier thread for large
-frames. A block counts as landed only once its frame verified; a record that
+the MAC of each run in the authenticated header, on a verifier thread for
+large frames. A block counts as landed only once its frame verified; a record that
 fails ends the connection and fails every transfer on it. Payloads for a
 transfer that is unknown or was cancelled are read into scratch memory (their
 tags still checked) and dropped: a freed reservation is never written."""
@@ -40,7 +40,7 @@ from kvtransfer.handshake import (
     Session,
     accept_peer,
 )
-from kvtransfer.memory import KVBytes, block_crcs, coalesce
+from kvtransfer.memory import KVBytes, coalesce, paired_runs
 from kvtransfer.protection import Protection
 from kvtransfer.record import RecordError
 from kvtransfer.wire import ProtocolError, tune_socket
@@ -114,7 +114,7 @@ class _Conn:
         self.source: MemorySource | None = None
         """The sender's memory, when it offered it and we pull from it."""
         self.verify: queue.SimpleQueue = queue.SimpleQueue()
-        """Pulled frames, for the verifier thread to checksum."""
+        """Pulled frames, for the verifier thread to check against their MACs."""
 
     def send(self, frame: pb.KVFrame) -> None:
         with self.lock:
@@ -252,8 +252,8 @@ class ChannelReceiver(KVReceiver):
                        or max(hdr.src_blocks) >= conn.source.num_blocks):
             raise ProtocolError("shared-memory blocks frame without a valid shared KV mapping")
         want = 0 if pulled else runs * self.cache.layout.block_bytes
-        if hdr.payload_bytes != payload or payload != want or len(hdr.crc32c) != (runs if pulled else 0):
-            raise ProtocolError(f"blocks frame of {payload} bytes and {len(hdr.crc32c)} checksums "
+        if hdr.payload_bytes != payload or payload != want or (hdr.pulled_tags and not pulled):
+            raise ProtocolError(f"blocks frame of {payload} bytes and {len(hdr.pulled_tags)} bytes of tags "
                                 f"for {hdr.count} blocks x {hdr.num_layers} layers")
         if layers.stop > self.cache.layout.num_layers or hdr.count == 0:
             raise ProtocolError(f"blocks frame for layers {layers.start}-{layers.stop - 1} of a "
@@ -277,8 +277,13 @@ class ChannelReceiver(KVReceiver):
                 self._maybe_complete(hdr.transfer_id, inc)
             return
         dest = inc.block_ids[hdr.first:hdr.first + hdr.count]
-        views = [self.mem.run(layer, kind, first_id, n) for layer in layers for kind in (0, 1)
-                 for _, first_id, n in coalesce(dest)]
+        if pulled:  # one view per run consecutive at both ends: what the sender tagged
+            views = [self.mem.run(layer, kind, d, n) for layer in layers for kind in (0, 1)
+                     for _, d, n in paired_runs(list(hdr.src_blocks), dest)]
+        else:
+            views = [self.mem.run(layer, kind, first_id, n) for layer in layers for kind in (0, 1)
+                     for _, first_id, n in coalesce(dest)]
+        seq = conn.session.reader.last_seq
         conn.transfers.add(hdr.transfer_id)
         try:
             inc.handle.advance(TransferState.TRANSFERRING)
@@ -291,24 +296,25 @@ class ChannelReceiver(KVReceiver):
         if not pulled:  # the tags authenticated every byte
             self._land(inc, hdr, layers)
         elif sum(len(v) for v in views) <= INLINE_VERIFY_BYTES:
-            self._verify(inc, hdr, layers, views, dest)
+            self._verify(conn, seq, inc, hdr, layers, views)
         else:
-            conn.verify.put((inc, hdr, layers, views, dest))
+            conn.verify.put((conn, seq, inc, hdr, layers, views))
 
     def _verify_loop(self, conn: _Conn) -> None:
-        """Checksums landed frames off the receiving thread, so the next
-        frame's bytes arrive while this one is summed."""
+        """Checks pulled frames off the receiving thread, so the next frame is
+        pulled while this one is checked."""
         for item in iter(conn.verify.get, None):
             self._verify(*item)
 
-    def _verify(self, inc: _Incoming, hdr: pb.KVBlocks, layers: range, views: list[memoryview],
-                dest: list[int]) -> None:
-        crcs = block_crcs(views, self.cache.layout.block_bytes)
-        bad = [i for i, (a, b) in enumerate(zip(crcs, hdr.crc32c)) if a != b]
+    def _verify(self, conn: _Conn, seq: int, inc: _Incoming, hdr: pb.KVBlocks, layers: range,
+                views: list[memoryview]) -> None:
+        """Pulled blocks against the tags the (authenticated) header carries."""
+        bad = conn.session.reader.bad_pulled(seq, views, hdr.pulled_tags)
         if bad:
-            bad_blocks = sorted({dest[i % hdr.count] for i in bad})
-            inc.handle.fail(f"checksum mismatch in layers {layers.start}-{layers.stop - 1} of "
-                            f"{len(bad_blocks)} block(s)", bad_blocks)
+            runs = paired_runs(list(hdr.src_blocks), inc.block_ids[hdr.first:hdr.first + hdr.count])
+            bad_blocks = sorted({runs[i % len(runs)][1] + k for i in bad for k in range(runs[i % len(runs)][2])})
+            inc.handle.fail(f"pulled KV failed authentication in layers {layers.start}-{layers.stop - 1} of "
+                            f"{len(bad_blocks)} block(s) (altered, or not what the sender tagged)", bad_blocks)
             self._maybe_complete(hdr.transfer_id, inc)
         else:
             self._land(inc, hdr, layers)

@@ -41,6 +41,9 @@ MAX_HEADER = 1 << 20
 """Largest header a record may announce (an authenticated peer's, so it
 bounds what an on-path attacker can make us allocate)."""
 MAX_PAYLOAD = 1 << 40
+PULLED = 1 << 31
+"""Piece numbers from here up name the tags of pulled runs (kvtransfer/memory.py
+``paired_runs``), so their nonces never meet a payload piece's."""
 
 
 class RecordError(ProtocolError):
@@ -114,6 +117,11 @@ class _Direction:
         self.sealed = memoryview(bytearray(PIECE + TAG))
         self.plain = memoryview(bytearray(PIECE))
 
+    def pulled_tags(self, seq: int, views: list[memoryview]) -> list[bytes]:
+        """The tag (a MAC under this direction's key) of each view of blocks
+        that the receiver pulls for record ``seq``."""
+        return [self.aead.encrypt(_nonce(seq, PULLED | j), b"", v) for j, v in enumerate(views)]
+
     def stage(self, segs: list[memoryview]) -> memoryview:
         """One contiguous piece: the only slice, or the slices copied together."""
         if len(segs) == 1:
@@ -132,6 +140,10 @@ class RecordWriter(_Direction):
         """``sock`` None: a writer that only seals (:meth:`seal`)."""
         super().__init__(cipher, key, protection)
         self.sock = sock
+
+    def tag_pulled(self, views: list[memoryview]) -> bytes:
+        """Tags of the blocks the next record lets the receiver pull, concatenated."""
+        return b"".join(self.pulled_tags(self.seq, views))
 
     def seal(self, frame: pb.KVFrame, payload_bytes: int = 0, section: int = 0) -> tuple[int, bytes]:
         """The next record's sequence number and its prefix and sealed header."""
@@ -174,6 +186,8 @@ class RecordReader(_Direction):
         self._payload: tuple[int, int, int] | None = None
         """(sequence, bytes, section bytes) of the payload that follows the last header."""
         self._prefix = memoryview(bytearray(PREFIX.size))
+        self.last_seq = -1
+        """Sequence number of the last record opened."""
 
     def recv(self) -> tuple[pb.KVFrame, int]:
         """The next frame and the payload bytes that follow it (read them with
@@ -210,6 +224,7 @@ class RecordReader(_Direction):
             raise RecordError(f"KV frame out of order: record {seq} arrived where {self.seq} was expected "
                               "(a frame was dropped or reordered in flight)", tid)
         self.seq += 1
+        self.last_seq = seq
         if plen:
             self._payload = (seq, plen, section)
         return frame, plen
@@ -253,6 +268,24 @@ class RecordReader(_Direction):
         except InvalidTag:
             raise RecordError(f"KV payload failed authentication (record {seq}, piece {piece}: "
                               "altered in flight)") from None
+
+    def bad_pulled(self, seq: int, views: list[memoryview], tags: bytes) -> list[int]:
+        """Indices of ``views`` (pulled for record ``seq``) whose tag in ``tags`` does not match."""
+        if len(tags) != TAG * len(views):
+            return list(range(len(views)))
+        return [j for j, (want, v) in enumerate(zip(self._tags(tags), views))
+                if not self._verifies(seq, j, want, v)]
+
+    @staticmethod
+    def _tags(tags: bytes) -> list[bytes]:
+        return [tags[i:i + TAG] for i in range(0, len(tags), TAG)]
+
+    def _verifies(self, seq: int, j: int, tag: bytes, view: memoryview) -> bool:
+        try:
+            self.aead.decrypt(_nonce(seq, PULLED | j), tag, view)
+            return True
+        except InvalidTag:
+            return False
 
     def skip_payload(self) -> None:
         """Reads the pending payload (if any) into scratch memory, still

@@ -2,15 +2,15 @@
 bytes cross the socket.
 
 Sender: per receiver endpoint a pool of ``streams`` authenticated
-connections (kvtransfer/channel.py), each with a writer thread (frames +
-``sendall`` straight from the KV tensor's memory, one call per run of
-consecutive blocks) and a reader thread (acknowledgements). Layers go to
+connections (kvtransfer/channel.py), each with a writer thread (sealed
+records, kvtransfer/record.py: each payload piece sealed straight from the
+KV tensor's memory) and a reader thread (acknowledgements). Layers go to
 the least-loaded stream once a transfer's stream has 4 MiB queued.
 
-Receiver (kvtransfer/receiver.py): ``recv_into``s each run of blocks
-straight into the reserved blocks' memory and verifies every block's
-CRC32C. It also serves local senders: it maps their shared-memory KV
-(kvtransfer/local.py) and copies from it.
+Receiver (kvtransfer/receiver.py): opens each piece straight into the
+reserved blocks' memory (the AEAD tag authenticates every byte). It also
+serves local senders: it maps their shared-memory KV (kvtransfer/local.py)
+and copies from it.
 """
 
 from __future__ import annotations

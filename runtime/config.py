@@ -289,8 +289,8 @@ class KVSection:
     (a MAC over every frame, for links inside one machine room)."""
     corrupt_first_transfers: int = 0
     """Fault injection (tests, chaos runs; never in service): each prefill worker
-    flips one byte of the first N KV transfers it sends over TCP, after
-    checksumming, so that receivers must detect and refuse them."""
+    flips one sealed byte of the first N KV transfers it sends (as an on-path
+    attacker would), so that receivers must detect and refuse them."""
 
     def __post_init__(self) -> None:
         if self.transport != AUTO:

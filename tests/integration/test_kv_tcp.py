@@ -336,3 +336,33 @@ def _rss_bytes() -> int:
     with open("/proc/self/status") as f:
         line = next(ln for ln in f if ln.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
+
+
+def test_pulled_blocks_that_do_not_match_their_mac_are_refused():
+    """The shared-memory path: the sender's first transfer carries one altered
+    MAC (fault injection); the receiver's check of the pulled blocks refuses it
+    and names the blocks; the next transfer lands exactly."""
+    shm = f"/dev/shm/kvrelay-test-mac-{os.getpid()}"
+    src, dst = KVCache(LAYOUT, 8, shm_path=shm), make_cache(LAYOUT, 8, None)
+    src.kv.copy_(torch.randn(src.kv.shape, generator=torch.Generator().manual_seed(4)))
+    rx = TcpKVReceiver(dst, cfg=CFG)
+    tx = LocalKVSender(src, TransferConfig(secret=SECRET, streams=1, corrupt_first=1))
+    try:
+        for tid, ok in (("t", False), ("t2", True)):
+            rh = rx.expect(tid, [2, 3])
+            h = tx.open(TransferTarget(rx.endpoint, tid, (2, 3), LAYOUT.compat_hash()))
+            for layer in range(LAYOUT.num_layers):
+                h.send_layer(layer, [0, 1], 0)
+            h.finish(1, 0.0)
+            assert h.wait(20) is (TransferState.DONE if ok else TransferState.FAILED)
+            if not ok:
+                assert rh.wait(5) is TransferState.FAILED
+                assert "pulled KV failed authentication" in rh.failure().reason and rh.failure().blocks == [2, 3]
+            else:
+                assert rh.wait(5) is TransferState.DONE
+                assert torch.equal(dst.kv[:, :, [2, 3]], src.kv[:, :, [0, 1]])
+            rx.cancel(tid)
+    finally:
+        tx.close()
+        rx.close()
+        src.unlink()

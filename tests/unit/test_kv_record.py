@@ -12,8 +12,22 @@ import threading
 import pytest
 from kvrelay.v1 import kv_wire_pb2 as pb
 
-from kvtransfer.protection import Cipher, KeyShare, Protection, choose_cipher, transcript_1
-from kvtransfer.record import ALIGN, FIRST_PIECE, PIECE, RecordError, RecordReader, RecordWriter, piece_sizes
+from kvtransfer.protection import (
+    Cipher,
+    KeyShare,
+    Protection,
+    choose_cipher,
+    transcript_1,
+)
+from kvtransfer.record import (
+    ALIGN,
+    FIRST_PIECE,
+    PIECE,
+    RecordError,
+    RecordReader,
+    RecordWriter,
+    piece_sizes,
+)
 
 
 def _pair(cipher: Cipher, protection: Protection, key: bytes, rkey: bytes | None = None):

@@ -89,7 +89,7 @@ class KVAuthAck(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class KVBlocks(_message.Message):
-    __slots__ = ("transfer_id", "layer", "num_layers", "first", "count", "payload_bytes", "src_blocks", "crc32c")
+    __slots__ = ("transfer_id", "layer", "num_layers", "first", "count", "payload_bytes", "src_blocks", "pulled_tags")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -97,7 +97,7 @@ class KVBlocks(_message.Message):
     COUNT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    PULLED_TAGS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
     num_layers: int
@@ -105,8 +105,8 @@ class KVBlocks(_message.Message):
     count: int
     payload_bytes: int
     src_blocks: _containers.RepeatedScalarFieldContainer[int]
-    crc32c: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., src_blocks: _Optional[_Iterable[int]] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
+    pulled_tags: bytes
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., src_blocks: _Optional[_Iterable[int]] = ..., pulled_tags: _Optional[bytes] = ...) -> None: ...
 
 class KVDone(_message.Message):
     __slots__ = ("transfer_id", "first_token_id", "first_logprob")
