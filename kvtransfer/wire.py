@@ -1,6 +1,6 @@
-"""Blocking-socket I/O of the KV transport: exact and vectored reads and
-writes, the length-prefixed frames of the handshake, socket tuning (see
-proto/kvrelay/v1/kv_wire.proto for the frame sequence)."""
+"""Blocking-socket I/O of the KV transport: exact reads, the length-prefixed
+frames of the handshake, socket tuning (see proto/kvrelay/v1/kv_wire.proto
+for the frame sequence)."""
 
 from __future__ import annotations
 
@@ -36,64 +36,6 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         if r == 0:
             raise ConnectionError("peer closed the connection")
         got += r
-
-
-IOV_MAX = 1024
-"""Buffers per sendmsg/recvmsg_into call (Linux's limit)."""
-IOV_BYTES = 1 << 20
-"""Bytes per vectored call: small buffers are batched up to this; a large
-one goes alone (each call re-acquires every buffer it is handed)."""
-
-
-def _batch_end(views: list[memoryview], i: int) -> int:
-    end, total = i + 1, len(views[i])
-    while end < len(views) and end - i < IOV_MAX and total + len(views[end]) <= IOV_BYTES:
-        total += len(views[end])
-        end += 1
-    return end
-
-
-def _advance(views: list[memoryview], i: int, n: int) -> int:
-    """Drops ``n`` transferred bytes from the front of ``views[i:]``; returns the new i."""
-    while n:
-        k = len(views[i])
-        if n >= k:
-            n -= k
-            i += 1
-        else:
-            views[i] = views[i][n:]
-            n = 0
-    return i
-
-
-def send_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """Sends every buffer in order with vectored writes (one syscall for up
-    to IOV_MAX buffers), straight from their memory."""
-    views = [v for v in views if len(v)]
-    i = 0
-    while i < len(views):
-        end = _batch_end(views, i)
-        if end == i + 1:
-            sock.sendall(views[i])
-            i += 1
-        else:
-            i = _advance(views, i, sock.sendmsg(views[i:end]))
-
-
-def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """Fills every buffer in order with vectored reads (zero-copy into them)."""
-    views = [v for v in views if len(v)]
-    i = 0
-    while i < len(views):
-        end = _batch_end(views, i)
-        if end == i + 1:
-            recv_exact_into(sock, views[i])
-            i += 1
-            continue
-        n = sock.recvmsg_into(views[i:end])[0]
-        if n == 0:
-            raise ConnectionError("peer closed the connection")
-        i = _advance(views, i, n)
 
 
 def frame_bytes(body: bytes) -> bytes:
