@@ -56,8 +56,10 @@ hop costs more than summing them); larger ones on the verifier thread."""
 class _Incoming:
     handle: StateHandle
     block_ids: list[int]
-    need: int
-    landed: set = field(default_factory=set)
+    landed: bytearray
+    """One byte per (layer, K/V, block of the reservation): 1 once it landed and verified."""
+    missing: int
+    """Zeros left in ``landed``."""
     nbytes: int = 0
     started: float = 0.0
     done: pb.KVDone | None = None
@@ -162,7 +164,8 @@ class ChannelReceiver(KVReceiver):
         h.advance(TransferState.WAITING)
         layers = self.cache.layout.num_layers
         with self._lock:
-            self._expected[transfer_id] = _Incoming(h, list(block_ids), 2 * layers * len(block_ids),
+            self._expected[transfer_id] = _Incoming(h, list(block_ids), bytearray(2 * layers * len(block_ids)),
+                                                    2 * layers * len(block_ids),
                                                     started=time.perf_counter())
         return h
 
@@ -320,11 +323,13 @@ class ChannelReceiver(KVReceiver):
             self._land(inc, hdr, layers)
 
     def _land(self, inc: _Incoming, hdr: pb.KVBlocks, layers: range) -> None:
+        n, ones = len(inc.block_ids), b"\x01" * hdr.count
         with inc.cond:
             for layer in layers:
                 for kind in (0, 1):
-                    for i in range(hdr.first, hdr.first + hdr.count):
-                        inc.landed.add((layer, kind, i))
+                    at = (layer * 2 + kind) * n + hdr.first
+                    inc.missing -= hdr.count - inc.landed.count(1, at, at + hdr.count)  # a block sent twice counts once
+                    inc.landed[at:at + hdr.count] = ones
             nbytes = len(layers) * 2 * hdr.count * self.cache.layout.block_bytes
             inc.nbytes += nbytes
         self.bytes_received += nbytes
@@ -345,7 +350,7 @@ class ChannelReceiver(KVReceiver):
             if inc.done is None or inc.acked:
                 return
             state = inc.handle.poll()
-            if state is not TransferState.FAILED and len(inc.landed) < inc.need:
+            if state is not TransferState.FAILED and inc.missing:
                 return
             inc.acked = True
         if state is not TransferState.FAILED:

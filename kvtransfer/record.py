@@ -30,9 +30,10 @@ TAG = 16
 PIECE = 1 << 20
 """Most plaintext bytes per sealed piece of a payload."""
 FIRST_PIECE = 64 << 10
-"""The first piece of a payload; each next one doubles, up to PIECE. Small
-first pieces let the receiver open one while the sender seals the next (a
-one-block transfer is 720 KiB); large later ones keep cipher calls few."""
+"""The first piece of a payload of at most 2 PIECE; each next one doubles,
+up to PIECE. Small first pieces let the receiver open one while the sender
+seals the next (a one-block transfer is 720 KiB); larger payloads start at
+PIECE (their frames pipeline with each other), keeping cipher calls few."""
 ALIGN = 256 << 10
 """Sections (the K or V of one layer of a frame's blocks: the same size at
 both ends) at least this large are cut on their own boundaries, so a piece
@@ -59,7 +60,7 @@ def piece_sizes(total: int, section: int = 0) -> Iterator[int]:
     """The plaintext size of each piece of a ``total``-byte payload made of
     sections of ``section`` bytes (both ends cut the byte stream the same
     way, whatever their runs of blocks)."""
-    size, aligned = FIRST_PIECE, section >= ALIGN
+    size, aligned = FIRST_PIECE if total <= 2 * PIECE else PIECE, section >= ALIGN
     left = section
     while total > 0:
         k = min(size, total, left) if aligned else min(size, total)

@@ -108,8 +108,9 @@ def test_key_schedule_separates_directions_connections_and_secrets():
 
 
 def test_piece_schedule_and_cipher_choice():
-    assert list(piece_sizes(3 * PIECE)) == [FIRST_PIECE, 2 * FIRST_PIECE, 4 * FIRST_PIECE, 8 * FIRST_PIECE,
-                                             PIECE, PIECE, 3 * PIECE - 15 * FIRST_PIECE - 2 * PIECE]
+    assert list(piece_sizes(2 * PIECE)) == [FIRST_PIECE, 2 * FIRST_PIECE, 4 * FIRST_PIECE, 8 * FIRST_PIECE,
+                                             PIECE, PIECE - 15 * FIRST_PIECE]
+    assert list(piece_sizes(3 * PIECE + 5)) == [PIECE, PIECE, PIECE, 5]  # large payloads start whole
     # sections of at least ALIGN are never crossed, so each piece lies in one run at both ends
     sizes, section = list(piece_sizes(6 * ALIGN, ALIGN + 1000)), ALIGN + 1000
     ends, pos = set(), 0
