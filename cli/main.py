@@ -47,6 +47,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tiny import write_tiny_checkpoint
 from kvtransfer.protection import Protection
+from launch.cities import CitiesError, check_privileges
 from launch.credentials import (
     CLIENT_TOKEN,
     LOCAL_TENANT,
@@ -87,6 +88,11 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 def cmd_bench_kv(args: argparse.Namespace) -> int:
 
     streams = [int(s) for s in args.streams.split(",")]
+    if args.wan:
+        try:
+            check_privileges()  # before the loopback runs, not after them
+        except CitiesError as exc:
+            raise SystemExit(f"kvrelay bench kv --wan: {exc}") from None
     modes = args.modes.split(",")
     try:
         modes = [Protection.parse(m) for m in modes]

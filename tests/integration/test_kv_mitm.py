@@ -21,6 +21,7 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.protection import Protection
 from kvtransfer.record import PREFIX, sealed_bytes
 from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
+from tests.integration.kv_tap import Tap, pump
 
 LAYOUT = KVLayout("m", "float32", 2, 4, 64, 16)  # 16 KiB per (layer, K/V, block)
 BLOCKS = 4
@@ -51,7 +52,7 @@ class RecordProxy:
         client, _ = self.listener.accept()
         host, port = self.target.rsplit(":", 1)
         server = socket.create_connection((host, int(port)))
-        back = threading.Thread(target=self._pump_back, args=(server, client), daemon=True)
+        back = threading.Thread(target=pump, args=(server, client), daemon=True)
         back.start()
         try:
             self._pump(client, server)
@@ -63,14 +64,6 @@ class RecordProxy:
             _shut(client, socket.SHUT_RDWR)
             client.close()
             server.close()
-
-    @staticmethod
-    def _pump_back(a: socket.socket, b: socket.socket) -> None:
-        try:
-            while data := a.recv(65536):
-                b.sendall(data)
-        except OSError:
-            pass
 
     @staticmethod
     def _record(sock: socket.socket) -> bytes:
@@ -197,36 +190,13 @@ def test_integrity_mode_leaves_kv_readable_and_aead_does_not():
         dst = _cache(None)
         cfg = TransferConfig(secret=SECRET, streams=1, protection=protection)
         rx = TcpKVReceiver(dst, cfg=cfg)
-        seen = bytearray()
-        proxy = _TapProxy(rx.endpoint, seen)
+        proxy = Tap(rx.endpoint)
         tx = TcpKVSender(src, cfg)
         try:
             rh = rx.expect("t", list(range(BLOCKS)))
             h = _send(tx, proxy.endpoint, "t")
             assert rh.wait(20) is TransferState.DONE and h.wait(20) is TransferState.DONE
-            assert (needle in seen) is visible, protection
+            assert (needle in proxy.seen) is visible, protection
         finally:
             tx.close()
             rx.close()
-
-
-class _TapProxy:
-    """Forwards one connection unchanged, recording what the sender sent."""
-
-    def __init__(self, target: str, seen: bytearray) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.target, self.seen = target, seen
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        client, _ = self.listener.accept()
-        host, port = self.target.rsplit(":", 1)
-        server = socket.create_connection((host, int(port)))
-        threading.Thread(target=RecordProxy._pump_back, args=(server, client), daemon=True).start()
-        try:
-            while data := client.recv(65536):
-                self.seen += data
-                server.sendall(data)
-        except OSError:
-            pass

@@ -25,6 +25,7 @@ from runtime.pki import CertRole, Identity, issue, new_ca
 from runtime.tls import TLSMaterial
 from runtime.topology import Role
 from runtime.worker import kv_transfer_config
+from tests.integration.kv_tap import Tap
 
 LAYOUT = KVLayout("m", "float32", 2, 2, 16, 4)
 CA = new_ca()
@@ -146,11 +147,10 @@ def test_a_sender_talks_only_to_the_decode_worker_the_router_named():
 
 
 class _Recorder:
-    """A listener that records every byte a connecting sender sends and
-    answers what ``answer`` returns (a fake receiver without the secret or
-    certificate), then closes."""
+    """A silent listener that records every byte connecting senders send and
+    answers nothing (a fake receiver without the secret or certificate)."""
 
-    def __init__(self, answer=None) -> None:
+    def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.seen = bytearray()
@@ -180,7 +180,7 @@ def test_an_unauthenticated_peer_learns_no_nixl_metadata_or_memory_address():
                tx.nixl.base_address.to_bytes(8, "big")]
     silent = _Recorder()
     wrong = TcpKVReceiver(cache(None), cfg=TransferConfig(secret=b"s" * 32))
-    tap = _Tap(wrong.endpoint)
+    tap = Tap(wrong.endpoint)
     try:
         for endpoint in (silent.endpoint, tap.endpoint):
             h = tx.open(TransferTarget(endpoint, f"t-{endpoint}", (2, 3), LAYOUT.compat_hash()))
@@ -196,35 +196,3 @@ def test_an_unauthenticated_peer_learns_no_nixl_metadata_or_memory_address():
         silent.done.set()
         tx.close()
         wrong.close()
-
-
-class _Tap:
-    """Forwards one connection, recording what the sender sent."""
-
-    def __init__(self, target: str) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.target, self.seen = target, bytearray()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        client, _ = self.listener.accept()
-        host, port = self.target.rsplit(":", 1)
-        server = socket.create_connection((host, int(port)))
-        threading.Thread(target=self._back, args=(server, client), daemon=True).start()
-        try:
-            while data := client.recv(65536):
-                self.seen += data
-                server.sendall(data)
-        except OSError:
-            pass
-        server.close()
-
-    @staticmethod
-    def _back(a: socket.socket, b: socket.socket) -> None:
-        try:
-            while data := a.recv(65536):
-                b.sendall(data)
-        except OSError:
-            pass
-        b.close()
