@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -41,6 +43,21 @@ class ReplayConfig:
     """Times a request is sent again after UNAVAILABLE (the router restarting,
     no worker registered yet), as a client library would; from scratch, and
     its latency still counts from the first send."""
+    overload_retries: int = 5
+    """Times a request refused as overloaded (RESOURCE_EXHAUSTED with a
+    ``retry-after-ms`` hint) is sent again, each time after the advised wait,
+    while its deadline leaves room for the wait; its latency still counts
+    from the first send. One refused for good counts as shed."""
+
+
+@dataclass(slots=True)
+class ReplayRecord(RequestRecord):
+    """A request's record, with what overload refusals cost it."""
+
+    overload_retries: int = 0
+    """Times it was sent again after an overload refusal (RESOURCE_EXHAUSTED, retry-after-ms)."""
+    overload_wait_s: float = 0.0
+    """Seconds it waited, as advised, before those resends."""
 
 
 @dataclass(slots=True)
@@ -69,29 +86,84 @@ def check_lengths(reqs: list[TraceRequest], scale: float, context_window: int,
 
 RETRY_BACKOFF_S = (0.25, 2.0)
 """First and longest pause before a request is sent again after UNAVAILABLE."""
+OVERLOAD_JITTER = 0.1
+"""An advised wait is lengthened by up to this fraction (never shortened), so
+requests refused together do not all come back at the same instant."""
+SHED = grpc.StatusCode.RESOURCE_EXHAUSTED
+"""The status of a request the cluster refused as overloaded."""
 
 
-async def _one(stub, sr: ScaledRequest, t0: float, cfg: ReplayConfig, rec: RequestRecord) -> None:
+def retry_after_s(exc: grpc.aio.AioRpcError) -> float | None:
+    """The wait the server advised (trailing metadata ``retry-after-ms``); None
+    if it gave none, or not a number of milliseconds >= 0."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "retry-after-ms":
+            try:
+                ms = float(value)
+            except (TypeError, ValueError):
+                return None
+            return ms / 1e3 if math.isfinite(ms) and ms >= 0 else None
+    return None
+
+
+def _left_s(rec: RequestRecord, t0: float, cfg: ReplayConfig) -> float:
+    """What is left of the request's deadline (counted from its first send)."""
+    return rec.sent_s + cfg.request_timeout_s - (time.perf_counter() - t0)
+
+
+def _overload_wait(exc: grpc.aio.AioRpcError, rec: ReplayRecord, cfg: ReplayConfig, left: float) -> float | None:
+    """How long to wait before sending again after an overload refusal; None:
+    not one with a hint, retries spent, or the advised wait would not leave the deadline any room."""
+    hint = retry_after_s(exc) if exc.code() == SHED else None
+    if hint is None or rec.overload_retries >= cfg.overload_retries or hint >= left:
+        return None
+    jitter = hint * OVERLOAD_JITTER * random.random()
+    return hint + jitter if hint + jitter < left else hint
+
+
+def _retry_wait(exc: grpc.aio.AioRpcError, rec: ReplayRecord, cfg: ReplayConfig, left: float,
+                backoff: float) -> tuple[float, bool] | None:
+    """(seconds to wait, whether it is an overload retry) before sending again; None: give up."""
+    wait = _overload_wait(exc, rec, cfg, left)
+    if wait is not None:
+        return wait, True
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and rec.client_retries < cfg.retries and left >= backoff:
+        return backoff, False
+    return None
+
+
+async def _attempts(stub, req: ipb.GenerateRequest, t0: float, cfg: ReplayConfig, rec: ReplayRecord) -> bool:
+    """Sends ``req`` until it succeeds (True) or a retry rule gives up (False, ``rec.error`` set)."""
+    backoff = RETRY_BACKOFF_S[0]
+    while True:
+        rec.token_times, rec.token_ids, rec.error = [], [], None
+        try:
+            await _stream(stub, req, t0, cfg, rec)
+            return True
+        except grpc.aio.AioRpcError as exc:
+            rec.error = f"{exc.code().name}: {exc.details()}"
+            retry = _retry_wait(exc, rec, cfg, _left_s(rec, t0, cfg), backoff)
+        if retry is None:
+            return False
+        wait, overload = retry
+        await asyncio.sleep(wait)  # < what is left of the deadline
+        if overload:
+            rec.overload_retries += 1
+            rec.overload_wait_s += wait
+        else:
+            backoff = min(RETRY_BACKOFF_S[1], backoff * 2)
+            rec.client_retries += 1
+
+
+async def _one(stub, sr: ScaledRequest, t0: float, cfg: ReplayConfig, rec: ReplayRecord) -> None:
     delay = t0 + rec.scheduled_s - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
     req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=sr.prompt), max_tokens=sr.max_tokens, ignore_eos=True,
                               request_id=f"replay-{sr.trace.index}")
     rec.sent_s = time.perf_counter() - t0
-    backoff = RETRY_BACKOFF_S[0]
-    while True:
-        rec.token_times, rec.token_ids, rec.error = [], [], None
-        try:
-            await _stream(stub, req, t0, cfg, rec)
-            break
-        except grpc.aio.AioRpcError as exc:
-            rec.error = f"{exc.code().name}: {exc.details()}"
-            left = rec.sent_s + cfg.request_timeout_s - (time.perf_counter() - t0)
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or rec.client_retries >= cfg.retries or left < backoff:
-                return
-        await asyncio.sleep(backoff)
-        backoff = min(RETRY_BACKOFF_S[1], backoff * 2)
-        rec.client_retries += 1
+    if not await _attempts(stub, req, t0, cfg, rec):
+        return
     rec.end_s = time.perf_counter() - t0
     # a message carrying k tokens: spread them over the gap since the previous one
     _spread(rec.token_times)
@@ -101,8 +173,7 @@ async def _one(stub, sr: ScaledRequest, t0: float, cfg: ReplayConfig, rec: Reque
 
 async def _stream(stub, req: ipb.GenerateRequest, t0: float, cfg: ReplayConfig, rec: RequestRecord) -> None:
     """One attempt at a request, recording its tokens and final placement."""
-    left = rec.sent_s + cfg.request_timeout_s - (time.perf_counter() - t0)
-    async for msg in stub.Generate(req, timeout=max(0.1, left)):
+    async for msg in stub.Generate(req, timeout=max(0.1, _left_s(rec, t0, cfg))):
         now = time.perf_counter() - t0
         rec.token_times += [now] * len(msg.token_ids)
         rec.token_ids.extend(msg.token_ids)
@@ -152,11 +223,11 @@ async def _sample(reg, stop: asyncio.Event, interval: float, out: dict[str, Work
 
 
 async def replay(address: str, reqs: list[ScaledRequest], cfg: ReplayConfig, client: Dialer,
-                 operator: Dialer) -> tuple[list[RequestRecord], dict]:
+                 operator: Dialer) -> tuple[list[ReplayRecord], dict]:
     """Runs the replay; returns a record per request and per-worker samples.
     ``client`` sends the requests (a tenant's credentials); ``operator``
     samples the workers' load (ListWorkers needs an operator)."""
-    records = [RequestRecord(sr.trace.index, sr.trace.arrival_s / cfg.speedup, 0.0, len(sr.prompt), sr.max_tokens)
+    records = [ReplayRecord(sr.trace.index, sr.trace.arrival_s / cfg.speedup, 0.0, len(sr.prompt), sr.max_tokens)
                for sr in reqs]
     samples: dict[str, WorkerSamples] = {}
     # reconnect quickly to a router that restarted (the default backoff grows to minutes)
@@ -197,9 +268,21 @@ def build_report(records: list[RequestRecord], samples: dict[str, WorkerSamples]
             queries = s.last.prefix_query_blocks - s.first.prefix_query_blocks
             row["prefix_hit_rate"] = hits / queries if queries else 0.0
         workers[wid] = row
-    return {"meta": meta, "summary": summarize(records, cfg.slo_ttft_s, cfg.slo_tpot_s),
+    summary = summarize(records, cfg.slo_ttft_s, cfg.slo_tpot_s) | overload_summary(records)
+    return {"meta": meta, "summary": summary,
             "per_link": per_link(records), "per_site": per_site(records), "per_worker": workers,
             "requests": [asdict(r) for r in records]}
+
+
+def overload_summary(records: list[RequestRecord]) -> dict:
+    """The report's overload fields (stable names): ``retried_429``, resends
+    after an overload refusal (gRPC RESOURCE_EXHAUSTED, HTTP 429);
+    ``retried_429_requests``, requests that needed any; ``overload_wait_s``,
+    seconds waited as advised; ``shed``, requests refused as overloaded for good."""
+    retries = [getattr(r, "overload_retries", 0) for r in records]
+    return {"retried_429": sum(retries), "retried_429_requests": sum(1 for n in retries if n),
+            "overload_wait_s": sum(getattr(r, "overload_wait_s", 0.0) for r in records),
+            "shed": sum(1 for r in records if (r.error or "").startswith(f"{SHED.name}:"))}
 
 
 def _fmt(d: dict) -> str:
@@ -217,6 +300,14 @@ def _goodput_line(s: dict, slo: dict) -> str:
             f"SLO attainment {s['slo_attainment']:.1%}")
 
 
+def _overload_lines(s: dict) -> list[str]:
+    """The overload line of the report (none when nothing was refused as overloaded)."""
+    if not (s.get("retried_429") or s.get("shed")):
+        return []
+    return [f"- Refused as overloaded: {s['retried_429']} resends after the advised wait "
+            f"({s['retried_429_requests']} requests, {s['overload_wait_s']:.1f} s waited); {s['shed']} requests shed"]
+
+
 def report_markdown(report: dict) -> str:
     m, s = report["meta"], report["summary"]
     lines = [f"# Replay of {m['trace']} ({m['format']})", "",
@@ -232,7 +323,8 @@ def report_markdown(report: dict) -> str:
     lines += ["", f"- Throughput: {s['request_throughput_rps']:.2f} req/s, {s['output_token_throughput_tps']:.1f} "
                   f"output tok/s, {s['total_token_throughput_tps']:.1f} total tok/s",
               _goodput_line(s, slo),
-              f"- Prompt tokens served from prefix caches: {s['prefix_cached_prompt_fraction']:.1%}", ""]
+              f"- Prompt tokens served from prefix caches: {s['prefix_cached_prompt_fraction']:.1%}",
+              *_overload_lines(s), ""]
     if s["failures"]:
         lines += ["Failures:", ""] + [f"- {n} x {why}" for why, n in s["failures"].items()] + [""]
     lines += ["| link | requests | KV MiB | transfer tail ms (sum) |", "|---|---|---|---|"]

@@ -15,58 +15,212 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from google.protobuf import json_format
+from google.protobuf import descriptor, json_format
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
 from cli.common import add_connect_flags, client_dialer, grpc_error, table
+from router.jobs import (
+    MAX_JOB_BYTES,
+    MAX_JOB_REQUESTS,
+    MAX_REQUEST_BYTES,
+    job_limit_error,
+)
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs")
+SHORTCUTS = ("token_ids", "messages", *SAMPLING_FIELDS)
+"""Fields a line may have besides GenerateRequest's own (see the module's docstring)."""
+REQUEST_FIELDS = frozenset(f.name for f in ipb.GenerateRequest.DESCRIPTOR.fields) | frozenset(
+    f.json_name for f in ipb.GenerateRequest.DESCRIPTOR.fields)
+MAX_INT_DIGITS = 20
+"""Longest integer literal a line may hold (every integer field fits in 20 digits)."""
+MAX_REASON_CHARS = 300
+"""A reason quoting the line (protobuf's do) is cut to this many characters."""
 STATES = {0: "?", 1: "queued", 2: "running", 3: "done", 4: "cancelled"}
+_REQUEST_INDEX = re.compile(r"requests\[(\d+)\]: ")
 
 
 class JobFileError(ValueError):
     """A line of the job file is not a valid request; the message names it."""
 
 
-def parse_job_file(path: Path) -> list:
+class _LineError(ValueError):
+    """What is wrong with one line (the caller adds the file and line number)."""
 
 
-    reqs = []
+@dataclass(slots=True)
+class JobFile:
+    """A parsed job file: its requests, and the line each came from."""
+
+    path: Path
+    name: str
+    """The job's name (default: the file's)."""
+    requests: list[ipb.GenerateRequest]
+    lines: list[int]
+
+    def where(self, message: str) -> str:
+        """``message``, led by ``path:line:`` when it names a request (``requests[i]: ...``)."""
+        m = _REQUEST_INDEX.match(message)
+        if m is None or int(m.group(1)) >= len(self.lines):
+            return f"{self.path}: {message}"
+        return f"{self.path}:{self.lines[int(m.group(1))]}: {message}"
+
+
+def _read_bounded(path: Path, max_bytes: int) -> bytes:
+    """The file's bytes; JobFileError if it cannot be read or holds more than ``max_bytes``."""
     try:
-        lines = path.read_text().splitlines()
+        with path.open("rb") as f:
+            data = f.read(max_bytes + 1)
+            size = path.stat().st_size if path.is_file() else None
     except OSError as exc:
-        raise JobFileError(f"{path}: {exc.strerror}") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
+        raise JobFileError(f"{path}: {exc.strerror or exc}") from None
+    if len(data) > max_bytes:
+        raise JobFileError(f"{path}: job file is {size or f'over {max_bytes}'} bytes; "
+                           f"at most {max_bytes} ({max_bytes >> 20} MiB)")
+    return data
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's fields; refuses one given twice (JSON would keep the last silently)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _LineError(f"field {k!r} appears twice")
+        out[k] = v
+    return out
+
+
+def _finite(text: str) -> float:
+    """A JSON number with a fraction or exponent; refused if no float holds it (1e999)."""
+    x = float(text)
+    if not math.isfinite(x):
+        raise _LineError(f"number {text[:30]} is out of range")
+    return x
+
+
+def _short_int(text: str) -> int:
+    """A JSON integer; refused past MAX_INT_DIGITS (before int() is asked to read 100,000 digits)."""
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _LineError(f"integer with {len(text.lstrip('-'))} digits; at most {MAX_INT_DIGITS}")
+    return int(text)
+
+
+def _no_constant(name: str) -> float:
+    """NaN, Infinity, -Infinity (which Python's json accepts, and JSON does not)."""
+    raise _LineError(f"{name} is not a number a request can hold")
+
+
+def _json_type(value: object) -> str:
+    """``value``'s kind as JSON names it."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    return {dict: "an object", list: "an array", str: "a string"}.get(type(value), "a number")
+
+
+def _clip(text: str) -> str:
+    """``text`` cut in the middle to MAX_REASON_CHARS (protobuf names the field at the end)."""
+    half = MAX_REASON_CHARS // 2
+    return text if len(text) <= MAX_REASON_CHARS else f"{text[:half]}...{text[-half:]}"
+
+
+def _decode(raw: bytes, max_line_bytes: int) -> dict:
+    """One line as a JSON object, with every way JSON can be bad turned into _LineError."""
+    if len(raw) > max_line_bytes:
+        raise _LineError(f"line is {len(raw)} bytes; at most {max_line_bytes} ({max_line_bytes >> 20} MiB)")
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_float=_finite,
+                         parse_int=_short_int, parse_constant=_no_constant)
+    except UnicodeDecodeError as exc:
+        raise _LineError(f"not UTF-8 (byte {exc.start + 1} of the line)") from None
+    except json.JSONDecodeError as exc:
+        raise _LineError(f"not JSON: {exc.msg} (column {exc.colno})") from None
+    except RecursionError:
+        raise _LineError("not JSON a request can hold: nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise _LineError(f"expected a JSON object, got {_json_type(obj)}")
+    return obj
+
+
+def _expand(obj: dict) -> dict:
+    """The line with its shortcuts spelled out as GenerateRequest's JSON; unknown fields refused by name."""
+    unknown = [k for k in obj if k not in REQUEST_FIELDS and k not in SHORTCUTS]
+    if unknown:
+        raise _LineError(f"unknown field {unknown[0]!r} (a line holds GenerateRequest's fields, "
+                         f"or {', '.join(SHORTCUTS)})")
+    if isinstance(obj.get("token_ids"), list):
+        obj["token_ids"] = {"ids": obj["token_ids"]}
+    if isinstance(obj.get("messages"), list):
+        obj["messages"] = {"messages": obj["messages"]}
+    sampling = {k: obj.pop(k) for k in SAMPLING_FIELDS if k in obj}
+    if sampling:
+        inner = obj.setdefault("sampling", {})
+        if not isinstance(inner, dict):
+            raise _LineError(f"sampling must be an object, got {_json_type(inner)}")
+        both = sorted(set(sampling) & set(inner))
+        if both:
+            raise _LineError(f"field {both[0]!r} is given both at the top level and in sampling")
+        inner.update(sampling)
+    return obj
+
+
+def _check(req: ipb.GenerateRequest) -> None:
+    """What the JSON could not say is refused: max_tokens 0, a non-finite sampling number."""
+    if req.HasField("max_tokens") and req.max_tokens < 1:  # the router's rule and message
+        raise _LineError(f"max_tokens must be >= 1, got {req.max_tokens}")
+    for f in req.sampling.DESCRIPTOR.fields:
+        if f.type in (descriptor.FieldDescriptor.TYPE_FLOAT, descriptor.FieldDescriptor.TYPE_DOUBLE):
+            if not math.isfinite(getattr(req.sampling, f.name)):
+                raise _LineError(f"sampling.{f.name} must be a finite number")
+
+
+def parse_line(raw: bytes, max_line_bytes: int = MAX_REQUEST_BYTES) -> ipb.GenerateRequest:
+    """One line of a job file as a request; _LineError (naming the field) if it is not one."""
+    obj = _expand(_decode(raw, max_line_bytes))
+    try:
+        req = json_format.ParseDict(obj, ipb.GenerateRequest())
+    except json_format.ParseError as exc:
+        raise _LineError(_clip(str(exc).split("\n")[0])) from None
+    except (ValueError, TypeError, RecursionError) as exc:  # e.g. a lone surrogate (UnicodeEncodeError)
+        raise _LineError(_clip(f"not a request: {type(exc).__name__}: {exc}")) from None
+    _check(req)
+    return req
+
+
+def parse_job_file(path: Path, name: str | None = None, max_bytes: int = MAX_JOB_BYTES,
+                   max_line_bytes: int = MAX_REQUEST_BYTES, max_requests: int = MAX_JOB_REQUESTS) -> JobFile:
+    """The requests of a JSONL job file, within the router's limits (the same
+    messages); JobFileError naming the file and line (``job.jsonl:17: ...``)."""
+    lines = _read_bounded(path, max_bytes).split(b"\n")  # not str.splitlines: JSON strings may hold U+2028
+    count = sum(1 for line in lines if line.strip())
+    if count > max_requests:
+        raise JobFileError(f"{path}: job has {count} requests; at most {max_requests}")
+    job = JobFile(path, name or path.name, [], [])
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
         try:
-            obj = json.loads(line)
-            if not isinstance(obj, dict):
-                raise ValueError("expected a JSON object")
-            if isinstance(obj.get("token_ids"), list):
-                obj["token_ids"] = {"ids": obj["token_ids"]}
-            if isinstance(obj.get("messages"), list):
-                obj["messages"] = {"messages": obj["messages"]}
-            sampling = {k: obj.pop(k) for k in SAMPLING_FIELDS if k in obj}
-            if sampling:
-                obj.setdefault("sampling", {}).update(sampling)
-            reqs.append(json_format.ParseDict(obj, ipb.GenerateRequest()))
-        except (ValueError, json_format.ParseError) as exc:
+            job.requests.append(parse_line(raw.removesuffix(b"\r"), max_line_bytes))
+        except _LineError as exc:
             raise JobFileError(f"{path}:{n}: {exc}") from None
-    if not reqs:
+        job.lines.append(n)
+    if not job.requests:
         raise JobFileError(f"{path}: no requests in the file")
-    return reqs
+    problem = job_limit_error(job.name, job.requests)  # the router's own check, before sending
+    if problem is not None:
+        raise JobFileError(job.where(problem))
+    return job
 
 
 def _stub(args):
-
-
+    """A channel to the router (sending up to a job's size) and a Jobs stub on it."""
     ch = client_dialer(args).sync(args.router, max_send_bytes=256 << 20)
     return ch, jgrpc.JobsStub(ch)
 
@@ -92,19 +246,24 @@ def _call(args: argparse.Namespace, method: str, request, timeout_s: float = 30.
 
 
 def cmd_job_submit(args: argparse.Namespace) -> int:
-
+    """Checks the file, sends it as one job; prints the job's id."""
     try:
-        reqs = parse_job_file(Path(args.file))
+        job = parse_job_file(Path(args.file), args.name)
     except JobFileError as exc:
         print(f"kvrelay: {exc}", file=sys.stderr)
         return 2
-    job = _call(args, "SubmitJob", jpb.SubmitJobRequest(name=args.name or Path(args.file).name, requests=reqs),
-                timeout_s=120.0)
-    if job is None:
-        return 1
-    print(job.id)
-    print(f"kvrelay: job {job.id}: {job.total} requests queued (kvrelay job status {job.id}; "
-          f"kvrelay job results {job.id})", file=sys.stderr)
+    ch, stub = _stub(args)
+    with ch:
+        try:
+            resp = stub.SubmitJob(jpb.SubmitJobRequest(name=job.name, requests=job.requests), timeout=120.0)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                return grpc_error(exc)
+            print(f"kvrelay: {job.where(exc.details() or '')}", file=sys.stderr)  # the line of the bad request
+            return 1
+    print(resp.id)
+    print(f"kvrelay: job {resp.id}: {resp.total} requests queued (kvrelay job status {resp.id}; "
+          f"kvrelay job results {resp.id})", file=sys.stderr)
     return 0
 
 

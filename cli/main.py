@@ -24,6 +24,7 @@ from benchmarks.placement_bench import format_placement, run_placement_bench
 from benchmarks.tls_bench import format_tls, run_tls_bench
 from benchmarks.traces import TraceError, load_trace
 from cli import admin as cli_admin
+from cli import bench_hardening
 from cli import chaos as cli_chaos
 from cli import cities as cli_cities
 from cli import jobs as cli_jobs
@@ -354,6 +355,7 @@ def _add_bench_parsers(bench) -> None:
     bp.add_argument("--decisions", type=int, default=500)
     bp.set_defaults(func=cmd_bench_placement)
     _add_replay_parser(bench)
+    bench_hardening.add_parsers(bench)
 
     bt = bench.add_parser("tls", help="TTFT and gRPC round trip with TLS against the same build with TLS off")
     bt.add_argument("--config", help="cluster of both runs (default: the embedded default)")

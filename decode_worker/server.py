@@ -82,7 +82,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "KV did not arrive before the lease expired")
             except KVTransferError as exc:
                 await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {exc.reason}")
-            try:
+            try:  # the first token's top_logprobs (an empty entry here) reach the router from the prefill worker
                 first = await self.aengine.call(self.engine.commit_prefilled, rid, res.first_token_id,
                                                 res.first_logprob if params.logprobs else None)
             except InvalidRequestError as exc:  # from the wire: the router recovers as for a failed transfer

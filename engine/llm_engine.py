@@ -25,7 +25,7 @@ from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.kv_cache import KVCache, KVLayout, torch_dtype
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
-from engine.sampler import Sampler, SampleRequest
+from engine.sampler import Sampler, SampleRequest, TopLogprobs
 from engine.sampling_params import SamplingParams, check_request_length
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -45,6 +45,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """One per new token when the request asked for ``top_logprobs`` (empty
+    lists for a first token sampled elsewhere whose alternatives are unknown)."""
 
 
 @dataclass(slots=True)
@@ -157,7 +160,8 @@ class LLMEngine:
         self._reserved[request_id] = seq
         return list(seq.block_table), len(hit)
 
-    def commit_prefilled(self, request_id: str, first_token: int, logprob: float | None) -> RequestOutput:
+    def commit_prefilled(self, request_id: str, first_token: int, logprob: float | None,
+                         top: TopLogprobs | None = None) -> RequestOutput:
         """The reserved request's prompt KV has landed: it joins the running
         batch with ``first_token`` (sampled by the prefill worker) as its first output.
         InvalidRequestError, with the reservation kept (abort frees it), when
@@ -169,7 +173,7 @@ class LLMEngine:
         seq.num_computed_tokens = seq.num_prompt_tokens
         self._register_full_blocks(seq)
         self.scheduler.add_running(seq)
-        return self._append_token(seq, first_token, logprob)
+        return self._append_token(seq, first_token, logprob, top)
 
     def release_blocks(self, request_id: str) -> bool:
         """Frees the blocks a finished ``hold_blocks`` request kept."""
@@ -223,10 +227,11 @@ class LLMEngine:
         if not sampled:
             return []
         rows = [SampleRequest(s.params, s.seed, len(s.output_token_ids)) for s in sampled]
-        tokens, logprobs = self.sampler(logits, rows)
+        tokens, logprobs, tops = self.sampler(logits, rows)
         outputs = []
         for i, seq in enumerate(sampled):
-            outputs.append(self._append_token(seq, tokens[i], None if logprobs is None else logprobs[i]))
+            outputs.append(self._append_token(seq, tokens[i], None if logprobs is None else logprobs[i],
+                                              None if tops is None else tops[i]))
         return outputs
 
     def _register_full_blocks(self, seq: Sequence) -> None:
@@ -238,7 +243,8 @@ class LLMEngine:
                 self.pool.cache_block(seq.block_table[j], hashes[j])
             seq.num_registered_blocks = full
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None,
+                      top: TopLogprobs | None = None) -> RequestOutput:
         params = seq.params
         seq.output_token_ids.append(token)
         if logprob is not None and params.logprobs:
@@ -268,7 +274,8 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=[token], new_text=detok.take(final=reason is not None),
             finished=reason is not None, finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            new_logprobs=[logprob] if (logprob is not None and params.logprobs) else [])
+            new_logprobs=[logprob] if (logprob is not None and params.logprobs) else [],
+            new_top_logprobs=[top or TopLogprobs([], [])] if params.top_logprobs else [])
 
     # -- convenience ---------------------------------------------------------
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams],
@@ -291,6 +298,7 @@ class LLMEngine:
                 c.token_ids += out.new_token_ids
                 c.text += out.new_text
                 c.logprobs += out.new_logprobs
+                c.top_logprobs += out.new_top_logprobs
                 c.num_cached_tokens = out.num_cached_tokens
                 if out.finished:
                     c.finished, c.finish_reason = True, out.finish_reason
@@ -352,6 +360,7 @@ class CompletedRequest:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
     num_cached_tokens: int = 0

@@ -25,6 +25,14 @@ def token_seed(seed: int, index: int) -> int:
 
 
 @dataclass(slots=True)
+class TopLogprobs:
+    """The most likely tokens at one position, most likely first."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass(slots=True)
 class SampleRequest:
     """What the sampler needs to know about one row of logits."""
 
@@ -38,11 +46,16 @@ class Sampler:
     def __init__(self) -> None:
         self._gen = torch.Generator(device="cpu")
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> tuple[list[int], list[float] | None]:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]
+                 ) -> tuple[list[int], list[float] | None, list[TopLogprobs | None] | None]:
         """Picks one token per row of fp32 ``logits [B, vocab]``.
 
-        Returns the token ids and, when any row asked for them, the
-        log-probabilities of the chosen tokens under the model's distribution.
+        Returns the token ids; when any row asked for them, the
+        log-probabilities of the chosen tokens under the model's distribution
+        (``log_softmax`` of the raw logits: before temperature, top-k and
+        top-p); and when any row asked for ``top_logprobs``, per row its k most
+        likely tokens under that same distribution (None for rows that did not
+        ask).
         """
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
@@ -54,11 +67,26 @@ class Sampler:
                 self._gen.manual_seed(token_seed(rows[i].seed, rows[i].index))
                 tokens[i] = torch.multinomial(probs[j], 1, generator=self._gen).item()
         token_list = tokens.tolist()
-        logprobs = None
+        logprobs = tops = None
         if any(r.params.logprobs for r in rows):
             lp = torch.log_softmax(logits, dim=-1)
             logprobs = lp.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
-        return token_list, logprobs
+            tops = self._top_logprobs(lp, rows)
+        return token_list, logprobs, tops
+
+    @staticmethod
+    def _top_logprobs(lp: torch.Tensor, rows: list[SampleRequest]) -> list[TopLogprobs | None] | None:
+        """Each row's ``top_logprobs`` most likely tokens of ``lp [B, vocab]``, most likely first."""
+        k_max = min(max(r.params.top_logprobs for r in rows), lp.shape[-1])
+        if k_max <= 0:
+            return None
+        values, ids = lp.topk(k_max, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        out: list[TopLogprobs | None] = []
+        for i, r in enumerate(rows):
+            k = r.params.top_logprobs
+            out.append(TopLogprobs(ids[i][:k], values[i][:k]) if k > 0 else None)
+        return out
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

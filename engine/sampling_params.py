@@ -13,6 +13,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token a request may ask for (OpenAI's limit)."""
 
 
 @dataclass(slots=True)
@@ -37,6 +39,9 @@ class SamplingParams:
     """Keep generating past EOS (benchmarks force output lengths with this)."""
     logprobs: bool = False
     """Return the log-probability of each chosen token."""
+    top_logprobs: int = 0
+    """Also return the k most likely tokens at each position and their
+    log-probabilities (0..MAX_TOP_LOGPROBS; needs ``logprobs``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -60,6 +65,11 @@ class SamplingParams:
                 raise InvalidRequestError(f"a stop string is {len(s)} characters; the limit is {MAX_STOP_STRING_CHARS}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) \
+                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs")
 
     @property
     def greedy(self) -> bool:

@@ -5,6 +5,7 @@ incremental detokenizer for streaming text."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -26,6 +27,34 @@ def _token_text(value: object) -> str | None:
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE
+    vocabulary writes for each byte -> that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_decoder()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _is_byte_level(tok: HFTokenizer) -> bool:
+    """Whether the decoder maps pieces through the byte-level alphabet."""
+    dec = tok.decoder
+    try:
+        return dec is not None and b'"ByteLevel"' in dec.__getstate__()
+    except Exception:  # a decoder type this library version cannot serialise
+        return False
 
 
 class Tokenizer:
@@ -58,6 +87,9 @@ class Tokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._added = frozenset(self._tok.get_added_tokens_decoder())
+        self._byte_level = _is_byte_level(self._tok)
+        self._bytes: dict[int, bytes] = {}
         self._template = None
         if template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
@@ -74,13 +106,43 @@ class Tokenizer:
         return self._template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode does not): a long
+        # prompt tokenized in a thread leaves the caller's event loop running
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes ``token_id`` stands for in decoded text (cached).
+
+        A byte-level BPE token may be part of a UTF-8 character: the bytes
+        of consecutive tokens concatenate to the text's UTF-8 bytes. Added
+        (special) tokens give their text; an id outside the vocabulary b"".
+        """
+        b = self._bytes.get(token_id)
+        if b is None:
+            b = self._bytes[token_id] = self._token_bytes(token_id)
+        return b
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added:
+            return piece.encode()
+        if self._byte_level:
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:  # not from the byte alphabet
+                return piece.encode()
+        m = _BYTE_FALLBACK.fullmatch(piece)  # SentencePiece byte fallback
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()  # Metaspace word boundary
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
         """The prompt text for chat ``messages`` (dicts with role and content)."""

@@ -28,7 +28,7 @@ from kvtransfer.errors import KVTransferError
 from kvtransfer.handles import wait_async
 from kvtransfer.wire import link_socket_buffer
 from prefill_worker.streamer import LayerStreamer
-from runtime.convert import work_params
+from runtime.convert import top_logprobs_proto, work_params
 from runtime.worker import WorkerIdentity, worker_load
 
 log = logging.getLogger(__name__)
@@ -116,10 +116,13 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             handle.finish(out.new_token_ids[0], logprob)
             result = await wait_async(handle, self.transfer_timeout_s)
             self.kv_bytes_sent += result.nbytes
-            return wpb.PrefillResponse(first_token_id=out.new_token_ids[0], first_logprob=logprob,
+            resp = wpb.PrefillResponse(first_token_id=out.new_token_ids[0], first_logprob=logprob,
                                        kv_bytes=result.nbytes, prefill_ms=(t1 - t0) * 1e3,
                                        transfer_ms=(time.perf_counter() - t1) * 1e3,
                                        cached_tokens=out.num_cached_tokens)
+            if out.new_top_logprobs:  # the KV transfer carries only the token: the router adds these
+                resp.first_top_logprobs.CopyFrom(top_logprobs_proto(out.new_top_logprobs[0]))
+            return resp
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KVTransferError as exc:

@@ -17,6 +17,7 @@ places it again or migrates the stream."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -40,7 +41,14 @@ from router.pools import PoolManager
 from router.recovery import Failover, Recovery
 from router.registry import WorkerRegistry
 from router.relay import Relay, placement_proto
-from router.requests import Caller, ModelLimits, Priority, Request, parse_request
+from router.requests import (
+    Caller,
+    ModelLimits,
+    Priority,
+    Request,
+    check_prompt_bytes,
+    parse_request,
+)
 from runtime.config import ClusterConfig, RouterSection
 from runtime.rpc import PLAINTEXT, Dialer
 from runtime.topology import Role, Topology
@@ -101,10 +109,20 @@ class RouterCore:
         self.policy = make_policy(cfg.router.policy, policy_seed)
         self.waiting_interactive = 0
         """Interactive requests waiting at the router for room (batch jobs hold back meanwhile)."""
+        self.tokenizers = concurrent.futures.ThreadPoolExecutor(cfg.router.api.tokenizer_threads,
+                                                                thread_name_prefix="tokenize")
+        """Where prompts are tokenized, off the event loop (the tokenizer lets go of the GIL)."""
 
     def prepare(self, msg: ipb.GenerateRequest, caller: Caller) -> Request:
         """Validates and tokenizes a request; each tenant's prompts hash into their own prefix-cache domain."""
-        return parse_request(msg, self.tok, self.limits, salt=self.salts.of(caller.tenant))
+        return parse_request(msg, self.tok, self.limits, salt=self.salts.of(caller.tenant),
+                             max_prompt_bytes=self.cfg.router.api.max_prompt_bytes)
+
+    async def admit(self, msg: ipb.GenerateRequest, caller: Caller) -> Request:
+        """:meth:`prepare` in the tokenizer threads, so a long prompt holds up no one
+        else; a prompt over ``router.api.max_prompt_bytes`` is refused at once."""
+        check_prompt_bytes(msg, self.cfg.router.api.max_prompt_bytes)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizers, self.prepare, msg, caller)
 
     def health(self) -> ipb.HealthResponse:
         p = len(self.registry.candidates(Role.PREFILL))

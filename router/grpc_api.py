@@ -10,17 +10,17 @@ gRPC status (with ``retry-after-ms`` trailing metadata when overloaded).
 from __future__ import annotations
 
 import grpc
-from google.protobuf.message import DecodeError
-from kvrelay.v1 import admin_pb2_grpc as agrpc
+from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-from kvrelay.v1 import worker_pb2_grpc as wgrpc
+from kvrelay.v1 import worker_pb2 as wpb
 
 from router.admin import AdminService
 from router.core import RouterCore
-from router.errors import ErrorKind, RouterError
+from router.errors import RouterError
 from router.peer import STATUS, CallAuth
 from router.registry_service import RegistryService
+from runtime.rpc import add_service
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: RouterError, prefix: str = ""):
@@ -30,20 +30,6 @@ async def abort(context: grpc.aio.ServicerContext, exc: RouterError, prefix: str
     await context.abort(STATUS[exc.kind], prefix + exc.message)
 
 
-class BadRequest:
-    """Stands in for a request message that did not parse."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-def _safe_parse(data: bytes) -> ipb.GenerateRequest | BadRequest:
-    try:
-        return ipb.GenerateRequest.FromString(data)
-    except DecodeError as exc:
-        return BadRequest(f"request is not a valid GenerateRequest (is every string valid UTF-8?): {exc}")
-
-
 class InferenceService(igrpc.InferenceServicer):
     """``kvrelay.v1.Inference`` over the router core."""
 
@@ -51,12 +37,10 @@ class InferenceService(igrpc.InferenceServicer):
         self.core = core
         self.auth = auth
 
-    async def Generate(self, request: ipb.GenerateRequest | BadRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: ipb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             caller = self.auth.caller(context)
-            if isinstance(request, BadRequest):
-                raise RouterError(ErrorKind.INVALID, request.reason)
-            req = self.core.prepare(request, caller)
+            req = await self.core.admit(request, caller)
             async for msg in self.core.generate(req, caller):
                 yield msg
         except RouterError as exc:
@@ -76,20 +60,8 @@ class InferenceService(igrpc.InferenceServicer):
 
 
 def add_router_to_server(core: RouterCore, server: grpc.aio.Server, auth: CallAuth) -> None:
-    """Registers the Inference, Registry and Admin services; Generate parses its
-    request leniently so a malformed message gets INVALID_ARGUMENT, not INTERNAL."""
-    wgrpc.add_RegistryServicer_to_server(RegistryService(core, auth), server)
-    agrpc.add_AdminServicer_to_server(AdminService(core.pools, auth), server)
-    inference = InferenceService(core, auth)
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            inference.Generate, request_deserializer=_safe_parse,
-            response_serializer=ipb.GenerateResponse.SerializeToString),
-        "ListModels": grpc.unary_unary_rpc_method_handler(
-            inference.ListModels, request_deserializer=ipb.ListModelsRequest.FromString,
-            response_serializer=ipb.ListModelsResponse.SerializeToString),
-        "Health": grpc.unary_unary_rpc_method_handler(
-            inference.Health, request_deserializer=ipb.HealthRequest.FromString,
-            response_serializer=ipb.HealthResponse.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvrelay.v1.Inference", handlers),))
+    """Registers the Inference, Registry and Admin services; every request
+    message parses leniently, so a malformed one gets INVALID_ARGUMENT, not INTERNAL."""
+    add_service(server, RegistryService(core, auth), wpb.DESCRIPTOR.services_by_name["Registry"])
+    add_service(server, AdminService(core.pools, auth), apb.DESCRIPTOR.services_by_name["Admin"])
+    add_service(server, InferenceService(core, auth), ipb.DESCRIPTOR.services_by_name["Inference"])

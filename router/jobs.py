@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from kvrelay.v1 import inference_pb2 as ipb
@@ -19,14 +20,22 @@ from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 from router.core import RouterCore
 from router.errors import ErrorKind, RouterError
 from router.grpc_api import STATUS, abort
-from router.jobs_store import JOB_CANCELLED, JOB_DONE, JobRow, JobStore
+from router.jobs_store import JOB_CANCELLED, JOB_DONE, RESULT_PAGE, JobRow, JobStore
 from router.peer import CallAuth
 from router.requests import Caller, Priority
+from runtime.rpc import add_service
 from runtime.topology import Role
 
 log = logging.getLogger(__name__)
 
 MAX_JOB_REQUESTS = 100_000
+"""Most requests in one job (non-blank lines of a job file)."""
+MAX_JOB_BYTES = 15 << 20
+"""Most bytes of a job: its requests serialized (at the CLI, also the job
+file), under the public listener's default message limit (router.api.max_message_bytes, 16 MiB)."""
+MAX_REQUEST_BYTES = 1 << 20
+"""Most bytes of one request of a job, serialized (at the CLI, also one line of the file)."""
+MAX_JOB_NAME_CHARS = 256
 POLL_S = 0.2
 """How often the runner looks for work and followers look for results."""
 
@@ -36,9 +45,34 @@ TRANSIENT = frozenset({ErrorKind.UNAVAILABLE, ErrorKind.OVERLOADED})
 BACKOFF_S = 1.0
 
 
+def job_limit_error(name: str, requests: Sequence[ipb.GenerateRequest]) -> str | None:
+    """Why a job is over a limit (None: it is not); a message about one request
+    starts ``requests[i]: ``. The router refuses such a job, and the CLI before sending it."""
+    if len(requests) > MAX_JOB_REQUESTS:
+        return f"job has {len(requests)} requests; at most {MAX_JOB_REQUESTS}"
+    if len(name) > MAX_JOB_NAME_CHARS:
+        return f"job name has {len(name)} characters; at most {MAX_JOB_NAME_CHARS}"
+    total = 0
+    for i, r in enumerate(requests):
+        size = r.ByteSize()
+        if size > MAX_REQUEST_BYTES:
+            return (f"requests[{i}]: {size} bytes; at most {MAX_REQUEST_BYTES} ({MAX_REQUEST_BYTES >> 20} MiB) "
+                    "per request")
+        total += size
+    if total > MAX_JOB_BYTES:
+        return f"job is {total} bytes; at most {MAX_JOB_BYTES} ({MAX_JOB_BYTES >> 20} MiB)"
+    return None
+
+
 def _job_proto(row: JobRow) -> jpb.Job:
     return jpb.Job(id=row.id, name=row.name, state=row.state, total=row.total, completed=row.completed,
                    failed=row.failed, created_unix=row.created, finished_unix=row.finished)
+
+
+def add_jobs_to_server(jobs: JobService, server: grpc.aio.Server) -> None:
+    """Registers ``jobs`` as ``kvrelay.v1.Jobs``; a request message that does
+    not parse (a string that is not UTF-8) gets INVALID_ARGUMENT, not UNKNOWN."""
+    add_service(server, jobs, jpb.DESCRIPTOR.services_by_name["Jobs"])
 
 
 class JobService(jgrpc.JobsServicer):
@@ -84,22 +118,31 @@ class JobService(jgrpc.JobsServicer):
             await abort(context, exc)
 
     async def SubmitJob(self, request: jpb.SubmitJobRequest, context) -> jpb.Job:
+        """Validates every request as the interactive path would, then stores the job (all or nothing)."""
         owner = await self._owner(context)
         if not request.requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a job needs at least one request")
-        if len(request.requests) > MAX_JOB_REQUESTS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"a job holds at most {MAX_JOB_REQUESTS} requests, got {len(request.requests)}")
-        for i, r in enumerate(request.requests):  # the interactive path's validation, before storing anything
-            try:
-                self.core.prepare(r, Caller(owner))
-            except RouterError as exc:
-                await abort(context, exc, prefix=f"requests[{i}]: ")
+        problem = job_limit_error(request.name, request.requests)
+        if problem is None:  # in a tokenizer thread: a 100,000-request job holds up no one else
+            problem = await asyncio.get_running_loop().run_in_executor(
+                self.core.tokenizers, self._first_invalid, request.requests, owner)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         row = await self._db(self.store.submit, request.name, [r.SerializeToString() for r in request.requests],
                              owner)
         log.info("job %s (%s): %d requests", row.id, request.name or "unnamed", row.total)
         self._wake.set()
         return _job_proto(row)
+
+    def _first_invalid(self, requests: Sequence[ipb.GenerateRequest], owner: str) -> str | None:
+        """``requests[i]: why`` for the first request the router would refuse (None: none)."""
+        caller = Caller(owner)
+        for i, r in enumerate(requests):
+            try:
+                self.core.prepare(r, caller)
+            except RouterError as exc:
+                return f"requests[{i}]: {exc.message}"
+        return None
 
     async def _row(self, job_id: str, context) -> JobRow:
         """The caller's job (another tenant's is as unknown as a missing one)."""
@@ -120,19 +163,45 @@ class JobService(jgrpc.JobsServicer):
         await self._row(request.id, context)
         return _job_proto(await self._db(self.store.cancel, request.id))
 
-    async def JobResults(self, request: jpb.JobResultsRequest, context):
+    async def JobResults(self, request: jpb.JobResultsRequest, context) -> AsyncIterator[jpb.JobResult]:
+        """The results stored so far in index order; with ``follow``, then each
+        new one as it is stored. Every poll reads only the results stored since
+        the previous one (by their ``seq``), so following a 100,000-request job
+        costs what its new results cost, never a re-read of the stored ones."""
         await self._row(request.id, context)
-        sent: set[int] = set()
-        while True:
-            # the job row first: a finished job's results were stored with or before its state
-            row = await self._db(self.store.get, request.id)
-            for idx, blob in await self._db(self.store.results, request.id, request.from_index):
-                if idx not in sent:
-                    sent.add(idx)
-                    yield jpb.JobResult.FromString(blob)
-            if not request.follow or row.state in (JOB_DONE, JOB_CANCELLED):
+        seen = await self._db(self.store.last_seq, request.id)
+        async for result in self._stored(request.id, request.from_index, seen):
+            yield result
+        while request.follow:
+            # the job's state first: a finished job's results were stored with or before its state
+            state = await self._db(self.store.state, request.id)
+            more = True
+            while more:
+                seen, results, more = await self._stored_after(request.id, request.from_index, seen)
+                for result in results:
+                    yield result
+            if state in (None, JOB_DONE, JOB_CANCELLED):
                 return
             await asyncio.sleep(POLL_S)
+
+    async def _stored(self, job: str, from_index: int, upto_seq: int) -> AsyncIterator[jpb.JobResult]:
+        """Results with index >= ``from_index`` stored no later than ``upto_seq``, in index order, page by page."""
+        after = -1
+        while True:
+            page = await self._db(self.store.results, job, from_index, after, upto_seq)
+            for _, _, blob in page:
+                yield jpb.JobResult.FromString(blob)
+            if len(page) < RESULT_PAGE:
+                return
+            after = page[-1][1]
+
+    async def _stored_after(self, job: str, from_index: int, seen: int) -> tuple[int, list[jpb.JobResult], bool]:
+        """One page of the results stored after ``seen`` (those with index >=
+        ``from_index``, in the order stored): the last seq read, the results,
+        and whether there may be more."""
+        page = await self._db(self.store.results_after, job, seen)
+        results = [jpb.JobResult.FromString(blob) for _, idx, blob in page if idx >= from_index]
+        return (page[-1][0] if page else seen), results, len(page) == RESULT_PAGE
 
     # -- runner ----------------------------------------------------------------
     async def _run(self) -> None:

@@ -31,6 +31,13 @@ CREATE INDEX IF NOT EXISTS items_by_status ON items (status, job, idx);
 """
 _OWNER = "ALTER TABLE jobs ADD COLUMN owner TEXT NOT NULL DEFAULT ''"
 """The tenant that submitted a job (databases made before tenants get it empty)."""
+_SEQ = "ALTER TABLE items ADD COLUMN seq INTEGER"
+"""Order in which a job's results were stored (1, 2, ...; NULL while there is none)."""
+_SEQ_BACKFILL = "UPDATE items SET seq = idx + 1 WHERE seq IS NULL AND status IN (?, ?)"
+"""Results stored before ``seq`` existed: in index order, before every later one."""
+_SEQ_INDEX = "CREATE INDEX IF NOT EXISTS items_by_seq ON items (job, seq)"
+RESULT_PAGE = 1000
+"""Most results one read returns (a reader pages through the rest)."""
 
 
 @dataclass(slots=True)
@@ -58,6 +65,12 @@ class JobStore:
         self.db.executescript(_SCHEMA)
         if "owner" not in {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}:
             self.db.execute(_OWNER)
+        if "seq" not in {r[1] for r in self.db.execute("PRAGMA table_info(items)")}:
+            with self.db:
+                self.db.execute("BEGIN IMMEDIATE")
+                self.db.execute(_SEQ)
+                self.db.execute(_SEQ_BACKFILL, (DONE, FAILED))
+        self.db.execute(_SEQ_INDEX)
 
     def close(self) -> None:
         self.db.close()
@@ -121,15 +134,17 @@ class JobStore:
         return rows
 
     def finish(self, job: str, idx: int, result: bytes, ok: bool) -> bool:
-        """Stores one request's result; False (and nothing stored) unless it was running."""
+        """Stores one request's result, next in the job's ``seq`` order; False
+        (and nothing stored) unless it was running."""
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            if not self.db.execute("UPDATE items SET status=?, result=? WHERE job=? AND idx=? AND status=?",
-                                   (DONE if ok else FAILED, result, job, idx, RUNNING)).rowcount:
+            seq = self.last_seq(job) + 1  # (job, seq) is indexed: no scan of the job's rows
+            if not self.db.execute("UPDATE items SET status=?, result=?, seq=? WHERE job=? AND idx=? AND status=?",
+                                   (DONE if ok else FAILED, result, seq, job, idx, RUNNING)).rowcount:
                 return False
-            left = self.db.execute("SELECT COUNT(*) FROM items WHERE job=? AND status IN (?, ?)",
-                                   (job, PENDING, RUNNING)).fetchone()[0]
-            if left == 0:
+            left = self.db.execute("SELECT EXISTS (SELECT 1 FROM items WHERE job=? AND status IN (?, ?))",
+                                   (job, PENDING, RUNNING)).fetchone()[0]  # not a count: O(1), not O(rows left)
+            if not left:
                 self.db.execute("UPDATE jobs SET state=?, finished=? WHERE id=? AND state=?",
                                 (JOB_DONE, time.time(), job, JOB_RUNNING))
         return True
@@ -140,6 +155,27 @@ class JobStore:
             self.db.execute("UPDATE items SET status=? WHERE job=? AND idx=? AND status=?",
                             (PENDING, job, idx, RUNNING))
 
-    def results(self, job: str, from_idx: int = 0) -> list[tuple[int, bytes]]:
-        return self.db.execute("SELECT idx, result FROM items WHERE job=? AND idx>=? AND status IN (?, ?) "
-                               "ORDER BY idx", (job, from_idx, DONE, FAILED)).fetchall()
+    def state(self, job: str) -> int | None:
+        """The job's state alone (one row; :meth:`get` also counts every request's status)."""
+        row = self.db.execute("SELECT state FROM jobs WHERE id=?", (job,)).fetchone()
+        return None if row is None else row[0]
+
+    def last_seq(self, job: str) -> int:
+        """``seq`` of the job's latest stored result (0: none yet)."""
+        return self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM items WHERE job=?", (job,)).fetchone()[0]
+
+    def results(self, job: str, from_idx: int = 0, after_idx: int = -1, upto_seq: int | None = None,
+                limit: int = RESULT_PAGE) -> list[tuple[int, int, bytes]]:
+        """Stored results (seq, index, result) in index order: index >= ``from_idx``
+        and > ``after_idx`` (the last one of the previous page), stored no later
+        than ``upto_seq`` (None: any); at most ``limit``."""
+        upto = self.last_seq(job) if upto_seq is None else upto_seq
+        return self.db.execute("SELECT seq, idx, result FROM items WHERE job=? AND idx>=? AND seq<=? "
+                               "ORDER BY idx LIMIT ?", (job, max(from_idx, after_idx + 1), upto, limit)).fetchall()
+
+    def results_after(self, job: str, after_seq: int, limit: int = RESULT_PAGE) -> list[tuple[int, int, bytes]]:
+        """Results (seq, index, result) stored after ``after_seq``, in the order
+        they were stored; at most ``limit``. Reads only those rows (through the
+        (job, seq) index), however many the job already has."""
+        return self.db.execute("SELECT seq, idx, result FROM items INDEXED BY items_by_seq WHERE job=? AND seq>? "
+                               "ORDER BY seq LIMIT ?", (job, after_seq, limit)).fetchall()

@@ -17,14 +17,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvrelay.v1 import jobs_pb2_grpc as jgrpc
-
 from engine.config import ModelConfig, effective_max_model_len
 from engine.tokenizer import Tokenizer
 from router.core import RouterCore
 from router.grpc_api import add_router_to_server
-from router.jobs import JobService
-from router.openai_http import OpenAIServer, serve_http
+from router.http_server import serve_http
+from router.jobs import JobService, add_jobs_to_server
+from router.openai_http import OpenAIServer
 from router.peer import CallAuth
 from router.requests import ModelLimits
 from runtime.config import ClusterConfig, load_config
@@ -67,26 +66,32 @@ async def run(args: argparse.Namespace) -> None:
                          vocab_size=model_cfg.vocab_size, chat=tok.has_chat_template)
     core = RouterCore(cfg, tok, limits, dialer=Dialer(tls), salt_key=salt_key)
     auth = CallAuth(core, tls)
-    server = create_server()
-    add_router_to_server(core, server, auth)
+    api = cfg.router.api
+    # the public listener takes small messages and a bounded number of calls; the internal one, workers' sizes
+    public = create_server(max_receive_bytes=api.max_message_bytes, max_concurrent_rpcs=api.max_concurrent_rpcs)
+    internal_server = create_server()
     jobs = JobService(core, args.jobs_db or cfg.router.jobs_db or ":memory:", cfg.router.job_concurrency, auth)
     if not (args.jobs_db or cfg.router.jobs_db):
         logging.getLogger(__name__).warning("router.jobs_db is not set: batch jobs live in memory only")
     await jobs.start()
-    jgrpc.add_JobsServicer_to_server(jobs, server)
+    for server in (public, internal_server):
+        add_router_to_server(core, server, auth)
+        add_jobs_to_server(jobs, server)
     host = cfg.router.host
     try:
-        port = bind(server, host, cfg.router.port, tls)
-        internal = bind(server, host, cfg.router.internal_port, tls, mutual=True)
+        port = bind(public, host, cfg.router.port, tls)
+        internal = bind(internal_server, host, cfg.router.internal_port, tls, mutual=True)
     except OSError as exc:
         raise SystemExit(f"router: {exc}") from None
-    await server.start()
+    await public.start()
+    await internal_server.start()
     ready = f"READY {host}:{port} internal={host}:{internal}"
     http = None
     private = tempfile.TemporaryDirectory(prefix="kvrelay-router-")
     if cfg.router.http_port is not None:
         files = http_tls_files(tls, Path(private.name))
-        http, http_task, http_port = await serve_http(OpenAIServer(core).app, host, cfg.router.http_port, files)
+        http, http_task, http_port = await serve_http(OpenAIServer(core, cfg.router.http).app, host,
+                                                      cfg.router.http_port, files, cfg.router.http)
         ready += f" http={host}:{http_port}"
     print(ready, flush=True)
     stop = asyncio.Event()
@@ -97,7 +102,7 @@ async def run(args: argparse.Namespace) -> None:
     if http is not None:
         http.should_exit = True
         await asyncio.wait_for(http_task, 5.0)
-    await server.stop(grace=2.0)
+    await asyncio.gather(public.stop(grace=2.0), internal_server.stop(grace=2.0))
     await jobs.stop()
     await core.registry.close()
     private.cleanup()

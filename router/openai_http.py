@@ -19,11 +19,12 @@ in a response (and the last stream chunk), ``{"placement": {...},
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-import socket
 import time
 import uuid
+from importlib.metadata import version
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
@@ -37,8 +38,16 @@ from engine.blocks import ceil_div
 from router.auth import CallerAuth
 from router.core import RouterCore
 from router.errors import ErrorKind, RouterError
+from router.logprobs import openai_logprobs
+from router.openai_requests import (
+    ApiError,
+    chat_request,
+    completion_request,
+    decode_body,
+)
+from router.openai_schema import openapi
 from router.requests import Caller
-from runtime.config import is_loopback
+from runtime.config import HttpSection
 
 log = logging.getLogger(__name__)
 
@@ -59,24 +68,8 @@ HTTP_STATUS = {
 """Error kind of the shared request path -> HTTP status and OpenAI error type."""
 
 FINISH = {ipb.FINISH_REASON_STOP: "stop", ipb.FINISH_REASON_LENGTH: "length", ipb.FINISH_REASON_ABORT: "stop"}
-MAX_BODY_BYTES = 8 << 20
-"""Request bodies larger than this are refused (413)."""
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+CLOSE = {"Connection": "close"}
+"""On an answer sent before the body was read: the connection cannot carry another request."""
 
 
 def api_error(exc: RouterError) -> ApiError:
@@ -86,121 +79,6 @@ def api_error(exc: RouterError) -> ApiError:
     if status == 429 and exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, ceil_div(int(exc.retry_after_s * 1e3), 1000)))  # whole seconds, up
     return ApiError(status, exc.message, type_, code=exc.kind.value, headers=headers)
-
-
-# -- request parsing ---------------------------------------------------------------------------------------------
-def _get(body: dict, name: str, types: tuple, what: str, default=None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-        raise ApiError(400, f"'{name}' must be {what}, got {json.dumps(value)[:80]}", param=name)
-    return value
-
-
-def _text_content(content: Any, i: int) -> str:
-    """A message's content: a string, or a list of text parts (images etc. are refused)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported",
-                               param=f"messages[{i}].content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
-                   param=f"messages[{i}].content")
-
-
-def _common(body: dict, req: ipb.GenerateRequest) -> tuple[bool, bool]:
-    """Fields both endpoints share; returns (stream, include_usage)."""
-    req.model = _get(body, "model", (str,), "a string", "")
-    max_tokens = _get(body, "max_completion_tokens", (int,), "an integer")
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", (int,), "an integer")
-    if max_tokens is not None:
-        if max_tokens < 1:
-            raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-        req.max_tokens = min(max_tokens, 1 << 30)
-    temperature = _get(body, "temperature", (int, float), "a number")
-    if temperature is not None:
-        req.sampling.temperature = temperature
-    top_p = _get(body, "top_p", (int, float), "a number")
-    if top_p is not None:
-        if top_p <= 0:  # our 0 means "unset"; OpenAI's 0 is invalid as well
-            raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
-        req.sampling.top_p = top_p
-    seed = _get(body, "seed", (int,), "an integer")
-    if seed is not None:
-        if not 0 <= seed < 1 << 63:
-            raise ApiError(400, f"seed must be in [0, 2^63), got {seed}", param="seed")
-        req.sampling.seed = seed
-    if _get(body, "logprobs", (bool,), "a boolean", False) is True:
-        req.sampling.logprobs = True
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        req.stop.append(stop)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        req.stop.extend(stop)
-    elif stop is not None:
-        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
-    n = _get(body, "n", (int,), "an integer", 1)
-    if n != 1:
-        raise ApiError(400, f"n must be 1 (one choice per request), got {n}", param="n")
-    stream = _get(body, "stream", (bool,), "a boolean", False)
-    options = _get(body, "stream_options", (dict,), "an object", {})
-    include_usage = _get(options, "include_usage", (bool,), "a boolean", False)
-    ext = _get(body, "kvrelay", (dict,), "an object", {})
-    allowed = _get(ext, "allowed_jurisdictions", (list,), "a list of strings", [])
-    if not all(isinstance(j, str) for j in allowed):
-        raise ApiError(400, "'kvrelay.allowed_jurisdictions' must be a list of strings",
-                       param="kvrelay.allowed_jurisdictions")
-    req.allowed_jurisdictions.extend(allowed)
-    req.request_id = _get(ext, "request_id", (str,), "a string", "")
-    # top-level ignore_eos: vLLM's extension, which benchmark clients send to force output lengths
-    req.ignore_eos = _get(ext, "ignore_eos", (bool,), "a boolean", False) or \
-        _get(body, "ignore_eos", (bool,), "a boolean", False)
-    return stream, include_usage
-
-
-def chat_request(body: dict) -> tuple[ipb.GenerateRequest, bool, bool]:
-    """A /v1/chat/completions body as a GenerateRequest (plus stream, include_usage)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-    req = ipb.GenerateRequest()
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
-        role = "system" if m["role"] == "developer" else m["role"]
-        req.messages.messages.add(role=role, content=_text_content(m.get("content"), i))
-    return (req, *_common(body, req))
-
-
-def completion_request(body: dict) -> tuple[ipb.GenerateRequest, bool, bool]:
-    """A /v1/completions body: raw text (no chat template) or token ids."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    req = ipb.GenerateRequest()
-    if isinstance(prompt, str):
-        req.prompt, req.raw_prompt = prompt, True
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not all(0 <= t < 1 << 31 for t in prompt):
-            raise ApiError(400, "token ids in 'prompt' must be non-negative 32-bit integers", param="prompt")
-        req.token_ids.ids.extend(prompt)
-    else:
-        raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of one of those "
-                            "(one prompt per request)", param="prompt")
-    if body.get("echo"):
-        raise ApiError(400, "'echo' is not supported", param="echo")
-    if body.get("suffix"):
-        raise ApiError(400, "'suffix' is not supported", param="suffix")
-    if body.get("best_of") not in (None, 1):
-        raise ApiError(400, "'best_of' must be 1", param="best_of")
-    return (req, *_common(body, req))
 
 
 # -- responses ---------------------------------------------------------------------------------------------------
@@ -217,27 +95,21 @@ def _extension(finish: ipb.Finish) -> dict:
             "cached_prompt_tokens": finish.usage.cached_prompt_tokens}
 
 
-def _logprobs(chat: bool, token_ids: list[int], logprobs: list[float]) -> dict | None:
-    if not logprobs:
-        return None
-    if chat:
-        return {"content": [{"token": f"<{t}>", "logprob": lp, "bytes": None, "top_logprobs": []}
-                            for t, lp in zip(token_ids, logprobs)]}
-    return {"tokens": [f"<{t}>" for t in token_ids], "token_logprobs": list(logprobs)}
-
-
 class OpenAIServer:
     """The HTTP API over the router core."""
 
-    def __init__(self, core: RouterCore, request_timeout_s: float | None = None) -> None:
+    def __init__(self, core: RouterCore, limits: HttpSection, request_timeout_s: float | None = None) -> None:
         self.core = core
+        self.limits = limits
         self.auth = CallerAuth(core.cfg.auth)
         self.request_timeout_s = request_timeout_s
+        self.schema = openapi(version("kvrelay"))
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
         ], exception_handlers={404: self._not_found, 405: self._bad_method})
 
     async def _not_found(self, request: Request, exc) -> JSONResponse:
@@ -245,6 +117,10 @@ class OpenAIServer:
 
     async def _bad_method(self, request: Request, exc) -> JSONResponse:
         return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
+
+    async def openapi(self, request: Request) -> JSONResponse:
+        """The accepted request schema (no credentials needed: it is the same for everyone)."""
+        return JSONResponse(self.schema)
 
     async def models(self, request: Request) -> JSONResponse:
         try:
@@ -267,31 +143,42 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
 
-    async def _body(self, request: Request) -> dict:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # refused before reading it
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    async def _body(self, request: Request) -> bytes:
+        """The body, read as it arrives: 413 past the cap (declared or not), 408 past the deadline."""
+        cap, declared = self.limits.max_body_bytes, request.headers.get("content-length", "")
+        if declared.isdigit() and (len(declared) > 18 or int(declared) > cap):  # refused before reading it
+            raise ApiError(413, f"request body over {cap} bytes (declared {declared[:20]})", headers=CLOSE)
+        raw = bytearray()
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object")
-        return body
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                async for chunk in request.stream():
+                    raw += chunk
+                    if len(raw) > cap:
+                        raise ApiError(413, f"request body over {cap} bytes", headers=CLOSE)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
+                           "timeout", headers=CLOSE) from None
+        return bytes(raw)
+
+    async def _request(self, request: Request, chat: bool) -> tuple[ipb.GenerateRequest, bool, bool, Caller]:
+        """Who calls (before anything of the body is read), then what they ask."""
+        try:
+            tenant = self.auth.tenant(request.headers.get("authorization", ""))
+        except RouterError as exc:
+            error = api_error(exc)
+            error.headers |= CLOSE
+            raise error from None
+        body = decode_body(await self._body(request))
+        req, stream, include_usage = chat_request(body) if chat else completion_request(body)
+        return req, stream, include_usage, Caller.with_timeout(tenant, self.request_timeout_s)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
-            body = await self._body(request)
-            req, stream, include_usage = chat_request(body) if chat else completion_request(body)
+            req, stream, include_usage, caller = await self._request(request, chat)
         except ApiError as exc:
             return exc.response()
         try:  # the first message, or the error, decides the HTTP status
-            tenant = self.auth.tenant(request.headers.get("authorization", ""))
-            caller = Caller.with_timeout(tenant, self.request_timeout_s)
-            gen = self.core.generate(self.core.prepare(req, caller), caller)
+            gen = self.core.generate(await self.core.admit(req, caller), caller)
             first = await gen.__anext__()
         except RouterError as exc:
             return api_error(exc).response()
@@ -302,7 +189,7 @@ class OpenAIServer:
         if stream:
             return StreamingResponse(self._sse(gen, first, rid, model, chat, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._whole(gen, first, rid, model, chat)
+        return await until_disconnect(request, self._whole(gen, first, rid, model, chat))
 
     async def _messages(self, gen, first):
         yield first
@@ -310,18 +197,22 @@ class OpenAIServer:
             yield msg
 
     async def _whole(self, gen, first, rid: str, model: str, chat: bool) -> JSONResponse:
-        text, ids, lps, finish = [], [], [], None
+        text, ids, lps, tops, finish = [], [], [], [], None
         try:
             async for msg in self._messages(gen, first):
                 text.append(msg.text)
                 ids.extend(msg.token_ids)
                 lps.extend(msg.logprobs)
+                tops.extend(msg.top_logprobs)
                 if msg.HasField("finish"):
                     finish = msg.finish
         except RouterError as exc:
             return api_error(exc).response()
+        except asyncio.CancelledError:  # the client went away (until_disconnect): stop the workers now
+            await gen.aclose()
+            raise
         choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH.get(finish.reason, "stop"),
-                                  "logprobs": _logprobs(chat, ids, lps)}
+                                  "logprobs": openai_logprobs(self.core.tok, chat, ids, lps, tops)}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
@@ -338,15 +229,18 @@ class OpenAIServer:
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
                                           "choices": choices, **extra}) + "\n\n"
 
+        sent = 0  # characters of text so far (completions' text_offset)
         try:
             if chat:
                 yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
             async for msg in self._messages(gen, first):
                 done = msg.HasField("finish")
                 if msg.text or msg.token_ids or done:
+                    lp = openai_logprobs(self.core.tok, chat, list(msg.token_ids), list(msg.logprobs),
+                                         list(msg.top_logprobs), text_offset=sent)
+                    sent += len(msg.text)
                     c: dict[str, Any] = {"index": 0, "finish_reason": FINISH.get(msg.finish.reason, "stop") if done
-                                         else None, "logprobs": _logprobs(chat, list(msg.token_ids),
-                                                                          list(msg.logprobs))}
+                                         else None, "logprobs": lp}
                     if chat:
                         c["delta"] = {"content": msg.text} if msg.text else {}
                     else:
@@ -363,28 +257,24 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
 
-async def serve_http(app, host: str, port: int, tls_files: tuple[str, str] | None) -> tuple[object, asyncio.Task, int]:
-    """Starts uvicorn on ``host:port`` (0: any free port) in this event loop,
-    over TLS with ``tls_files`` (certificate and key files), in plaintext
-    without (loopback only); returns the server, its task and the bound port."""
-    import uvicorn
+async def until_disconnect(request: Request, answer) -> Response:
+    """``answer`` (a coroutine making the response), cancelled if the client goes away first
+    (cancelling it closes the core's generator, which stops the workers and frees their blocks)."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
-    if tls_files is None and not is_loopback(host):
-        raise OSError(f"refusing to serve HTTP in plaintext on {host}:{port} (not a loopback address)")
-    ssl = {"ssl_certfile": tls_files[0], "ssl_keyfile": tls_files[1]} if tls_files else {}
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
-                                           timeout_graceful_shutdown=2, **ssl))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    for _ in range(200):
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.025)
-    if not server.started:
-        if task.done() and task.exception() is not None:
-            raise RuntimeError(f"HTTP server did not start on {host}:{port}: {task.exception()}")
-        raise RuntimeError(f"HTTP server did not start on {host}:{port} within 5 s")
-    return server, task, sock.getsockname()[1]
+    work, watch = asyncio.ensure_future(answer), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        return ApiError(499, "the client went away; the request was cancelled", "cancelled").response()
+    return work.result()

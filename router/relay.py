@@ -98,6 +98,8 @@ class Relay:
                 if ev.HasField("reservation"):
                     self._start_prefill(ev.reservation)
                     continue
+                if self.n_out == 0:
+                    await self._first_top_logprobs(ev.output)
                 out = self._relay(ev.output)
                 if out.HasField("finish"):
                     async for msg in self._finish(out):
@@ -143,6 +145,18 @@ class Relay:
         self.n_out += len(out.token_ids)
         return out
 
+    async def _first_top_logprobs(self, out: ipb.GenerateResponse) -> None:
+        """Disaggregated: D knows only the first token and its logprob (from the KV transfer); its
+        top_logprobs come with P's answer, which follows the receiver's ack. Lost with P: left empty."""
+        if self.prefill is None or not self.wr.sampling.top_logprobs or not out.top_logprobs \
+                or out.top_logprobs[0].token_ids:
+            return
+        try:
+            resp = await self.prefill
+        except grpc.aio.AioRpcError:
+            return
+        out.top_logprobs[0].CopyFrom(resp.first_top_logprobs)
+
     async def _finish(self, out: ipb.GenerateResponse) -> AsyncIterator[ipb.GenerateResponse]:
         """D's last message, completed with P's figures, usage and placement."""
         if self.prefill is not None and not self.prefill.done() and out.token_ids:
@@ -151,7 +165,7 @@ class Relay:
             early.CopyFrom(out)
             early.ClearField("finish")
             yield early
-            for f in ("token_ids", "logprobs", "text"):
+            for f in ("token_ids", "logprobs", "top_logprobs", "text"):
                 out.ClearField(f)
         if self.prefill is not None:
             try:

@@ -21,6 +21,8 @@ from runtime.convert import sampling_params
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_MESSAGES = 256
+ROLES = ("system", "user", "assistant")
+"""Chat roles the model's template takes; any other is refused (tool calling is not implemented)."""
 
 
 class Priority(enum.Enum):
@@ -77,6 +79,25 @@ class Request:
     """Where it may be processed; None = anywhere."""
 
 
+def prompt_bytes(req: ipb.GenerateRequest) -> int:
+    """UTF-8 bytes of the prompt's text (a prompt, or the messages' roles and contents); 0 for token ids."""
+    which = req.WhichOneof("input")
+    if which == "prompt":
+        return len(req.prompt.encode("utf-8", "surrogatepass"))
+    if which == "messages":
+        return sum(len(m.role.encode("utf-8", "surrogatepass")) + len(m.content.encode("utf-8", "surrogatepass"))
+                   for m in req.messages.messages)
+    return 0
+
+
+def check_prompt_bytes(req: ipb.GenerateRequest, limit: int) -> None:
+    """Refuses a prompt over ``limit`` bytes before anything tokenizes it (RouterError INVALID)."""
+    size = prompt_bytes(req)
+    if size > limit:
+        raise RouterError(ErrorKind.INVALID, f"the prompt is {size} bytes; at most {limit} are accepted "
+                                             "(router.api.max_prompt_bytes)")
+
+
 def tokenize(req: ipb.GenerateRequest, tok: Tokenizer) -> list[int]:
     """The prompt's token ids (a prompt through the chat template unless raw, messages, or ids)."""
     which = req.WhichOneof("input")
@@ -92,12 +113,16 @@ def tokenize(req: ipb.GenerateRequest, tok: Tokenizer) -> list[int]:
             raise InvalidRequestError("messages is empty")
         if len(msgs) > MAX_MESSAGES:
             raise InvalidRequestError(f"at most {MAX_MESSAGES} messages are allowed")
+        for i, m in enumerate(msgs):
+            if m["role"] not in ROLES:
+                raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got "
+                                          f"{m['role'][:40]!r}")
         return tok.encode_chat(msgs)
     return list(req.token_ids.ids)
 
 
 def _work_request(req: ipb.GenerateRequest, tok: Tokenizer, limits: ModelLimits, salt: str) -> wpb.WorkRequest:
-    if req.max_tokens < 0:
+    if req.HasField("max_tokens") and req.max_tokens < 1:  # absent: the default; 0 is refused, as over HTTP
         raise InvalidRequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
     params = sampling_params(req.sampling, req.max_tokens, list(req.stop), list(req.stop_token_ids), req.ignore_eos)
     ids = tokenize(req, tok)
@@ -110,8 +135,12 @@ def _work_request(req: ipb.GenerateRequest, tok: Tokenizer, limits: ModelLimits,
                            ignore_eos=req.ignore_eos, salt=salt)
 
 
-def parse_request(req: ipb.GenerateRequest, tok: Tokenizer, limits: ModelLimits, salt: str = "") -> Request:
-    """Validates and tokenizes ``req``; ``salt`` is the tenant's prefix-cache domain."""
+def parse_request(req: ipb.GenerateRequest, tok: Tokenizer, limits: ModelLimits, salt: str = "",
+                  max_prompt_bytes: int | None = None) -> Request:
+    """Validates and tokenizes ``req``; ``salt`` is the tenant's prefix-cache domain;
+    a prompt over ``max_prompt_bytes`` is refused before tokenizing."""
+    if max_prompt_bytes is not None:
+        check_prompt_bytes(req, max_prompt_bytes)
     if req.model and req.model != limits.name:
         raise RouterError(ErrorKind.UNKNOWN_MODEL, f"unknown model {req.model!r}; this cluster serves "
                                                    f"{limits.name!r}")

@@ -23,13 +23,20 @@ Example::
       - {between: [toronto, montreal], rtt_ms: 9, gbps: 10, transport: tcp}
     cache: {block_size: 16, memory_gib: 1.0}
     scheduler: {max_num_batched_tokens: 2048, max_num_seqs: 64}
+
+Every number must be finite (no ``.nan``, ``.inf``) and at most its field's
+bound in :data:`FIELD_MAX`; the file itself at most :data:`MAX_CONFIG_BYTES`
+of UTF-8 YAML.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
+import reprlib
+import sys
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -61,6 +68,39 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 class ConfigError(ValueError):
     """The config file is invalid; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class _HugeInt:
+    """An integer in the YAML too long for Python to convert from text (its
+    int-from-str digit limit); every numeric field refuses it, naming itself."""
+
+    digits: int
+    negative: bool
+
+    def __repr__(self) -> str:
+        return f"{'a negative' if self.negative else 'an'} integer of {self.digits} digits"
+
+
+class _Repr(reprlib.Repr):
+    """reprlib cut short: deep, long or recursive values and huge integers stay one short line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 3, 60, 60
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() <= 64:
+            return repr(x)
+        return f"{'a negative' if x < 0 else 'an'} integer of about {int(x.bit_length() * math.log10(2)) + 1} digits"
+
+
+_REPR = _Repr()
+
+
+def _show(value: Any) -> str:
+    """``repr(value)`` for an error message, bounded whatever the value is."""
+    return _REPR.repr(value)
 
 
 class FieldError(ConfigError):
@@ -106,6 +146,45 @@ class ModelSection:
     def __post_init__(self) -> None:
         if self.dtype not in get_args(DType):
             raise FieldError("dtype", f"must be {_one_of(get_args(DType))}, got {self.dtype!r}")
+
+
+@dataclass(slots=True)
+class HttpSection:
+    """Bounds of the OpenAI-compatible HTTP API (``router.http``) against slow, large or greedy clients."""
+
+    max_body_bytes: int = 8 << 20
+    """A request body over this is refused (413) as it arrives, chunked or not."""
+    header_timeout_s: float = 10.0
+    """A connection must send a whole request head (and finish its TLS
+    handshake) within this of connecting or of its previous response, or it is closed."""
+    body_timeout_s: float = 30.0
+    """A request body must arrive whole within this of its head (408 otherwise)."""
+    max_connections: int = 1024
+    """Open connections at most; one more gets 503 and is closed."""
+    max_connections_per_client: int = 256
+    """Open connections from one client address at most; one more gets 429 and is closed."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_body_bytes", "header_timeout_s", "body_timeout_s", "max_connections",
+                  "max_connections_per_client")
+
+
+@dataclass(slots=True)
+class ApiSection:
+    """Bounds of the public API (``router.api``), shared by gRPC, HTTP and jobs."""
+
+    max_prompt_bytes: int = 1 << 20
+    """A prompt (or chat messages) over this many UTF-8 bytes is refused before tokenizing."""
+    max_message_bytes: int = 16 << 20
+    """Largest gRPC message the public listener takes (the internal one takes 64 MiB);
+    a batch job's requests travel in one message (at most 15 MiB, router/jobs.py)."""
+    max_concurrent_rpcs: int = 1024
+    """gRPC calls the public listener serves at once; more get RESOURCE_EXHAUSTED."""
+    tokenizer_threads: int = 2
+    """Threads that tokenize prompts, off the router's event loop."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_prompt_bytes", "max_message_bytes", "max_concurrent_rpcs", "tokenizer_threads")
 
 
 @dataclass(slots=True)
@@ -164,6 +243,10 @@ class RouterSection:
     drain_timeout_s: float = 600.0
     """A draining worker (scale-down, `kvrelay drain`) leaves after this even
     if requests remain; until then it finishes what it holds."""
+    http: HttpSection = field(default_factory=HttpSection)
+    """Bounds of the HTTP API: body size, header and body deadlines, connections."""
+    api: ApiSection = field(default_factory=ApiSection)
+    """Bounds of the public API: prompt bytes, gRPC message size and concurrent calls, tokenizer threads."""
 
     def __post_init__(self) -> None:
         for name in ("port", "internal_port"):
@@ -268,6 +351,8 @@ class WorkerSection:
     def __post_init__(self) -> None:
         if self.fail_engine_at_step < 1:
             raise FieldError("fail_engine_at_step", "must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise FieldError("threads", f"must be >= 1 or null, got {self.threads}")
 
 
 @dataclass(slots=True)
@@ -300,6 +385,8 @@ class KVSection:
         self.protection = _enum(Protection, self.protection, "protection", f"must be {_one_of(Protection)}")
         if self.corrupt_first_transfers < 0:
             raise FieldError("corrupt_first_transfers", "must be >= 0")
+        if self.socket_buffer_bytes is not None and self.socket_buffer_bytes < 0:
+            raise FieldError("socket_buffer_bytes", f"must be >= 0 or null, got {self.socket_buffer_bytes}")
         _positive(self, "transfer_timeout_s")
 
 
@@ -418,11 +505,9 @@ def _build(cls: type, raw: Any, where: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        hints = "".join(f" ({name}: {_RENAMED[name]})" for name in unknown if name in _RENAMED)
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}{hints}; expected {', '.join(fields)}")
-    kwargs = {name: _convert(fields[name].type, value, _path(where, name)) for name, value in raw.items()}
+    _check_known(raw, fields, where)
+    kwargs = {name: _convert(fields[name].type, value, _path(where, name), FIELD_MAX.get((cls.__name__, name)))
+              for name, value in raw.items()}
     try:
         return cls(**kwargs)
     except FieldError as exc:
@@ -431,7 +516,17 @@ def _build(cls: type, raw: Any, where: str):
         raise ConfigError(f"{where}: {exc}") from None
 
 
-_NESTED = {"ModelSection": ModelSection, "RouterSection": RouterSection, "PoolSection": PoolSection,
+def _check_known(raw: dict, fields: dict, where: str) -> None:
+    """Every key of ``raw`` is a field (keys may be any YAML scalar, not only strings)."""
+    unknown = sorted(k if isinstance(k, str) else _show(k) for k in raw if k not in fields)
+    if unknown:
+        hints = "".join(f" ({name}: {_RENAMED[name]})" for name in unknown if name in _RENAMED)
+        names = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+        raise ConfigError(f"{where}: unknown field(s) {names}{hints}; expected {', '.join(fields)}")
+
+
+_NESTED = {"ModelSection": ModelSection, "RouterSection": RouterSection, "HttpSection": HttpSection,
+           "ApiSection": ApiSection, "PoolSection": PoolSection,
            "LinkSection": LinkSection, "AuthSection": AuthSection, "WorkerSection": WorkerSection,
            "KVSection": KVSection, "TLSSection": TLSSection, "CacheConfig": CacheConfig,
            "SchedulerConfig": SchedulerConfig}
@@ -442,8 +537,73 @@ _RENAMED = {"encrypt": "replaced by protection: aead | integrity; every link is 
 _STRING_LIKE = {"DType", "PlacementPolicy", "KVTransport", "Transport | None", "Protection", "Protection | None"}
 """Annotations of fields that YAML spells as strings (the sections check the value)."""
 
+_DAY_S = 86_400
+_TOKENS = 10_000_000
+"""Bound of token counts: well past any model's context window."""
 
-def _convert(type_str: Any, value: Any, path: str):
+FIELD_MAX: dict[tuple[str, str], int] = {
+    # router: ports, durations (seconds), counts, rates
+    ("RouterSection", "port"): 65_535,
+    ("RouterSection", "http_port"): 65_535,
+    ("RouterSection", "internal_port"): 65_535,
+    ("RouterSection", "heartbeat_interval_s"): 3_600,
+    ("RouterSection", "worker_timeout_s"): _DAY_S,
+    ("RouterSection", "link_probe_timeout_s"): 3_600,
+    ("RouterSection", "kv_lease_s"): _DAY_S,
+    ("RouterSection", "max_inflight_per_worker"): 65_536,
+    ("RouterSection", "admission_wait_s"): _DAY_S,
+    ("RouterSection", "unavailable_wait_s"): _DAY_S,
+    ("RouterSection", "colocate_below_tokens"): _TOKENS,
+    ("RouterSection", "default_prefill_tokens_per_s"): 1_000_000_000,
+    ("RouterSection", "herd_tolerance"): 1,
+    ("RouterSection", "slo_ttft_s"): 3_600,
+    ("RouterSection", "slo_tpot_s"): 3_600,
+    ("RouterSection", "planner_window_s"): _DAY_S,
+    ("RouterSection", "job_concurrency"): 4_096,
+    ("RouterSection", "drain_timeout_s"): _DAY_S,
+    # router.http and router.api
+    ("HttpSection", "max_body_bytes"): 1 << 30,
+    ("HttpSection", "header_timeout_s"): 3_600,
+    ("HttpSection", "body_timeout_s"): _DAY_S,
+    ("HttpSection", "max_connections"): 1_000_000,
+    ("HttpSection", "max_connections_per_client"): 1_000_000,
+    ("ApiSection", "max_prompt_bytes"): 1 << 30,
+    ("ApiSection", "max_message_bytes"): 1 << 30,
+    ("ApiSection", "max_concurrent_rpcs"): 1_000_000,
+    ("ApiSection", "tokenizer_threads"): 256,
+    # sites[i].prefill / .decode
+    ("PoolSection", "replicas"): 1_024,
+    ("PoolSection", "max_replicas"): 1_024,
+    ("PoolSection", "min_replicas"): 1_024,
+    # links[i] and local_link: one minute of RTT, 10 Tbit/s
+    ("LinkSection", "rtt_ms"): 60_000,
+    ("LinkSection", "gbps"): 10_000,
+    # workers
+    ("WorkerSection", "threads"): 1_024,
+    ("WorkerSection", "fail_engine_at_step"): 1_000_000_000,
+    # kv
+    ("KVSection", "streams"): 64,
+    ("KVSection", "socket_buffer_bytes"): 1 << 30,
+    ("KVSection", "transfer_timeout_s"): _DAY_S,
+    ("KVSection", "corrupt_first_transfers"): 1_000_000_000,
+    # tls: ten years
+    ("TLSSection", "cert_days"): 3_650,
+    # cache (engine.config.CacheConfig): 4 TiB of KV
+    ("CacheConfig", "block_size"): 4_096,
+    ("CacheConfig", "num_blocks"): 1 << 24,
+    ("CacheConfig", "memory_gib"): 4_096,
+    # scheduler (engine.config.SchedulerConfig)
+    ("SchedulerConfig", "max_num_batched_tokens"): _TOKENS,
+    ("SchedulerConfig", "max_num_seqs"): 65_536,
+    ("SchedulerConfig", "max_model_len"): _TOKENS,
+}
+"""The upper bound of every numeric field, by (section class, field): generous
+sanity limits, so that a typo or a hostile file fails here rather than as a
+huge allocation or a timer that never fires. The sections check lower bounds."""
+
+
+def _convert(type_str: Any, value: Any, path: str, limit: int | None = None):
+    """``value`` as the field annotated ``type_str`` at ``path`` (``limit``: its FIELD_MAX)."""
     t = str(type_str)
     if t in _NESTED:
         return _build(_NESTED[t], value, path)
@@ -465,22 +625,43 @@ def _convert(type_str: Any, value: Any, path: str):
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{path}: expected a list of strings")
         return list(value)
-    return _convert_scalar(t, value, path)
+    return _convert_scalar(t, value, path, limit)
 
 
-def _convert_scalar(t: str, value: Any, path: str):
+def _convert_scalar(t: str, value: Any, path: str, limit: int | None):
     if value is None:
         if "None" in t:
             return None
         raise ConfigError(f"{path}: must not be null")
+    numeric = t.startswith(("int", "float"))
+    if numeric and isinstance(value, _HugeInt):
+        raise ConfigError(f"{path}: must be {'>= 0' if value.negative else f'<= {limit}'}, got {value!r}")
+    _check_type(t, value, path)
+    return _check_number(t, value, path, limit) if numeric else value
+
+
+def _check_type(t: str, value: Any, path: str) -> None:
+    """``value`` is what YAML gives for annotation ``t`` (booleans are not numbers)."""
     if t.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        raise ConfigError(f"{path}: expected an integer, got {_show(value)}")
     if t.startswith("float") and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ConfigError(f"{path}: expected a number, got {value!r}")
+        raise ConfigError(f"{path}: expected a number, got {_show(value)}")
     if t.startswith("bool") and not isinstance(value, bool):
-        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        raise ConfigError(f"{path}: expected true or false, got {_show(value)}")
     if (t.startswith("str") or t in _STRING_LIKE) and not isinstance(value, str):
-        raise ConfigError(f"{path}: expected a string, got {value!r}")
+        raise ConfigError(f"{path}: expected a string, got {_show(value)}")
+
+
+def _check_number(t: str, value: int | float, path: str, limit: int | None) -> int | float:
+    """The one place numbers are checked: finite, at most ``limit``, and not so
+    negative that the section's own lower-bound check could not print it. Every
+    field's lower bound is >= 0, which the section checks with its own message."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path}: must be a finite number, got {value}")
+    if limit is not None and value > limit:
+        raise ConfigError(f"{path}: must be <= {limit}, got {_show(value)}")
+    if limit is not None and value < -limit:
+        raise ConfigError(f"{path}: must be >= 0, got {_show(value)}")
     return float(value) if t.startswith("float") else value
 
 
@@ -552,17 +733,74 @@ def parse_config(raw: Any) -> ClusterConfig:
     return cfg
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""A config file larger than this (1 MiB) is refused unread."""
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml.SafeLoader, except that an integer too long for Python to convert
+    from text becomes a :class:`_HugeInt` (refused naming its field) instead of a ValueError."""
+
+
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int | _HugeInt:
+    """YAML's int, or a _HugeInt when it has more digits than Python converts."""
+    try:
+        return yaml.SafeLoader.construct_yaml_int(loader, node)
+    except ValueError:
+        digits = sum(c.isdigit() for c in str(node.value))
+        if digits <= sys.get_int_max_str_digits():
+            raise
+        return _HugeInt(digits, str(node.value).lstrip().startswith("-"))
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+def _read_text(path: Path) -> str:
+    """The file's text: at most MAX_CONFIG_BYTES, UTF-8."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: config file is larger than {MAX_CONFIG_BYTES >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (invalid byte at offset {exc.start})") from None
+
+
+def _read_yaml(path: Path) -> Any:
+    """The YAML document in ``path``, parsed safely; any parser failure is a ConfigError."""
+    text = _read_text(path)
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML (nested too deeply)") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({_show_error(exc)})") from None
+    except (ValueError, TypeError, ArithmeticError, LookupError, AttributeError) as exc:
+        # PyYAML's constructors fail on impossible dates (2020-13-45) and tagged
+        # nonsense (``!!float ""``, ``!!bool x``, ``!!timestamp x``) with these.
+        raise ConfigError(f"{path}: not valid YAML (a value that does not fit its type or tag: "
+                          f"{type(exc).__name__}: {_show_error(exc)})") from None
+
+
+def _show_error(exc: Exception) -> str:
+    """The parser's message, cut to 500 characters."""
+    text = str(exc)
+    return text if len(text) <= 500 else f"{text[:500]}..."
+
+
 def load_config(path: str | Path | None) -> ClusterConfig:
     """The config in ``path``, or the embedded default when ``path`` is None."""
     if path is None:
         return parse_config({})
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    raw = _read_yaml(path)
     try:
         return parse_config(raw)
     except ConfigError as exc:

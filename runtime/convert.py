@@ -7,6 +7,7 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
 
 from engine.llm_engine import RequestOutput
+from engine.sampler import TopLogprobs
 from engine.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 128
@@ -24,7 +25,7 @@ def sampling_params(sampling: ipb.SamplingParams, max_tokens: int, stop: list[st
         top_k=int(sampling.top_k),
         seed=int(sampling.seed) if sampling.HasField("seed") else None,
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-        logprobs=sampling.logprobs)
+        logprobs=sampling.logprobs, top_logprobs=int(sampling.top_logprobs))
 
 
 def work_params(wr: wpb.WorkRequest, max_tokens: int | None = None) -> SamplingParams:
@@ -34,9 +35,17 @@ def work_params(wr: wpb.WorkRequest, max_tokens: int | None = None) -> SamplingP
 
 def output_to_proto(out: RequestOutput) -> ipb.GenerateResponse:
     msg = ipb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text,
-                               logprobs=out.new_logprobs)
+                               logprobs=out.new_logprobs,
+                               top_logprobs=[top_logprobs_proto(t) for t in out.new_top_logprobs])
     if out.finished:
         msg.finish.reason = _FINISH.get(out.finish_reason or "", ipb.FINISH_REASON_UNSPECIFIED)
         msg.finish.usage.prompt_tokens = out.num_prompt_tokens
         msg.finish.usage.cached_prompt_tokens = out.num_cached_tokens
     return msg
+
+
+def top_logprobs_proto(top: TopLogprobs | None) -> ipb.TopLogprobs:
+    """The wire form of one position's alternatives (None: an empty one)."""
+    if top is None:
+        return ipb.TopLogprobs()
+    return ipb.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs)

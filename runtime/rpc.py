@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 
 from runtime.config import is_loopback
 from runtime.tls import TLSMaterial
@@ -22,9 +25,16 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_m
 """Message limits of every server and channel (a long prompt's token ids fit)."""
 
 
-def create_server(interceptors=()) -> grpc.aio.Server:
-    """An asyncio gRPC server with the project's limits (not yet bound)."""
-    return grpc.aio.server(options=GRPC_OPTIONS, interceptors=tuple(interceptors))
+def create_server(interceptors=(), max_receive_bytes: int | None = None,
+                  max_concurrent_rpcs: int | None = None) -> grpc.aio.Server:
+    """An asyncio gRPC server with the project's limits (not yet bound);
+    ``max_receive_bytes`` lowers the largest message it takes (a public
+    listener's), ``max_concurrent_rpcs`` bounds the calls it serves at once
+    (more get RESOURCE_EXHAUSTED)."""
+    options = list(GRPC_OPTIONS)
+    if max_receive_bytes is not None:
+        options[1] = ("grpc.max_receive_message_length", max_receive_bytes)
+    return grpc.aio.server(options=options, interceptors=tuple(interceptors), maximum_concurrent_rpcs=max_concurrent_rpcs)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSMaterial | None, mutual: bool = False) -> int:
@@ -94,3 +104,55 @@ class Dialer:
 
 PLAINTEXT = Dialer()
 """Channels without TLS (``tls.enabled: false`` only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BadRequest:
+    """Stands in for a request message that did not parse."""
+
+    reason: str
+
+
+def _lenient(cls, what: str):
+    """A deserializer that returns BadRequest where ``cls.FromString`` raises."""
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return BadRequest(f"request is not a valid {what} (is every string valid UTF-8?): {exc}")
+    return parse
+
+
+def _refusing(behavior, streaming: bool):
+    """``behavior`` behind a check: a BadRequest ends the call with INVALID_ARGUMENT."""
+    if streaming:
+        async def stream(request, context):
+            if isinstance(request, BadRequest):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            async for msg in behavior(request, context):
+                yield msg
+        return stream
+
+    async def unary(request, context):
+        if isinstance(request, BadRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        return await behavior(request, context)
+    return unary
+
+
+def add_service(server: grpc.aio.Server, servicer, service: ServiceDescriptor) -> None:
+    """Registers ``servicer`` as ``service`` (a generated file's
+    ``DESCRIPTOR.services_by_name[...]``), as the generated
+    ``add_*Servicer_to_server`` would, except that a request message that
+    does not parse (bad wire format, a string that is not UTF-8) gets
+    INVALID_ARGUMENT naming the message rather than gRPC's INTERNAL."""
+    handlers = {}
+    for m in service.methods:
+        if m.client_streaming:
+            raise ValueError(f"{service.full_name}.{m.name}: client streaming is not supported here")
+        request, response = GetMessageClass(m.input_type), GetMessageClass(m.output_type)
+        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = make(_refusing(getattr(servicer, m.name), m.server_streaming),
+                                request_deserializer=_lenient(request, m.input_type.name),
+                                response_serializer=response.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -102,16 +102,35 @@ def test_job_cli_submit_status_results_and_bad_input(cluster, tmp_path, capsys, 
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["index"] for x in lines] == [0, 1, 2] and all(x["error"] == "" for x in lines)
     assert len(lines[2]["token_ids"]) == 3 and lines[0]["text"]
-    # bad input: a malformed line names the file and line; a bad request names its index
+    followed = tmp_path / "followed.jsonl"  # a finished job: follow ends at once, each result once
+    assert main(["job", "results", job_id, "--follow", "--out", str(followed), *r]) == 0
+    assert [json.loads(x)["index"] for x in followed.read_text().splitlines()] == [0, 1, 2]
+    # bad input: a malformed line names the file and line, before sending; so does one the router refuses
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": 5}\n')
     assert main(["job", "submit", str(bad), *r]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
-    bad.write_text('{"prompt": "ok"}\n{"prompt": "x", "max_tokens": -3}\n')
+    bad.write_text('{"prompt": "ok"}\n\n{"prompt": "x", "max_tokens": 0}\n')
+    assert main(["job", "submit", str(bad), *r]) == 2
+    assert "bad.jsonl:3: max_tokens must be >= 1, got 0" in capsys.readouterr().err
+    bad.write_text('{"prompt": "ok"}\n\n{"token_ids": [1, 999999999]}\n')  # out of the vocabulary: the router says
     assert main(["job", "submit", str(bad), *r]) == 1
-    assert "requests[1]" in capsys.readouterr().err
+    assert "bad.jsonl:3: requests[1]: token ids must be in" in capsys.readouterr().err
     assert main(["job", "status", "nope", *r]) == 1
     assert "no job 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("requests,message", [
+    ([ipb.GenerateRequest(prompt="hi")] * 100_001, "job has 100001 requests; at most 100000"),
+    ([ipb.GenerateRequest(prompt="hi"), ipb.GenerateRequest(prompt="hi", max_tokens=0)],
+     "requests[1]: max_tokens must be >= 1, got 0"),
+    ([ipb.GenerateRequest(prompt="x" * (2 << 20))], "requests[0]: 2097157 bytes; at most 1048576 (1 MiB) per request"),
+])
+def test_a_job_over_a_limit_or_with_a_bad_request_is_invalid_argument(cluster, requests, message):
+    ch, stub = _stub(cluster)
+    with ch, pytest.raises(grpc.RpcError) as err:
+        stub.SubmitJob(jpb.SubmitJobRequest(name="limits", requests=requests), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details() == message
 
 
 def test_cancel_stops_a_job(cluster):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from runtime.config import ConfigError, load_config, parse_config
 
@@ -76,6 +79,104 @@ def test_example_configs_parse():
 def test_invalid_config_names_the_field(raw, match):
     with pytest.raises(ConfigError, match=match):
         parse_config(raw)
+
+
+@pytest.mark.parametrize("make,path", [
+    (lambda v: {**TWO, "links": [{"between": ["a", "b"], "rtt_ms": v}]}, "links[0].rtt_ms"),
+    (lambda v: {"router": {"heartbeat_interval_s": v}}, "router.heartbeat_interval_s"),
+    (lambda v: {"local_link": {"gbps": v}}, "local_link.gbps"),
+    (lambda v: {"cache": {"memory_gib": v}}, "cache.memory_gib"),
+    (lambda v: {"router": {"herd_tolerance": v}}, "router.herd_tolerance"),
+    (lambda v: {"tls": {"cert_days": v}}, "tls.cert_days"),
+    (lambda v: {"kv": {"transfer_timeout_s": v}}, "kv.transfer_timeout_s"),
+])
+@pytest.mark.parametrize("word,spelling", [("nan", ".nan"), ("inf", ".inf"), ("-inf", "-.inf")])
+def test_non_finite_floats_are_refused(make, path, word, spelling, tmp_path):
+    """NaN and infinities, from Python and as YAML's .nan / .inf / -.inf, name the field."""
+    message = re.escape(f"{path}: must be a finite number, got {word}")
+    with pytest.raises(ConfigError, match=message):
+        parse_config(make(float(word)))
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(make(float(word))))
+    assert spelling in f.read_text().lower()
+    with pytest.raises(ConfigError, match=message):
+        load_config(f)
+
+
+def test_non_finite_strings_are_not_numbers():
+    with pytest.raises(ConfigError, match=r"router\.slo_ttft_s: expected a number, got 'nan'"):
+        parse_config({"router": {"slo_ttft_s": "nan"}})
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"kv": {"streams": 1_000_000}}, "kv.streams: must be <= 64, got 1000000"),
+    ({"kv": {"socket_buffer_bytes": 1 << 40}}, f"kv.socket_buffer_bytes: must be <= {1 << 30}, got {1 << 40}"),
+    ({"workers": {"threads": 5000}}, "workers.threads: must be <= 1024, got 5000"),
+    ({"router": {"job_concurrency": 10**9}}, "router.job_concurrency: must be <= 4096, got 1000000000"),
+    ({"router": {"max_inflight_per_worker": 10**6}}, "router.max_inflight_per_worker: must be <= 65536, got 1000000"),
+    ({"router": {"http_port": 65536}}, "router.http_port: must be <= 65535, got 65536"),
+    ({"router": {"drain_timeout_s": 86_401}}, "router.drain_timeout_s: must be <= 86400, got 86401"),
+    ({"sites": [{"name": "a", "decode": {"max_replicas": 5000}}]}, "sites[0].decode.max_replicas: must be <= 1024"),
+    ({**TWO, "links": [{"between": ["a", "b"], "rtt_ms": 1e9}]}, "links[0].rtt_ms: must be <= 60000, got 1000000000.0"),
+    ({"local_link": {"gbps": 10**6}}, "local_link.gbps: must be <= 10000, got 1000000"),
+    ({"cache": {"block_size": 1 << 20}}, f"cache.block_size: must be <= 4096, got {1 << 20}"),
+    ({"cache": {"num_blocks": 1 << 40}}, f"cache.num_blocks: must be <= {1 << 24}"),
+    ({"scheduler": {"max_num_seqs": 10**7}}, "scheduler.max_num_seqs: must be <= 65536"),
+    ({"tls": {"cert_days": 100_000}}, "tls.cert_days: must be <= 3650, got 100000"),
+    ({"kv": {"streams": 10**5000}}, "kv.streams: must be <= 64, got an integer of about 5001 digits"),
+    ({"sites": [{"name": "a", "decode": {"replicas": -10**5000}}]}, "sites[0].decode.replicas: must be >= 0"),
+    ({"workers": {"threads": 0}}, "workers.threads: must be >= 1 or null, got 0"),
+    ({"kv": {"socket_buffer_bytes": -1}}, "kv.socket_buffer_bytes: must be >= 0 or null, got -1"),
+    ({"kv": {"streams": True}}, "kv.streams: expected an integer, got True"),
+    ({"router": {"slo_tpot_s": False}}, "router.slo_tpot_s: expected a number, got False"),
+])
+def test_numbers_are_bounded(raw, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(raw)
+
+
+def test_every_numeric_field_has_a_bound():
+    from runtime import config
+
+    classes = [*config._NESTED.values(), config.SiteSection, config.Credential, config.ClusterConfig]
+    numeric = {(c.__name__, f.name) for c in classes for f in dataclasses.fields(c)
+               if str(f.type).startswith(("int", "float"))}
+    assert numeric == set(config.FIELD_MAX)
+    defaults = load_config(None)
+    assert defaults.kv.streams <= config.FIELD_MAX["KVSection", "streams"]
+
+
+def test_a_100000_digit_integer_names_the_field(tmp_path):
+    f = tmp_path / "c.yaml"
+    for field_path, text in [("kv.streams", "kv: {streams: %s}"), ("router.port", "router:\n  port: -%s\n"),
+                             ("cache.memory_gib", "cache: {memory_gib: %s}"), ("router.host", "router: {host: %s}")]:
+        f.write_text(text % ("7" * 100_000))
+        with pytest.raises(ConfigError, match=re.escape(f"c.yaml: {field_path}: ")) as info:
+            load_config(f)
+        assert "100000 digits" in str(info.value) and len(str(info.value)) < 300
+
+
+def test_a_hostile_file_is_a_config_error(tmp_path):
+    f = tmp_path / "c.yaml"
+    cases = [
+        ("[" * 100_000, "not valid YAML (nested too deeply)"),
+        ("a: " + "{b: " * 5000 + "}" * 5000, "not valid YAML (nested too deeply)"),
+        ("router: {port: 2020-13-45}", "not valid YAML"),
+        ("!!python/object:os.system {}", "not valid YAML"),
+        ("router: {[a]: 1}", "not valid YAML"),
+        ("router: &r {port: *r}", "router.port: expected an integer"),
+        ("router: {1: 2, null: 3, 2.5: 4}", "router: unknown field(s) 1, 2.5, None"),
+        ("# " + "x" * (1 << 20), "config file is larger than 1 MiB"),
+    ]
+    for text, message in cases:
+        f.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(f"c.yaml: {message}")):
+            load_config(f)
+    f.write_bytes(b"router:\n  host: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: not UTF-8 text"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="cannot read the config file"):
+        load_config(tmp_path)
 
 
 def test_config_file_errors(tmp_path):

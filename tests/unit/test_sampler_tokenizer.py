@@ -12,8 +12,8 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 def test_greedy_top_k_top_p():
     logits = torch.tensor([[0.0, 5.0, 1.0, 4.9], [3.0, 0.0, 0.0, 0.0]])
     s = Sampler()
-    toks, lps = s(logits, [SampleRequest(SamplingParams(logprobs=True), 0, 0),
-                           SampleRequest(SamplingParams(), 0, 0)])
+    toks, lps, _ = s(logits, [SampleRequest(SamplingParams(logprobs=True), 0, 0),
+                              SampleRequest(SamplingParams(), 0, 0)])
     assert toks == [1, 0]
     assert abs(lps[0] - torch.log_softmax(logits[0], -1)[1].item()) < 1e-6
     # top_k=1 and a tiny top_p are greedy whatever the temperature and seed.

@@ -90,7 +90,8 @@ class JobsServicer:
         raise NotImplementedError('Method not implemented!')
 
     def JobResults(self, request, context):
-        """Stored results in index order (with follow: then the rest as they finish).
+        """Stored results in index order (with follow: then the rest in the order
+        they finish; each poll reads only the results stored since the last).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

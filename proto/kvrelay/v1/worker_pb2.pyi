@@ -282,20 +282,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "kv_bytes", "prefill_ms", "transfer_ms", "cached_tokens")
+    __slots__ = ("first_token_id", "first_logprob", "kv_bytes", "prefill_ms", "transfer_ms", "cached_tokens", "first_top_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
     kv_bytes: int
     prefill_ms: float
     transfer_ms: float
     cached_tokens: int
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    first_top_logprobs: _inference_pb2.TopLogprobs
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., first_top_logprobs: _Optional[_Union[_inference_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

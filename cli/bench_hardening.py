@@ -1,0 +1,57 @@
+"""``kvrelay bench fuzz`` and ``kvrelay bench overload``: the hardening
+benchmarks, each on a local cluster of its own with the embedded model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from benchmarks.fuzz import format_fuzz, run_fuzz_bench
+from benchmarks.overload import OverloadConfig, format_overload, run_overload_bench
+from cli.common import resolve_model
+
+
+def cmd_bench_fuzz(args: argparse.Namespace) -> int:
+    """Fuzzes every surface for ``--minutes``; exit 1 when anything failed, crashed or leaked."""
+    if not 0 < args.minutes <= 24 * 60:
+        raise SystemExit("kvrelay bench fuzz: --minutes must be in (0, 1440]")
+    report = run_fuzz_bench(str(resolve_model(args.model, args.cache_dir)), args.minutes, args.seed)
+    print(format_fuzz(report))
+    if args.json:
+        out = report.to_json() | {"command": "kvrelay bench fuzz " + " ".join(sys.argv[3:])}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if report.ok() else 1
+
+
+def cmd_bench_overload(args: argparse.Namespace) -> int:
+    """Offers ``--factor`` times the sustainable rate; exit 1 when a process died."""
+    if args.factor <= 1 or args.seconds <= 0 or args.capacity_seconds <= 0:
+        raise SystemExit("kvrelay bench overload: --factor must be > 1, --seconds and --capacity-seconds > 0")
+    cfg = OverloadConfig(factor=args.factor, overload_s=args.seconds, capacity_s=args.capacity_seconds,
+                         seed=args.seed)
+    report = run_overload_bench(str(resolve_model(args.model, args.cache_dir)), cfg)
+    print(format_overload(report))
+    if args.json:
+        out = report.to_json() | {"command": "kvrelay bench overload " + " ".join(sys.argv[3:])}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 1 if report.crashed else 0
+
+
+def add_parsers(bench) -> None:
+    """bench fuzz and bench overload."""
+    bf = bench.add_parser("fuzz", help="fuzz the HTTP, gRPC and KV ports and the config loader; report leaks")
+    bf.add_argument("--minutes", type=float, default=5.0)
+    bf.add_argument("--seed", type=int, default=0)
+    bf.add_argument("--model", help="checkpoint folder (default: the embedded model)")
+    bf.add_argument("--json", help="also write the report to this file")
+    bf.set_defaults(func=cmd_bench_fuzz)
+    bo = bench.add_parser("overload", help="offer several times the sustainable rate: shed vs admitted, TTFT, memory")
+    bo.add_argument("--factor", type=float, default=5.0, help="offered rate in multiples of the sustainable one")
+    bo.add_argument("--seconds", type=float, default=60.0, help="length of the overload")
+    bo.add_argument("--capacity-seconds", type=float, default=30.0, help="length of the capacity measurement")
+    bo.add_argument("--seed", type=int, default=0)
+    bo.add_argument("--model", help="checkpoint folder (default: the embedded model)")
+    bo.add_argument("--json", help="also write the report to this file")
+    bo.set_defaults(func=cmd_bench_overload)

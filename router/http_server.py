@@ -1,0 +1,177 @@
+"""The HTTP server under the OpenAI API: uvicorn's HTTP/1.1 protocol (h11)
+with the bounds a shared service needs against slow or greedy clients.
+
+- **Header deadline**: a connection that has not sent a whole request head
+  within ``header_timeout_s`` of connecting (or of its previous response) is
+  closed; the TLS handshake has the same deadline.
+- **Connection bounds**: at most ``max_connections`` open at once, and
+  ``max_connections_per_client`` from one client address; a connection over
+  either bound gets ``429`` (per client) or ``503`` (in all) in OpenAI's
+  error shape, with ``Retry-After``, and is closed.
+
+Body size and body deadline are the application's (router/openai_http.py
+reads the body as a stream, after authenticating the caller)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections import Counter
+from dataclasses import dataclass
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from runtime.config import HttpSection, is_loopback
+
+READY_WAIT_S = 5.0
+"""How long serve_http waits for uvicorn to start listening."""
+
+
+def canned_error(status: int, reason: str, message: str, type_: str, retry_after_s: int) -> bytes:
+    """A whole HTTP/1.1 response in OpenAI's error shape, for a connection refused before any request."""
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": None}}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"retry-after: {retry_after_s}\r\nconnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+@dataclass(slots=True)
+class ConnectionCount:
+    """Open connections, in all and per client address."""
+
+    limits: HttpSection
+    total: int = 0
+    by_client: Counter | None = None
+
+    def __post_init__(self) -> None:
+        self.by_client = Counter()
+
+    def refusal(self, client: str) -> bytes | None:
+        """None when one more connection from ``client`` is within the bounds, else the response refusing it."""
+        if self.total >= self.limits.max_connections:
+            return canned_error(503, "Service Unavailable", f"the server has {self.total} connections open, its "
+                                f"limit; retry shortly", "service_unavailable", 1)
+        if self.by_client[client] >= self.limits.max_connections_per_client:
+            return canned_error(429, "Too Many Requests", f"{self.by_client[client]} connections are open from "
+                                f"{client}, the limit per client address; close some or retry shortly",
+                                "rate_limit_error", 1)
+        return None
+
+    def opened(self, client: str) -> None:
+        self.total += 1
+        self.by_client[client] += 1
+
+    def closed(self, client: str) -> None:
+        self.total -= 1
+        self.by_client[client] -= 1
+        if self.by_client[client] <= 0:
+            del self.by_client[client]
+
+
+class GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with a header deadline and connection bounds."""
+
+    def __init__(self, *args, count: ConnectionCount, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.count = count
+        self.peer_host: str | None = None
+        self.head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        peer = transport.get_extra_info("peername")
+        host = peer[0] if isinstance(peer, tuple) else str(peer)
+        refused = self.count.refusal(host)
+        if refused is not None:
+            self.transport = transport
+            transport.write(refused)
+            transport.close()
+            return
+        self.peer_host = host
+        self.count.opened(host)
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.peer_host is None:  # refused in connection_made
+            return
+        self.count.closed(self.peer_host)
+        self.peer_host = None
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:
+            self._arm_head_timer()  # a (next) request head is still to come
+        else:
+            self._disarm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._disarm_head_timer()  # keep-alive: uvicorn's idle timer runs until the next byte
+
+    def _arm_head_timer(self) -> None:
+        if self.head_timer is None:
+            self.head_timer = self.loop.call_later(self.count.limits.header_timeout_s, self._head_late)
+
+    def _disarm_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _head_late(self) -> None:
+        self.head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+class GuardedServer(uvicorn.Server):
+    """uvicorn's server listening on one socket with :class:`GuardedH11` connections."""
+
+    def __init__(self, config: uvicorn.Config, limits: HttpSection) -> None:
+        super().__init__(config)
+        self.count = ConnectionCount(limits)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.lifespan.startup()
+        config = self.config
+
+        def protocol() -> GuardedH11:
+            return GuardedH11(config=config, server_state=self.server_state, app_state=self.lifespan.state,
+                              count=self.count)
+
+        handshake = {"ssl_handshake_timeout": self.count.limits.header_timeout_s} if config.ssl else {}
+        loop = asyncio.get_running_loop()
+        self.servers = [await loop.create_server(protocol, sock=s, ssl=config.ssl, backlog=config.backlog,
+                                                 **handshake) for s in sockets or ()]
+        self.started = True
+
+
+async def serve_http(app, host: str, port: int, tls_files: tuple[str, str] | None,
+                     limits: HttpSection) -> tuple[object, asyncio.Task, int]:
+    """Starts the server on ``host:port`` (0: any free port) in this event loop,
+    over TLS with ``tls_files`` (certificate and key files), in plaintext
+    without (loopback only); returns the server, its task and the bound port."""
+    if tls_files is None and not is_loopback(host):
+        raise OSError(f"refusing to serve HTTP in plaintext on {host}:{port} (not a loopback address)")
+    ssl = {"ssl_certfile": tls_files[0], "ssl_keyfile": tls_files[1]} if tls_files else {}
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = GuardedServer(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http="h11",
+                                          timeout_graceful_shutdown=2, backlog=limits.max_connections, **ssl),
+                           limits)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    loop = asyncio.get_running_loop()
+    until = loop.time() + READY_WAIT_S
+    while not (server.started or task.done()) and loop.time() < until:
+        await asyncio.sleep(0.025)
+    if not server.started:
+        if task.done() and task.exception() is not None:
+            raise RuntimeError(f"HTTP server did not start on {host}:{port}: {task.exception()}")
+        raise RuntimeError(f"HTTP server did not start on {host}:{port} within {READY_WAIT_S:.0f} s")
+    return server, task, sock.getsockname()[1]

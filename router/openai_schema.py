@@ -1,0 +1,150 @@
+"""What the OpenAI-compatible HTTP API accepts, as JSON Schema, published at
+``GET /openapi.json`` (OpenAPI 3.1). The same tables decide which fields a
+request may carry: a field not listed here is refused with a 400 naming it
+(:func:`refuse_unknown`), so a client never mistakes an ignored field for one
+that was honoured. Values are checked by router/openai_http.py, whose
+messages name the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token for chat's ``top_logprobs`` (OpenAI's bound)."""
+MAX_COMPLETION_LOGPROBS = 5
+"""Most alternatives per token for completions' integer ``logprobs`` (OpenAI's bound)."""
+
+NOT_IMPLEMENTED = {
+    "tools": "tool calling is not implemented",
+    "tool_choice": "tool calling is not implemented",
+    "parallel_tool_calls": "tool calling is not implemented",
+    "functions": "function calling is not implemented",
+    "function_call": "function calling is not implemented",
+    "response_format": "structured output (json_object, json_schema) is not implemented; only {\"type\": \"text\"}",
+    "logit_bias": "logit_bias is not implemented",
+    "presence_penalty": "penalties are not implemented; only 0",
+    "frequency_penalty": "penalties are not implemented; only 0",
+    "audio": "audio output is not implemented", "modalities": "only text output is implemented",
+    "prediction": "predicted outputs are not implemented", "store": "stored completions are not implemented",
+    "metadata": "stored completions are not implemented", "user": "end-user ids are not recorded",
+    "service_tier": "service tiers are not implemented", "reasoning_effort": "this model does not reason",
+    "web_search_options": "web search is not implemented",
+}
+"""OpenAI fields kvrelay knows and does not implement, with why; any value but the neutral one is refused."""
+
+NEUTRAL = {"response_format": ({"type": "text"},), "logit_bias": ({},), "presence_penalty": (0, 0.0),
+           "frequency_penalty": (0, 0.0), "tools": ([],), "tool_choice": ("none",), "store": (False,)}
+"""Values of not-implemented fields that ask for exactly what kvrelay does anyway (accepted)."""
+
+_INT = {"type": "integer"}
+_NUM = {"type": "number"}
+_BOOL = {"type": "boolean"}
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_COUNT = _nullable({**_INT, "minimum": 1})
+_STOP = _nullable({"anyOf": [{"type": "string", "maxLength": 256},
+                             {"type": "array", "items": {"type": "string", "maxLength": 256}, "maxItems": 16}]})
+_EXTENSION = {"type": "object", "additionalProperties": False, "properties": {
+    "allowed_jurisdictions": {"type": "array", "items": {"type": "string"}, "maxItems": 64,
+                              "description": "where the request may be processed (never widens the tenant's)"},
+    "request_id": {"type": "string", "maxLength": 128},
+    "ignore_eos": _BOOL}}
+
+COMMON: dict[str, dict] = {
+    "model": {"type": "string", "maxLength": 256, "description": "the served model's name; empty: the default"},
+    "max_tokens": _COUNT, "max_completion_tokens": _COUNT,
+    "temperature": _nullable({**_NUM, "minimum": 0, "maximum": 100}),
+    "top_p": _nullable({**_NUM, "exclusiveMinimum": 0, "maximum": 1}),
+    "top_k": _nullable({**_INT, "minimum": -1, "description": "vLLM's extension; 0 or -1: off"}),
+    "seed": _nullable({**_INT, "minimum": 0, "maximum": (1 << 63) - 1}),
+    "stop": _STOP,
+    "n": _nullable({**_INT, "minimum": 1, "maximum": 1}),
+    "stream": _nullable(_BOOL),
+    "stream_options": _nullable({"type": "object", "additionalProperties": False,
+                                 "properties": {"include_usage": _BOOL}}),
+    "ignore_eos": _nullable(_BOOL),
+    "kvrelay": _EXTENSION,
+    **{name: {"description": f"accepted only as {NEUTRAL[name][0]!r}: {why}"}
+       for name, why in NOT_IMPLEMENTED.items() if name in NEUTRAL},
+}
+"""Fields both endpoints take."""
+
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
+    "role": {"enum": ["system", "developer", "user", "assistant"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART, "minItems": 1}]}}}
+MESSAGE_FIELDS = frozenset(_MESSAGE["properties"])
+
+CHAT: dict[str, Any] = {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
+    **COMMON,
+    "messages": {"type": "array", "items": _MESSAGE, "minItems": 1, "maxItems": 256},
+    "logprobs": _nullable(_BOOL),
+    "top_logprobs": _nullable({**_INT, "minimum": 0, "maximum": MAX_TOP_LOGPROBS}),
+}}
+"""``POST /v1/chat/completions``."""
+
+_TOKEN_IDS = {"type": "array", "items": {**_INT, "minimum": 0, "maximum": (1 << 31) - 1}, "minItems": 1}
+COMPLETION: dict[str, Any] = {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
+    **COMMON,
+    "prompt": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS,
+                         {"type": "array", "items": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]},
+                          "minItems": 1, "maxItems": 1}]},
+    "logprobs": _nullable({**_INT, "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS}),
+    "echo": _nullable({"const": False}),
+    "suffix": _nullable({"const": ""}),
+    "best_of": _nullable({**_INT, "minimum": 1, "maximum": 1}),
+}}
+"""``POST /v1/completions``."""
+
+
+def refuse_unknown(obj: dict, allowed: frozenset[str] | dict, where: str = "") -> str | None:
+    """The message refusing the first field of ``obj`` that is not in ``allowed``
+    (or is a not-implemented one with a non-neutral value); None when all are allowed."""
+    for name, value in obj.items():
+        neutral = value is None or value in NEUTRAL.get(name, ())
+        if name in allowed and (name not in NOT_IMPLEMENTED or neutral):
+            continue
+        if name in NOT_IMPLEMENTED:
+            return f"'{where}{name}' is not supported: {NOT_IMPLEMENTED[name]}"
+        return f"unknown field '{where}{name}': kvrelay does not implement it"
+    return None
+
+
+def _error_response(description: str) -> dict:
+    error = {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+    return {"description": description, "content": {"application/json": {"schema": error}}}
+
+
+ERRORS = {"400": "invalid request (the message names the field)", "401": "no or wrong bearer token",
+          "403": "the credentials may not call this", "404": "unknown model", "408": "the body arrived too slowly",
+          "413": "the body is over the size limit", "429": "overloaded: retry after Retry-After seconds",
+          "499": "the client went away", "503": "no worker can serve now", "504": "the request's deadline passed"}
+
+
+def _operation(summary: str, schema: dict) -> dict:
+    ok = {"description": "the answer (JSON), or server-sent events when stream is true",
+          "content": {"application/json": {"schema": {"type": "object"}},
+                      "text/event-stream": {"schema": {"type": "string"}}}}
+    return {"post": {"summary": summary, "security": [{"bearer": []}],
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+                     "responses": {"200": ok, **{code: _error_response(why) for code, why in ERRORS.items()}}}}
+
+
+def openapi(version: str) -> dict:
+    """The OpenAPI 3.1 document of the API."""
+    models = {"get": {"summary": "the served model", "security": [{"bearer": []}], "responses": {
+        "200": {"description": "the model list", "content": {"application/json": {"schema": {"type": "object"}}}},
+        "401": _error_response("no or wrong bearer token")}}}
+    return {"openapi": "3.1.0", "info": {"title": "kvrelay OpenAI-compatible API", "version": version},
+            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+            "paths": {"/v1/chat/completions": _operation("a chat completion", CHAT),
+                      "/v1/completions": _operation("a text completion", COMPLETION),
+                      "/v1/models": models}}

@@ -1,0 +1,341 @@
+"""A real cluster (router, prefill and decode processes, SmolLM2) against the
+inputs and loads a hostile or careless client sends: each answer is the
+API's own error shape with a message naming the problem, a normal request is
+served right after, and the router's memory, event loop and connections stay
+bounded (a 200 MB chunked upload, 500 half-open connections, ten 5 MB prompts
+at once)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import json
+import socket
+import ssl
+import threading
+import time
+
+import grpc
+import pytest
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+from kvrelay.v1 import worker_pb2 as wpb
+
+from router.auth import token_sha256
+from tests.integration.conftest import (
+    CLUSTER_YAML,
+    running_cluster,
+    tls_context,
+    wait_until,
+    worker_stats,
+    workers,
+)
+
+pytestmark = pytest.mark.model
+
+TOKEN = "hardening-token"
+MODEL = "SmolLM2-135M-Instruct"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm_path):
+    raw = copy.deepcopy(CLUSTER_YAML)
+    raw["router"] |= {"http_port": 0, "http": {"header_timeout_s": 2.0, "max_connections": 2000,
+                                               "max_connections_per_client": 1000}}
+    raw["auth"] = {"clients": [{"name": "lab-a", "token_sha256": token_sha256(TOKEN)}]}
+    with running_cluster(raw, smollm_path, reconcile=False) as lc:
+        yield lc
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    with cluster.channel() as ch:
+        yield igrpc.InferenceStub(ch)
+
+
+def _router_rss(cluster) -> int:
+    pid = next(c for c in cluster.children if c.name == "router").proc.pid
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def _tls_socket(cluster, source: str = "127.0.0.1") -> ssl.SSLSocket:
+    host, _, port = cluster.http_address.rpartition(":")
+    raw = socket.create_connection((host, int(port)), timeout=30, source_address=(source, 0))
+    return tls_context(cluster).wrap_socket(raw, server_hostname=host)
+
+
+def _http(cluster, path: str, raw: bytes, token: str | None = TOKEN, method: str = "POST") -> tuple[int, dict]:
+    """One request with body ``raw``; (status, JSON body)."""
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    with _tls_socket(cluster) as s:
+        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: kvrelay\r\nContent-Type: application/json\r\n{auth}"
+                  f"Content-Length: {len(raw)}\r\nConnection: close\r\n\r\n".encode() + raw)
+        resp = b""
+        while chunk := s.recv(1 << 16):
+            resp += chunk
+    head, _, body = resp.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def _post(cluster, path: str, body: dict) -> tuple[int, dict]:
+    return _http(cluster, path, json.dumps(body).encode())
+
+
+def _assert_error(status: int, body: dict, want_status: int, *words: str) -> None:
+    assert status == want_status, (status, body)
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    for w in words:
+        assert w in err["message"], (w, err)
+
+
+def _served(cluster) -> None:
+    status, body = _post(cluster, CHAT, {"model": MODEL, "messages": HI, "max_tokens": 2})
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
+
+
+@pytest.mark.parametrize("path,base", [(CHAT, b'"messages": [{"role": "user", "content": "hi"}]'),
+                                       ("/v1/completions", b'"prompt": "hi"')])
+def test_json_a_parser_cannot_take_is_a_400(cluster, path, base):
+    surrogate = (b'{"model": "%s", ' % MODEL.encode()) + base.replace(b'"hi"', b'"hi \\ud800 there"') + b"}"
+    deep = b"[" * 100_000 + b"]" * 100_000
+    digits = b'{' + base + b', "max_tokens": ' + b"9" * 100_000 + b"}"
+    bad_utf8 = b'{' + base.replace(b"hi", b"\xff\xfe") + b"}"
+    for raw, words in [(surrogate, ("surrogate",)), (deep, ("nested too deeply",)),
+                       (digits, ("not valid JSON", "digits")), (bad_utf8, ("not valid JSON",))]:
+        status, body = _http(cluster, path, raw)
+        _assert_error(status, body, 400, *words)
+    _served(cluster)
+
+
+def test_fields_not_implemented_are_refused_by_name(cluster):
+    base = {"model": MODEL, "messages": HI, "max_tokens": 2}
+    cases = [
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "role must be one of system, user, assistant"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported"),
+        ({"tool_choice": "auto"}, "'tool_choice' is not supported"),
+        ({"response_format": {"type": "json_object"}}, "'response_format' is not supported"),
+        ({"logit_bias": {"42": 5}}, "'logit_bias' is not supported"),
+        ({"presence_penalty": 0.5}, "'presence_penalty' is not supported"),
+        ({"user": "alice"}, "'user' is not supported"),
+        ({"frobnicate": True}, "unknown field 'frobnicate'"),
+        ({"stream_options": {"include_usage": True, "extra": 1}}, "unknown field 'stream_options.extra'"),
+        ({"kvrelay": {"region": "x"}}, "unknown field 'kvrelay.region'"),
+        ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "unknown field 'messages[0].name'"),
+        ({"top_logprobs": 3}, "top_logprobs needs logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"temperature": 1e400}, "temperature"),
+    ]
+    for extra, words in cases:
+        status, body = _post(cluster, CHAT, base | extra)
+        _assert_error(status, body, 400, words)
+        assert body["error"]["param"], body
+    status, body = _post(cluster, "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6})
+    _assert_error(status, body, 400, "logprobs must be in [0, 5]")
+    # the values that ask for what kvrelay does anyway are accepted
+    neutral = {"response_format": {"type": "text"}, "tools": [], "logit_bias": {}, "presence_penalty": 0,
+               "frequency_penalty": 0.0, "tool_choice": None, "role": None}
+    neutral.pop("role")
+    status, body = _post(cluster, CHAT, base | neutral)
+    assert status == 200, body
+
+
+def test_grpc_refuses_unknown_roles_and_max_tokens_zero_as_http_does(cluster, stub):
+    wizard = ipb.GenerateRequest(messages=ipb.ChatMessages(messages=[ipb.ChatMessage(role="wizard", content="x")]),
+                                 max_tokens=2)
+    zero = ipb.GenerateRequest(prompt="hi", max_tokens=0)
+    status, http_zero = _post(cluster, CHAT, {"model": MODEL, "messages": HI, "max_tokens": 0})
+    for req, words in [(wizard, "messages[0].role must be one of"), (zero, http_zero["error"]["message"])]:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req, timeout=30, metadata=AUTH))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
+    # absent is the default (128 tokens, or EOS first)
+    msgs = list(stub.Generate(ipb.GenerateRequest(prompt="Count to five.", sampling=ipb.SamplingParams()),
+                              timeout=120, metadata=AUTH))
+    assert msgs[-1].finish.usage.completion_tokens >= 1
+
+
+def test_top_logprobs_are_real_tokens_with_bytes(cluster):
+    status, body = _post(cluster, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Say: Zürich"}],
+                                         "max_tokens": 6, "logprobs": True, "top_logprobs": 3})
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"]
+    text = body["choices"][0]["message"]["content"]
+    assert b"".join(bytes(c["bytes"]) for c in content).decode("utf-8", "replace").startswith(text[:1])
+    for c in content:
+        tops = c["top_logprobs"]
+        assert len(tops) == 3 and all(t["logprob"] <= 0 for t in tops)
+        assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        assert c["token"] == tops[0]["token"] and abs(c["logprob"] - tops[0]["logprob"]) < 1e-4  # greedy
+        assert not c["token"].startswith("<") or c["token"] in ("<", "<|im_end|>")
+
+
+def test_openapi_document_lists_what_is_accepted(cluster):
+    host, _, port = cluster.http_address.rpartition(":")
+    with _tls_socket(cluster) as s:
+        s.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: kvrelay\r\nConnection: close\r\n\r\n")
+        resp = b""
+        while chunk := s.recv(1 << 16):
+            resp += chunk
+    doc = json.loads(resp.partition(b"\r\n\r\n")[2])
+    chat = doc["paths"][CHAT]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert doc["openapi"].startswith("3.1") and chat["additionalProperties"] is False
+    assert {"messages", "top_logprobs", "max_tokens"} <= set(chat["properties"]) and "tools" in chat["properties"]
+    assert "frobnicate" not in chat["properties"]
+
+
+def test_large_prompts_are_refused_fast_and_heartbeats_keep_coming(cluster, stub):
+    huge = ipb.GenerateRequest(prompt="word " * 4_000_000, max_tokens=2)  # 20 MB: over the public message limit
+    big = ipb.GenerateRequest(prompt="word " * 1_000_000, max_tokens=2)  # 5 MB: under it, over max_prompt_bytes
+    for req, words in [(huge, "larger than max"), (big, "at most 1048576")]:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req, timeout=30, metadata=AUTH))
+        elapsed = time.monotonic() - t0
+        assert words in err.value.details(), err.value.details()
+        assert elapsed < 1.0, elapsed  # ~10-30 ms here; the bound holds on a loaded machine
+    # over HTTP the 5 MB body fits under max_body_bytes and is refused by the prompt cap
+    t0 = time.monotonic()
+    status, body = _post(cluster, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "w" * 5_000_000}]})
+    _assert_error(status, body, 400, "at most 1048576")
+    assert time.monotonic() - t0 < 2.0
+    ages, stop = [], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            t = time.monotonic()
+            ws = workers(cluster)
+            ages.append((time.monotonic() - t, max(w.last_heartbeat_age_s for w in ws.values()),
+                         all(w.healthy for w in ws.values())))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            def one(_):
+                with pytest.raises(grpc.RpcError):
+                    list(stub.Generate(big, timeout=30, metadata=AUTH))
+            list(pool.map(one, range(10)))
+            list(pool.map(lambda _: _post(cluster, CHAT, {"model": MODEL, "messages": [
+                {"role": "user", "content": "w" * 5_000_000}]}), range(10)))
+    finally:
+        stop.set()
+        watcher.join()
+    assert ages and all(healthy for _, _, healthy in ages)
+    assert max(age for _, age, _ in ages) < 3.0, ages  # heartbeats every 1 s
+    assert max(rpc for rpc, _, _ in ages) < 2.0, ages
+    _served(cluster)
+
+
+def _chunked_upload(cluster, total: int, token: str | None) -> tuple[bytes, int]:
+    """Sends a chunked body of ``total`` bytes (or until the server stops reading); (response, bytes sent)."""
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    s = _tls_socket(cluster)
+    s.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: kvrelay\r\nContent-Type: application/json\r\n{auth}"
+              "Transfer-Encoding: chunked\r\n\r\n".encode())
+    piece = b"%x\r\n" % (1 << 20) + b" " * (1 << 20) + b"\r\n"
+    sent = 0
+    s.settimeout(10)
+    try:
+        s.sendall(b'5\r\n{"a":\r\n')
+        while sent < total:
+            s.sendall(piece)
+            sent += 1 << 20
+    except (BrokenPipeError, ConnectionResetError, ssl.SSLError, TimeoutError):
+        pass
+    resp = b""
+    try:
+        while chunk := s.recv(1 << 16):
+            resp += chunk
+    except (ConnectionResetError, ssl.SSLError, TimeoutError):
+        pass
+    s.close()
+    return resp, sent
+
+
+def test_a_200_mb_chunked_upload_is_refused_without_growing_the_router(cluster):
+    base = _router_rss(cluster)
+    peak, stop = [base], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak.append(_router_rss(cluster))
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        unauth, sent_unauth = _chunked_upload(cluster, 200 << 20, token=None)
+        capped, sent_capped = _chunked_upload(cluster, 200 << 20, token=TOKEN)
+    finally:
+        stop.set()
+        sampler.join()
+    assert unauth.startswith(b"HTTP/1.1 401"), unauth[:200]
+    # the body ({"error": ...}) may be lost to the reset of a connection closed with unread input
+    head, _, body = capped.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"connection: close" in head, capped[:300]
+    assert not body or b"request body over" in body
+    assert sent_capped < 100 << 20, sent_capped  # the server stopped reading long before 200 MB
+    growth = max(peak) - base
+    assert growth < 16 << 20, f"router RSS grew by {growth >> 20} MiB"
+    _served(cluster)
+
+
+def test_500_half_open_connections_are_closed_at_the_header_deadline(cluster):
+    host, _, port = cluster.http_address.rpartition(":")
+    t0 = time.monotonic()
+    before = _timed_request(cluster)
+    conns = []
+    for i in range(500):
+        s = socket.create_connection((host, int(port)), timeout=30, source_address=("127.0.0.2", 0))
+        if i % 2:  # half finish TLS and send half a request head; half never start TLS
+            s = tls_context(cluster).wrap_socket(s, server_hostname=host)
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvrelay\r\n")
+        conns.append(s)
+    during = [_timed_request(cluster) for _ in range(3)]
+    deadline = t0 + 30
+    closed = 0
+    for s in conns:
+        s.settimeout(max(0.1, deadline - time.monotonic()))
+        try:
+            closed += s.recv(1) == b""
+        except (ConnectionResetError, ssl.SSLError, OSError):
+            closed += 1
+        s.close()
+    assert closed == 500, closed
+    assert time.monotonic() - t0 < 30
+    assert max(during) < max(5.0, 10 * before), (before, during)
+    _served(cluster)
+
+
+def _timed_request(cluster) -> float:
+    t = time.monotonic()
+    _served(cluster)
+    return time.monotonic() - t
+
+
+def test_a_non_streaming_request_whose_client_leaves_is_cancelled(cluster):
+    decode = next(w for w in workers(cluster).values() if w.info.role == wpb.ROLE_DECODE)
+    body = json.dumps({"model": MODEL, "messages": HI, "max_tokens": 2000, "ignore_eos": True}).encode()
+    s = _tls_socket(cluster)
+    s.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: kvrelay\r\nContent-Type: application/json\r\n"
+              f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    wid = decode.info.worker_id
+    assert wait_until(lambda: worker_stats(cluster, wid).running == 1, 30)
+    s.close()
+    t0 = time.monotonic()
+
+    def idle() -> bool:
+        st = worker_stats(cluster, wid)
+        return st.running == 0 and st.reservations == 0 and st.free_blocks == st.total_blocks
+
+    assert wait_until(idle, 15), worker_stats(cluster, wid)
+    assert time.monotonic() - t0 < 10
+    _served(cluster)
