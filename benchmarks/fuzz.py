@@ -25,8 +25,15 @@ from pathlib import Path
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
-from benchmarks.fuzz_targets import ConfigTarget, GrpcTarget, HttpTarget, KVTarget
+from benchmarks.fuzz_targets import (
+    ConfigTarget,
+    GrpcTarget,
+    HttpTarget,
+    KVTarget,
+    Outcome,
+)
 from benchmarks.kv_bench import machine
+from benchmarks.probes import run_probes
 from kvtransfer.handshake import SenderHello
 from kvtransfer.protection import Protection
 from launch.local import LocalCluster
@@ -37,7 +44,8 @@ from runtime.pki import CertRole, Identity
 log = logging.getLogger(__name__)
 
 FUZZ_CLUSTER = {
-    "router": {"port": 0, "http_port": 0, "policy": "least_loaded", "colocate_below_tokens": 0},
+    "router": {"port": 0, "http_port": 0, "policy": "least_loaded", "colocate_below_tokens": 0,
+               "http": {"max_connections_per_client": 1000}},  # the probes open 500 from one address
     "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
     "workers": {"threads": 1},
     "cache": {"memory_gib": 0.25},
@@ -81,6 +89,8 @@ class FuzzReport:
     before: dict[str, ProcessSample]
     after: dict[str, ProcessSample]
     machine: dict
+    probes: dict | None = None
+    """benchmarks/probes.py's figures (bench fuzz runs them first)."""
 
     def leaks(self) -> list[str]:
         """What grew past the slack, described."""
@@ -165,7 +175,10 @@ def _drive(targets: list, seconds: float, seed: int, tallies: dict[str, Tally]) 
     until = time.monotonic() + seconds
     while time.monotonic() < until:
         for t in targets:
-            out = t.one(rngs[t.name])
+            try:
+                out = t.one(rngs[t.name])
+            except Exception as exc:  # noqa: BLE001 - a bug of the fuzzer's own is reported, not fatal
+                out = Outcome("fuzzer error", f"the fuzzer itself raised {type(exc).__name__}: {exc}"[:300])
             tally = tallies.setdefault(t.name, Tally())
             tally.cases += 1
             tally.kinds[out.kind] = tally.kinds.get(out.kind, 0) + 1
@@ -200,7 +213,10 @@ def run_fuzz_bench(model_path: str, minutes: float, seed: int = 0) -> FuzzReport
     lc = LocalCluster(parse_config(copy.deepcopy(FUZZ_CLUSTER)), model_path, reconcile=False)
     lc.start()
     try:
-        return fuzz_cluster(lc, minutes * 60, seed, Path(model_path).name)
+        probes = run_probes(lc, lc.cfg.router.http.header_timeout_s)
+        report = fuzz_cluster(lc, minutes * 60, seed, Path(model_path).name)
+        report.probes = probes.to_json()
+        return report
     finally:
         lc.stop()
 
@@ -220,6 +236,8 @@ def format_fuzz(r: FuzzReport) -> str:
               "fds / threads per process (before -> after): " + ", ".join(
                   f"{n} {b.fds}->{r.after[n].fds} / {b.threads}->{r.after[n].threads}"
                   for n, b in r.before.items() if n in r.after)]
+    if r.probes:
+        lines += ["", "probes: " + ", ".join(f"{k} {v}" for k, v in r.probes.items())]
     return "\n".join(lines)
 
 

@@ -35,7 +35,8 @@ from runtime.config import ConfigError, load_config, parse_config
 SERVER_ERRORS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS})
 """gRPC's 5xx: a bug, whatever the input."""
 
-EDGE_INTS = (0, 1, -1, 2, 7, 64, 255, 256, 2**31 - 1, -2**31, 2**32, 2**53, 2**63 - 1, -2**63, 10**30, 10**5000)
+EDGE_INTS = (0, 1, -1, 2, 7, 64, 255, 256, 2**31 - 1, -2**31, 2**32, 2**53, 2**63 - 1, -2**63, 10**30, 10**4000)
+"""Integers at the edges (10**4000: under Python's 4300-digit limit; longer ones come as text, pathological())."""
 EDGE_FLOATS = (0.0, -0.0, 0.5, 1.0, 2.0, 100.0, 101.0, 1e-300, 1e300, math.inf, -math.inf, math.nan)
 EDGE_TEXT = ("", " ", "hi", "\x00", "\ud800", "\udfff", "é", "東京", "🙂", "<|im_end|>", "a" * 300, "\n" * 50)
 

@@ -46,7 +46,6 @@ from router.requests import (
     ModelLimits,
     Priority,
     Request,
-    check_prompt_bytes,
     parse_request,
 )
 from runtime.config import ClusterConfig, RouterSection
@@ -120,8 +119,7 @@ class RouterCore:
 
     async def admit(self, msg: ipb.GenerateRequest, caller: Caller) -> Request:
         """:meth:`prepare` in the tokenizer threads, so a long prompt holds up no one
-        else; a prompt over ``router.api.max_prompt_bytes`` is refused at once."""
-        check_prompt_bytes(msg, self.cfg.router.api.max_prompt_bytes)
+        else (a prompt over ``router.api.max_prompt_bytes`` is refused there before tokenizing)."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizers, self.prepare, msg, caller)
 
     def health(self) -> ipb.HealthResponse:

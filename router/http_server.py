@@ -4,6 +4,10 @@ with the bounds a shared service needs against slow or greedy clients.
 - **Header deadline**: a connection that has not sent a whole request head
   within ``header_timeout_s`` of connecting (or of its previous response) is
   closed; the TLS handshake has the same deadline.
+- **Write deadline**: a client that stops reading for ``body_timeout_s``
+  (the server's buffer to it full) is cut off.
+- **Unread bodies**: a request answered without its body being read (401,
+  404, ...) closes its connection.
 - **Connection bounds**: at most ``max_connections`` open at once, and
   ``max_connections_per_client`` from one client address; a connection over
   either bound gets ``429`` (per client) or ``503`` (in all) in OpenAI's
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 from collections import Counter
 from dataclasses import dataclass
 
@@ -72,13 +77,19 @@ class ConnectionCount:
 
 
 class GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol with a header deadline and connection bounds."""
+    """uvicorn's h11 protocol with a header deadline, a write deadline and
+    connection bounds, counted from the moment a connection is accepted
+    (TLS is started here, so a handshake in progress counts too)."""
 
-    def __init__(self, *args, count: ConnectionCount, **kwargs) -> None:
+    def __init__(self, *args, count: ConnectionCount, tls: ssl.SSLContext | None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.count = count
+        self.count, self.tls = count, tls
         self.peer_host: str | None = None
+        self.handshaking = False
+        self.early = bytearray()
+        """Bytes TLS decrypted before the handshake's end reached us."""
         self.head_timer: asyncio.TimerHandle | None = None
+        self.write_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         peer = transport.get_extra_info("peername")
@@ -86,41 +97,95 @@ class GuardedH11(H11Protocol):
         refused = self.count.refusal(host)
         if refused is not None:
             self.transport = transport
-            transport.write(refused)
+            if self.tls is None:  # on a TLS port the answer would need a handshake first
+                transport.write(refused)
             transport.close()
             return
         self.peer_host = host
         self.count.opened(host)
-        super().connection_made(transport)
+        if self.tls is None:
+            super().connection_made(transport)
+            self._arm_head_timer()
+            return
+        transport.pause_reading()  # nothing reaches h11 before the handshake
+        self.handshaking = True
+        self.tls_task = self.loop.create_task(self._start_tls(transport))  # held: a task nobody holds may vanish
+
+    async def _start_tls(self, raw: asyncio.Transport) -> None:
+        """The TLS handshake, within the header deadline; then HTTP over it."""
+        try:
+            tls = await self.loop.start_tls(raw, self, self.tls, server_side=True,
+                                            ssl_handshake_timeout=self.count.limits.header_timeout_s)
+        except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError, RuntimeError):
+            tls = None
+        if tls is None or self.peer_host is None:  # failed, timed out, or the peer left meanwhile
+            self.handshaking = False
+            raw.close()
+            self._forget()
+            return
+        super().connection_made(tls)
+        self.handshaking = False
         self._arm_head_timer()
+        if self.early:  # what TLS delivered before start_tls returned to us
+            early, self.early = bytes(self.early), bytearray()
+            self.data_received(early)
+
+    def _forget(self) -> None:
+        if self.peer_host is not None:
+            self.count.closed(self.peer_host)
+            self.peer_host = None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.peer_host is None:  # refused in connection_made
+        if self.handshaking:  # the raw connection went before start_tls took it over
+            self._forget()
             return
-        self.count.closed(self.peer_host)
-        self.peer_host = None
-        self._disarm_head_timer()
+        if self.peer_host is None:  # refused in connection_made, or already forgotten
+            return
+        self._forget()
+        self._disarm(("head_timer", "write_timer"))
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.handshaking:
+            self.early += data
+            return
         super().data_received(data)
         if self.conn.their_state is h11.IDLE:
             self._arm_head_timer()  # a (next) request head is still to come
         else:
-            self._disarm_head_timer()
+            self._disarm(("head_timer",))
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._disarm_head_timer()  # keep-alive: uvicorn's idle timer runs until the next byte
+        self._disarm(("head_timer",))  # keep-alive: uvicorn's idle timer runs until the next byte
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.transport.close()  # answered without reading the body: the rest would only be discarded
+
+    def pause_writing(self) -> None:
+        """The client stopped reading: it has ``body_timeout_s`` to start again."""
+        super().pause_writing()
+        if self.write_timer is None:
+            self.write_timer = self.loop.call_later(self.count.limits.body_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm(("write_timer",))
+
+    def _stalled(self) -> None:
+        self.write_timer = None
+        if not self.transport.is_closing():
+            self.transport.abort()
 
     def _arm_head_timer(self) -> None:
         if self.head_timer is None:
             self.head_timer = self.loop.call_later(self.count.limits.header_timeout_s, self._head_late)
 
-    def _disarm_head_timer(self) -> None:
-        if self.head_timer is not None:
-            self.head_timer.cancel()
-            self.head_timer = None
+    def _disarm(self, names: tuple[str, ...]) -> None:
+        for name in names:
+            timer = getattr(self, name)
+            if timer is not None:
+                timer.cancel()
+                setattr(self, name, None)
 
     def _head_late(self) -> None:
         self.head_timer = None
@@ -141,12 +206,10 @@ class GuardedServer(uvicorn.Server):
 
         def protocol() -> GuardedH11:
             return GuardedH11(config=config, server_state=self.server_state, app_state=self.lifespan.state,
-                              count=self.count)
+                              count=self.count, tls=config.ssl)
 
-        handshake = {"ssl_handshake_timeout": self.count.limits.header_timeout_s} if config.ssl else {}
-        loop = asyncio.get_running_loop()
-        self.servers = [await loop.create_server(protocol, sock=s, ssl=config.ssl, backlog=config.backlog,
-                                                 **handshake) for s in sockets or ()]
+        loop = asyncio.get_running_loop()  # TLS starts in GuardedH11, after the connection is counted
+        self.servers = [await loop.create_server(protocol, sock=s, backlog=config.backlog) for s in sockets or ()]
         self.started = True
 
 
@@ -162,7 +225,7 @@ async def serve_http(app, host: str, port: int, tls_files: tuple[str, str] | Non
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = GuardedServer(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http="h11",
+    server = GuardedServer(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http="h11", ws="none",
                                           timeout_graceful_shutdown=2, backlog=limits.max_connections, **ssl),
                            limits)
     task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -82,6 +82,8 @@ class JobService(jgrpc.JobsServicer):
         self.auth = auth
         self.concurrency = concurrency
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jobs-db")
+        self._checker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jobs-check")
+        """Validates submitted jobs (tokenizing every prompt), apart from the interactive tokenizer threads."""
         self.store: JobStore | None = None
         self.db_path = db_path
         self.inflight: set[asyncio.Task] = set()
@@ -108,6 +110,7 @@ class JobService(jgrpc.JobsServicer):
         if self.store is not None:
             await self._db(self.store.close)
         self._pool.shutdown(wait=True)
+        self._checker.shutdown(wait=False, cancel_futures=True)
 
     # -- API -------------------------------------------------------------------
     async def _owner(self, context) -> str:
@@ -123,9 +126,9 @@ class JobService(jgrpc.JobsServicer):
         if not request.requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a job needs at least one request")
         problem = job_limit_error(request.name, request.requests)
-        if problem is None:  # in a tokenizer thread: a 100,000-request job holds up no one else
+        if problem is None:  # in a thread of its own: a 100,000-request job holds up no interactive request
             problem = await asyncio.get_running_loop().run_in_executor(
-                self.core.tokenizers, self._first_invalid, request.requests, owner)
+                self._checker, self._first_invalid, request.requests, owner)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         row = await self._db(self.store.submit, request.name, [r.SerializeToString() for r in request.requests],
@@ -138,6 +141,8 @@ class JobService(jgrpc.JobsServicer):
         """``requests[i]: why`` for the first request the router would refuse (None: none)."""
         caller = Caller(owner)
         for i, r in enumerate(requests):
+            if r.sampling.logprobs or r.sampling.top_logprobs:
+                return f"requests[{i}]: logprobs are not kept in job results; submit without them"
             try:
                 self.core.prepare(r, caller)
             except RouterError as exc:
@@ -229,7 +234,7 @@ class JobService(jgrpc.JobsServicer):
         ok = True
         caller = Caller(owner, priority=Priority.BATCH)  # runs as the job's owner, no deadline
         try:
-            async for msg in self.core.generate(self.core.prepare(req, caller), caller):
+            async for msg in self.core.generate(await self.core.admit(req, caller), caller):
                 result.token_ids.extend(msg.token_ids)
                 result.text += msg.text
                 if msg.HasField("finish"):

@@ -104,6 +104,7 @@ async def run(args: argparse.Namespace) -> None:
         await asyncio.wait_for(http_task, 5.0)
     await asyncio.gather(public.stop(grace=2.0), internal_server.stop(grace=2.0))
     await jobs.stop()
+    core.tokenizers.shutdown(wait=False, cancel_futures=True)
     await core.registry.close()
     private.cleanup()
 

@@ -30,7 +30,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 from kvrelay.v1 import inference_pb2 as ipb
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -158,6 +158,8 @@ class OpenAIServer:
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
                            "timeout", headers=CLOSE) from None
+        except ClientDisconnect:
+            raise ApiError(499, "the client went away before sending the whole body", "cancelled") from None
         return bytes(raw)
 
     async def _request(self, request: Request, chat: bool) -> tuple[ipb.GenerateRequest, bool, bool, Caller]:
@@ -172,23 +174,30 @@ class OpenAIServer:
         req, stream, include_usage = chat_request(body) if chat else completion_request(body)
         return req, stream, include_usage, Caller.with_timeout(tenant, self.request_timeout_s)
 
+    async def _first(self, req: ipb.GenerateRequest, caller: Caller):
+        """Admission up to the first message: (the core's generator, that message), or the error's response."""
+        try:  # the first message, or the error, decides the HTTP status
+            gen = self.core.generate(await self.core.admit(req, caller), caller)
+            return gen, await gen.__anext__()
+        except RouterError as exc:
+            return api_error(exc).response()
+        except StopAsyncIteration:
+            return ApiError(500, "the request ended without a result", "server_error").response()
+
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
             req, stream, include_usage, caller = await self._request(request, chat)
         except ApiError as exc:
             return exc.response()
-        try:  # the first message, or the error, decides the HTTP status
-            gen = self.core.generate(await self.core.admit(req, caller), caller)
-            first = await gen.__anext__()
-        except RouterError as exc:
-            return api_error(exc).response()
-        except StopAsyncIteration:
-            return ApiError(500, "the request ended without a result", "server_error").response()
+        started = await until_disconnect(request, self._first(req, caller))  # a client gone while queued: stop
+        if isinstance(started, Response):
+            return started
+        gen, first = started
         rid = ("chatcmpl-" if chat else "cmpl-") + (req.request_id or uuid.uuid4().hex)
         model = req.model or self.core.limits.name
         if stream:
-            return StreamingResponse(self._sse(gen, first, rid, model, chat, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return ClosingStream(self._sse(gen, first, rid, model, chat, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await until_disconnect(request, self._whole(gen, first, rid, model, chat))
 
     async def _messages(self, gen, first):
@@ -251,15 +260,26 @@ class OpenAIServer:
                     yield chunk([], usage=_usage(msg.finish))
         except RouterError as exc:  # after the status line went out: the error is the last event
             yield "data: " + json.dumps(api_error(exc).body()) + "\n\n"
-        except asyncio.CancelledError:  # the client went away; the relay's cleanup frees the workers
+        finally:  # done, or the client went away (ClosingStream closes us): the relay's cleanup frees the workers
             await gen.aclose()
-            raise
         yield "data: [DONE]\n\n"
 
 
-async def until_disconnect(request: Request, answer) -> Response:
-    """``answer`` (a coroutine making the response), cancelled if the client goes away first
-    (cancelling it closes the core's generator, which stops the workers and frees their blocks)."""
+class ClosingStream(StreamingResponse):
+    """A streaming response that closes its body generator however it ends
+    (Starlette leaves it suspended when the client goes away mid-stream)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def until_disconnect(request: Request, answer):
+    """What ``answer`` (a coroutine) returns, or a 499 response if the client
+    goes away first: ``answer`` is then cancelled (which closes the core's
+    generator, stopping the workers and freeing their blocks)."""
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass

@@ -93,6 +93,10 @@ def _text_content(content: Any, i: int) -> str:
 def _max_tokens(body: dict, req: ipb.GenerateRequest) -> None:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     value = _get(body, name, (int,), "an integer")
+    other = _get(body, "max_tokens", (int,), "an integer")
+    if name == "max_completion_tokens" and other is not None and other != value:
+        raise ApiError(400, f"max_tokens ({other}) and max_completion_tokens ({value}) disagree; send one",
+                       param="max_tokens")
     if value is not None:
         if value < 1:
             raise ApiError(400, f"max_tokens must be >= 1, got {value}", param=name)
@@ -157,6 +161,8 @@ def _common(body: dict, req: ipb.GenerateRequest) -> tuple[bool, bool]:
         raise ApiError(400, f"n must be 1 (one choice per request), got {n}", param="n")
     stream = _get(body, "stream", (bool,), "a boolean", False)
     options = _get(body, "stream_options", (dict,), "an object", {})
+    if options and not stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
     _refuse_unknown(options, {"include_usage"}, "stream_options.")
     include_usage = _get(options, "include_usage", (bool,), "a boolean", False, "stream_options.")
     _extension(body, req)

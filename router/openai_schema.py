@@ -55,7 +55,7 @@ _EXTENSION = {"type": "object", "additionalProperties": False, "properties": {
     "ignore_eos": _BOOL}}
 
 COMMON: dict[str, dict] = {
-    "model": {"type": "string", "maxLength": 256, "description": "the served model's name; empty: the default"},
+    "model": {"type": "string", "description": "the served model's name; empty: the default"},
     "max_tokens": _COUNT, "max_completion_tokens": _COUNT,
     "temperature": _nullable({**_NUM, "minimum": 0, "maximum": 100}),
     "top_p": _nullable({**_NUM, "exclusiveMinimum": 0, "maximum": 1}),

@@ -19,6 +19,7 @@ blocks."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -34,6 +35,8 @@ from router.registry import WorkerRecord, WorkerRegistry
 from router.requests import Caller
 from runtime.topology import Role, Topology, link_name
 
+log = logging.getLogger(__name__)
+
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
                        grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 """Worker errors that another worker may not have (a crash, a failed transfer, a lease)."""
@@ -47,6 +50,8 @@ WORKER_STATUS = {
 """A worker's final status -> what the request's caller is told (anything else: INTERNAL)."""
 
 WORKER_FULL_RETRY_S = 1.0
+FIRST_TOP_LOGPROBS_WAIT_S = 10.0
+"""Longest wait for P's answer (which carries the first token's top_logprobs) once D has the KV."""
 """Retry hint when the chosen decode worker turned out to have no room."""
 
 
@@ -151,9 +156,10 @@ class Relay:
         if self.prefill is None or not self.wr.sampling.top_logprobs or not out.top_logprobs \
                 or out.top_logprobs[0].token_ids:
             return
-        try:
-            resp = await self.prefill
-        except grpc.aio.AioRpcError:
+        try:  # P answers right after D acknowledged the KV; shielded: the call itself stays ours to finish
+            resp = await asyncio.wait_for(asyncio.shield(self.prefill), FIRST_TOP_LOGPROBS_WAIT_S)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            log.warning("%s: the first token's top_logprobs are missing (%s)", self.client_id, type(exc).__name__)
             return
         out.top_logprobs[0].CopyFrom(resp.first_top_logprobs)
 

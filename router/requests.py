@@ -21,6 +21,7 @@ from runtime.convert import sampling_params
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_MESSAGES = 256
+MAX_JURISDICTIONS = 64
 ROLES = ("system", "user", "assistant")
 """Chat roles the model's template takes; any other is refused (tool calling is not implemented)."""
 
@@ -142,8 +143,11 @@ def parse_request(req: ipb.GenerateRequest, tok: Tokenizer, limits: ModelLimits,
     if max_prompt_bytes is not None:
         check_prompt_bytes(req, max_prompt_bytes)
     if req.model and req.model != limits.name:
-        raise RouterError(ErrorKind.UNKNOWN_MODEL, f"unknown model {req.model!r}; this cluster serves "
+        raise RouterError(ErrorKind.UNKNOWN_MODEL, f"unknown model {req.model[:80]!r}; this cluster serves "
                                                    f"{limits.name!r}")
+    if len(req.allowed_jurisdictions) > MAX_JURISDICTIONS:
+        raise RouterError(ErrorKind.INVALID, f"at most {MAX_JURISDICTIONS} allowed_jurisdictions, got "
+                                             f"{len(req.allowed_jurisdictions)}")
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise RouterError(ErrorKind.INVALID, f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     try:

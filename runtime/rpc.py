@@ -31,10 +31,10 @@ def create_server(interceptors=(), max_receive_bytes: int | None = None,
     ``max_receive_bytes`` lowers the largest message it takes (a public
     listener's), ``max_concurrent_rpcs`` bounds the calls it serves at once
     (more get RESOURCE_EXHAUSTED)."""
-    options = list(GRPC_OPTIONS)
+    options = dict(GRPC_OPTIONS)
     if max_receive_bytes is not None:
-        options[1] = ("grpc.max_receive_message_length", max_receive_bytes)
-    return grpc.aio.server(options=options, interceptors=tuple(interceptors), maximum_concurrent_rpcs=max_concurrent_rpcs)
+        options["grpc.max_receive_message_length"] = max_receive_bytes
+    return grpc.aio.server(options=list(options.items()), interceptors=tuple(interceptors), maximum_concurrent_rpcs=max_concurrent_rpcs)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSMaterial | None, mutual: bool = False) -> int:

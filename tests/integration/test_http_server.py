@@ -15,11 +15,12 @@ import time
 
 import pytest
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from router.http_server import serve_http
 from runtime.config import HttpSection
+from runtime.pki import CertRole, Identity, issue, new_ca
 
 HEAD = b"GET /ok HTTP/1.1\r\nHost: test\r\n"
 """A request head without its final empty line."""
@@ -28,7 +29,7 @@ HEAD = b"GET /ok HTTP/1.1\r\nHost: test\r\n"
 class Served:
     """``serve_http`` with a one-route app, in an event loop of its own thread."""
 
-    def __init__(self, limits: HttpSection) -> None:
+    def __init__(self, limits: HttpSection, tls_files: tuple[str, str] | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -36,8 +37,15 @@ class Served:
         async def ok(request):
             return JSONResponse({"ok": True})
 
-        app = Starlette(routes=[Route("/ok", ok)])
-        start = serve_http(app, "127.0.0.1", 0, None, limits)
+        async def endless(request):
+            async def chunks():
+                while True:  # a stream that waits for its data, as the router's do
+                    await asyncio.sleep(0.001)
+                    yield b"x" * 65536
+            return StreamingResponse(chunks())
+
+        app = Starlette(routes=[Route("/ok", ok), Route("/endless", endless)])
+        start = serve_http(app, "127.0.0.1", 0, tls_files, limits)
         self.server, self.task, self.port = asyncio.run_coroutine_threadsafe(start, self.loop).result(10)
 
     def connect(self, source: str = "127.0.0.1") -> socket.socket:
@@ -89,6 +97,13 @@ def served(request):
     srv = Served(limits)
     yield srv
     srv.close()
+
+
+def _wait_count(served: Served, want: int, within_s: float = 10.0) -> bool:
+    until = time.monotonic() + within_s
+    while served.open_count() != want and time.monotonic() < until:
+        time.sleep(0.02)
+    return served.open_count() == want
 
 
 @pytest.mark.parametrize("served", [{"header_timeout_s": 1.0}], indirect=True)
@@ -147,3 +162,46 @@ def test_connection_bounds_answer_429_and_503_in_openai_shape(served):
         time.sleep(0.02)
     assert served.open_count() == 0
     assert served.get("127.0.0.2")[1].startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("served", [{"header_timeout_s": 30.0}], indirect=True)
+def test_an_answer_that_leaves_the_body_unread_closes_the_connection(served):
+    with served.connect() as s:  # a 1 GB body announced to a route that never reads it
+        s.sendall(b"GET /ok HTTP/1.1\r\nHost: test\r\nContent-Length: 1000000000\r\n\r\n" + b"x" * 1000)
+        s.settimeout(10)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        assert _closed_by_server(s, 10.0)
+    assert _wait_count(served, 0)
+
+
+@pytest.mark.parametrize("served", [{"body_timeout_s": 1.0}], indirect=True)
+def test_a_client_that_stops_reading_is_cut_off(served):
+    s = served.connect()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(b"GET /endless HTTP/1.1\r\nHost: test\r\n\r\n")
+    assert _wait_count(served, 1)
+    with served.connect() as probe:  # the server itself is fine meanwhile
+        probe.sendall(b"GET /ok HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n")
+        assert _read_all(probe).startswith(b"HTTP/1.1 200")
+    assert _wait_count(served, 0, 20.0), served.open_count()  # never read a byte: aborted
+    s.close()
+
+
+def test_tls_handshakes_in_progress_count_against_the_bounds(tmp_path):
+    ca = new_ca()
+    cert, key = issue(ca, Identity("local", CertRole.ROUTER, "0"), hosts=("127.0.0.1",))
+    (tmp_path / "c.pem").write_bytes(cert)
+    (tmp_path / "k.pem").write_bytes(key)
+    srv = Served(HttpSection(max_connections_per_client=3, header_timeout_s=2.0),
+                 (str(tmp_path / "c.pem"), str(tmp_path / "k.pem")))
+    try:
+        silent = [srv.connect("127.0.0.2") for _ in range(3)]  # TCP only: no ClientHello
+        assert _wait_count(srv, 3)
+        with srv.connect("127.0.0.2") as fourth:  # over the bound even before any handshake finished
+            assert _closed_by_server(fourth, 5.0)
+        assert all(_closed_by_server(s, 10.0) for s in silent)  # the handshake deadline
+        assert _wait_count(srv, 0)
+        for s in silent:
+            s.close()
+    finally:
+        srv.close()

@@ -141,6 +141,9 @@ def test_a_long_name_and_a_bad_request_are_refused_naming_them():
     assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT, "requests[2]: max_tokens must be >= 1, got 0")
     code, details = _submit_error([_req(), ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, VOCAB]))])
     assert details == f"requests[1]: token ids must be in [0, {VOCAB})"
+    # job results carry no logprobs: asking for them is refused, not ignored
+    code, details = _submit_error([_req(), _req(sampling=ipb.SamplingParams(logprobs=True, top_logprobs=2))])
+    assert details == "requests[1]: logprobs are not kept in job results; submit without them"
 
 
 def test_a_job_that_is_not_utf8_is_invalid_argument_not_unknown():
