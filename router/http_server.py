@@ -7,7 +7,9 @@ with the bounds a shared service needs against slow or greedy clients.
 - **Write deadline**: a client that stops reading for ``body_timeout_s``
   (the server's buffer to it full) is cut off.
 - **Unread bodies**: a request answered without its body being read (401,
-  404, ...) closes its connection.
+  413, 404, ...) is followed by a lingering close: what still arrives is
+  discarded for ``LINGER_S`` and up to ``max_body_bytes``, so the client
+  reads the answer instead of a reset, then the connection is closed.
 - **Connection bounds**: at most ``max_connections`` open at once, and
   ``max_connections_per_client`` from one client address; a connection over
   either bound gets ``429`` (per client) or ``503`` (in all) in OpenAI's
@@ -32,6 +34,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from runtime.config import HttpSection, is_loopback
 
 READY_WAIT_S = 5.0
+LINGER_S = 2.0
+"""How long a connection answered before its body was read keeps discarding what still arrives."""
 """How long serve_http waits for uvicorn to start listening."""
 
 
@@ -90,6 +94,8 @@ class GuardedH11(H11Protocol):
         """Bytes TLS decrypted before the handshake's end reached us."""
         self.head_timer: asyncio.TimerHandle | None = None
         self.write_timer: asyncio.TimerHandle | None = None
+        self.linger_timer: asyncio.TimerHandle | None = None
+        self.linger_budget = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         peer = transport.get_extra_info("peername")
@@ -142,14 +148,21 @@ class GuardedH11(H11Protocol):
         if self.peer_host is None:  # refused in connection_made, or already forgotten
             return
         self._forget()
-        self._disarm(("head_timer", "write_timer"))
+        self._disarm(("head_timer", "write_timer", "linger_timer"))
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self.handshaking:
             self.early += data
             return
+        if self.linger_timer is not None:
+            self.linger_budget -= len(data)
+            if self.linger_budget < 0:
+                self._linger_over()
+                return
         super().data_received(data)
+        if self.linger_timer is not None and self.conn.their_state is not h11.SEND_BODY:
+            self._disarm(("linger_timer",))  # the body ended: the connection may carry the next request
         if self.conn.their_state is h11.IDLE:
             self._arm_head_timer()  # a (next) request head is still to come
         else:
@@ -159,7 +172,11 @@ class GuardedH11(H11Protocol):
         super().on_response_complete()
         self._disarm(("head_timer",))  # keep-alive: uvicorn's idle timer runs until the next byte
         if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-            self.transport.close()  # answered without reading the body: the rest would only be discarded
+            # answered before the body was read (401, 413, 404...): a lingering close. The rest
+            # is discarded as it comes, for a while and up to a budget, so that the client, still
+            # sending, is not reset before it reads the answer; then the connection is closed.
+            self.linger_budget = self.count.limits.max_body_bytes
+            self.linger_timer = self.loop.call_later(LINGER_S, self._linger_over)
 
     def pause_writing(self) -> None:
         """The client stopped reading: it has ``body_timeout_s`` to start again."""
@@ -170,6 +187,11 @@ class GuardedH11(H11Protocol):
     def resume_writing(self) -> None:
         super().resume_writing()
         self._disarm(("write_timer",))
+
+    def _linger_over(self) -> None:
+        self._disarm(("linger_timer",))
+        if not self.transport.is_closing():
+            self.transport.close()
 
     def _stalled(self) -> None:
         self.write_timer = None

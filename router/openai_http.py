@@ -69,7 +69,7 @@ HTTP_STATUS = {
 
 FINISH = {ipb.FINISH_REASON_STOP: "stop", ipb.FINISH_REASON_LENGTH: "length", ipb.FINISH_REASON_ABORT: "stop"}
 CLOSE = {"Connection": "close"}
-"""On an answer sent before the body was read: the connection cannot carry another request."""
+"""On an answer to a client too slow to finish its body: no lingering (router/http_server.py)."""
 
 
 def api_error(exc: RouterError) -> ApiError:
@@ -147,14 +147,14 @@ class OpenAIServer:
         """The body, read as it arrives: 413 past the cap (declared or not), 408 past the deadline."""
         cap, declared = self.limits.max_body_bytes, request.headers.get("content-length", "")
         if declared.isdigit() and (len(declared) > 18 or int(declared) > cap):  # refused before reading it
-            raise ApiError(413, f"request body over {cap} bytes (declared {declared[:20]})", headers=CLOSE)
+            raise ApiError(413, f"request body over {cap} bytes (declared {declared[:20]})")
         raw = bytearray()
         try:
             async with asyncio.timeout(self.limits.body_timeout_s):
                 async for chunk in request.stream():
                     raw += chunk
                     if len(raw) > cap:
-                        raise ApiError(413, f"request body over {cap} bytes", headers=CLOSE)
+                        raise ApiError(413, f"request body over {cap} bytes")
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
                            "timeout", headers=CLOSE) from None
@@ -167,9 +167,7 @@ class OpenAIServer:
         try:
             tenant = self.auth.tenant(request.headers.get("authorization", ""))
         except RouterError as exc:
-            error = api_error(exc)
-            error.headers |= CLOSE
-            raise error from None
+            raise api_error(exc) from None
         body = decode_body(await self._body(request))
         req, stream, include_usage = chat_request(body) if chat else completion_request(body)
         return req, stream, include_usage, Caller.with_timeout(tenant, self.request_timeout_s)
