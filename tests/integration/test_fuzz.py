@@ -31,7 +31,7 @@ from tests.integration.conftest import running_cluster
 
 pytestmark = pytest.mark.model
 
-FUZZ_SECONDS = 40
+FUZZ_SECONDS = 30
 """The bounded run's budget (cases round-robin over the four targets)."""
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -88,7 +88,7 @@ BODIES = st.one_of(
 )
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=BODIES, chat=st.booleans())
 def test_raw_bodies_from_hypothesis_get_openai_shaped_answers(cluster, body, chat):
     target = HttpTarget(cluster.http_address, str(cluster.ca_file), cluster.client_token, MODEL)
