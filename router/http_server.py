@@ -25,7 +25,7 @@ import json
 import socket
 import ssl
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import h11
 import uvicorn
@@ -53,10 +53,7 @@ class ConnectionCount:
 
     limits: HttpSection
     total: int = 0
-    by_client: Counter | None = None
-
-    def __post_init__(self) -> None:
-        self.by_client = Counter()
+    by_client: Counter = field(default_factory=Counter)
 
     def refusal(self, client: str) -> bytes | None:
         """None when one more connection from ``client`` is within the bounds, else the response refusing it."""

@@ -16,9 +16,12 @@ from starlette.responses import JSONResponse
 from router.openai_schema import (
     CHAT,
     COMPLETION,
+    EXTENSION_FIELDS,
     MAX_COMPLETION_LOGPROBS,
     MAX_TOP_LOGPROBS,
     MESSAGE_FIELDS,
+    STREAM_OPTION_FIELDS,
+    TEXT_PART_FIELDS,
     refuse_unknown,
 )
 from router.requests import ROLES
@@ -74,9 +77,9 @@ def _get(body: dict, name: str, types: tuple, what: str, default=None, where: st
 
 
 def _refuse_unknown(obj: dict, allowed, where: str = "") -> None:
-    why = refuse_unknown(obj, allowed, where)
-    if why is not None:
-        raise ApiError(400, why, param=why.split("'")[1])
+    refused = refuse_unknown(obj, allowed, where)
+    if refused is not None:
+        raise ApiError(400, refused[1], param=refused[0])
 
 
 def _text_content(content: Any, i: int) -> str:
@@ -89,7 +92,7 @@ def _text_content(content: Any, i: int) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ApiError(400, f"messages[{i}].content: only text parts are supported",
                                param=f"messages[{i}].content")
-            _refuse_unknown(part, {"type", "text"}, f"messages[{i}].content[].")
+            _refuse_unknown(part, TEXT_PART_FIELDS, f"messages[{i}].content[].")
             parts.append(part["text"])
         return "".join(parts)
     raise ApiError(400, f"messages[{i}].content must be a string or a non-empty list of text parts",
@@ -144,7 +147,7 @@ def _stop(body: dict, req: ipb.GenerateRequest) -> None:
 
 def _extension(body: dict, req: ipb.GenerateRequest) -> None:
     ext = _get(body, "kvrelay", (dict,), "an object", {})
-    _refuse_unknown(ext, {"allowed_jurisdictions", "request_id", "ignore_eos"}, "kvrelay.")
+    _refuse_unknown(ext, EXTENSION_FIELDS, "kvrelay.")
     allowed = _get(ext, "allowed_jurisdictions", (list,), "a list of strings", [], "kvrelay.")
     if not all(isinstance(j, str) for j in allowed):
         raise ApiError(400, "'kvrelay.allowed_jurisdictions' must be a list of strings",
@@ -169,7 +172,7 @@ def _common(body: dict, req: ipb.GenerateRequest) -> tuple[bool, bool]:
     options = _get(body, "stream_options", (dict,), "an object", {})
     if options and not stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    _refuse_unknown(options, {"include_usage"}, "stream_options.")
+    _refuse_unknown(options, STREAM_OPTION_FIELDS, "stream_options.")
     include_usage = _get(options, "include_usage", (bool,), "a boolean", False, "stream_options.")
     _extension(body, req)
     return stream, include_usage

@@ -79,6 +79,10 @@ _MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProper
     "role": {"enum": ["system", "developer", "user", "assistant"]},
     "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART, "minItems": 1}]}}}
 MESSAGE_FIELDS = frozenset(_MESSAGE["properties"])
+TEXT_PART_FIELDS = frozenset(_TEXT_PART["properties"])
+EXTENSION_FIELDS = frozenset(_EXTENSION["properties"])
+STREAM_OPTION_FIELDS = frozenset(COMMON["stream_options"]["anyOf"][0]["properties"])
+"""The keys each nested object may have (the published schema's, so the two cannot disagree)."""
 
 CHAT: dict[str, Any] = {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {
     **COMMON,
@@ -102,16 +106,18 @@ COMPLETION: dict[str, Any] = {"type": "object", "required": ["prompt"], "additio
 """``POST /v1/completions``."""
 
 
-def refuse_unknown(obj: dict, allowed: frozenset[str] | dict, where: str = "") -> str | None:
-    """The message refusing the first field of ``obj`` that is not in ``allowed``
-    (or is a not-implemented one with a non-neutral value); None when all are allowed."""
+def refuse_unknown(obj: dict, allowed: frozenset[str] | dict, where: str = "") -> tuple[str, str] | None:
+    """(the field's path, the message refusing it) for the first field of ``obj``
+    that is not in ``allowed`` (or is a not-implemented one with a non-neutral
+    value); None when all are allowed."""
     for name, value in obj.items():
         neutral = value is None or value in NEUTRAL.get(name, ())
         if name in allowed and (name not in NOT_IMPLEMENTED or neutral):
             continue
+        path = f"{where}{name}"
         if name in NOT_IMPLEMENTED:
-            return f"'{where}{name}' is not supported: {NOT_IMPLEMENTED[name]}"
-        return f"unknown field '{where}{name}': kvrelay does not implement it"
+            return path, f"'{path}' is not supported: {NOT_IMPLEMENTED[name]}"
+        return path, f"unknown field '{path}': kvrelay does not implement it"
     return None
 
 

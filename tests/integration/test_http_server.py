@@ -112,7 +112,7 @@ def test_half_sent_heads_are_closed_at_the_deadline_and_others_are_served(served
     for s in slow:
         s.sendall(HEAD)  # never the final empty line
     elapsed, resp = served.get()
-    assert resp.startswith(b"HTTP/1.1 200") and elapsed < 2.0, (elapsed, resp[:80])
+    assert resp.startswith(b"HTTP/1.1 200") and elapsed < 5.0, (elapsed, resp[:80])  # ms when idle
     t0 = time.monotonic()
     assert all(_closed_by_server(s, 10.0) for s in slow)
     assert time.monotonic() - t0 < 8.0  # the deadline is 1 s; lenient for a loaded machine
