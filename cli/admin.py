@@ -38,8 +38,10 @@ def cmd_token(args: argparse.Namespace) -> int:
     token = secrets.token_urlsafe(32)
     who = "tenant" if args.client else "operator"
     print(f"token (give it to the {who}; it is not stored anywhere): {token}")
-    print(f"config lines:\nauth:\n  {'clients' if args.client else 'operators'}:\n"
-          f"    - {{name: {args.name}, token_sha256: {token_sha256(token)}}}")
+    if args.client:
+        print(f"config lines:\ntenants:\n  - {{name: {args.name}, token_sha256: {token_sha256(token)}}}")
+    else:
+        print(f"config lines:\nauth:\n  operators:\n    - {{name: {args.name}, token_sha256: {token_sha256(token)}}}")
     return 0
 
 
@@ -169,5 +171,5 @@ def add_parsers(sub) -> None:
 
     tk = sub.add_parser("token", help="make an operator (or --client) token and print the config line with its hash")
     tk.add_argument("--name", default="operator", help="who holds it (with --client: the tenant)")
-    tk.add_argument("--client", action="store_true", help="a client (tenant) token for auth.clients")
+    tk.add_argument("--client", action="store_true", help="a client (tenant) token for tenants")
     tk.set_defaults(func=cmd_token)

@@ -58,7 +58,8 @@ from launch.credentials import (
 from launch.local import LocalCluster
 from launch.ray_backend import RayBackend
 from router.auth import token_sha256
-from runtime.config import ClusterConfig, ConfigError, Credential, load_config
+from runtime.config import ClusterConfig, ConfigError, load_config
+from runtime.tenants import TenantSection
 
 
 def cmd_model_prepare(args: argparse.Namespace) -> int:
@@ -181,8 +182,8 @@ def local_defaults(cfg: ClusterConfig, cache_dir: Path) -> None:
     made on first use and found by every other command."""
     if cfg.tls.enabled and cfg.tls.ca is None:
         cfg.tls.ca, cfg.tls.ca_key = (str(p) for p in ensure_local_ca(cache_dir))
-    if not cfg.auth.clients and not cfg.auth.allow_anonymous:
-        cfg.auth.clients.append(Credential(LOCAL_TENANT, token_sha256(ensure_client_token(cache_dir))))
+    if not cfg.tenants and not cfg.auth.allow_anonymous:
+        cfg.tenants.append(TenantSection(LOCAL_TENANT, token_sha256(ensure_client_token(cache_dir))))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -36,6 +36,7 @@ from launch.cities import CitiesState
 from launch.credentials import LOCAL_TENANT, ClusterCredentials, router_identity
 from router.auth import token_sha256
 from runtime.config import ClusterConfig, Credential, dump_config
+from runtime.tenants import TenantSection
 from runtime.pki import CertRole, Identity
 from runtime.rpc import Dialer
 from runtime.tls import TLSMaterial
@@ -156,9 +157,9 @@ class LocalCluster:
         (reading pool sizes), which is the operators' one when none are listed."""
         self.client_token = ""
         """The token of tenant ``local`` ("" when the config lists clients)."""
-        if not cfg.auth.clients and not cfg.auth.allow_anonymous:
+        if not cfg.tenants and not cfg.auth.allow_anonymous:
             self.client_token = secrets.token_urlsafe(32)
-            cfg.auth.clients.append(Credential(LOCAL_TENANT, token_sha256(self.client_token)))
+            cfg.tenants.append(TenantSection(LOCAL_TENANT, token_sha256(self.client_token)))
         self._launcher_token = secrets.token_urlsafe(32)
         self.operator_token = "" if cfg.auth.operators else self._launcher_token
         """Bearer token for the Admin API when the config lists no operators ("" otherwise)."""

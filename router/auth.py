@@ -1,13 +1,14 @@
 """Who is calling, for every front end: bearer tokens, certificates, and
 the tenants' prefix-cache salts.
 
-``auth.operators`` guard the Admin API and ``ListWorkers``; ``auth.clients``
+``auth.operators`` guard the Admin API and ``ListWorkers``; ``tenants``
 name the tenants of the Inference and Jobs APIs (gRPC metadata or the HTTP
-header ``authorization: Bearer <token>``). Only SHA-256 digests of tokens
+header ``authorization: Bearer <token>``), each with its policy. Only SHA-256 digests of tokens
 are configured; they are compared in constant time. A certificate from the
 cluster CA stands in for a token: role ``operator`` for operators, role
-``client`` for a tenant (the certificate's name is the tenant's name).
-Nobody is let in without one of these unless ``auth.allow_anonymous``."""
+``client`` for a tenant (the certificate's name is the tenant's name, which
+must be a configured tenant). Nobody is let in without one of these unless
+``auth.allow_anonymous``."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import hashlib
 import hmac
 
 from router.errors import ErrorKind, RouterError
-from runtime.config import AuthSection, Credential
+from runtime.config import ClusterConfig, Credential
 from runtime.pki import CertRole, Identity
+from runtime.tenants import TenantSection, sharing_group
 
 ANONYMOUS = "anonymous"
 """The one tenant of callers without credentials (``auth.allow_anonymous``)."""
@@ -66,10 +68,12 @@ class BearerAuth:
 class CallerAuth:
     """Names the caller of a call from its token or its certificate."""
 
-    def __init__(self, auth: AuthSection) -> None:
-        self.clients = BearerAuth(auth.clients, "client", "auth.clients")
-        self.operators = BearerAuth(auth.operators, "operator", "auth.operators (kvrelay: --token-file)")
-        self.allow_anonymous = auth.allow_anonymous
+    def __init__(self, cfg: ClusterConfig) -> None:
+        self.clients = BearerAuth([Credential(t.name, t.token_sha256) for t in cfg.tenants if t.token_sha256],
+                                  "client", "tenants")
+        self.operators = BearerAuth(cfg.auth.operators, "operator", "auth.operators (kvrelay: --token-file)")
+        self.allow_anonymous = cfg.auth.allow_anonymous
+        self.tenants = {t.name for t in cfg.tenants}
 
     def tenant(self, authorization: str, cert: Identity | None = None) -> str:
         """The tenant of a client call; RouterError(UNAUTHENTICATED) without credentials."""
@@ -78,6 +82,9 @@ class CallerAuth:
                 raise RouterError(ErrorKind.PERMISSION_DENIED,
                                   f"{cert} is a {cert.role} certificate; the Inference and Jobs APIs take a "
                                   "client certificate or a client token")
+            if cert.name not in self.tenants:
+                raise RouterError(ErrorKind.PERMISSION_DENIED,
+                                  f"{cert} names tenant {cert.name!r}, which is not in the config's tenants")
             return cert.name
         who = self.clients.who(authorization)
         if who is not None:
@@ -86,7 +93,7 @@ class CallerAuth:
             return ANONYMOUS
         raise RouterError(ErrorKind.UNAUTHENTICATED,
                           "client credentials required: 'authorization: Bearer <token>' with a token listed in "
-                          "auth.clients, or a client certificate from the cluster CA")
+                          "tenants, or a client certificate from the cluster CA")
 
     def operator(self, authorization: str, cert: Identity | None = None) -> str:
         """The operator making an Admin call; RouterError(UNAUTHENTICATED / PERMISSION_DENIED)."""
@@ -100,10 +107,14 @@ class CallerAuth:
 
 class TenantSalts:
     """Each tenant's prefix-cache salt, keyed by a secret: the salt reveals
-    nothing about the tenant, and nobody without the key can forge one."""
+    nothing about the tenant, and nobody without the key can forge one.
+    Tenants that agreed to share (``share_prefix_cache_with``, both sides)
+    get one salt for their group."""
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, tenants: list[TenantSection] = ()) -> None:
         self.key = key
+        self.groups = {t.name: sharing_group(t) for t in tenants}
 
     def of(self, tenant: str) -> str:
-        return hmac.new(self.key, b"kvrelay prefix-cache salt\0" + tenant.encode(), hashlib.sha256).hexdigest()[:32]
+        domain = "\0".join(sorted(self.groups.get(tenant, {tenant})))
+        return hmac.new(self.key, b"kvrelay prefix-cache salt\0" + domain.encode(), hashlib.sha256).hexdigest()[:32]

@@ -101,7 +101,7 @@ class RouterCore:
         self.cfg = cfg
         self.tok = tokenizer
         self.limits = limits
-        self.salts = TenantSalts(salt_key or secrets.token_bytes(32))
+        self.salts = TenantSalts(salt_key or secrets.token_bytes(32), cfg.tenants)
         self.topology = Topology(cfg)
         self.registry = WorkerRegistry(cfg, dialer)
         self.pools = PoolManager(cfg, self.registry)
@@ -114,8 +114,10 @@ class RouterCore:
 
     def prepare(self, msg: ipb.GenerateRequest, caller: Caller) -> Request:
         """Validates and tokenizes a request; each tenant's prompts hash into their own prefix-cache domain."""
-        return parse_request(msg, self.tok, self.limits, salt=self.salts.of(caller.tenant),
-                             max_prompt_bytes=self.cfg.router.api.max_prompt_bytes)
+        req = parse_request(msg, self.tok, self.limits, salt=self.salts.of(caller.tenant),
+                            max_prompt_bytes=self.cfg.router.api.max_prompt_bytes)
+        req.work.tenant = caller.tenant
+        return req
 
     async def admit(self, msg: ipb.GenerateRequest, caller: Caller) -> Request:
         """:meth:`prepare` in the tokenizer threads, so a long prompt holds up no one

@@ -101,7 +101,7 @@ class OpenAIServer:
     def __init__(self, core: RouterCore, limits: HttpSection, request_timeout_s: float | None = None) -> None:
         self.core = core
         self.limits = limits
-        self.auth = CallerAuth(core.cfg.auth)
+        self.auth = CallerAuth(core.cfg)
         self.request_timeout_s = request_timeout_s
         self.schema = openapi(version("kvrelay"))
         self.app = Starlette(routes=[

@@ -37,7 +37,7 @@ class CallAuth:
     presented on the mutual-TLS listener."""
 
     def __init__(self, core: RouterCore, tls: TLSMaterial | None) -> None:
-        self.auth = CallerAuth(core.cfg.auth)
+        self.auth = CallerAuth(core.cfg)
         self.tls = tls
 
     def cert(self, context: grpc.aio.ServicerContext) -> Identity | None:

@@ -47,6 +47,8 @@ import yaml
 from engine.config import CacheConfig, DType, SchedulerConfig
 from kvtransfer.base import AUTO, Transport
 from kvtransfer.protection import Protection
+from runtime.tenants import FieldError as TenantFieldError
+from runtime.tenants import TenantSection, check_tenants
 
 
 class PlacementPolicy(StrEnum):
@@ -247,6 +249,16 @@ class RouterSection:
     """Bounds of the HTTP API: body size, header and body deadlines, connections."""
     api: ApiSection = field(default_factory=ApiSection)
     """Bounds of the public API: prompt bytes, gRPC message size and concurrent calls, tokenizer threads."""
+    audit_log: str | None = None
+    """Append-only, hash-chained JSONL audit log (one record per request and
+    per operator action); None = `kvrelay serve` uses audit.jsonl in the cache folder."""
+    usage_db: str | None = None
+    """SQLite file of usage accounting (the workers' own counters, per minute);
+    None = `kvrelay serve` uses usage.sqlite in the cache folder."""
+    retention_sweep_s: float = 3600.0
+    """How often the retention sweeper deletes jobs and audit records past their tenant's retention."""
+    operator_audit_retention_days: float = 365.0
+    """Retention of audit records that belong to no tenant (operator actions, worker registrations)."""
 
     def __post_init__(self) -> None:
         for name in ("port", "internal_port"):
@@ -254,7 +266,7 @@ class RouterSection:
                 raise FieldError(name, f"must be in [0, 65535], got {getattr(self, name)}")
         _positive(self, "heartbeat_interval_s", "worker_timeout_s", "kv_lease_s", "drain_timeout_s", "slo_ttft_s",
                   "slo_tpot_s", "planner_window_s", "admission_wait_s", "link_probe_timeout_s",
-                  "unavailable_wait_s")
+                  "unavailable_wait_s", "retention_sweep_s", "operator_audit_retention_days")
         self.policy = _enum(PlacementPolicy, self.policy, "policy", f"must be one of {', '.join(PlacementPolicy)}")
         self._check_limits()
 
@@ -282,6 +294,8 @@ class PoolSection:
     """Operator limit for the planner (`kvrelay plan`): it never recommends fewer."""
     device: str | None = None
     """cpu or cuda[:N] for this pool; None = model.device."""
+    tenants: list[str] = field(default_factory=list)
+    """Dedicated pool: only these tenants' requests are placed on it. Empty: shared by every tenant."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_replicas <= 1024:
@@ -410,22 +424,17 @@ class AuthSection:
     """Who may call the Admin API (kvrelay scale / drain / pools). Empty:
     `kvrelay serve` makes a token for this run and writes it to a file only
     its user can read."""
-    clients: list[Credential] = field(default_factory=list)
-    """Who may call the Inference and Jobs APIs (gRPC and HTTP), one entry per
-    tenant (``name``); each tenant's prompts get their own prefix-cache domain.
-    Empty (and no client certificates): nobody may call them, unless
-    ``allow_anonymous``."""
     allow_anonymous: bool = False
     """Serve clients that present no credentials (all of them one tenant,
-    "anonymous"). Refused unless every listener is on a loopback address."""
+    "anonymous", with the policy of a ``tenants`` entry of that name if there
+    is one). Refused unless every listener is on a loopback address."""
 
     def __post_init__(self) -> None:
-        for kind in ("operators", "clients"):
-            names = set()
-            for i, cred in enumerate(getattr(self, kind)):
-                if not cred.name or cred.name in names:
-                    raise FieldError(f"{kind}[{i}].name", f"must be non-empty and unique, got {cred.name!r}")
-                names.add(cred.name)
+        names = set()
+        for i, cred in enumerate(self.operators):
+            if not cred.name or cred.name in names:
+                raise FieldError(f"operators[{i}].name", f"must be non-empty and unique, got {cred.name!r}")
+            names.add(cred.name)
 
 
 @dataclass(slots=True)
@@ -478,6 +487,14 @@ class ClusterConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     auth: AuthSection = field(default_factory=AuthSection)
     tls: TLSSection = field(default_factory=TLSSection)
+    tenants: list[TenantSection] = field(default_factory=list)
+    """Who may call the Inference and Jobs APIs (gRPC and HTTP), one entry per
+    tenant with its credential and policy (runtime/tenants.py). Empty: nobody
+    may, unless ``auth.allow_anonymous`` (`kvrelay serve` adds tenant ``local``)."""
+
+    def tenant(self, name: str) -> TenantSection | None:
+        """The policy of tenant ``name`` (None: not configured)."""
+        return next((t for t in self.tenants if t.name == name), None)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (enums as their string values), as YAML and JSON take it."""
@@ -510,7 +527,7 @@ def _build(cls: type, raw: Any, where: str):
               for name, value in raw.items()}
     try:
         return cls(**kwargs)
-    except FieldError as exc:
+    except (FieldError, TenantFieldError) as exc:
         raise ConfigError(f"{_path(where, exc.name)}: {exc.reason}") from None
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
@@ -531,10 +548,17 @@ _NESTED = {"ModelSection": ModelSection, "RouterSection": RouterSection, "HttpSe
            "KVSection": KVSection, "TLSSection": TLSSection, "CacheConfig": CacheConfig,
            "SchedulerConfig": SchedulerConfig}
 
-_RENAMED = {"encrypt": "replaced by protection: aead | integrity; every link is encrypted unless it says integrity"}
+_LISTS = {"list[SiteSection]": (SiteSection, False), "list[LinkSection]": (LinkSection, True),
+          "list[Credential]": (Credential, True), "list[TenantSection]": (TenantSection, True)}
+"""List fields of sections: the entry class, and whether the list may be empty."""
+_ENTRY_NAMES = {"SiteSection": "sites", "LinkSection": "links", "Credential": "credentials",
+                "TenantSection": "tenants"}
+
+_RENAMED = {"encrypt": "replaced by protection: aead | integrity; every link is encrypted unless it says integrity",
+            "clients": "moved to the top-level tenants: [{name, token_sha256, ...policy}]"}
 """Fields that no longer exist, and what replaced them."""
 
-_STRING_LIKE = {"DType", "PlacementPolicy", "KVTransport", "Transport | None", "Protection", "Protection | None"}
+_STRING_LIKE = {"TenantPriority", "DType", "PlacementPolicy", "KVTransport", "Transport | None", "Protection", "Protection | None"}
 """Annotations of fields that YAML spells as strings (the sections check the value)."""
 
 _DAY_S = 86_400
@@ -561,6 +585,8 @@ FIELD_MAX: dict[tuple[str, str], int] = {
     ("RouterSection", "planner_window_s"): _DAY_S,
     ("RouterSection", "job_concurrency"): 4_096,
     ("RouterSection", "drain_timeout_s"): _DAY_S,
+    ("RouterSection", "retention_sweep_s"): _DAY_S,
+    ("RouterSection", "operator_audit_retention_days"): 36_500,
     # router.http and router.api
     ("HttpSection", "max_body_bytes"): 1 << 30,
     ("HttpSection", "header_timeout_s"): 3_600,
@@ -586,6 +612,14 @@ FIELD_MAX: dict[tuple[str, str], int] = {
     ("KVSection", "socket_buffer_bytes"): 1 << 30,
     ("KVSection", "transfer_timeout_s"): _DAY_S,
     ("KVSection", "corrupt_first_transfers"): 1_000_000_000,
+    # tenants[i]: a hundred years of retention, a billion per minute
+    ("TenantSection", "weight"): 1_000_000,
+    ("TenantSection", "requests_per_minute"): 1_000_000_000,
+    ("TenantSection", "tokens_per_minute"): 1_000_000_000_000,
+    ("TenantSection", "max_concurrent"): 1_000_000,
+    ("TenantSection", "max_context"): _TOKENS,
+    ("TenantSection", "job_retention_days"): 36_500,
+    ("TenantSection", "audit_retention_days"): 36_500,
     # tls: ten years
     ("TLSSection", "cert_days"): 3_650,
     # cache (engine.config.CacheConfig): 4 TiB of KV
@@ -607,20 +641,15 @@ def _convert(type_str: Any, value: Any, path: str, limit: int | None = None):
     t = str(type_str)
     if t in _NESTED:
         return _build(_NESTED[t], value, path)
-    if t == "list[SiteSection]":
-        if not isinstance(value, list) or not value:
-            raise ConfigError(f"{path}: expected a non-empty list of sites")
-        return [_build(SiteSection, v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if t == "list[LinkSection]":
-        if value is None:
+    if t in _LISTS:
+        cls, may_be_empty = _LISTS[t]
+        if value is None and may_be_empty:
             return []
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected a list of links")
-        return [_build(LinkSection, v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if t == "list[Credential]":
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected a list of {{name, token_sha256}}")
-        return [_build(Credential, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        if not isinstance(value, list) or not (value or may_be_empty):
+            kind = "a list" if may_be_empty else "a non-empty list"
+            raise ConfigError(f"{path}: expected {kind} of {_ENTRY_NAMES.get(cls.__name__, 'entries')} "
+                              f"{{{', '.join(f.name for f in dataclasses.fields(cls))}}}")
+        return [_build(cls, v, f"{path}[{i}]") for i, v in enumerate(value)]
     if t == "list[str]":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{path}: expected a list of strings")
@@ -672,6 +701,7 @@ def _validate(cfg: ClusterConfig) -> None:
     if cfg.local_link.between:
         raise ConfigError("local_link.between: must be empty (it is the network inside every site)")
     _check_links(cfg.links, sites)
+    _check_tenants(cfg)
     _check_loopback(cfg)
 
 
@@ -725,6 +755,21 @@ def _check_links(links: list[LinkSection], sites: set[str]) -> None:
         if pair in pairs:
             raise ConfigError(f"{where}: duplicate link between {link.between[0]} and {link.between[1]}")
         pairs.add(pair)
+
+
+def _check_tenants(cfg: ClusterConfig) -> None:
+    """Tenant entries agree with each other and the sites; dedicated pools name known tenants."""
+    try:
+        check_tenants(cfg.tenants, {s.jurisdiction for s in cfg.sites})
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    names = {t.name for t in cfg.tenants} | ({"anonymous"} if cfg.auth.allow_anonymous else set())
+    for i, site in enumerate(cfg.sites):
+        for role in ("prefill", "decode"):
+            for name in getattr(site, role).tenants:
+                if name not in names:
+                    raise ConfigError(f"sites[{i}].{role}.tenants: {name!r} is not a tenant "
+                                      f"(tenants: {', '.join(sorted(names)) or 'none'})")
 
 
 def parse_config(raw: Any) -> ClusterConfig:

@@ -50,7 +50,7 @@ def cluster(smollm_path):
     raw = copy.deepcopy(CLUSTER_YAML)
     raw["router"] |= {"http_port": 0, "http": {"header_timeout_s": 2.0, "max_connections": 2000,
                                                "max_connections_per_client": 1000}}
-    raw["auth"] = {"clients": [{"name": "lab-a", "token_sha256": token_sha256(TOKEN)}]}
+    raw["tenants"] = [{"name": "lab-a", "token_sha256": token_sha256(TOKEN)}]
     with running_cluster(raw, smollm_path, reconcile=False) as lc:
         yield lc
 

@@ -37,8 +37,8 @@ def cluster(smollm_path):
     raw = copy.deepcopy(CLUSTER_YAML)
     raw["router"] |= {"http_port": 0, "max_inflight_per_worker": 2, "admission_wait_s": 0.2,
                       "unavailable_wait_s": 0.5}
-    raw["auth"] = {"clients": [{"name": "lab-a", "token_sha256": token_sha256(TOKEN)},
-                               {"name": "lab-b", "token_sha256": token_sha256(OTHER)}]}
+    raw["tenants"] = [{"name": "lab-a", "token_sha256": token_sha256(TOKEN)},
+                      {"name": "lab-b", "token_sha256": token_sha256(OTHER)}]
     with running_cluster(raw, smollm_path, reconcile=False) as lc:
         yield lc
 
@@ -195,7 +195,7 @@ def test_tenants_authenticate_on_grpc_and_see_only_their_own_jobs(cluster, stub)
 
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(ipb.GenerateRequest(prompt="hi", max_tokens=2), timeout=30))
-    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "auth.clients" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "tenants" in err.value.details()
     other = (("authorization", f"Bearer {OTHER}"),)
     with cluster.channel() as ch:
         jobs = jgrpc.JobsStub(ch)

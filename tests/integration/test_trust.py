@@ -26,6 +26,7 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
+from router.auth import token_sha256
 from runtime.pki import (
     CA_CERT,
     CA_KEY,
@@ -57,6 +58,8 @@ def pki(tmp_path_factory):
     return {"folder": folder, "ca": ca, "revoked": revoked, "serial": format(serial, "x")}
 
 
+TENANT_TOKEN = "trust-tenant-token"
+
 @pytest.fixture(scope="module")
 def cluster(smollm_path, pki):
     raw = dict(CLUSTER_YAML, sites=[*CLUSTER_YAML["sites"], {"name": "other", "jurisdiction": "EU",
@@ -64,7 +67,9 @@ def cluster(smollm_path, pki):
                                                               "decode": {"replicas": 0}}])
     raw["tls"] = {"ca": str(pki["folder"] / CA_CERT), "ca_key": str(pki["folder"] / CA_KEY),
                   "revoked_serials": [pki["serial"]]}
+    raw["tenants"] = [{"name": "local", "token_sha256": token_sha256(TENANT_TOKEN)}, {"name": "lab-c"}]  # lab-c: cert
     with running_cluster(raw, smollm_path, reconcile=False) as lc:
+        lc.client_token = TENANT_TOKEN
         yield lc
 
 

@@ -138,7 +138,7 @@ def test_numbers_are_bounded(raw, message):
 def test_every_numeric_field_has_a_bound():
     from runtime import config
 
-    classes = [*config._NESTED.values(), config.SiteSection, config.Credential, config.ClusterConfig]
+    classes = [*config._NESTED.values(), *(c for c, _ in config._LISTS.values()), config.ClusterConfig]
     numeric = {(c.__name__, f.name) for c in classes for f in dataclasses.fields(c)
                if str(f.type).startswith(("int", "float"))}
     assert numeric == set(config.FIELD_MAX)

@@ -31,8 +31,11 @@ FILE_FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[Hea
 def _multi_site() -> dict[str, Any]:
     """A valid three-site config with credentials and TLS lists, every field spelled out."""
     raw = yaml.safe_load((ROOT / "examples" / "three-cities.yaml").read_text())
-    raw["auth"] = {"operators": [{"name": "noc", "token_sha256": "a" * 64}],
-                   "clients": [{"name": "t1", "token_sha256": "b" * 64}]}
+    raw["auth"] = {"operators": [{"name": "noc", "token_sha256": "a" * 64}]}
+    raw["tenants"] = [{"name": "t1", "token_sha256": "b" * 64, "jurisdictions": ["CA-QC"], "priority": "high",
+                       "requests_per_minute": 60, "share_prefix_cache_with": ["t2"]},
+                      {"name": "t2", "share_prefix_cache_with": ["t1"], "log_prompts": True}]
+    raw["sites"][0]["decode"]["tenants"] = ["t2"]
     raw["tls"] = {"revoked_serials": ["0a:1b"], "server_names": ["router.example"]}
     return parse_config(raw).to_dict()
 

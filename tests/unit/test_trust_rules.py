@@ -66,9 +66,9 @@ def test_tenant_salts_are_keyed():
 
 
 def _auth(**kw) -> CallerAuth:
-    cfg = parse_config({"auth": {"clients": [{"name": "lab-a", "token_sha256": token_sha256("tok-a")}],
-                                 "operators": [{"name": "noc", "token_sha256": token_sha256("tok-noc")}]} | kw})
-    return CallerAuth(cfg.auth)
+    cfg = parse_config({"tenants": [{"name": "lab-a", "token_sha256": token_sha256("tok-a")}, {"name": "lab-c"}],
+                        "auth": {"operators": [{"name": "noc", "token_sha256": token_sha256("tok-noc")}]} | kw})
+    return CallerAuth(cfg)
 
 
 def _kind(fn) -> ErrorKind:
@@ -84,6 +84,8 @@ def test_callers_are_named_by_token_or_certificate():
     assert _kind(lambda: auth.tenant("")) is ErrorKind.UNAUTHENTICATED  # closed by default
     assert _kind(lambda: auth.tenant("Bearer tok-noc")) is ErrorKind.UNAUTHENTICATED
     assert _kind(lambda: auth.tenant("", Identity("x", CertRole.DECODE, "0"))) is ErrorKind.PERMISSION_DENIED
+    # a certificate for a tenant the config does not list: no policy, so no service
+    assert _kind(lambda: auth.tenant("", Identity("x", CertRole.CLIENT, "lab-z"))) is ErrorKind.PERMISSION_DENIED
     assert auth.operator("Bearer tok-noc") == "noc"
     assert auth.operator("", Identity("x", CertRole.OPERATOR, "ops")) == "kvrelay://x/operator/ops"
     assert _kind(lambda: auth.operator("Bearer tok-a")) is ErrorKind.UNAUTHENTICATED

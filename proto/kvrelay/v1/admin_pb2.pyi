@@ -93,3 +93,63 @@ class PlanResponse(_message.Message):
     window_s: float
     applied: bool
     def __init__(self, plans: _Optional[_Iterable[_Union[PoolPlan, _Mapping]]] = ..., window_s: _Optional[float] = ..., applied: _Optional[bool] = ...) -> None: ...
+
+class UsageRequest(_message.Message):
+    __slots__ = ("since_unix", "by", "tenant")
+    SINCE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    since_unix: float
+    by: _containers.RepeatedScalarFieldContainer[str]
+    tenant: str
+    def __init__(self, since_unix: _Optional[float] = ..., by: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class UsageRow(_message.Message):
+    __slots__ = ("tenant", "site", "link", "role", "worker", "requests", "prompt_tokens", "completion_tokens", "cached_tokens", "kv_bytes", "prefill_worker_s", "decode_worker_s")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_S_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    site: str
+    link: str
+    role: str
+    worker: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    kv_bytes: int
+    prefill_worker_s: float
+    decode_worker_s: float
+    def __init__(self, tenant: _Optional[str] = ..., site: _Optional[str] = ..., link: _Optional[str] = ..., role: _Optional[str] = ..., worker: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_worker_s: _Optional[float] = ..., decode_worker_s: _Optional[float] = ...) -> None: ...
+
+class UsageResponse(_message.Message):
+    __slots__ = ("rows", "since_unix", "until_unix")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_UNIX_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[UsageRow]
+    since_unix: float
+    until_unix: float
+    def __init__(self, rows: _Optional[_Iterable[_Union[UsageRow, _Mapping]]] = ..., since_unix: _Optional[float] = ..., until_unix: _Optional[float] = ...) -> None: ...
+
+class GovernanceRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class GovernanceResponse(_message.Message):
+    __slots__ = ("statement_json",)
+    STATEMENT_JSON_FIELD_NUMBER: _ClassVar[int]
+    statement_json: str
+    def __init__(self, statement_json: _Optional[str] = ...) -> None: ...

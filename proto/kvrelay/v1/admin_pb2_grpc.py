@@ -54,6 +54,16 @@ class AdminStub:
                 request_serializer=kvrelay_dot_v1_dot_admin__pb2.PlanRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_admin__pb2.PlanResponse.FromString,
                 _registered_method=True)
+        self.Usage = channel.unary_unary(
+                '/kvrelay.v1.Admin/Usage',
+                request_serializer=kvrelay_dot_v1_dot_admin__pb2.UsageRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_admin__pb2.UsageResponse.FromString,
+                _registered_method=True)
+        self.Governance = channel.unary_unary(
+                '/kvrelay.v1.Admin/Governance',
+                request_serializer=kvrelay_dot_v1_dot_admin__pb2.GovernanceRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_admin__pb2.GovernanceResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -92,6 +102,20 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Usage(self, request, context):
+        """Usage per tenant, site, link (the workers' counters, recorded per minute).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Governance(self, request, context):
+        """The data-handling statement for one tenant or all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +138,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Plan,
                     request_deserializer=kvrelay_dot_v1_dot_admin__pb2.PlanRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_admin__pb2.PlanResponse.SerializeToString,
+            ),
+            'Usage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Usage,
+                    request_deserializer=kvrelay_dot_v1_dot_admin__pb2.UsageRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_admin__pb2.UsageResponse.SerializeToString,
+            ),
+            'Governance': grpc.unary_unary_rpc_method_handler(
+                    servicer.Governance,
+                    request_deserializer=kvrelay_dot_v1_dot_admin__pb2.GovernanceRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_admin__pb2.GovernanceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +258,60 @@ class Admin:
             '/kvrelay.v1.Admin/Plan',
             kvrelay_dot_v1_dot_admin__pb2.PlanRequest.SerializeToString,
             kvrelay_dot_v1_dot_admin__pb2.PlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Usage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Admin/Usage',
+            kvrelay_dot_v1_dot_admin__pb2.UsageRequest.SerializeToString,
+            kvrelay_dot_v1_dot_admin__pb2.UsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Governance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Admin/Governance',
+            kvrelay_dot_v1_dot_admin__pb2.GovernanceRequest.SerializeToString,
+            kvrelay_dot_v1_dot_admin__pb2.GovernanceResponse.FromString,
             options,
             channel_credentials,
             insecure,

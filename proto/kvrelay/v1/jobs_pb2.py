@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from kvrelay.v1 import inference_pb2 as kvrelay_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvrelay/v1/jobs.proto\x12\nkvrelay.v1\x1a\x1akvrelay/v1/inference.proto\"\xa3\x01\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.kvrelay.v1.JobState\x12\r\n\x05total\x18\x04 \x01(\x05\x12\x11\n\tcompleted\x18\x05 \x01(\x05\x12\x0e\n\x06\x66\x61iled\x18\x06 \x01(\x05\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x01\x12\x15\n\rfinished_unix\x18\x08 \x01(\x01\"O\n\x10SubmitJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\x08requests\x18\x02 \x03(\x0b\x32\x1b.kvrelay.v1.GenerateRequest\"\x1b\n\rGetJobRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x11\n\x0fListJobsRequest\"1\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.kvrelay.v1.Job\"\x1e\n\x10\x43\x61ncelJobRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x82\x01\n\tJobResult\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\"\n\x06\x66inish\x18\x05 \x01(\x0b\x32\x12.kvrelay.v1.Finish\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"C\n\x11JobResultsRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\x05\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08*\x7f\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x12\n\x0eJOB_STATE_DONE\x10\x03\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x04\x32\xc1\x02\n\x04Jobs\x12:\n\tSubmitJob\x12\x1c.kvrelay.v1.SubmitJobRequest\x1a\x0f.kvrelay.v1.Job\x12\x34\n\x06GetJob\x12\x19.kvrelay.v1.GetJobRequest\x1a\x0f.kvrelay.v1.Job\x12\x45\n\x08ListJobs\x12\x1b.kvrelay.v1.ListJobsRequest\x1a\x1c.kvrelay.v1.ListJobsResponse\x12:\n\tCancelJob\x12\x1c.kvrelay.v1.CancelJobRequest\x1a\x0f.kvrelay.v1.Job\x12\x44\n\nJobResults\x12\x1d.kvrelay.v1.JobResultsRequest\x1a\x15.kvrelay.v1.JobResult0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvrelay/v1/jobs.proto\x12\nkvrelay.v1\x1a\x1akvrelay/v1/inference.proto\"\xa3\x01\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.kvrelay.v1.JobState\x12\r\n\x05total\x18\x04 \x01(\x05\x12\x11\n\tcompleted\x18\x05 \x01(\x05\x12\x0e\n\x06\x66\x61iled\x18\x06 \x01(\x05\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x01\x12\x15\n\rfinished_unix\x18\x08 \x01(\x01\"O\n\x10SubmitJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\x08requests\x18\x02 \x03(\x0b\x32\x1b.kvrelay.v1.GenerateRequest\"\x1b\n\rGetJobRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x11\n\x0fListJobsRequest\"1\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.kvrelay.v1.Job\"\x1e\n\x10\x43\x61ncelJobRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x1e\n\x10\x44\x65leteJobRequest\x12\n\n\x02id\x18\x01 \x01(\t\"9\n\x11\x44\x65leteJobResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x18\n\x10requests_deleted\x18\x02 \x01(\x05\"\x82\x01\n\tJobResult\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\"\n\x06\x66inish\x18\x05 \x01(\x0b\x32\x12.kvrelay.v1.Finish\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"C\n\x11JobResultsRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\x05\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08*\x7f\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x12\n\x0eJOB_STATE_DONE\x10\x03\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x04\x32\x8b\x03\n\x04Jobs\x12:\n\tSubmitJob\x12\x1c.kvrelay.v1.SubmitJobRequest\x1a\x0f.kvrelay.v1.Job\x12\x34\n\x06GetJob\x12\x19.kvrelay.v1.GetJobRequest\x1a\x0f.kvrelay.v1.Job\x12\x45\n\x08ListJobs\x12\x1b.kvrelay.v1.ListJobsRequest\x1a\x1c.kvrelay.v1.ListJobsResponse\x12:\n\tCancelJob\x12\x1c.kvrelay.v1.CancelJobRequest\x1a\x0f.kvrelay.v1.Job\x12\x44\n\nJobResults\x12\x1d.kvrelay.v1.JobResultsRequest\x1a\x15.kvrelay.v1.JobResult0\x01\x12H\n\tDeleteJob\x12\x1c.kvrelay.v1.DeleteJobRequest\x1a\x1d.kvrelay.v1.DeleteJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.jobs_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=645
-  _globals['_JOBSTATE']._serialized_end=772
+  _globals['_JOBSTATE']._serialized_start=736
+  _globals['_JOBSTATE']._serialized_end=863
   _globals['_JOB']._serialized_start=66
   _globals['_JOB']._serialized_end=229
   _globals['_SUBMITJOBREQUEST']._serialized_start=231
@@ -46,10 +46,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTJOBSRESPONSE']._serialized_end=409
   _globals['_CANCELJOBREQUEST']._serialized_start=411
   _globals['_CANCELJOBREQUEST']._serialized_end=441
-  _globals['_JOBRESULT']._serialized_start=444
-  _globals['_JOBRESULT']._serialized_end=574
-  _globals['_JOBRESULTSREQUEST']._serialized_start=576
-  _globals['_JOBRESULTSREQUEST']._serialized_end=643
-  _globals['_JOBS']._serialized_start=775
-  _globals['_JOBS']._serialized_end=1096
+  _globals['_DELETEJOBREQUEST']._serialized_start=443
+  _globals['_DELETEJOBREQUEST']._serialized_end=473
+  _globals['_DELETEJOBRESPONSE']._serialized_start=475
+  _globals['_DELETEJOBRESPONSE']._serialized_end=532
+  _globals['_JOBRESULT']._serialized_start=535
+  _globals['_JOBRESULT']._serialized_end=665
+  _globals['_JOBRESULTSREQUEST']._serialized_start=667
+  _globals['_JOBRESULTSREQUEST']._serialized_end=734
+  _globals['_JOBS']._serialized_start=866
+  _globals['_JOBS']._serialized_end=1261
 # @@protoc_insertion_point(module_scope)

@@ -71,6 +71,20 @@ class CancelJobRequest(_message.Message):
     id: str
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class DeleteJobResponse(_message.Message):
+    __slots__ = ("id", "requests_deleted")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    requests_deleted: int
+    def __init__(self, id: _Optional[str] = ..., requests_deleted: _Optional[int] = ...) -> None: ...
+
 class JobResult(_message.Message):
     __slots__ = ("index", "request_id", "token_ids", "text", "finish", "error")
     INDEX_FIELD_NUMBER: _ClassVar[int]

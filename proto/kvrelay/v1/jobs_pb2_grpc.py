@@ -59,6 +59,11 @@ class JobsStub:
                 request_serializer=kvrelay_dot_v1_dot_jobs__pb2.JobResultsRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_jobs__pb2.JobResult.FromString,
                 _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/kvrelay.v1.Jobs/DeleteJob',
+                request_serializer=kvrelay_dot_v1_dot_jobs__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_jobs__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
 
 
 class JobsServicer:
@@ -97,6 +102,14 @@ class JobsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteJob(self, request, context):
+        """Deletes the job, its requests and its results (cancelling it first if it
+        runs); the deletion is audited. Only its owner may.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +137,11 @@ def add_JobsServicer_to_server(servicer, server):
                     servicer.JobResults,
                     request_deserializer=kvrelay_dot_v1_dot_jobs__pb2.JobResultsRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_jobs__pb2.JobResult.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=kvrelay_dot_v1_dot_jobs__pb2.DeleteJobRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_jobs__pb2.DeleteJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +279,33 @@ class Jobs:
             '/kvrelay.v1.Jobs/JobResults',
             kvrelay_dot_v1_dot_jobs__pb2.JobResultsRequest.SerializeToString,
             kvrelay_dot_v1_dot_jobs__pb2.JobResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Jobs/DeleteJob',
+            kvrelay_dot_v1_dot_jobs__pb2.DeleteJobRequest.SerializeToString,
+            kvrelay_dot_v1_dot_jobs__pb2.DeleteJobResponse.FromString,
             options,
             channel_credentials,
             insecure,
