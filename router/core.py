@@ -108,6 +108,8 @@ class RouterCore:
         self.policy = make_policy(cfg.router.policy, policy_seed)
         self.waiting_interactive = 0
         """Interactive requests waiting at the router for room (batch jobs hold back meanwhile)."""
+        self.audit = None
+        """The audit log (router/audit.py ``AuditLog``), set by router/main.py; None: no audit log."""
         self.tokenizers = concurrent.futures.ThreadPoolExecutor(cfg.router.api.tokenizer_threads,
                                                                 thread_name_prefix="tokenize")
         """Where prompts are tokenized, off the event loop (the tokenizer lets go of the GIL)."""

@@ -191,6 +191,10 @@ class ApiSection:
 
 @dataclass(slots=True)
 class RouterSection:
+    site: str | None = None
+    """The site the router runs at (it tokenizes every prompt and keeps the
+    jobs and audit files): the data-handling statement names its jurisdiction.
+    None: not declared (the statement says so)."""
     host: str = "127.0.0.1"
     """Address the router's gRPC server binds."""
     port: int = 50051
@@ -702,6 +706,8 @@ def _validate(cfg: ClusterConfig) -> None:
         raise ConfigError("local_link.between: must be empty (it is the network inside every site)")
     _check_links(cfg.links, sites)
     _check_tenants(cfg)
+    if cfg.router.site is not None and cfg.router.site not in sites:
+        raise ConfigError(f"router.site: unknown site {cfg.router.site!r} (sites: {', '.join(sorted(sites))})")
     _check_loopback(cfg)
 
 
