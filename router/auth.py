@@ -95,6 +95,12 @@ class CallerAuth:
                           "client credentials required: 'authorization: Bearer <token>' with a token listed in "
                           "tenants, or a client certificate from the cluster CA")
 
+    def credential(self, authorization: str, cert: Identity | None = None) -> str:
+        """What a client call signed in with, for the audit log (never the token itself)."""
+        if cert is not None:
+            return f"certificate {cert}"
+        return "token" if authorization else "anonymous"
+
     def operator(self, authorization: str, cert: Identity | None = None) -> str:
         """The operator making an Admin call; RouterError(UNAUTHENTICATED / PERMISSION_DENIED)."""
         if cert is not None:

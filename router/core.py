@@ -27,6 +27,7 @@ from kvrelay.v1 import worker_pb2 as wpb
 
 from engine.hashing import hash_blocks
 from engine.tokenizer import Tokenizer
+from router.admission import FairQueue
 from router.auth import TenantSalts
 from router.errors import ErrorKind, RouterError
 from router.placement import (
@@ -37,10 +38,12 @@ from router.placement import (
     make_policy,
     place,
 )
+from router.quotas import Quotas
 from router.pools import PoolManager
 from router.recovery import Failover, Recovery
 from router.registry import WorkerRegistry
 from router.relay import Relay, placement_proto
+from router.request_record import RequestRecord, prompt_text
 from router.requests import (
     Caller,
     ModelLimits,
@@ -48,6 +51,7 @@ from router.requests import (
     Request,
     parse_request,
 )
+from router.tenancy import TenantPolicies
 from runtime.config import ClusterConfig, RouterSection
 from runtime.rpc import PLAINTEXT, Dialer
 from runtime.topology import Role, Topology
@@ -102,37 +106,94 @@ class RouterCore:
         self.tok = tokenizer
         self.limits = limits
         self.salts = TenantSalts(salt_key or secrets.token_bytes(32), cfg.tenants)
+        self.tenants = TenantPolicies(cfg)
+        self.quotas = Quotas()
+        self.queue = FairQueue()
+        """Requests waiting for room, served by tenant class, priority and weight (router/admission.py)."""
         self.topology = Topology(cfg)
         self.registry = WorkerRegistry(cfg, dialer)
         self.pools = PoolManager(cfg, self.registry)
         self.policy = make_policy(cfg.router.policy, policy_seed)
-        self.waiting_interactive = 0
-        """Interactive requests waiting at the router for room (batch jobs hold back meanwhile)."""
         self.audit = None
         """The audit log (router/audit.py ``AuditLog``), set by router/main.py; None: no audit log."""
         self.tokenizers = concurrent.futures.ThreadPoolExecutor(cfg.router.api.tokenizer_threads,
                                                                 thread_name_prefix="tokenize")
         """Where prompts are tokenized, off the event loop (the tokenizer lets go of the GIL)."""
 
+    @property
+    def waiting_interactive(self) -> int:
+        """Interactive requests waiting at the router for room (batch jobs hold back meanwhile)."""
+        return self.queue.interactive_waiting
+
     def prepare(self, msg: ipb.GenerateRequest, caller: Caller) -> Request:
-        """Validates and tokenizes a request; each tenant's prompts hash into their own prefix-cache domain."""
+        """Validates and tokenizes a request under its tenant's policy: its prompts
+        hash into the tenant's prefix-cache domain, its jurisdictions are narrowed
+        to the tenant's (never widened), its length is held to ``max_context``."""
         req = parse_request(msg, self.tok, self.limits, salt=self.salts.of(caller.tenant),
                             max_prompt_bytes=self.cfg.router.api.max_prompt_bytes)
         req.work.tenant = caller.tenant
+        req.allowed_jurisdictions = self.tenants.jurisdictions(caller.tenant, req.allowed_jurisdictions)
+        self.tenants.check_context(caller.tenant, len(req.work.prompt_token_ids), req.work.max_tokens)
         return req
 
     async def admit(self, msg: ipb.GenerateRequest, caller: Caller) -> Request:
         """:meth:`prepare` in the tokenizer threads, so a long prompt holds up no one
-        else (a prompt over ``router.api.max_prompt_bytes`` is refused there before tokenizing)."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizers, self.prepare, msg, caller)
+        else (a prompt over ``router.api.max_prompt_bytes`` is refused there before
+        tokenizing). A refused request is audited here; an admitted one by :meth:`generate`."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizers, self.prepare, msg, caller)
+        except RouterError as exc:
+            record = self._record(msg, caller)
+            self._audit(record.record(exc))
+            raise
+
+    def _record(self, msg: ipb.GenerateRequest, caller: Caller) -> RequestRecord:
+        logged = prompt_text(msg) if self.tenants.of(caller.tenant).log_prompts else None
+        requested = frozenset(msg.allowed_jurisdictions) or None
+        return RequestRecord(caller, msg.model or self.limits.name, msg.request_id[:128], requested, logged)
+
+    def _audit(self, record: dict) -> None:
+        if self.audit is not None:
+            try:
+                self.audit.append("request", record)
+            except OSError:
+                log.exception("the audit log could not be written")
 
     def health(self) -> ipb.HealthResponse:
         p = len(self.registry.candidates(Role.PREFILL))
         d = len(self.registry.candidates(Role.DECODE))
         return ipb.HealthResponse(serving=d > 0, prefill_workers=p, decode_workers=d)
 
-    async def generate(self, req: Request, caller: Caller) -> AsyncIterator[ipb.GenerateResponse]:
-        """The answer to ``req``, message by message; raises RouterError."""
+    async def generate(self, req: Request, caller: Caller,
+                       msg: ipb.GenerateRequest | None = None) -> AsyncIterator[ipb.GenerateResponse]:
+        """The answer to ``req``, message by message, within its tenant's quotas
+        (over one: RouterError OVERLOADED naming it; batch requests wait their
+        turn instead); every request ends with one audit record. ``msg``: the
+        request as the client sent it (for a tenant whose prompts may be logged)."""
+        policy = self.tenants.of(caller.tenant)
+        record = self._record(msg or ipb.GenerateRequest(request_id=req.client_id), caller)
+        record.admitted(req)
+        record.fields["jurisdictions_requested"] = sorted(req.requested_jurisdictions or ()) or None
+        cost = len(req.work.prompt_token_ids) + req.work.max_tokens
+        error: BaseException | None = None
+        grant = None
+        try:
+            if caller.priority is Priority.BATCH:
+                grant = await self.quotas.wait(policy, cost, caller.time_remaining())
+            else:
+                grant = self.quotas.admit(policy, cost)
+            async for out in self._generate(req, caller):
+                record.saw(out)
+                yield out
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if grant is not None:
+                self.quotas.release(grant, len(req.work.prompt_token_ids) + record.completion)
+            self._audit(record.record(error))
+
+    async def _generate(self, req: Request, caller: Caller) -> AsyncIterator[ipb.GenerateResponse]:
         run = Recovery(req.work)
         admission = AdmissionWait(self.cfg.router, caller)
         while True:
@@ -159,30 +220,66 @@ class RouterCore:
         while True:
             preq = PlacementRequest(len(work.prompt_token_ids), self.registry.index.leading_blocks(hashes),
                                     req.allowed_jurisdictions, caller.time_remaining(), frozenset(run.exclude),
-                                    run.colocated_only)
+                                    run.colocated_only, caller.tenant)
+            relay = await self._admitted(work, req.client_id, preq, caller, admission)
             try:
-                async for msg in self._attempt(work, req.client_id, preq, caller):
+                async for msg in relay.run():
                     yield msg
                 return
+            except PlacementError as exc:  # the decode worker had no room after all (nothing was sent)
+                if not admission.allows(exc.wait):
+                    raise refusal(exc) from None
+                await admission.pause()
+
+    async def _admitted(self, work: wpb.WorkRequest, client_id: str, preq: PlacementRequest, caller: Caller,
+                        admission: AdmissionWait) -> Relay:
+        """A placement holding its workers' capacity: at once when there is room and
+        nobody waits, else in the fair queue's order (router/admission.py)."""
+        def try_place() -> Relay:
+            return self._relay(work, client_id, place(preq, self.registry.view(), self.policy), caller)
+
+        if not self.queue.waiting:
+            try:
+                return try_place()
             except PlacementError as exc:
                 if not admission.allows(exc.wait):
                     raise refusal(exc) from None
-                # capacity frees up as running requests finish, workers come back after a
-                # restart: wait for that (holding nothing), then place again
-                interactive = caller.priority is Priority.INTERACTIVE
-                self.waiting_interactive += interactive
-                try:
-                    await admission.pause()
-                finally:
-                    self.waiting_interactive -= interactive
+        policy = self.tenants.of(caller.tenant)
+        ticket = self.queue.ticket(
+            caller.tenant, policy.priority.rank, caller.priority is Priority.INTERACTIVE, policy.weight,
+            preq.prompt_tokens + work.max_tokens,
+            (preq.allowed_jurisdictions, caller.tenant, preq.exclude, preq.colocated_only), try_place)
+        try:
+            return await self._turn(ticket, admission)
+        except PlacementError as exc:
+            raise refusal(exc) from None
+        except asyncio.CancelledError:
+            self.queue.withdraw(ticket)
+            if ticket.future.done() and not ticket.future.cancelled() and ticket.future.exception() is None:
+                ticket.future.result().release()  # placed just as its caller left
+            raise
 
-    async def _attempt(self, work: wpb.WorkRequest, client_id: str, preq: PlacementRequest,
-                       caller: Caller) -> AsyncIterator[ipb.GenerateResponse]:
-        pl = place(preq, self.registry.view(), self.policy)
+    async def _turn(self, ticket, admission: AdmissionWait) -> Relay:
+        """Waits for ``ticket``'s placement within the admission wait of what it last lacked."""
+        loop = asyncio.get_running_loop()
+        while not ticket.future.done():
+            wait = ticket.last_error.wait if ticket.last_error is not None else Wait.ROOM
+            left = admission.until[wait] - loop.time()
+            if left <= 0:
+                self.queue.withdraw(ticket)
+                raise ticket.last_error or PlacementError(PlacementFailure.CAPACITY, "no room", 1.0, Wait.ROOM)
+            try:
+                await asyncio.wait_for(asyncio.shield(ticket.future), min(left, 1.0))
+            except asyncio.TimeoutError:
+                continue
+        return ticket.future.result()
+
+    def _relay(self, work: wpb.WorkRequest, client_id: str, pl, caller: Caller) -> Relay:
+        """An attempt on placement ``pl``, holding its workers' capacity from now on."""
         d = self.registry.workers[pl.decode.worker_id]
         p = self.registry.workers[pl.prefill.worker_id] if pl.prefill is not None else None
         shown = placement_proto(pl.est_ttft_s, pl.policy, pl.cached_blocks_prefill, pl.cached_blocks_decode, p, d)
         relay = Relay(work, client_id, p, d, shown, caller, registry=self.registry, topology=self.topology,
-                      window=self.pools.window, lease_s=self.cfg.router.kv_lease_s)
-        async for msg in relay.run():
-            yield msg
+                      window=self.pools.window, lease_s=self.cfg.router.kv_lease_s, on_release=self.queue.pump)
+        relay.hold()
+        return relay

@@ -41,7 +41,7 @@ class InferenceService(igrpc.InferenceServicer):
         try:
             caller = self.auth.caller(context)
             req = await self.core.admit(request, caller)
-            async for msg in self.core.generate(req, caller):
+            async for msg in self.core.generate(req, caller, request):
                 yield msg
         except RouterError as exc:
             await abort(context, exc)

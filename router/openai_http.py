@@ -164,18 +164,20 @@ class OpenAIServer:
 
     async def _request(self, request: Request, chat: bool) -> tuple[ipb.GenerateRequest, bool, bool, Caller]:
         """Who calls (before anything of the body is read), then what they ask."""
+        how = request.headers.get("authorization", "")
         try:
-            tenant = self.auth.tenant(request.headers.get("authorization", ""))
+            tenant = self.auth.tenant(how)
         except RouterError as exc:
             raise api_error(exc) from None
         body = decode_body(await self._body(request))
         req, stream, include_usage = chat_request(body) if chat else completion_request(body)
-        return req, stream, include_usage, Caller.with_timeout(tenant, self.request_timeout_s)
+        return req, stream, include_usage, Caller.with_timeout(tenant, self.request_timeout_s, api="http",
+                                                               credential=self.auth.credential(how))
 
     async def _first(self, req: ipb.GenerateRequest, caller: Caller):
         """Admission up to the first message: (the core's generator, that message), or the error's response."""
         try:  # the first message, or the error, decides the HTTP status
-            gen = self.core.generate(await self.core.admit(req, caller), caller)
+            gen = self.core.generate(await self.core.admit(req, caller), caller, req)
             return gen, await gen.__anext__()
         except RouterError as exc:
             return api_error(exc).response()

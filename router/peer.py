@@ -51,8 +51,9 @@ class CallAuth:
 
     def caller(self, context: grpc.aio.ServicerContext, priority: Priority = Priority.INTERACTIVE) -> Caller:
         """The tenant calling, with the call's deadline; raises RouterError."""
-        tenant = self.auth.tenant(authorization(context), self.cert(context))
-        return Caller.with_timeout(tenant, context.time_remaining(), priority)
+        how, cert = authorization(context), self.cert(context)
+        tenant = self.auth.tenant(how, cert)
+        return Caller.with_timeout(tenant, context.time_remaining(), priority, credential=self.auth.credential(how, cert))
 
     def operator(self, context: grpc.aio.ServicerContext) -> str:
         """The operator calling; raises RouterError."""

@@ -3,7 +3,7 @@
 ``place(request, view, policy)`` is a pure function of a snapshot of the
 cluster (no I/O, no clock), so the live router, the tests and a capacity
 simulator run the same code. Hard constraints come first (jurisdiction,
-health, draining, a usable link, room at the decode worker); then the
+dedicated pools, health, draining, a usable link, room at the decode worker); then the
 named policy chooses among what is left:
 
 - ``round_robin``: decode and prefill workers in turn;
@@ -116,6 +116,12 @@ class WorkerView:
     prefill_tokens_per_s: float = 0.0
     """Measured; 0 = not yet (the view's default applies)."""
     decode_step_s: float = 0.0
+    tenants: frozenset[str] = frozenset()
+    """Its pool is dedicated to these tenants; empty: shared by every tenant."""
+
+    def serves(self, tenant: str) -> bool:
+        """Its pool takes ``tenant``'s requests."""
+        return not self.tenants or tenant in self.tenants
 
     @property
     def load(self) -> int:
@@ -175,6 +181,8 @@ class PlacementRequest:
     """Workers that already failed this request (never chosen again for it)."""
     colocated_only: bool = False
     """Only the decode worker may compute the prompt (after prefill attempts failed)."""
+    tenant: str = ""
+    """Whose request: pools dedicated to other tenants are not for it."""
 
 
 @dataclass(slots=True)
@@ -201,7 +209,7 @@ def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView
     prefills, decodes, any_decode, any_allowed_decode = [], [], False, False
     need = blocks_for(req.prompt_tokens + 1, view.block_size)
     for w in view.workers:
-        if not w.healthy or w.draining or w.worker_id in req.exclude:
+        if not w.healthy or w.draining or w.worker_id in req.exclude or not w.serves(req.tenant):
             continue
         if w.role == Role.DECODE:
             any_decode = True
@@ -217,7 +225,9 @@ def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView
                 decodes.append(w)
     if not decodes:
         if not any_decode:
-            raise PlacementError(PlacementFailure.UNAVAILABLE, "no healthy decode worker is registered",
+            raise PlacementError(PlacementFailure.UNAVAILABLE, "no healthy decode worker is registered"
+                                 + (f" in a pool open to tenant {req.tenant!r} (the others are dedicated to other "
+                                    "tenants)" if any(w.tenants for w in view.workers) else ""),
                                  wait=Wait.WORKERS)
         if not any_allowed_decode:
             sites = sorted(s for s, j in view.jurisdiction.items() if j in (allowed or ()))

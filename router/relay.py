@@ -76,8 +76,11 @@ class Relay:
 
     def __init__(self, wr: wpb.WorkRequest, client_id: str, p: WorkerRecord | None, d: WorkerRecord,
                  placement: ipb.Placement, caller: Caller, *, registry: WorkerRegistry, topology: Topology,
-                 window: RequestWindow, lease_s: float) -> None:
+                 window: RequestWindow, lease_s: float, on_release=None) -> None:
+        """``on_release``: called (soon after) when the attempt gives its workers' capacity back."""
         self.wr, self.client_id, self.p, self.d = wr, client_id, p, d
+        self.on_release = on_release
+        self.held = False
         self.placement, self.caller = placement, caller
         self.registry, self.topology, self.window, self.lease_s = registry, topology, window, lease_s
         self.n_out = 0
@@ -92,8 +95,9 @@ class Relay:
         self.link_down: asyncio.Future | None = None
 
     async def run(self) -> AsyncIterator[ipb.GenerateResponse]:
-        """The attempt's messages for the caller; raises Failover, PlacementError or RouterError."""
-        self._hold()
+        """The attempt's messages for the caller; raises Failover, PlacementError or RouterError.
+        Holds the workers' capacity from :meth:`hold` (or from here) to its end."""
+        self.hold()
         try:
             self._reserve()
             while True:
@@ -114,7 +118,7 @@ class Relay:
         except grpc.aio.AioRpcError as exc:
             raise self._decode_failed(exc) from None
         finally:
-            self._release()
+            self.release()
 
     # -- the steps ------------------------------------------------------------------------------------------------
     def _reserve(self) -> None:
@@ -244,14 +248,24 @@ class Relay:
         return RouterError(WORKER_STATUS.get(code, ErrorKind.INTERNAL), details)
 
     # -- what the attempt holds -------------------------------------------------------------------------------------
-    def _hold(self) -> None:
+    def hold(self) -> None:
+        """Counts this attempt on its workers at once (before anything is sent), so the next placement sees it."""
+        if self.held:
+            return
+        self.held = True
         self.d.inflight += 1
         if self.p is not None:
             self.p.inflight += 1
         self.pending = len(self.wr.prompt_token_ids)
         self.prefiller.pending_prefill_tokens += self.pending
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Gives the capacity back and stops both worker calls (idempotent)."""
+        if not self.held:
+            return
+        self.held = False
+        if self.on_release is not None:
+            asyncio.get_running_loop().call_soon(self.on_release)
         self.d.inflight -= 1
         if self.p is not None:
             self.p.inflight -= 1

@@ -44,11 +44,16 @@ class Caller:
     deadline: float | None = None
     """``time.monotonic()`` by which it must be done; None = no deadline."""
     priority: Priority = Priority.INTERACTIVE
+    api: str = "grpc"
+    """Which front end it came through: grpc, http or jobs (for the audit log)."""
+    credential: str = ""
+    """What it signed in with: "token", "certificate <identity>" or "anonymous" (for the audit log)."""
 
     @classmethod
-    def with_timeout(cls, tenant: str, timeout_s: float | None, priority: Priority = Priority.INTERACTIVE) -> Caller:
+    def with_timeout(cls, tenant: str, timeout_s: float | None, priority: Priority = Priority.INTERACTIVE,
+                     api: str = "grpc", credential: str = "") -> Caller:
         """A caller whose deadline is ``timeout_s`` from now (None: none)."""
-        return cls(tenant, None if timeout_s is None else time.monotonic() + timeout_s, priority)
+        return cls(tenant, None if timeout_s is None else time.monotonic() + timeout_s, priority, api, credential)
 
     def time_remaining(self) -> float | None:
         """Seconds to the deadline (never negative); None without one."""
@@ -78,6 +83,8 @@ class Request:
     """What the workers get (token ids, sampling, a unique id, the tenant's cache salt)."""
     allowed_jurisdictions: frozenset[str] | None
     """Where it may be processed; None = anywhere."""
+    requested_jurisdictions: frozenset[str] | None = None
+    """What the request itself asked for, before the tenant's policy narrowed it."""
 
 
 def prompt_bytes(req: ipb.GenerateRequest) -> int:
@@ -155,4 +162,4 @@ def parse_request(req: ipb.GenerateRequest, tok: Tokenizer, limits: ModelLimits,
     except InvalidRequestError as exc:
         raise RouterError(ErrorKind.INVALID, str(exc)) from None
     allowed = frozenset(req.allowed_jurisdictions) if req.allowed_jurisdictions else None
-    return Request(req.request_id or wr.request_id, wr, allowed)
+    return Request(req.request_id or wr.request_id, wr, allowed, allowed)

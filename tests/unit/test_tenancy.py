@@ -1,0 +1,235 @@
+"""Tenant policy at the router, without processes: the config's rules,
+jurisdictions narrowed and never widened, max_context, token-bucket quotas
+(with a fake clock), prefix-cache sharing groups, dedicated pools in
+placement, and the fair queue's order under contention."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.admission import FairQueue
+from router.auth import TenantSalts
+from router.errors import ErrorKind, RouterError
+from router.placement import (
+    ClusterView,
+    LinkView,
+    PlacementError,
+    PlacementFailure,
+    PlacementRequest,
+    Wait,
+    WorkerView,
+    make_policy,
+    place,
+)
+from router.quotas import Quotas
+from router.tenancy import TenantPolicies
+from runtime.config import ConfigError, parse_config
+from runtime.tenants import TenantSection
+from runtime.topology import Role
+
+SITES = [{"name": "montreal", "jurisdiction": "CA-QC"}, {"name": "toronto", "jurisdiction": "CA-ON"}]
+
+
+def _cfg(tenants, sites=SITES):
+    return parse_config({"sites": sites, "tenants": tenants})
+
+
+@pytest.mark.parametrize("tenants, sites, message", [
+    ([{"name": "a", "jurisdictions": ["FR"]}], SITES, "tenants[0].jurisdictions: no site is in 'FR'"),
+    ([{"name": "a"}, {"name": "a"}], SITES, "duplicate tenant 'a'"),
+    ([{"name": "a", "token_sha256": "a" * 64}, {"name": "b", "token_sha256": "a" * 64}], SITES,
+     "the same token as tenant 'a'"),
+    ([{"name": "a", "share_prefix_cache_with": ["b"]}, {"name": "b"}], SITES, "a sharing group must list each other"),
+    ([{"name": "a", "share_prefix_cache_with": ["z"]}], SITES, "'z' is not another tenant"),
+    ([{"name": "a", "priority": "urgent"}], SITES, "tenants[0].priority: must be one of high, normal, low"),
+    ([{"name": "a", "requests_per_minute": 0}], SITES, "tenants[0].requests_per_minute: must be >= 1"),
+    ([{"name": "a", "weight": -1}], SITES, "tenants[0].weight: must be positive"),
+    ([{"name": "a", "colour": "red"}], SITES, "tenants[0]: unknown field(s) colour"),
+    ([{"name": "a"}], [{"name": "x", "decode": {"tenants": ["b"]}}], "sites[0].decode.tenants: 'b' is not a tenant"),
+])
+def test_the_config_refuses_inconsistent_tenants(tenants, sites, message):
+    with pytest.raises(ConfigError) as err:
+        _cfg(tenants, sites)
+    assert message in str(err.value)
+
+
+def test_auth_clients_is_refused_with_where_it_went():
+    with pytest.raises(ConfigError, match="moved to the top-level tenants"):
+        parse_config({"auth": {"clients": [{"name": "a", "token_sha256": "a" * 64}]}})
+
+
+def test_a_request_narrows_its_tenants_jurisdictions_and_never_widens_them():
+    pol = TenantPolicies(_cfg([{"name": "lab-qc", "jurisdictions": ["CA-QC"]}, {"name": "free"}]))
+    assert pol.jurisdictions("lab-qc", None) == {"CA-QC"}
+    assert pol.jurisdictions("lab-qc", frozenset({"CA-QC", "CA-ON"})) == {"CA-QC"}
+    assert pol.jurisdictions("free", frozenset({"CA-ON"})) == {"CA-ON"} and pol.jurisdictions("free", None) is None
+    with pytest.raises(RouterError) as err:
+        pol.jurisdictions("lab-qc", frozenset({"CA-ON"}))
+    assert err.value.kind is ErrorKind.CONSTRAINT
+    assert "{CA-ON}" in err.value.message and "{CA-QC}" in err.value.message  # both sets named
+
+
+def test_max_context_is_a_clear_refusal():
+    pol = TenantPolicies(_cfg([{"name": "a", "max_context": 100}]))
+    pol.check_context("a", 60, 40)
+    with pytest.raises(RouterError) as err:
+        pol.check_context("a", 60, 41)
+    assert err.value.kind is ErrorKind.INVALID and "max_context quota is 100" in err.value.message
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_requests_per_minute_is_a_token_bucket():
+    clock = Clock()
+    q, a = Quotas(clock), TenantSection("a", requests_per_minute=6)
+    grants = [q.admit(a, 10) for _ in range(6)]
+    with pytest.raises(RouterError) as err:
+        q.admit(a, 10)
+    assert err.value.kind is ErrorKind.OVERLOADED and "requests_per_minute quota (6)" in err.value.message
+    assert err.value.retry_after_s == pytest.approx(10.0, abs=0.01)  # one request refills every 10 s
+    for g in grants:
+        q.release(g, 10)
+    clock.t += 10.0
+    q.admit(a, 10)
+    with pytest.raises(RouterError):
+        q.admit(a, 10)
+    assert q.admit(TenantSection("b"), 10) is not None  # no quota, no limit
+
+
+def test_tokens_per_minute_returns_what_was_not_generated():
+    clock = Clock()
+    q, a = Quotas(clock), TenantSection("a", tokens_per_minute=1000)
+    g = q.admit(a, 800)  # prompt + max_tokens held
+    with pytest.raises(RouterError) as err:
+        q.admit(a, 300)
+    assert "tokens_per_minute quota (1000" in err.value.message
+    q.release(g, 300)  # only 300 used: 500 come back
+    q.admit(a, 300)
+    big = Quotas(clock)
+    big.admit(a, 5000)  # larger than the bucket: let through when it is full, leaving it in debt
+    with pytest.raises(RouterError):
+        big.admit(a, 1)
+
+
+def test_max_concurrent_counts_requests_in_progress():
+    q, a = Quotas(Clock()), TenantSection("a", max_concurrent=2)
+    g1, _ = q.admit(a, 1), q.admit(a, 1)
+    with pytest.raises(RouterError, match="max_concurrent quota"):
+        q.admit(a, 1)
+    q.release(g1, 1)
+    q.release(g1, 1)  # twice changes nothing
+    q.admit(a, 1)
+    with pytest.raises(RouterError):
+        q.admit(a, 1)
+
+
+def test_batch_requests_wait_for_their_quota():
+    async def go():
+        q, a = Quotas(), TenantSection("a", requests_per_minute=600)  # one every 0.1 s
+        for _ in range(600):
+            q.admit(a, 1)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await q.wait(a, 1, deadline_s=5.0)
+        return loop.time() - t0
+
+    assert 0.05 < asyncio.run(go()) < 5.0
+
+
+def test_prefix_cache_sharing_needs_both_sides():
+    cfg = _cfg([{"name": "a", "share_prefix_cache_with": ["b"]}, {"name": "b", "share_prefix_cache_with": ["a"]},
+                {"name": "c"}])
+    salts = TenantSalts(b"k" * 32, cfg.tenants)
+    assert salts.of("a") == salts.of("b") != salts.of("c")
+    assert TenantSalts(b"k" * 32).of("c") == salts.of("c")  # a tenant alone keeps its own domain
+
+
+def _view(dedicated: frozenset[str]) -> ClusterView:
+    workers = [WorkerView("mtl/decode/0", Role.DECODE, "mtl", tenants=dedicated),
+               WorkerView("tor/decode/0", Role.DECODE, "tor")]
+    return ClusterView(workers, {"mtl": "CA-QC", "tor": "CA-ON"}, {frozenset({"mtl", "tor"}): LinkView(9, 1)})
+
+
+def test_a_dedicated_pool_serves_only_its_tenants():
+    policy = make_policy("least_loaded", 1)
+    view = _view(frozenset({"lab-on"}))
+    for _ in range(10):
+        assert place(PlacementRequest(8, tenant="lab-qc"), view, policy).decode.site == "tor"
+    assert {place(PlacementRequest(8, tenant="lab-on"), view, policy).decode.site for _ in range(10)} == {"mtl", "tor"}
+    with pytest.raises(PlacementError) as err:  # lab-qc may only use Montreal, whose pool is lab-on's
+        place(PlacementRequest(8, allowed_jurisdictions=frozenset({"CA-QC"}), tenant="lab-qc"), view, policy)
+    assert err.value.kind is PlacementFailure.CONSTRAINT
+
+
+class Slots:
+    """Capacity for the fair queue's tests: ``n`` free slots; a placement takes one."""
+
+    def __init__(self) -> None:
+        self.free = 0
+        self.served: list[str] = []
+
+    def placer(self, name: str):
+        def try_place():
+            if self.free <= 0:
+                raise PlacementError(PlacementFailure.CAPACITY, "full", 1.0, Wait.ROOM)
+            self.free -= 1
+            self.served.append(name)
+            return name
+        return try_place
+
+
+def _drain(q: FairQueue, slots: Slots, n: int) -> None:
+    for _ in range(n):
+        slots.free = 1
+        q.pump()
+
+
+def test_a_flooding_tenant_delays_only_itself():
+    async def go():
+        q, slots = FairQueue(), Slots()
+        for i in range(20):
+            q.ticket("a", 1, False, 1.0, 100, "any", slots.placer(f"a{i}"))  # a batch job's backlog
+        q.ticket("b", 1, True, 1.0, 100, "any", slots.placer("b-interactive"))
+        _drain(q, slots, 3)
+        return slots.served
+
+    assert asyncio.run(go())[0] == "b-interactive"
+
+
+def test_tenants_share_by_weight_and_classes_go_in_order():
+    async def go():
+        q, slots = FairQueue(), Slots()
+        for i in range(30):
+            q.ticket("heavy", 1, True, 3.0, 100, "any", slots.placer("heavy"))
+            q.ticket("light", 1, True, 1.0, 100, "any", slots.placer("light"))
+        _drain(q, slots, 20)
+        first = list(slots.served)
+        q.ticket("vip", 0, True, 1.0, 100, "any", slots.placer("vip"))  # a higher class
+        _drain(q, slots, 1)
+        return first, slots.served[-1]
+
+    first, last = asyncio.run(go())
+    assert first.count("heavy") == 15 and first.count("light") == 5  # 3:1, as the weights
+    assert last == "vip"
+
+
+def test_a_waiter_that_does_not_fit_does_not_block_others():
+    async def go():
+        q, slots = FairQueue(), Slots()
+
+        def never():
+            raise PlacementError(PlacementFailure.CAPACITY, "its site is full", 1.0, Wait.ROOM)
+        stuck = q.ticket("a", 1, True, 1.0, 1, "montreal", never)
+        other = q.ticket("b", 1, True, 1.0, 1, "anywhere", slots.placer("b"))
+        _drain(q, slots, 1)
+        return stuck.future.done(), other.future.result()
+
+    assert asyncio.run(go()) == (False, "b")
