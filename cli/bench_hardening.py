@@ -1,5 +1,6 @@
-"""``kvrelay bench fuzz`` and ``kvrelay bench overload``: the hardening
-benchmarks, each on a local cluster of its own with the embedded model."""
+"""``kvrelay bench fuzz``, ``kvrelay bench overload`` and ``kvrelay bench
+fairness``: the hardening and sharing benchmarks, each on a local cluster
+of its own with the embedded model."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.fairness import FairnessConfig, format_fairness, run_fairness_bench
 from benchmarks.fuzz import format_fuzz, run_fuzz_bench
 from benchmarks.overload import OverloadConfig, format_overload, run_overload_bench
 from cli.common import resolve_model
@@ -39,8 +41,28 @@ def cmd_bench_overload(args: argparse.Namespace) -> int:
     return 1 if report.crashed else 0
 
 
+def cmd_bench_fairness(args: argparse.Namespace) -> int:
+    """One tenant's interactive TTFT while another's batch job saturates the cluster."""
+    if args.interactive < 2 or args.job_requests < 1:
+        raise SystemExit("kvrelay bench fairness: --interactive must be >= 2 and --job-requests >= 1")
+    cfg = FairnessConfig(interactive=args.interactive, job_requests=args.job_requests, seed=args.seed)
+    report = run_fairness_bench(str(resolve_model(args.model, args.cache_dir)), cfg)
+    print(format_fairness(report))
+    if args.json:
+        out = report.to_json() | {"command": "kvrelay bench fairness " + " ".join(sys.argv[3:])}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
 def add_parsers(bench) -> None:
-    """bench fuzz and bench overload."""
+    """bench fuzz, bench overload and bench fairness."""
+    bfa = bench.add_parser("fairness", help="a tenant's interactive TTFT while another's batch job saturates")
+    bfa.add_argument("--interactive", type=int, default=12, help="interactive requests per phase")
+    bfa.add_argument("--job-requests", type=int, default=400, help="requests of the flooding batch job")
+    bfa.add_argument("--seed", type=int, default=0)
+    bfa.add_argument("--model", help="checkpoint folder (default: the embedded model)")
+    bfa.add_argument("--json", help="also write the report to this file")
+    bfa.set_defaults(func=cmd_bench_fairness)
     bf = bench.add_parser("fuzz", help="fuzz the HTTP, gRPC and KV ports and the config loader; report leaks")
     bf.add_argument("--minutes", type=float, default=5.0)
     bf.add_argument("--seed", type=int, default=0)

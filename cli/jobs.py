@@ -1,5 +1,5 @@
 """`kvrelay job` commands: submit a JSONL file of requests, follow a job,
-fetch its results, list and cancel jobs.
+fetch its results, list, cancel and delete jobs.
 
 One request per line, as a JSON object with the fields of
 ``kvrelay.v1.GenerateRequest``; shortcuts: ``"token_ids": [..]`` for a
@@ -290,6 +290,15 @@ def cmd_job_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_job_delete(args: argparse.Namespace) -> int:
+    """Deletes a job with its requests and results (the router cancels it first if it runs)."""
+    resp = _call(args, "DeleteJob", jpb.DeleteJobRequest(id=args.id))
+    if resp is None:
+        return 1
+    print(f"deleted job {resp.id}: {resp.requests_deleted} requests and their results")
+    return 0
+
+
 def cmd_job_results(args: argparse.Namespace) -> int:
     """Writes one JSON line per result (index, request_id, text, token_ids, finish, error)."""
 
@@ -323,11 +332,14 @@ def add_parsers(sub) -> None:
     jc = job.add_parser("cancel", help="stop a job (finished results stay)")
     jc.add_argument("id")
     jc.set_defaults(func=cmd_job_cancel)
+    jd = job.add_parser("delete", help="delete a job, its requests and its results (cancelling it first if it runs)")
+    jd.add_argument("id")
+    jd.set_defaults(func=cmd_job_delete)
     jr = job.add_parser("results", help="a job's results as JSON lines")
     jr.add_argument("id")
     jr.add_argument("--follow", action="store_true", help="wait for the rest until the job finishes")
     jr.add_argument("--out", help="write to this file instead of stdout")
     jr.add_argument("--timeout", type=float, default=86400.0, help="give up after this many seconds")
     jr.set_defaults(func=cmd_job_results)
-    for p in (js, jt, jc, jr):
+    for p in (js, jt, jc, jd, jr):
         add_connect_flags(p)

@@ -24,11 +24,14 @@ from benchmarks.placement_bench import format_placement, run_placement_bench
 from benchmarks.tls_bench import format_tls, run_tls_bench
 from benchmarks.traces import TraceError, load_trace
 from cli import admin as cli_admin
+from cli import audit as cli_audit
 from cli import bench_hardening
 from cli import chaos as cli_chaos
 from cli import cities as cli_cities
+from cli import governance as cli_governance
 from cli import jobs as cli_jobs
 from cli import pki as cli_pki
+from cli import usage as cli_usage
 from cli.chaos import run_chaos
 from cli.cities import cities_flag, cities_for
 from cli.common import (
@@ -194,8 +197,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.port is not None:
         cfg.router.port = args.port
     local_defaults(cfg, args.cache_dir)
-    if cfg.router.jobs_db is None:  # batch jobs outlive this run
+    if cfg.router.jobs_db is None:  # batch jobs, the audit log and usage outlive this run
         cfg.router.jobs_db = str(args.cache_dir / "jobs.sqlite")
+    if cfg.router.audit_log is None:
+        cfg.router.audit_log = str(args.cache_dir / "audit.jsonl")
+    if cfg.router.usage_db is None:
+        cfg.router.usage_db = str(args.cache_dir / "usage.sqlite")
     model_path = resolve_model(cfg.model.path, args.cache_dir)
     backend = None
     if args.backend == "ray":
@@ -278,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     cli_admin.add_parsers(sub)
     cli_pki.add_parsers(sub)
     cli_jobs.add_parsers(sub)
+    cli_usage.add_parsers(sub)
+    cli_governance.add_parsers(sub)
+    cli_audit.add_parsers(sub)
     _add_bench_parsers(bench)
     cli_cities.add_parsers(sub, bench)
     _add_generate_local_parser(sub)

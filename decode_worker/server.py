@@ -7,6 +7,11 @@ most the lease) -> join the running batch with the prefill's first token ->
 stream tokens. A colocated request skips the reservation and computes its
 prompt here. Cancellation, a failed transfer or an expired lease frees
 every block of the request.
+
+Usage (runtime/usage_meter.py), per tenant and the link the KV came over:
+every token streamed, the request once it finished, the KV bytes of a
+completed transfer, the prompt's computed and cached tokens when computed
+here (colocated), and each engine step's time by the tokens it computed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from kvtransfer.base import KVReceiver
 from kvtransfer.errors import KVTransferError, TransferTimeout
 from kvtransfer.handles import wait_async
 from runtime.convert import output_to_proto, work_params
+from runtime.usage_meter import UsageKey, UsageMeter
 from runtime.worker import WorkerIdentity, worker_load
 
 log = logging.getLogger(__name__)
@@ -37,9 +43,12 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         self.ident = ident
         self.receiver = receiver
         self.default_lease_s = default_lease_s
+        self.usage = UsageMeter()
+        """Per tenant and link: requests, tokens, KV bytes received, engine time (decode_worker_s)."""
+        self.engine.step_hook = self.usage.on_step
 
     def load(self) -> wpb.WorkerLoad:
-        return worker_load(self.ident, self.engine, kv_in=self.receiver.bytes_received)
+        return worker_load(self.ident, self.engine, kv_in=self.receiver.bytes_received, usage=self.usage)
 
     async def Stats(self, request, context) -> wpb.WorkerLoad:
         return self.load()
@@ -52,22 +61,26 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         prompt = list(wr.prompt_token_ids)
+        key = UsageKey(wr.tenant, "" if request.colocated else request.link)
         if request.colocated:
             try:
-                async for out in self.aengine.generate(rid, prompt, params, wr.salt):
+                first = True
+                async for out in self.aengine.generate(rid, prompt, params, wr.salt, account=key):
+                    self.usage.count_output(key, out, computed_prompt=first)
+                    first = False
                     yield wpb.DecodeEvent(output=output_to_proto(out))
             except InvalidRequestError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
-        async for event in self._disaggregated(rid, prompt, params, wr.salt, request.lease_s, context):
+        async for event in self._disaggregated(rid, prompt, params, wr.salt, request.lease_s, context, key):
             yield event
 
-    async def _disaggregated(self, rid, prompt, params, salt, lease_s, context):
+    async def _disaggregated(self, rid, prompt, params, salt, lease_s, context, key: UsageKey):
         q = self.aengine.open_stream(rid)
         finished = False
         try:
             try:
-                blocks, start = await self.aengine.call(self.engine.reserve, rid, prompt, params, salt)
+                blocks, start = await self.aengine.call(self.engine.reserve, rid, prompt, params, salt, key)
             except InvalidRequestError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except OutOfBlocksError as exc:
@@ -82,17 +95,20 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "KV did not arrive before the lease expired")
             except KVTransferError as exc:
                 await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {exc.reason}")
+            self.usage.count(key, kv_bytes=res.nbytes)
             try:  # the first token's top_logprobs (an empty entry here) reach the router from the prefill worker
                 first = await self.aengine.call(self.engine.commit_prefilled, rid, res.first_token_id,
                                                 res.first_logprob if params.logprobs else None)
             except InvalidRequestError as exc:  # from the wire: the router recovers as for a failed transfer
                 await context.abort(grpc.StatusCode.ABORTED, f"KV transfer refused: {exc}")
             finished = first.finished
+            self.usage.count_output(key, first)
             yield wpb.DecodeEvent(output=output_to_proto(first))
             if finished:
                 return
             async for out in self.aengine.outputs(rid, q):
                 finished = out.finished
+                self.usage.count_output(key, out)
                 yield wpb.DecodeEvent(output=output_to_proto(out))
         finally:
             # off the event loop: it waits for a receive into the blocks to end

@@ -132,12 +132,13 @@ class AsyncEngine:
                 return
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, salt: str = "",
-                       hold_blocks: bool = False) -> AsyncIterator[RequestOutput]:
-        """Runs a request here; leaving the iteration early aborts it."""
+                       hold_blocks: bool = False, account: object = None) -> AsyncIterator[RequestOutput]:
+        """Runs a request here; leaving the iteration early aborts it. ``account``:
+        see ``LLMEngine.add_request``."""
         q = self.open_stream(request_id)
         finished = False
         try:
-            await self.call(self.engine.add_request, request_id, prompt, params, salt, hold_blocks)
+            await self.call(self.engine.add_request, request_id, prompt, params, salt, hold_blocks, account)
             async for out in self.outputs(request_id, q):
                 finished = out.finished
                 yield out

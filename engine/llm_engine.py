@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +27,7 @@ from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
 from engine.sampler import Sampler, SampleRequest, TopLogprobs
 from engine.sampling_params import SamplingParams, check_request_length
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -69,6 +69,17 @@ class EngineStats:
     """Mean time of a decode-only step (0 until one ran)."""
 
 
+@dataclass(slots=True)
+class StepUsage:
+    """What one step computed, for the caller's usage accounting (``LLMEngine.step_hook``)."""
+
+    ns: int
+    """Wall time of the step (scheduling, model, sampling), in nanoseconds."""
+    tokens: list[tuple[object, int]]
+    """Per sequence in the step: its ``account`` and the tokens computed for it
+    (a prefill chunk's length; 1 for a decoding sequence)."""
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig) -> None:
         if cfg.num_threads:
@@ -99,6 +110,8 @@ class LLMEngine:
         self._hold: set[str] = set()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._rng = random.Random()
+        self.step_hook: Callable[[StepUsage], None] | None = None
+        """Called on the stepping thread after every step that ran the model."""
 
     # -- requests ------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -114,27 +127,28 @@ class LLMEngine:
                                       f"worker's KV cache ({capacity} tokens)")
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      salt: str) -> Sequence:
+                      salt: str, account: object = None) -> Sequence:
         if request_id in self._seqs or request_id in self._held:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed, salt)
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, salt, account=account)
         self._seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
         return seq
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    salt: str = "", hold_blocks: bool = False) -> None:
+                    salt: str = "", hold_blocks: bool = False, account: object = None) -> None:
         """Queues a request. With ``hold_blocks`` its blocks are kept when it
-        finishes (for a KV transfer) until ``release_blocks``."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, salt)
+        finishes (for a KV transfer) until ``release_blocks``. ``account``
+        comes back with the request's share of each step (``step_hook``)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, salt, account)
         if hold_blocks:
             self._hold.add(request_id)
         self.scheduler.add(seq)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                salt: str = "") -> tuple[list[int], int]:
+                salt: str = "", account: object = None) -> tuple[list[int], int]:
         """Allocates blocks for a prompt whose KV will be computed elsewhere.
 
         Returns the block table and how many leading blocks this engine's
@@ -144,7 +158,7 @@ class LLMEngine:
         Raises:
             OutOfBlocksError: not enough free blocks now.
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, params, salt)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, salt, account)
         bs = self.layout.block_size
         n = seq.num_prompt_tokens
         hit = self.pool.match_prefix(seq.hashes_up_to((n - 1) // bs, bs))
@@ -215,9 +229,18 @@ class LLMEngine:
     # -- stepping ------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter_ns()
         sched = self.scheduler.schedule()
         if not sched:
             return []
+        outputs = self._run(sched)
+        if self.step_hook is not None:
+            self.step_hook(StepUsage(time.perf_counter_ns() - t0,
+                                     [(e.seq.account, e.num_new_tokens) for e in sched.entries]))
+        return outputs
+
+    def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Runs one scheduled step: the model, the blocks it filled, sampling."""
         logits = self.runner.execute(sched.decode, sched.prefill)
         entries = sched.entries
         for e in entries:
@@ -366,4 +389,4 @@ class CompletedRequest:
     num_cached_tokens: int = 0
 
 
-__all__ = ["LLMEngine", "RequestOutput", "CompletedRequest", "EngineStats", "SequenceStatus"]
+__all__ = ["LLMEngine", "RequestOutput", "CompletedRequest", "EngineStats", "StepUsage", "SequenceStatus"]

@@ -36,9 +36,9 @@ from launch.cities import CitiesState
 from launch.credentials import LOCAL_TENANT, ClusterCredentials, router_identity
 from router.auth import token_sha256
 from runtime.config import ClusterConfig, Credential, dump_config
-from runtime.tenants import TenantSection
 from runtime.pki import CertRole, Identity
 from runtime.rpc import Dialer
+from runtime.tenants import TenantSection
 from runtime.tls import TLSMaterial
 from runtime.topology import Role
 
@@ -141,6 +141,10 @@ class LocalCluster:
             cities.share_with_workers(Path(self._worker_tmp.name))
         if cfg.router.jobs_db is None:  # durable across router restarts, for this cluster's life
             cfg.router.jobs_db = str(Path(self._tmp.name) / "jobs.sqlite")
+        if cfg.router.audit_log is None:
+            cfg.router.audit_log = str(Path(self._tmp.name) / "audit" / "audit.jsonl")
+        if cfg.router.usage_db is None:
+            cfg.router.usage_db = str(Path(self._tmp.name) / "usage.sqlite")
         self._secret = secrets.token_hex(32)
         """Per-run KV secret for the workers when the config names no secret file."""
         self.creds = ClusterCredentials.for_config(cfg.tls, Path(self._tmp.name) / "ca")

@@ -8,6 +8,11 @@ blocks stream to the decode worker. The sampled first token closes the
 transfer; the blocks are released once the receiver acknowledged, or the
 transfer failed, timed out or was cancelled (and no transport thread reads
 them any more).
+
+Usage (runtime/usage_meter.py), per tenant and the link to the receiver's
+site: the prompt's computed and cached tokens once it is prefilled, and
+each engine step's time by the tokens it computed (requests, completion
+tokens and KV bytes are the decode worker's to count).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from kvtransfer.handles import wait_async
 from kvtransfer.wire import link_socket_buffer
 from prefill_worker.streamer import LayerStreamer
 from runtime.convert import top_logprobs_proto, work_params
+from runtime.usage_meter import UsageKey, UsageMeter, kv_link
 from runtime.worker import WorkerIdentity, worker_load
 
 log = logging.getLogger(__name__)
@@ -44,6 +50,9 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         self.streamer = LayerStreamer(self.engine.runner, self.engine.layout.num_layers)
         self.transfer_timeout_s = transfer_timeout_s
         self.kv_bytes_sent = 0
+        self.usage = UsageMeter()
+        """Per tenant and link: prompt tokens computed and cached, engine time (prefill_worker_s)."""
+        self.engine.step_hook = self.usage.on_step
         self._cleanups: set[asyncio.Task] = set()
 
     def _spawn_cleanup(self, coro) -> None:
@@ -58,17 +67,17 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         task.add_done_callback(done)
 
     def load(self) -> wpb.WorkerLoad:
-        return worker_load(self.ident, self.engine, kv_out=self.kv_bytes_sent)
+        return worker_load(self.ident, self.engine, kv_out=self.kv_bytes_sent, usage=self.usage)
 
     async def Stats(self, request, context) -> wpb.WorkerLoad:
         return self.load()
 
-    async def _prefill_unless_failed(self, rid, prompt, params, salt, handle):
-        """Runs the prompt; stops early (and raises) if the transfer fails
-        meanwhile, e.g. because the decode worker died."""
+    async def _prefill_unless_failed(self, rid, prompt, params, salt, handle, key: UsageKey):
+        """Runs the prompt (its engine time counted for ``key``); stops early
+        (and raises) if the transfer fails meanwhile, e.g. because the decode worker died."""
         async def run():
             out = None
-            async for out in self.aengine.generate(rid, prompt, params, salt, hold_blocks=True):
+            async for out in self.aengine.generate(rid, prompt, params, salt, hold_blocks=True, account=key):
                 pass
             return out
 
@@ -108,9 +117,12 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             protection=target.protection or None, pull=False if target.transport == "tcp" else None,
             receiver=target.receiver or None))
         self.streamer.add(rid, handle, target.start_block, len(target.block_ids))
+        key = UsageKey(wr.tenant, kv_link(self.ident.site, target.receiver))
         t0 = time.perf_counter()
         try:
-            out = await self._prefill_unless_failed(rid, list(wr.prompt_token_ids), params, wr.salt, handle)
+            out = await self._prefill_unless_failed(rid, list(wr.prompt_token_ids), params, wr.salt, handle, key)
+            self.usage.count(key, prompt_tokens=out.num_prompt_tokens - out.num_cached_tokens,
+                             cached_tokens=out.num_cached_tokens)
             t1 = time.perf_counter()
             logprob = out.new_logprobs[0] if out.new_logprobs else 0.0
             handle.finish(out.new_token_ids[0], logprob)

@@ -4,24 +4,40 @@ operator credentials: a token in ``auth.operators`` or an operator certificate."
 
 from __future__ import annotations
 
+import json
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 
 from router.errors import RouterError
+from router.governance import UnknownTenant, deployment_state, statement
 from router.peer import STATUS, CallAuth
 from router.planner import plan
 from router.pools import PoolManager
+from router.usage import grouping, usage_response
+
+if TYPE_CHECKING:
+    from router.core import RouterCore
 
 log = logging.getLogger(__name__)
 
 
 class AdminService(agrpc.AdminServicer):
-    def __init__(self, pools: PoolManager, auth: CallAuth) -> None:
+    def __init__(self, core: RouterCore, auth: CallAuth) -> None:
         self.auth = auth
-        self.pools = pools
+        self.core = core
+        self.pools: PoolManager = core.pools
+
+    def _audit(self, who: str, action: str, **fields) -> None:
+        """One audit record of an operator action (router/audit.py; none when there is no audit log)."""
+        if self.core.audit is not None:
+            try:
+                self.core.audit.append("operator", {"operator": who, "action": action, **fields})
+            except OSError:
+                log.exception("the audit log could not be written")
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> str:
         try:
@@ -40,6 +56,8 @@ class AdminService(agrpc.AdminServicer):
                                 f"replicas must be in [0, {limit}] for {request.site}/{request.role} "
                                 f"(max_replicas in the config), got {request.replicas}")
         pool, drained = self.pools.scale(request.site, request.role, request.replicas)
+        self._audit(who, "scale", site=request.site, role=request.role, replicas=request.replicas,
+                    draining=list(drained))
         log.info("%s scaled %s/%s to %d (draining: %s)", who, request.site, request.role, request.replicas,
                  ", ".join(drained) or "none")
         return apb.ScaleResponse(pool=pool, draining=drained)
@@ -49,6 +67,7 @@ class AdminService(agrpc.AdminServicer):
         if request.worker_id not in self.pools.registry.workers:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r} is registered")
         log.info("%s drains %s", who, request.worker_id)
+        self._audit(who, "drain", worker=request.worker_id, site=request.worker_id.partition("/")[0])
         return apb.DrainResponse(pool=self.pools.drain(request.worker_id))
 
     async def ListPools(self, request, context) -> apb.ListPoolsResponse:
@@ -63,8 +82,31 @@ class AdminService(agrpc.AdminServicer):
             for p in plans:
                 if p.recommended != p.current:
                     self.pools.scale(p.site, p.role, p.recommended)
+                    self._audit(who, "plan apply", site=p.site, role=p.role, replicas=p.recommended,
+                                previous=p.current, reasons=list(p.reasons))
                     log.info("%s applied the plan: %s/%s %d -> %d (%s)", who, p.site, p.role, p.current,
                              p.recommended, "; ".join(p.reasons))
         return apb.PlanResponse(plans=[apb.PoolPlan(site=p.site, role=p.role, current=p.current,
                                                     recommended=p.recommended, reasons=p.reasons) for p in plans],
                                 window_s=self.pools.window.window_s, applied=request.apply)
+
+    async def Governance(self, request: apb.GovernanceRequest, context) -> apb.GovernanceResponse:
+        """The data-handling statement (router/governance.py) of one tenant or all, from the live state."""
+        await self._authorize(context)
+        state = deployment_state(self.pools.registry, self.pools.desired)
+        try:
+            doc = statement(self.pools.cfg, state, request.tenant or None)
+        except UnknownTenant as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return apb.GovernanceResponse(statement_json=json.dumps(doc))
+
+    async def Usage(self, request: apb.UsageRequest, context) -> apb.UsageResponse:
+        """Usage totals per group from the workers' own counters (router/usage.py);
+        INVALID_ARGUMENT naming a group-by that is not one of tenant, site, link, role, worker."""
+        await self._authorize(context)
+        try:
+            by = grouping(request.by)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        report = await self.pools.registry.usage.report(request.since_unix, by, request.tenant)
+        return usage_response(report)

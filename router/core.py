@@ -38,8 +38,8 @@ from router.placement import (
     make_policy,
     place,
 )
-from router.quotas import Quotas
 from router.pools import PoolManager
+from router.quotas import Quotas
 from router.recovery import Failover, Recovery
 from router.registry import WorkerRegistry
 from router.relay import Relay, placement_proto
@@ -220,7 +220,8 @@ class RouterCore:
         while True:
             preq = PlacementRequest(len(work.prompt_token_ids), self.registry.index.leading_blocks(hashes),
                                     req.allowed_jurisdictions, caller.time_remaining(), frozenset(run.exclude),
-                                    run.colocated_only, caller.tenant)
+                                    run.colocated_only, caller.tenant,
+                                    self.cfg.router.interactive_reserve if caller.priority is Priority.BATCH else 0)
             relay = await self._admitted(work, req.client_id, preq, caller, admission)
             try:
                 async for msg in relay.run():
@@ -248,7 +249,7 @@ class RouterCore:
         ticket = self.queue.ticket(
             caller.tenant, policy.priority.rank, caller.priority is Priority.INTERACTIVE, policy.weight,
             preq.prompt_tokens + work.max_tokens,
-            (preq.allowed_jurisdictions, caller.tenant, preq.exclude, preq.colocated_only), try_place)
+            (preq.allowed_jurisdictions, caller.tenant, preq.exclude, preq.colocated_only, preq.reserve), try_place)
         try:
             return await self._turn(ticket, admission)
         except PlacementError as exc:

@@ -63,5 +63,5 @@ def add_router_to_server(core: RouterCore, server: grpc.aio.Server, auth: CallAu
     """Registers the Inference, Registry and Admin services; every request
     message parses leniently, so a malformed one gets INVALID_ARGUMENT, not INTERNAL."""
     add_service(server, RegistryService(core, auth), wpb.DESCRIPTOR.services_by_name["Registry"])
-    add_service(server, AdminService(core.pools, auth), apb.DESCRIPTOR.services_by_name["Admin"])
+    add_service(server, AdminService(core, auth), apb.DESCRIPTOR.services_by_name["Admin"])
     add_service(server, InferenceService(core, auth), ipb.DESCRIPTOR.services_by_name["Inference"])

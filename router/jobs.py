@@ -1,5 +1,5 @@
 """Batch jobs at the router (``kvrelay.v1.Jobs``): submission, status,
-cancellation and results, over the durable store in jobs_store.py, and the
+cancellation, results and deletion, over the durable store in jobs_store.py, and the
 runner that feeds the jobs' requests through the same path as interactive
 ones, at lower priority: it starts a job request only while no interactive
 request is waiting for room, and keeps at most ``router.job_concurrency`` in
@@ -17,6 +17,7 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
+from router.audit import AuditError, RecordKind
 from router.core import RouterCore
 from router.errors import ErrorKind, RouterError
 from router.grpc_api import STATUS, abort
@@ -38,6 +39,10 @@ MAX_REQUEST_BYTES = 1 << 20
 MAX_JOB_NAME_CHARS = 256
 POLL_S = 0.2
 """How often the runner looks for work and followers look for results."""
+
+
+DELETE_WAIT_S = 10.0
+"""How long DeleteJob waits for a running job's requests in flight to stop."""
 
 
 TRANSIENT = frozenset({ErrorKind.UNAVAILABLE, ErrorKind.OVERLOADED})
@@ -168,6 +173,47 @@ class JobService(jgrpc.JobsServicer):
         await self._row(request.id, context)
         return _job_proto(await self._db(self.store.cancel, request.id))
 
+    async def DeleteJob(self, request: jpb.DeleteJobRequest, context) -> jpb.DeleteJobResponse:
+        """Deletes the caller's job with its requests and results (another
+        tenant's is NOT_FOUND). A job that runs is cancelled first and its
+        requests in flight stopped (UNAVAILABLE if they have not within
+        DELETE_WAIT_S). The deletion is written to the audit log before it
+        is done (UNAVAILABLE, nothing deleted, if it cannot be)."""
+        row = await self._row(request.id, context)
+        if row.state not in (JOB_DONE, JOB_CANCELLED) or self._tasks_of(row.id):
+            await self._db(self.store.cancel, row.id)
+            if not await self._stop_requests(row.id):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"job {row.id!r} is cancelled but its requests "
+                                    f"did not stop within {DELETE_WAIT_S:.0f} s; delete it again shortly")
+        audit = getattr(self.core, "audit", None)
+        if audit is not None:
+            try:
+                await asyncio.to_thread(audit.append_durable, RecordKind.JOB, {
+                    "action": "deleted", "job": row.id, "tenant": row.owner, "requests_deleted": row.total})
+            except AuditError as exc:
+                log.error("job %s not deleted: %s", row.id, exc)
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"job {row.id!r} is not deleted: its deletion cannot be audited")
+        n = await self._db(self.store.delete, row.id)
+        if n is None:  # deleted meanwhile (the retention sweeper)
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {row.id!r}")
+        log.info("job %s deleted by its owner with its %d requests", row.id, n)
+        return jpb.DeleteJobResponse(id=row.id, requests_deleted=n)
+
+    def _tasks_of(self, job: str) -> list[asyncio.Task]:
+        """The job's requests in flight (their tasks are named ``job <id>/<index>``)."""
+        return [t for t in self.inflight if t.get_name().startswith(f"job {job}/")]
+
+    async def _stop_requests(self, job: str) -> bool:
+        """Cancels the job's requests in flight; True once they have stopped (within DELETE_WAIT_S)."""
+        tasks = self._tasks_of(job)
+        for t in tasks:
+            t.cancel()
+        if not tasks:
+            return True
+        _, pending = await asyncio.wait(tasks, timeout=DELETE_WAIT_S)
+        return not pending
+
     async def JobResults(self, request: jpb.JobResultsRequest, context) -> AsyncIterator[jpb.JobResult]:
         """The results stored so far in index order; with ``follow``, then each
         new one as it is stored. Every poll reads only the results stored since
@@ -223,7 +269,8 @@ class JobService(jgrpc.JobsServicer):
                 continue  # nothing can serve now (e.g. a router that just restarted)
             room = self.concurrency - len(self.inflight)
             for job, idx, blob, owner in await self._db(self.store.claim, room):
-                task = asyncio.create_task(self._one(job, idx, ipb.GenerateRequest.FromString(blob), owner))
+                task = asyncio.create_task(self._one(job, idx, ipb.GenerateRequest.FromString(blob), owner),
+                                           name=f"job {job}/{idx}")
                 self.inflight.add(task)
                 task.add_done_callback(self.inflight.discard)
 
@@ -232,9 +279,9 @@ class JobService(jgrpc.JobsServicer):
             req.request_id = f"{job}-{idx}"
         result = jpb.JobResult(index=idx, request_id=req.request_id)
         ok = True
-        caller = Caller(owner, priority=Priority.BATCH)  # runs as the job's owner, no deadline
+        caller = Caller(owner, priority=Priority.BATCH, api="jobs", credential="job")  # as its owner, no deadline
         try:
-            async for msg in self.core.generate(await self.core.admit(req, caller), caller):
+            async for msg in self.core.generate(await self.core.admit(req, caller), caller, req):
                 result.token_ids.extend(msg.token_ids)
                 result.text += msg.text
                 if msg.HasField("finish"):

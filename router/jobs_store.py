@@ -6,12 +6,23 @@ moves its row out of running, and only from running, so a result is stored
 exactly once. On start, rows left running by a router that died go back to
 pending: unfinished jobs resume, finished requests are never redone.
 
-Synchronous and single-threaded by design: the router calls it through one
-worker thread (router/jobs.py), so the event loop never waits on the disk."""
+The database holds prompts and outputs: it is made 0600 (its -wal and -shm
+files too) in a folder made 0700, and deleted rows are overwritten
+(``secure_delete``). Jobs are deleted by their owner (DeleteJob) or, once
+finished, by the retention sweeper (router/retention.py).
+
+Synchronous by design: the router calls it through one worker thread
+(router/jobs.py), so the event loop never waits on the disk. Each method
+holds the store's lock, so another thread (the retention sweeper's) may
+share the store: calls are serialized, never interleaved in one connection."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import sqlite3
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -54,14 +65,39 @@ class JobRow:
     """Tenant that submitted it ("" without client authentication)."""
 
 
+def _serialized(method):
+    """``method`` under the store's lock (one connection, one caller at a time)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
+def _private_file(path: Path) -> None:
+    """Creates the database file empty (mode 0600; SQLite takes an empty file as a new database)
+    and its folder (0700) if missing."""
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)  # mkdir's mode is cut by the umask
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+
+
 class JobStore:
     def __init__(self, path: str | Path) -> None:
         """Opens (creating if needed) the database at ``path`` (":memory:" = not durable)."""
-        if str(path) != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        durable = str(path) != ":memory:"
+        if durable:
+            _private_file(Path(path))
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA secure_delete=ON")  # a deleted prompt does not stay in a free page
+        if durable:
+            for side in ("", "-wal", "-shm"):  # SQLite makes the side files with the database's mode
+                with contextlib.suppress(FileNotFoundError):
+                    os.chmod(f"{path}{side}", 0o600)
         self.db.executescript(_SCHEMA)
         if "owner" not in {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}:
             self.db.execute(_OWNER)
@@ -72,14 +108,17 @@ class JobStore:
                 self.db.execute(_SEQ_BACKFILL, (DONE, FAILED))
         self.db.execute(_SEQ_INDEX)
 
+    @_serialized
     def close(self) -> None:
         self.db.close()
 
+    @_serialized
     def resume(self) -> int:
         """Puts requests a previous router left running back to pending; returns how many."""
         with self.db:
             return self.db.execute("UPDATE items SET status=? WHERE status=?", (PENDING, RUNNING)).rowcount
 
+    @_serialized
     def submit(self, name: str, requests: list[bytes], owner: str = "") -> JobRow:
         job = uuid.uuid4().hex[:16]
         now = time.time()
@@ -91,6 +130,7 @@ class JobStore:
                                 [(job, i, r, PENDING) for i, r in enumerate(requests)])
         return self.get(job)
 
+    @_serialized
     def get(self, job: str) -> JobRow | None:
         row = self.db.execute("SELECT id, name, state, total, created, finished, owner FROM jobs WHERE id=?",
                               (job,)).fetchone()
@@ -101,6 +141,7 @@ class JobStore:
         return JobRow(row[0], row[1], row[2], row[3], counts.get(DONE, 0), counts.get(FAILED, 0), row[4], row[5],
                       row[6])
 
+    @_serialized
     def list(self, owner: str | None = None) -> list[JobRow]:
         """Every job, or only ``owner``'s."""
         if owner is None:
@@ -109,6 +150,7 @@ class JobStore:
             ids = self.db.execute("SELECT id FROM jobs WHERE owner=? ORDER BY created", (owner,)).fetchall()
         return [self.get(r[0]) for r in ids]
 
+    @_serialized
     def cancel(self, job: str) -> JobRow | None:
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
@@ -117,6 +159,7 @@ class JobStore:
                 self.db.execute("UPDATE items SET status=? WHERE job=? AND status=?", (CANCELLED, job, PENDING))
         return self.get(job)
 
+    @_serialized
     def claim(self, n: int) -> list[tuple[str, int, bytes, str]]:
         """Up to ``n`` pending requests (job, index, request, owner), oldest job first, now marked running."""
         if n <= 0:
@@ -133,6 +176,7 @@ class JobStore:
                 self.db.execute("UPDATE jobs SET state=? WHERE id=? AND state=?", (JOB_RUNNING, job, JOB_QUEUED))
         return rows
 
+    @_serialized
     def finish(self, job: str, idx: int, result: bytes, ok: bool) -> bool:
         """Stores one request's result, next in the job's ``seq`` order; False
         (and nothing stored) unless it was running."""
@@ -149,21 +193,25 @@ class JobStore:
                                 (JOB_DONE, time.time(), job, JOB_RUNNING))
         return True
 
+    @_serialized
     def release(self, job: str, idx: int) -> None:
         """A running request that could not run now (router shutting down) goes back to pending."""
         with self.db:
             self.db.execute("UPDATE items SET status=? WHERE job=? AND idx=? AND status=?",
                             (PENDING, job, idx, RUNNING))
 
+    @_serialized
     def state(self, job: str) -> int | None:
         """The job's state alone (one row; :meth:`get` also counts every request's status)."""
         row = self.db.execute("SELECT state FROM jobs WHERE id=?", (job,)).fetchone()
         return None if row is None else row[0]
 
+    @_serialized
     def last_seq(self, job: str) -> int:
         """``seq`` of the job's latest stored result (0: none yet)."""
         return self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM items WHERE job=?", (job,)).fetchone()[0]
 
+    @_serialized
     def results(self, job: str, from_idx: int = 0, after_idx: int = -1, upto_seq: int | None = None,
                 limit: int = RESULT_PAGE) -> list[tuple[int, int, bytes]]:
         """Stored results (seq, index, result) in index order: index >= ``from_idx``
@@ -173,9 +221,33 @@ class JobStore:
         return self.db.execute("SELECT seq, idx, result FROM items WHERE job=? AND idx>=? AND seq<=? "
                                "ORDER BY idx LIMIT ?", (job, max(from_idx, after_idx + 1), upto, limit)).fetchall()
 
+    @_serialized
     def results_after(self, job: str, after_seq: int, limit: int = RESULT_PAGE) -> list[tuple[int, int, bytes]]:
         """Results (seq, index, result) stored after ``after_seq``, in the order
         they were stored; at most ``limit``. Reads only those rows (through the
         (job, seq) index), however many the job already has."""
         return self.db.execute("SELECT seq, idx, result FROM items INDEXED BY items_by_seq WHERE job=? AND seq>? "
                                "ORDER BY seq LIMIT ?", (job, after_seq, limit)).fetchall()
+
+    @_serialized
+    def finished_before(self, before_ts: float) -> list[JobRow]:
+        """Finished jobs (done or cancelled, none of their requests still
+        running) that finished before Unix time ``before_ts``, oldest first."""
+        ids = self.db.execute(
+            "SELECT id FROM jobs WHERE state IN (?, ?) AND finished > 0 AND finished < ? AND NOT EXISTS "
+            "(SELECT 1 FROM items WHERE items.job = jobs.id AND items.status = ?) ORDER BY finished",
+            (JOB_DONE, JOB_CANCELLED, before_ts, RUNNING)).fetchall()
+        return [row for row in (self.get(r[0]) for r in ids) if row is not None]
+
+    @_serialized
+    def delete(self, job: str) -> int | None:
+        """Deletes the job with its requests and results; returns how many
+        requests (None: no such job). Running requests are the caller's to
+        stop first (a result stored for a deleted request is dropped)."""
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            if not self.db.execute("DELETE FROM jobs WHERE id=?", (job,)).rowcount:
+                return None
+            n = self.db.execute("DELETE FROM items WHERE job=?", (job,)).rowcount
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # old pages out of the -wal file (best effort)
+        return n

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from engine.config import ModelConfig, effective_max_model_len
 from engine.tokenizer import Tokenizer
+from router.audit_writer import AuditWriter
 from router.core import RouterCore
 from router.grpc_api import add_router_to_server
 from router.http_server import serve_http
@@ -26,6 +27,7 @@ from router.jobs import JobService, add_jobs_to_server
 from router.openai_http import OpenAIServer
 from router.peer import CallAuth
 from router.requests import ModelLimits
+from router.retention import RetentionSweeper
 from runtime.config import ClusterConfig, load_config
 from runtime.kvsecret import pem_from_env, read_secret
 from runtime.lifetime import die_with_parent
@@ -55,6 +57,15 @@ def http_tls_files(tls: TLSMaterial | None, folder: Path) -> tuple[str, str] | N
     return str(folder / "http.pem"), str(folder / "http.key")
 
 
+def audit_log(cfg) -> AuditWriter | None:
+    """The router's audit log (router.audit_log), resumed where it ended and
+    written off the event loop; None (and a warning) when unset."""
+    if cfg.router.audit_log:
+        return AuditWriter(cfg.router.audit_log)
+    logging.getLogger(__name__).warning("router.audit_log is not set: requests and operator actions are not audited")
+    return None
+
+
 async def run(args: argparse.Namespace) -> None:
     cfg = load_config(args.config)
     tls = router_tls(cfg)
@@ -65,6 +76,7 @@ async def run(args: argparse.Namespace) -> None:
     limits = ModelLimits(name=args.model_name or model_cfg.name, max_model_len=max_len,
                          vocab_size=model_cfg.vocab_size, chat=tok.has_chat_template)
     core = RouterCore(cfg, tok, limits, dialer=Dialer(tls), salt_key=salt_key)
+    core.audit = audit_log(cfg)
     auth = CallAuth(core, tls)
     api = cfg.router.api
     # the public listener takes small messages and a bounded number of calls; the internal one, workers' sizes
@@ -74,6 +86,7 @@ async def run(args: argparse.Namespace) -> None:
     if not (args.jobs_db or cfg.router.jobs_db):
         logging.getLogger(__name__).warning("router.jobs_db is not set: batch jobs live in memory only")
     await jobs.start()
+    retention = RetentionSweeper(cfg, jobs.store, core.audit)
     for server in (public, internal_server):
         add_router_to_server(core, server, auth)
         add_jobs_to_server(jobs, server)
@@ -98,7 +111,9 @@ async def run(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    sweeping = asyncio.create_task(retention.run(stop))
     await stop.wait()
+    await asyncio.wait_for(sweeping, 30.0)
     if http is not None:
         http.should_exit = True
         await asyncio.wait_for(http_task, 5.0)
@@ -106,6 +121,8 @@ async def run(args: argparse.Namespace) -> None:
     await jobs.stop()
     core.tokenizers.shutdown(wait=False, cancel_futures=True)
     await core.registry.close()
+    if core.audit is not None:
+        core.audit.close()
     private.cleanup()
 
 

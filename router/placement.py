@@ -183,6 +183,9 @@ class PlacementRequest:
     """Only the decode worker may compute the prompt (after prefill attempts failed)."""
     tenant: str = ""
     """Whose request: pools dedicated to other tenants are not for it."""
+    reserve: int = 0
+    """Slots of each worker's ``max_inflight`` it must leave free (batch requests
+    leave ``router.interactive_reserve`` for interactive ones)."""
 
 
 @dataclass(slots=True)
@@ -216,12 +219,13 @@ def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView
         if allowed is not None and view.jurisdiction.get(w.site) not in allowed:
             continue
         if w.role == Role.PREFILL:
-            if not req.colocated_only and w.inflight < w.max_inflight and \
+            if not req.colocated_only and w.inflight + req.reserve < w.max_inflight and \
                     w.queued_prefill_tokens / view.throughput(w) <= view.max_prefill_queue_s:
                 prefills.append(w)
         elif w.role == Role.DECODE:
             any_allowed_decode = True
-            if w.inflight < w.max_inflight and w.free_blocks >= need - req.cached_blocks.get(w.worker_id, 0):
+            if w.inflight + req.reserve < w.max_inflight and \
+                    w.free_blocks >= need - req.cached_blocks.get(w.worker_id, 0):
                 decodes.append(w)
     if not decodes:
         if not any_decode:

@@ -16,6 +16,7 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 from router.placement import ClusterView, LinkView, WorkerView
 from router.prefix_index import PrefixIndex
+from router.usage import UsageLedger
 from runtime.config import ClusterConfig
 from runtime.pki import CertRole, Identity
 from runtime.rpc import PLAINTEXT, Dialer
@@ -80,7 +81,12 @@ class WorkerRegistry:
         self.timeout_s = cfg.router.worker_timeout_s
         self.workers: dict[str, WorkerRecord] = {}
         self.index = PrefixIndex()
+        self.usage = UsageLedger(cfg.router.usage_db)
+        """Usage accounting from the workers' own counters (fed by heartbeats)."""
         self.jurisdiction = {s.name: s.jurisdiction for s in cfg.sites}
+        self.dedicated = {(s.name, role): frozenset(getattr(s, role.value).tenants)
+                          for s in cfg.sites for role in Role if getattr(s, role.value).tenants}
+        """(site, role) -> the tenants a dedicated pool serves (shared pools are absent)."""
         self.links: dict[frozenset, LinkView] = {
             frozenset(link.between): LinkView(link.rtt_ms, link.gbps, True, link_name(*link.between))
             for link in cfg.links}
@@ -113,11 +119,14 @@ class WorkerRegistry:
         self.workers[info.worker_id] = WorkerRecord(info, wpb.WorkerLoad(worker_id=info.worker_id),
                                                     now, channel, stub, registered_at=now, answered_at=now)
 
-    async def deregister(self, worker_id: str) -> bool:
-        """Forgets a worker that is leaving; False if it was not registered."""
+    async def deregister(self, worker_id: str, load: wpb.WorkerLoad | None = None) -> bool:
+        """Forgets a worker that is leaving, after taking its final ``load``
+        (usage counters); False if it was not registered."""
         rec = self.workers.pop(worker_id, None)
         if rec is None:
             return False
+        if load is not None and load.worker_id in ("", worker_id):
+            self._observe_usage(rec, load)
         self.index.remove_worker(worker_id)
         await rec.channel.close()
         return True
@@ -128,6 +137,7 @@ class WorkerRegistry:
             return wpb.HeartbeatResponse(known=False)
         rec.load = req.load
         rec.last_seen = time.monotonic()
+        self._observe_usage(rec, req.load)
         ev = req.kv_events
         if ev.snapshot:
             rec.synced = True
@@ -226,13 +236,19 @@ class WorkerRegistry:
                 rec.inflight, r.max_inflight_per_worker,
                 max(load.queued_prefill_tokens, rec.pending_prefill_tokens), load.running, load.waiting,
                 load.free_blocks if load.total_blocks else (info.num_blocks or 1 << 30),
-                load.prefill_tokens_per_s, load.decode_step_ms / 1e3))
+                load.prefill_tokens_per_s, load.decode_step_ms / 1e3,
+                self.dedicated.get((info.site, Role.of(info.role)), frozenset())))
         return ClusterView(workers, self.jurisdiction, self.links, self.local_link,
                            block_size=self.cfg.cache.block_size, kv_block_bytes=kv_block_bytes,
                            num_layers=num_layers, default_prefill_tokens_per_s=r.default_prefill_tokens_per_s,
                            colocate_below_tokens=r.colocate_below_tokens, herd_tolerance=r.herd_tolerance,
                            max_prefill_queue_s=r.kv_lease_s / 2)
 
+    def _observe_usage(self, rec: WorkerRecord, load: wpb.WorkerLoad) -> None:
+        self.usage.observe(rec.info.worker_id, rec.info.site, Role.of(rec.info.role).value, load)
+        self.usage.flush_soon()
+
     async def close(self) -> None:
         for rec in self.workers.values():
             await rec.channel.close()
+        await self.usage.close()

@@ -1,7 +1,8 @@
 """The worker Registry (``kvrelay.v1.Registry``): workers register, heartbeat
 their load, prefix-cache events and link probes, and leave; ``ListWorkers``
 is what ``kvrelay status`` shows. A thin gRPC adapter over
-router/registry.py and router/pools.py.
+router/registry.py and router/pools.py; the usage counters of heartbeats
+(and of a leaving worker's Deregister) go to the ledger (router/usage.py).
 
 Who may call what (with TLS on; these calls come over the mutual-TLS
 listener): ``Register`` only with a prefill or decode certificate naming
@@ -73,13 +74,27 @@ class RegistryService(wgrpc.RegistryServicer):
             role = self._check_register(info, context)
         except RouterError as exc:
             log.warning("refused to register %s from %s: %s", info.worker_id, context.peer(), exc.message)
+            self._audit(info, context, exc.kind.value)
             await context.abort(STATUS[exc.kind], exc.message)
+        self._audit(info, context, "ok")
         await self.registry.register(info)
         log.info("worker %s registered at %s", info.worker_id, info.address)
         drained = self.core.pools.trim(info.site, role)  # a pool scaled down while this worker was starting
         if drained:
             log.info("%s/%s is above its desired size: draining %s", info.site, role, ", ".join(drained))
         return wpb.RegisterResponse(heartbeat_interval_s=self.core.cfg.router.heartbeat_interval_s)
+
+    def _audit(self, info: wpb.WorkerInfo, context, outcome: str) -> None:
+        """A registration and the certificate it came with, accepted or refused, in the audit log."""
+        if self.core.audit is None:
+            return
+        try:
+            cert = self.auth.cert(context) if self.auth.tls is not None else None
+        except RouterError as exc:
+            cert = f"refused: {exc.message}"
+        self.core.audit.append("registration", {
+            "worker": info.worker_id[:200], "site": info.site[:64], "address": info.address[:200],
+            "certificate": str(cert) if cert is not None else "none (TLS off)", "outcome": outcome})
 
     async def _refuse_unless_own(self, context, worker_id: str, what: str) -> None:
         try:
@@ -93,7 +108,8 @@ class RegistryService(wgrpc.RegistryServicer):
 
     async def Deregister(self, request: wpb.DeregisterRequest, context) -> wpb.DeregisterResponse:
         await self._refuse_unless_own(context, request.worker_id, "Deregister")
-        if await self.registry.deregister(request.worker_id):
+        final = request.load if request.HasField("load") else None  # its last usage counters
+        if await self.registry.deregister(request.worker_id, final):
             log.info("worker %s left", request.worker_id)
         return wpb.DeregisterResponse()
 

@@ -124,7 +124,7 @@ class Relay:
     def _reserve(self) -> None:
         """Opens D's Decode stream; its first answer is a reservation, or tokens when colocated."""
         self.call = self.d.stub.Decode(wpb.DecodeRequest(request=self.wr, colocated=self.p is None,
-                                                         lease_s=self.lease_s))
+                                                         lease_s=self.lease_s, link=self.placement.link))
         # KV crossing a link between sites: if the link goes down meanwhile, re-place at once
         # (the transfer would otherwise stall until its timeout)
         if self.p is not None:

@@ -246,6 +246,9 @@ class RouterSection:
     restarts); None = `kvrelay serve` uses jobs.sqlite in the cache folder."""
     job_concurrency: int = 4
     """Job requests the router runs at once (only while no interactive request waits)."""
+    interactive_reserve: int = 1
+    """Slots of every worker's max_inflight_per_worker that batch requests leave
+    free, so an interactive request finds room at once however busy jobs keep it."""
     drain_timeout_s: float = 600.0
     """A draining worker (scale-down, `kvrelay drain`) leaves after this even
     if requests remain; until then it finishes what it holds."""
@@ -279,6 +282,9 @@ class RouterSection:
             raise FieldError("job_concurrency", "must be >= 1")
         if self.max_inflight_per_worker < 1:
             raise FieldError("max_inflight_per_worker", "must be >= 1")
+        if not 0 <= self.interactive_reserve < self.max_inflight_per_worker:
+            raise FieldError("interactive_reserve", f"must be in [0, max_inflight_per_worker), got "
+                                                    f"{self.interactive_reserve}")
         if self.colocate_below_tokens < 0:
             raise FieldError("colocate_below_tokens", "must be >= 0")
         _positive(self, "default_prefill_tokens_per_s")
@@ -588,6 +594,7 @@ FIELD_MAX: dict[tuple[str, str], int] = {
     ("RouterSection", "slo_tpot_s"): 3_600,
     ("RouterSection", "planner_window_s"): _DAY_S,
     ("RouterSection", "job_concurrency"): 4_096,
+    ("RouterSection", "interactive_reserve"): 65_535,
     ("RouterSection", "drain_timeout_s"): _DAY_S,
     ("RouterSection", "retention_sweep_s"): _DAY_S,
     ("RouterSection", "operator_audit_retention_days"): 36_500,

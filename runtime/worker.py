@@ -34,6 +34,7 @@ from runtime.pki import CertRole, PKIError, role_dns
 from runtime.rpc import Dialer, bind, create_server
 from runtime.tls import TLSMaterial, load_material
 from runtime.topology import Role, Topology
+from runtime.usage_meter import UsageMeter
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,9 @@ def build_engine(cfg: ClusterConfig, model_path: str, kv_shm_path: str | None = 
                                   kv_shm_path=kv_shm_path))
 
 
-def worker_load(ident: WorkerIdentity, engine: LLMEngine, kv_in: int = 0, kv_out: int = 0) -> wpb.WorkerLoad:
+def worker_load(ident: WorkerIdentity, engine: LLMEngine, kv_in: int = 0, kv_out: int = 0,
+                usage: UsageMeter | None = None) -> wpb.WorkerLoad:
+    """The load a worker reports (heartbeats, Stats), with its usage counters and incarnation."""
     st = engine.stats()
     return wpb.WorkerLoad(
         worker_id=ident.worker_id, running=st.num_running, waiting=st.num_waiting,
@@ -76,7 +79,9 @@ def worker_load(ident: WorkerIdentity, engine: LLMEngine, kv_in: int = 0, kv_out
         kv_bytes_received=kv_in, kv_bytes_sent=kv_out, reservations=engine.num_reserved + engine.num_held,
         prefix_hit_blocks=st.prefix_hit_blocks, prefix_query_blocks=st.prefix_query_blocks,
         queued_prefill_tokens=st.queued_prefill_tokens, prefill_tokens_per_s=st.prefill_tokens_per_s,
-        decode_step_ms=st.decode_step_s * 1e3)
+        decode_step_ms=st.decode_step_s * 1e3,
+        incarnation=usage.incarnation if usage is not None else "",
+        usage=usage.protos() if usage is not None else [])
 
 
 async def probe_site(target: wpb.ProbeTarget, timeout_s: float) -> wpb.LinkReport:
@@ -149,8 +154,9 @@ class _Heartbeats:
         if hb.drain and not self.draining:
             self.draining = True
             log.info("%s is draining: no new requests; leaving once the current ones are done", self.info.worker_id)
-        if hb.drained:
-            await self.stub.Deregister(wpb.DeregisterRequest(worker_id=self.info.worker_id), timeout=5.0)
+        if hb.drained:  # with the final counters: nothing runs here any more
+            await self.stub.Deregister(wpb.DeregisterRequest(worker_id=self.info.worker_id, load=self.load_fn()),
+                                       timeout=5.0)
             log.info("%s drained: deregistered, exiting", self.info.worker_id)
         return hb.drained
 
@@ -219,11 +225,13 @@ async def engine_watch(aengine: AsyncEngine) -> None:
     raise RuntimeError(f"the engine thread died: {aengine.failure!r}")
 
 
-async def leave(setup: WorkerSetup, worker_id: str) -> None:
-    """Tells the router this worker is gone (best effort, a few seconds at most)."""
+async def leave(setup: WorkerSetup, worker_id: str, load: wpb.WorkerLoad | None = None) -> None:
+    """Tells the router this worker is gone, with its final ``load`` (its
+    usage counters); best effort, a few seconds at most."""
     try:
         async with setup.dialer.aio(setup.router, server_name=role_dns(CertRole.ROUTER)) as ch:
-            await wgrpc.RegistryStub(ch).Deregister(wpb.DeregisterRequest(worker_id=worker_id), timeout=3.0)
+            await wgrpc.RegistryStub(ch).Deregister(wpb.DeregisterRequest(worker_id=worker_id, load=load),
+                                                    timeout=3.0)
     except grpc.aio.AioRpcError as exc:
         log.warning("could not deregister %s: %s", worker_id, exc.code())
 
@@ -375,7 +383,7 @@ async def serve_worker(setup: WorkerSetup, aengine: AsyncEngine, server: grpc.ai
     finally:
         aengine.engine.cache.unlink()
     if failure is not None:
-        await leave(setup, info.worker_id)
+        await leave(setup, info.worker_id, load_fn())
         raise SystemExit(1)
 
 

@@ -48,7 +48,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., site: _Optional[str] = ..., address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., model: _Optional[str] = ..., layout_hash: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "running", "waiting", "free_blocks", "total_blocks", "prefill_tokens_total", "decode_tokens_total", "kv_bytes_received", "kv_bytes_sent", "reservations", "prefix_hit_blocks", "prefix_query_blocks", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_step_ms")
+    __slots__ = ("worker_id", "running", "waiting", "free_blocks", "total_blocks", "prefill_tokens_total", "decode_tokens_total", "kv_bytes_received", "kv_bytes_sent", "reservations", "prefix_hit_blocks", "prefix_query_blocks", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_step_ms", "incarnation", "usage")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,8 @@ class WorkerLoad(_message.Message):
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     running: int
     waiting: int
@@ -79,7 +81,29 @@ class WorkerLoad(_message.Message):
     queued_prefill_tokens: int
     prefill_tokens_per_s: float
     decode_step_ms: float
-    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., decode_tokens_total: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., reservations: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_ms: _Optional[float] = ...) -> None: ...
+    incarnation: str
+    usage: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    def __init__(self, worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., decode_tokens_total: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., reservations: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., incarnation: _Optional[str] = ..., usage: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "link", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "kv_bytes", "engine_ns")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_NS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    link: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    kv_bytes: int
+    engine_ns: int
+    def __init__(self, tenant: _Optional[str] = ..., link: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., engine_ns: _Optional[int] = ...) -> None: ...
 
 class KVCacheEvents(_message.Message):
     __slots__ = ("stored", "removed", "snapshot")
@@ -150,10 +174,12 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., send_snapshot: _Optional[bool] = ..., drain: _Optional[bool] = ..., drained: _Optional[bool] = ..., probes: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., probe_timeout_s: _Optional[float] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "load")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    load: WorkerLoad
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
 
 class DeregisterResponse(_message.Message):
     __slots__ = ()
@@ -258,14 +284,16 @@ class KVTarget(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., start_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., transport: _Optional[str] = ..., link_rtt_ms: _Optional[float] = ..., link_gbps: _Optional[float] = ..., protection: _Optional[str] = ..., receiver: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request", "colocated", "lease_s")
+    __slots__ = ("request", "colocated", "lease_s", "link")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     COLOCATED_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
     request: WorkRequest
     colocated: bool
     lease_s: float
-    def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., colocated: _Optional[bool] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    link: str
+    def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., colocated: _Optional[bool] = ..., lease_s: _Optional[float] = ..., link: _Optional[str] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("reservation", "output")

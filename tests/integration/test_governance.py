@@ -1,0 +1,87 @@
+"""`kvrelay governance` against a running cluster with two tenants: the
+statement's answers come from the live config (jurisdictions, a dedicated
+pool, retention, link protection, the router's site) and the live workers
+(their devices, health and model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli.main import main
+from router.auth import token_sha256
+from tests.integration.conftest import running_cluster
+
+pytestmark = pytest.mark.model
+
+CONFIG = {
+    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0, "site": "local"},
+    "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1},
+               "decode": {"replicas": 1, "tenants": ["lab-on"]}},
+              {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0}, "decode": {"replicas": 0}}],
+    "links": [{"between": ["local", "montreal"], "rtt_ms": 9, "gbps": 10, "protection": "integrity"}],
+    "workers": {"threads": 1},
+    "cache": {"memory_gib": 0.25},
+    "tenants": [{"name": "lab-on", "token_sha256": token_sha256("lab-token"), "jurisdictions": ["CA-ON"],
+                 "job_retention_days": 7, "log_prompts": True},
+                {"name": "uni-qc", "token_sha256": token_sha256("uni-token"), "jurisdictions": ["CA-QC"]}],
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm_path):
+    with running_cluster(CONFIG, smollm_path) as lc:
+        yield lc
+
+
+def _run(cluster, tmp_path, capsys, *extra: str, token_text: str | None = None) -> tuple[int, str, str]:
+    token = tmp_path / "token"
+    token.write_text(cluster.operator_token if token_text is None else token_text)
+    code = main(["governance", "--router", cluster.router_address, "--ca", str(cluster.ca_file),
+                 "--token-file", str(token), *extra])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _answers(doc: dict, tenant: str) -> dict[int, dict]:
+    t = next(t for t in doc["tenants"] if t["tenant"] == tenant)
+    return {a["question"]: a for a in t["answers"]}
+
+
+def test_statement_reflects_the_live_config_and_workers(cluster, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("KVRELAY_OPERATOR_TOKEN", raising=False)
+    code, out, err = _run(cluster, tmp_path, capsys, "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [t["tenant"] for t in doc["tenants"]] == ["lab-on", "uni-qc"]
+    lab = _answers(doc, "lab-on")
+    pools = {p["pool"]: p for p in lab[2]["facts"]["pools"]}
+    assert set(pools) == {"local/prefill", "local/decode"}  # montreal has neither replicas nor workers
+    assert pools["local/decode"]["sharing"] == "dedicated" and pools["local/decode"]["dedicated_to"] == ["lab-on"]
+    assert pools["local/decode"]["live"]["healthy"] == 1 and pools["local/decode"]["live_devices"] == ["cpu"]
+    assert pools["local/prefill"]["sharing"] == "shared" and pools["local/prefill"]["live"]["healthy"] == 1
+    assert lab[1]["facts"]["model"]["names"] and "kvrelay-launcher" in lab[1]["facts"]["operator_credentials"]["tokens"]
+    assert lab[3]["facts"]["processing_sites"] == [{"site": "local", "jurisdiction": "CA-ON",
+                                                    "roles": ["prefill", "decode"]}]
+    assert [(lk["link"], lk["protection"], lk["transport"]) for lk in lab[3]["facts"]["kv_links"]] == [
+        ("local", "aead", ["tcp"])]
+    assert lab[3]["facts"]["stores"]["jobs_db"]["path"] == cluster.cfg.router.jobs_db
+    assert lab[4]["facts"]["job_retention_days"] == 7 and "carry prompt and output text" in lab[4]["answer"]
+    assert doc["tenants"][0]["warnings"] == []
+    uni = next(t for t in doc["tenants"] if t["tenant"] == "uni-qc")
+    assert any("router at local (CA-ON) is outside" in w for w in uni["warnings"])
+    assert any("requests are refused" in w for w in uni["warnings"])
+    assert [p["pool"] for p in _answers(doc, "uni-qc")[2]["facts"]["pools"]] == []
+
+
+def test_markdown_for_one_tenant_unknown_tenants_and_operators_only(cluster, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("KVRELAY_OPERATOR_TOKEN", raising=False)
+    code, out, err = _run(cluster, tmp_path, capsys, "--tenant", "lab-on")
+    assert code == 0, err
+    assert "## Tenant `lab-on`" in out and "uni-qc`" not in out
+    assert [n for n in range(1, 9) if f"### {n}. " in out] == list(range(1, 9))
+    code, out, err = _run(cluster, tmp_path, capsys, "--tenant", "nobody")
+    assert code == 1 and "NOT_FOUND" in err and "'nobody'" in err
+    code, out, err = _run(cluster, tmp_path, capsys, token_text="lab-token")  # a tenant's token is no operator's
+    assert code == 1 and "UNAUTHENTICATED" in err and out == ""

@@ -1,0 +1,45 @@
+"""``kvrelay job delete`` on a real cluster: a small job runs, its owner
+deletes it through the CLI, the job is gone from the router (and its
+deletion in the router's audit log, which still verifies); deleting it
+again, or a job that never was, names it as unknown."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from kvrelay.v1 import jobs_pb2 as jpb
+from kvrelay.v1 import jobs_pb2_grpc as jgrpc
+
+from cli.main import main
+from router.audit import query, verify
+from tests.integration.conftest import wait_until
+
+pytestmark = pytest.mark.model
+
+
+def _state(cluster, job_id: str) -> int:
+    with cluster.channel() as ch:
+        return jgrpc.JobsStub(ch).GetJob(jpb.GetJobRequest(id=job_id), timeout=10).state
+
+
+def test_job_delete_through_the_cli(cluster, tmp_path, capsys, as_cluster_user):
+    f = tmp_path / "job.jsonl"
+    f.write_text("\n".join(json.dumps({"token_ids": [400 + i, 401, 402, 403], "max_tokens": 4, "ignore_eos": True})
+                           for i in range(2)) + "\n")
+    r = as_cluster_user
+    assert main(["job", "submit", str(f), *r]) == 0
+    job_id = capsys.readouterr().out.strip()
+    assert wait_until(lambda: _state(cluster, job_id) == jpb.JOB_STATE_DONE, 120, 0.3)
+    assert main(["job", "delete", job_id, *r]) == 0
+    assert capsys.readouterr().out.strip() == f"deleted job {job_id}: 2 requests and their results"
+    with pytest.raises(grpc.RpcError) as err:
+        _state(cluster, job_id)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert main(["job", "delete", job_id, *r]) == 1
+    assert f"NOT_FOUND: no job '{job_id}'" in capsys.readouterr().err
+    audit = cluster.cfg.router.audit_log
+    deleted = [x for x in query(audit, kind="job") if x.get("job") == job_id]
+    assert [(x["action"], x["requests_deleted"]) for x in deleted] == [("deleted", 2)]
+    assert verify(audit).ok

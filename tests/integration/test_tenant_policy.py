@@ -1,0 +1,154 @@
+"""Tenant policy on real processes: two sites on this machine, Montreal
+(CA-QC, shared prefill and decode pools) and Toronto (CA-ON, a decode pool
+dedicated to lab-on). lab-qc is limited to CA-QC; lab-q has a quota of 6
+requests per minute; lab-on's prompts may be logged, nobody else's.
+Residency is checked from the workers' own counters, the audit log with
+`kvrelay audit verify` and by reading the file."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from kvrelay.v1 import admin_pb2 as apb
+from kvrelay.v1 import admin_pb2_grpc as agrpc
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+
+from cli.main import main as kvrelay
+from router.auth import token_sha256
+from tests.integration.conftest import (
+    running_cluster,
+    tls_context,
+    wait_until,
+    worker_stats,
+    workers,
+)
+
+pytestmark = pytest.mark.model
+
+TOKENS = {"lab-qc": "tok-lab-qc", "lab-on": "tok-lab-on", "lab-x": "tok-lab-x", "lab-q": "tok-lab-q"}
+SECRET = "the password of the QC lab is PAPAYA-7731"
+LOGGED = "a prompt lab-on lets us keep: MANGO-4242"
+TORONTO = "toronto/decode/0"
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm_path):
+    raw = {
+        "router": {"port": 0, "http_port": 0, "policy": "least_loaded", "colocate_below_tokens": 0,
+                   "heartbeat_interval_s": 0.25, "admission_wait_s": 5.0},
+        "sites": [{"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+                  {"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 0},
+                   "decode": {"replicas": 1, "tenants": ["lab-on"]}}],
+        "links": [{"between": ["montreal", "toronto"], "rtt_ms": 5, "gbps": 10}],
+        "workers": {"threads": 1},
+        "cache": {"memory_gib": 0.25},
+        "tenants": [{"name": "lab-qc", "token_sha256": token_sha256(TOKENS["lab-qc"]), "jurisdictions": ["CA-QC"]},
+                    {"name": "lab-on", "token_sha256": token_sha256(TOKENS["lab-on"]), "log_prompts": True},
+                    {"name": "lab-x", "token_sha256": token_sha256(TOKENS["lab-x"])},
+                    {"name": "lab-q", "token_sha256": token_sha256(TOKENS["lab-q"]), "requests_per_minute": 6}],
+    }
+    with running_cluster(raw, smollm_path, reconcile=False) as lc:
+        assert wait_until(lambda: len(workers(lc)) == 3, 60)
+        yield lc
+
+
+def generate(lc, tenant: str, **kw) -> list[ipb.GenerateResponse]:
+    kw.setdefault("max_tokens", 2)
+    if "prompt" not in kw:
+        kw["token_ids"] = ipb.TokenIds(ids=list(range(200, 240)))
+    with lc.dialer(TOKENS[tenant]).sync(lc.router_address) as ch:
+        return list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(ignore_eos=True, **kw), timeout=120))
+
+
+def toronto_work(lc) -> tuple[int, int]:
+    s = worker_stats(lc, TORONTO)
+    return s.prefill_tokens_total, s.decode_tokens_total
+
+
+def test_lab_qc_is_processed_only_in_montreal(cluster):
+    before = toronto_work(cluster)
+    for kw in ({}, {"allowed_jurisdictions": ["CA-QC"]}, {"allowed_jurisdictions": ["CA-QC", "CA-ON"]}):
+        for _ in range(2):
+            fin = generate(cluster, "lab-qc", **kw)[-1].finish
+            assert fin.placement.decode_site == fin.placement.prefill_site == "montreal", kw
+    assert toronto_work(cluster) == before  # the Toronto worker's own counters: nothing of lab-qc's ran there
+
+
+def test_lab_qc_asking_for_ca_on_only_is_refused_naming_both_sets(cluster):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(cluster, "lab-qc", allowed_jurisdictions=["CA-ON"])
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "{CA-ON}" in err.value.details() and "{CA-QC}" in err.value.details()
+
+
+def test_a_pool_dedicated_to_lab_on_serves_only_lab_on(cluster):
+    before = toronto_work(cluster)
+    assert {generate(cluster, "lab-x")[-1].finish.placement.decode_site for _ in range(4)} == {"montreal"}
+    assert toronto_work(cluster) == before
+    sites = {generate(cluster, "lab-on")[-1].finish.placement.decode_site for _ in range(4)}
+    assert "toronto" in sites  # least_loaded spreads lab-on's requests over both pools it may use
+
+
+def _http(lc, tenant: str, body: dict) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(f"https://{lc.http_address}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"authorization": f"Bearer {TOKENS[tenant]}",
+                                          "content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60, context=tls_context(lc)) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, json.loads(e.read())
+
+
+def test_the_quota_refuses_the_seventh_request_and_serves_it_after_the_wait(cluster):
+    for _ in range(6):
+        generate(cluster, "lab-q", max_tokens=1)
+    with cluster.dialer(TOKENS["lab-q"]).sync(cluster.router_address) as ch:
+        call = igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt="hi", max_tokens=1), timeout=60)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "requests_per_minute quota (6)" in err.value.details()
+    hint_ms = int(dict(err.value.trailing_metadata())["retry-after-ms"])
+    assert 0 < hint_ms <= 10_000
+    status, headers, body = _http(cluster, "lab-q", {"prompt": "hi", "max_tokens": 1})  # the same bucket
+    assert status == 429 and int(headers["retry-after"]) >= 1
+    assert "requests_per_minute" in body["error"]["message"] and body["error"]["code"] == "resource_exhausted"
+    time.sleep(int(headers["retry-after"]) + 0.5)
+    status, _, body = _http(cluster, "lab-q", {"prompt": "hi", "max_tokens": 1})
+    assert status == 200 and body["usage"]["completion_tokens"] == 1
+
+
+def _records(lc) -> list[dict]:
+    return [json.loads(line) for line in Path(lc.cfg.router.audit_log).read_text().splitlines()]
+
+
+def test_the_audit_log_verifies_and_keeps_prompts_only_where_allowed(cluster, capsys):
+    generate(cluster, "lab-qc", prompt=SECRET)
+    with pytest.raises(grpc.RpcError):
+        generate(cluster, "lab-qc", prompt=SECRET, allowed_jurisdictions=["CA-ON"])
+    generate(cluster, "lab-on", prompt=LOGGED)
+    with cluster.operator_dialer.sync(cluster.router_address) as ch:
+        agrpc.AdminStub(ch).Scale(apb.ScaleRequest(site="toronto", role="prefill", replicas=0), timeout=30)
+    assert wait_until(lambda: any(r.get("prompt") == LOGGED for r in _records(cluster)), 10)
+    text = Path(cluster.cfg.router.audit_log).read_text()
+    assert "PAPAYA" not in text  # lab-qc's policy: never
+    records = _records(cluster)
+    qc = [r for r in records if r["kind"] == "request" and r.get("tenant") == "lab-qc" and r["outcome"] == "ok"]
+    assert qc and all(r["decode_site"] == "montreal" and r["prompt_tokens"] > 0 and r["jurisdictions"] == ["CA-QC"]
+                      for r in qc)
+    refused = [r for r in records if r.get("tenant") == "lab-qc" and r.get("outcome") == "failed_precondition"]
+    assert refused and refused[0]["jurisdictions_requested"] == ["CA-ON"]
+    on = next(r for r in records if r.get("prompt") == LOGGED)
+    assert on["tenant"] == "lab-on" and on["output"] and on["completion_tokens"] == 2
+    assert any(r["kind"] == "operator" and r["action"] == "scale" and r["site"] == "toronto" for r in records)
+    capsys.readouterr()
+    assert kvrelay(["audit", "verify", cluster.cfg.router.audit_log]) == 0
+    assert capsys.readouterr().out.startswith("ok")

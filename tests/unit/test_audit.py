@@ -1,0 +1,334 @@
+"""The audit log on real files: a log of mixed records verifies; an edited,
+deleted, inserted or half-written line is found and named (line and seq);
+retention tombstones keep the chain whole, a tombstone forged without a
+retention record is found; a noted head finds the end edited or cut off;
+the log resumes its chain when reopened, refuses to continue a broken one,
+and is private (0600 in a 0700 folder); query filters; and the
+``kvrelay audit`` commands over the same files."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from cli.main import main
+from router.audit import (
+    GENESIS,
+    AuditError,
+    AuditLog,
+    RecordKind,
+    iso_time,
+    query,
+    verify,
+)
+
+T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z
+
+
+class Clock:
+    def __init__(self, t: float = T0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _fill(path: Path, n: int = 20, clock: Clock | None = None) -> AuditLog:
+    """A log of ``n`` mixed records, one minute apart (request records alternate tenants a and b)."""
+    clock = clock or Clock()
+    log = AuditLog(path, clock=clock, fsync=False)
+    for i in range(n):
+        clock.t += 60
+        if i % 5 == 4:
+            log.append(RecordKind.OPERATOR, {"operator": "ops", "action": "scale", "site": "montreal"})
+        elif i % 7 == 6:
+            log.append(RecordKind.REGISTRATION, {"worker_id": f"w{i}", "site": "toronto"})
+        else:
+            log.append(RecordKind.REQUEST, {
+                "tenant": "a" if i % 2 else "b", "request_id": f"r{i}", "prefill_site": "toronto",
+                "decode_site": "montreal" if i % 3 else "toronto", "prompt_tokens": 10 + i,
+                "completion_tokens": 4, "outcome": "ok"})
+    return log
+
+
+def _lines(path: Path) -> list[bytes]:
+    return path.read_bytes().split(b"\n")[:-1]
+
+
+def _write(path: Path, lines: list[bytes]) -> None:
+    path.write_bytes(b"".join(x + b"\n" for x in lines))
+
+
+@pytest.fixture
+def log_path(tmp_path: Path) -> Path:
+    path = tmp_path / "audit" / "audit.jsonl"
+    _fill(path).close()
+    return path
+
+
+def test_a_log_of_mixed_records_verifies(log_path):
+    result = verify(log_path)
+    assert result.ok and result.records == 20 and result.problem is None
+    lines = _lines(log_path)
+    assert result.head == hashlib.sha256(lines[-1]).hexdigest()
+    first, second = json.loads(lines[0]), json.loads(lines[1])
+    assert list(first)[:4] == ["seq", "time", "kind", "prev"]
+    assert first["seq"] == 1 and first["prev"] == GENESIS == hashlib.sha256(b"kvrelay audit log v1").hexdigest()
+    assert second["prev"] == hashlib.sha256(lines[0]).hexdigest()
+    assert first["time"] == "2027-01-15T08:01:00.000Z"
+    assert iso_time(T0 + 0.1234) == "2027-01-15T08:00:00.123Z"
+
+
+def test_an_edited_token_count_names_the_record(log_path):
+    lines = _lines(log_path)
+    assert b'"prompt_tokens":17' in lines[7]
+    lines[7] = lines[7].replace(b'"prompt_tokens":17', b'"prompt_tokens":1')
+    _write(log_path, lines)
+    result = verify(log_path)
+    assert not result.ok and (result.line, result.seq) == (8, 8)
+    assert result.problem == "record seq 8 (line 8) was edited"
+
+
+def test_a_deleted_line_names_the_gap(log_path):
+    lines = _lines(log_path)
+    _write(log_path, lines[:5] + lines[6:])
+    result = verify(log_path)
+    assert result.problem == "record seq 6 deleted before line 6" and (result.line, result.seq) == (6, 6)
+    _write(log_path, lines[:5] + lines[9:])
+    assert verify(log_path).problem == "records seq 6..9 deleted before line 6"
+    _write(log_path, lines[1:])  # the first one
+    assert verify(log_path).problem == "record seq 1 deleted before line 1"
+
+
+def test_an_inserted_line_is_named_copied_or_forged(log_path):
+    lines = _lines(log_path)
+    _write(log_path, lines[:10] + [lines[3]] + lines[10:])  # a copy of seq 4 after seq 10
+    result = verify(log_path)
+    assert result.problem == "a record was inserted at line 11 (seq 4)" and (result.line, result.seq) == (11, 4)
+    # a forgery made to fit after line 10 (seq 11, prev = line 10's hash): found at the next line, named itself
+    forged = json.dumps({"seq": 11, "time": "2027-01-15T08:10:30.000Z", "kind": "request",
+                         "prev": hashlib.sha256(lines[9]).hexdigest(), "tenant": "a"}, separators=(",", ":"))
+    _write(log_path, lines[:10] + [forged.encode()] + lines[10:])
+    result = verify(log_path)
+    assert result.problem == "a record was inserted at line 11 (seq 11)" and result.line == 11
+    # one that fits nowhere (seq 11 again, another prev)
+    stray = json.dumps({"seq": 11, "time": "x", "kind": "request", "prev": "0" * 64}, separators=(",", ":"))
+    _write(log_path, lines[:10] + [stray.encode()] + lines[10:])
+    assert verify(log_path).problem == "a record was inserted at line 11 (seq 11)"
+
+
+def test_a_half_written_last_line_is_reported_and_the_log_refuses_to_continue(log_path):
+    data = log_path.read_bytes()
+    last = _lines(log_path)[-1]
+    log_path.write_bytes(data[:-len(last) // 2 - 1])  # the last line cut halfway, as a crash would
+    result = verify(log_path)
+    assert not result.ok and result.line == 20 and result.records == 19
+    assert result.problem == "line 20 is incomplete (no newline at its end: a write cut short?)"
+    with pytest.raises(AuditError) as err:
+        AuditLog(log_path)
+    assert str(log_path) in str(err.value) and "line 20 is incomplete" in str(err.value) and err.value.line == 20
+    # a line that is not JSON, newline and all
+    log_path.write_bytes(data[:-len(last) - 1] + b'{"seq": 20, "ti\n')
+    assert verify(log_path).problem == "line 20 is not a JSON record (where seq 20 was expected)"
+    with pytest.raises(AuditError, match="line 20 is not a JSON record"):
+        AuditLog(log_path)
+    assert log_path.read_bytes() == data[:-len(last) - 1] + b'{"seq": 20, "ti\n'  # left as it was
+
+
+def test_the_last_record_edited_is_refused_on_reopen_only_through_its_successor(log_path):
+    lines = _lines(log_path)
+    lines[-2] = lines[-2].replace(b'"completion_tokens":4', b'"completion_tokens":40')
+    _write(log_path, lines)
+    with pytest.raises(AuditError, match=r"record seq 19 \(line 19\) was edited"):
+        AuditLog(log_path)
+
+
+def test_a_noted_head_finds_the_end_edited_or_cut_off(log_path):
+    head = verify(log_path).head
+    log = AuditLog(log_path, fsync=False)
+    log.append(RecordKind.OPERATOR, {"operator": "ops"})
+    log.close()
+    assert verify(log_path, head=head).ok  # the log grew past the noted head: fine
+    lines = _lines(log_path)
+    _write(log_path, lines[:-2])  # the last two cut off: the chain alone cannot tell
+    assert verify(log_path).ok
+    result = verify(log_path, head=head)
+    assert not result.ok and (result.line, result.seq) == (19, 19)
+    assert result.problem.startswith(f"the log does not contain head {head}: its last record (seq 19, line 19)")
+    assert b'"action":"scale"' in lines[19]
+    lines[19] = lines[19].replace(b'"action":"scale"', b'"action":"drain"')  # the noted record itself, edited
+    _write(log_path, lines[:20])
+    assert not verify(log_path, head=head).ok
+
+
+def test_reopening_continues_seq_and_chain(log_path):
+    log = AuditLog(log_path, fsync=False)
+    assert log.seq == 20 and log.head == verify(log_path).head
+    record = log.append(RecordKind.JOB, {"action": "deleted", "job": "j1", "tenant": "a"})
+    log.close()
+    assert record["seq"] == 21 and record["prev"] == hashlib.sha256(_lines(log_path)[19]).hexdigest()
+    assert verify(log_path).ok and verify(log_path).records == 21
+
+
+def test_file_is_0600_in_a_0700_folder(tmp_path):
+    folder = tmp_path / "new" / "audit"
+    AuditLog(folder / "audit.jsonl").close()
+    assert stat.S_IMODE((folder / "audit.jsonl").stat().st_mode) == 0o600
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    (loose / "audit.jsonl").write_bytes(b"")
+    os.chmod(loose / "audit.jsonl", 0o644)
+    AuditLog(loose / "audit.jsonl").close()  # an existing folder of the log's own, and the file, made private
+    assert stat.S_IMODE((loose / "audit.jsonl").stat().st_mode) == 0o600
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+    shared = tmp_path / "cache"  # a folder shared with other files (models): its mode stays, the log is 0600
+    (shared / "models").mkdir(parents=True)
+    os.chmod(shared, 0o755)
+    AuditLog(shared / "audit.jsonl").close()
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+    assert stat.S_IMODE((shared / "audit.jsonl").stat().st_mode) == 0o600
+
+
+def test_reserved_fields_and_values_json_cannot_hold_are_refused(tmp_path):
+    log = AuditLog(tmp_path / "a.jsonl", fsync=False)
+    for bad in ({"seq": 5}, {"prev": "x"}, {"tombstone": "0" * 64}):
+        with pytest.raises(ValueError, match="written by the log itself"):
+            log.append(RecordKind.REQUEST, bad)
+    with pytest.raises(ValueError, match="not JSON"):
+        log.append(RecordKind.REQUEST, {"x": float("nan")})
+    log.append(RecordKind.REQUEST, {"tenant": "a", "text": "line\nbreak \u2028 é"})
+    log.close()
+    assert verify(tmp_path / "a.jsonl").records == 1  # nothing half-written by the refusals
+
+
+def test_appends_from_threads_keep_one_chain(tmp_path):
+    log = AuditLog(tmp_path / "a.jsonl", fsync=False)
+    threads = [threading.Thread(target=lambda k=k: [log.append("request", {"tenant": f"t{k}", "i": i})
+                                                    for i in range(50)]) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    log.close()
+    result = verify(tmp_path / "a.jsonl")
+    assert result.ok and result.records == 200
+
+
+def test_sweep_tombstones_keep_the_chain_and_are_listed(log_path):
+    clock = Clock(T0 + 86_400)
+    log = AuditLog(log_path, clock=clock, fsync=False)
+
+    def expired(r: dict) -> bool:
+        return (r.get("tenant") == "a" or r["kind"] == "registration") and r["seq"] <= 8
+    result = log.sweep(expired)
+    assert result.counts == {"a": 4, "": 1} and result.removed == [(2, 2), (4, 4), (6, 8)]
+    assert result.record["kind"] == "retention" and result.record["seq"] == 21
+    assert result.record["removed"] == [[2, 2], [4, 4], [6, 8]] and result.record["counts"] == {"a": 4, "": 1}
+    assert [r["seq"] for r in query(log_path, tenant="a")] == [12, 16, 18]
+    lines = [json.loads(x) for x in _lines(log_path)]
+    assert set(lines[1]) == {"seq", "time", "kind", "prev", "tenant", "tombstone"} and lines[1]["tenant"] == "a"
+    assert "request_id" not in lines[1]
+    assert verify(log_path).ok
+    assert log.sweep(expired).record is None  # nothing more: nothing written
+    assert log.sweep(lambda r: False).record is None and verify(log_path).records == 21
+    # the retention record itself expires later: what it listed is carried into the next one
+    again = log.sweep(lambda r: r["kind"] == "retention" or r["seq"] == 1)
+    assert again.counts == {"": 1, "b": 1} and again.record["carried"] == result.record["removed"]
+    log.append(RecordKind.OPERATOR, {"operator": "ops"})  # appends go on into the new file
+    log.close()
+    assert verify(log_path).ok and verify(log_path).records == 23
+    assert stat.S_IMODE(log_path.stat().st_mode) == 0o600
+    assert not [p for p in log_path.parent.iterdir() if p.name != log_path.name]  # no temporary file left
+
+
+def test_a_tombstone_without_a_retention_record_is_a_deletion(log_path):
+    lines = _lines(log_path)
+    original = json.loads(lines[4])
+    stone = {k: original[k] for k in ("seq", "time", "kind", "prev")}
+    stone["tombstone"] = hashlib.sha256(lines[4]).hexdigest()
+    lines[4] = json.dumps(stone, separators=(",", ":")).encode()
+    _write(log_path, lines)
+    result = verify(log_path)
+    assert result.problem == "record seq 5 (line 5) was deleted without a retention record"
+    assert (result.line, result.seq) == (5, 5)
+    with pytest.raises(AuditError, match="deleted without a retention record; not swept"):
+        AuditLog(log_path, fsync=False).sweep(lambda r: True)
+
+
+def test_sweep_refuses_a_log_that_does_not_verify(log_path):
+    lines = _lines(log_path)
+    lines[2] = lines[2].replace(b'"prompt_tokens":12', b'"prompt_tokens":2')
+    _write(log_path, lines)
+    before = log_path.read_bytes()
+    with pytest.raises(AuditError, match=r"record seq 3 \(line 3\) was edited; not swept"):
+        AuditLog(log_path, fsync=False).sweep(lambda r: True)
+    assert log_path.read_bytes() == before
+
+
+def test_query_filters_by_tenant_site_since_and_kind(log_path):
+    assert {r["tenant"] for r in query(log_path, tenant="a")} == {"a"}
+    assert [r["seq"] for r in query(log_path, tenant="a")] == [2, 4, 6, 8, 12, 16, 18]
+    assert len(list(query(log_path, kind="operator"))) == 4
+    assert {r["kind"] for r in query(log_path, site="montreal")} == {"request", "operator"}
+    assert all("montreal" in (r.get("decode_site"), r.get("site")) for r in query(log_path, site="montreal"))
+    since = datetime.datetime.fromtimestamp(T0 + 15 * 60, datetime.UTC)
+    assert [r["seq"] for r in query(log_path, since=since)] == list(range(15, 21))
+    assert [r["seq"] for r in query(log_path, since=since.replace(tzinfo=None))] == list(range(15, 21))
+    assert [r["seq"] for r in query(log_path, tenant="b", kind="request", site="toronto", since=since)] == [17, 19]
+    AuditLog(log_path, fsync=False).sweep(lambda r: r.get("tenant") == "a")
+    assert list(query(log_path, tenant="a")) == []  # tombstones are not records
+
+
+# -- kvrelay audit ----------------------------------------------------------------
+
+def test_cli_verify_ok_and_broken(log_path, capsys):
+    head = verify(log_path).head
+    assert main(["audit", "verify", str(log_path)]) == 0
+    assert capsys.readouterr().out.strip() == f"ok: 20 records, head {head}"
+    assert main(["audit", "verify", str(log_path), "--head", head.upper()]) == 0
+    capsys.readouterr()
+    lines = _lines(log_path)
+    lines[7] = lines[7].replace(b'"prompt_tokens":17', b'"prompt_tokens":170')
+    _write(log_path, lines)
+    assert main(["audit", "verify", str(log_path)]) == 1
+    err = capsys.readouterr().err
+    assert "record seq 8 (line 8) was edited" in err and str(log_path) in err
+    _write(log_path, lines[:7])
+    assert main(["audit", "verify", str(log_path), "--head", head]) == 1
+    assert f"does not contain head {head}" in capsys.readouterr().err
+    assert main(["audit", "verify", str(log_path), "--head", "abc"]) == 2
+    assert "--head: 'abc' is not a SHA-256" in capsys.readouterr().err
+    assert main(["audit", "verify", str(log_path.parent / "none.jsonl")]) == 2
+    assert "none.jsonl: No such file" in capsys.readouterr().err
+
+
+def test_cli_query_table_and_json(log_path, tmp_path, capsys):
+    assert main(["audit", "query", "--file", str(log_path), "--tenant", "a", "--json"]) == 0
+    out = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["seq"] for r in out] == [2, 4, 6, 8, 12, 16, 18] and {r["tenant"] for r in out} == {"a"}
+    assert main(["audit", "query", "--file", str(log_path), "--kind", "request", "--since",
+                 "2027-01-15T08:15:00Z"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].split() == ["TIME", "KIND", "TENANT", "REQUEST/OPERATOR", "SITES", "TOKENS", "OUTCOME"]
+    assert len(rows) == 1 + 4
+    assert rows[1].split() == ["2027-01-15T08:16:00.000Z", "request", "a", "r15", "toronto->toronto", "25+4", "ok"]
+    assert main(["audit", "query", "--file", str(log_path), "--since", "yesterday"]) == 2
+    assert "--since: 'yesterday' is not an ISO-8601 time" in capsys.readouterr().err
+    # the default file: <cache dir>/audit.jsonl
+    cache = tmp_path / "cache"
+    assert main(["--cache-dir", str(cache), "audit", "query"]) == 2
+    assert f"no audit log at {cache / 'audit.jsonl'}" in capsys.readouterr().err
+    cache.mkdir()
+    (cache / "audit.jsonl").write_bytes(log_path.read_bytes())
+    assert main(["--cache-dir", str(cache), "audit", "query", "--site", "montreal", "--kind", "operator"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert len(rows) == 5 and rows[1].split()[1:] == ["operator", "-", "ops", "montreal", "-", "scale"]

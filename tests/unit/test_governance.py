@@ -1,0 +1,240 @@
+"""The data-handling statement (router/governance.py) is derived from the
+config and the live state: changing a jurisdiction, a dedicated pool, a
+retention period, a link's protection or the router's site changes the
+answer that depends on it, and the Markdown rendering has every question."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import json
+
+import pytest
+from kvrelay.v1 import worker_pb2 as wpb
+
+from cli.governance import render_markdown
+from router.deployment import LinkState, LiveWorker
+from router.governance import (
+    NOT_RECORDED,
+    DeploymentState,
+    Question,
+    UnknownTenant,
+    deployment_state,
+    statement,
+)
+from router.registry import WorkerRegistry
+from runtime.config import ClusterConfig, parse_config
+from runtime.topology import Role
+
+BASE = {
+    "router": {"site": "toronto", "audit_log": "/srv/kvrelay/audit.jsonl", "jobs_db": "/srv/kvrelay/jobs.sqlite",
+               "usage_db": "/srv/kvrelay/usage.sqlite"},
+    "sites": [{"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+              {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+              {"name": "vancouver", "jurisdiction": "CA-BC", "prefill": {"replicas": 0}, "decode": {"replicas": 0}}],
+    "links": [{"between": ["toronto", "montreal"], "rtt_ms": 9, "gbps": 10, "transport": "tcp"}],
+    "auth": {"operators": [{"name": "noc", "token_sha256": "c" * 64}]},
+    "tenants": [{"name": "lab-qc", "token_sha256": "a" * 64, "jurisdictions": ["CA-QC"]},
+                {"name": "uni-on", "token_sha256": "b" * 64, "requests_per_minute": 60}],
+}
+STATE = DeploymentState(
+    workers=[LiveWorker("toronto/prefill/0", "toronto", "prefill", "cuda:0", True, False, "tcp", "SmolLM2"),
+             LiveWorker("toronto/decode/0", "toronto", "decode", "cuda:1", True, False, "tcp", "SmolLM2"),
+             LiveWorker("montreal/prefill/0", "montreal", "prefill", "cpu", True, False, "tcp", "SmolLM2"),
+             LiveWorker("montreal/decode/0", "montreal", "decode", "cpu", False, False, "tcp", "SmolLM2")],
+    links={"montreal-toronto": LinkState(True)}, version="9.9.9", generated_at=1_700_000_000.0)
+
+
+def _doc(edit=None, state: DeploymentState = STATE, tenant: str | None = None) -> dict:
+    """The statement of BASE after ``edit(raw)``; always plain JSON data."""
+    raw = copy.deepcopy(BASE)
+    if edit is not None:
+        edit(raw)
+    doc = statement(parse_config(raw), state, tenant)
+    assert json.loads(json.dumps(doc)) == doc
+    return doc
+
+
+def _answer(doc: dict, tenant: str, q: Question) -> dict:
+    t = next(t for t in doc["tenants"] if t["tenant"] == tenant)
+    a = t["answers"][q - 1]
+    assert a["question"] == q and a["title"] == q.title
+    return a
+
+
+def _tenant(raw: dict, name: str) -> dict:
+    return next(t for t in raw["tenants"] if t["name"] == name)
+
+
+def test_shape_and_every_tenant_answers_eight_questions():
+    doc = _doc()
+    assert set(doc) == {"generated_at", "deployment", "tenants"} and doc["generated_at"] == "2023-11-14T22:13:20Z"
+    assert [t["tenant"] for t in doc["tenants"]] == ["lab-qc", "uni-on"]
+    for t in doc["tenants"]:
+        assert [a["question"] for a in t["answers"]] == list(range(1, 9))
+        assert all(a["answer"] and isinstance(a["facts"], dict) for a in t["answers"])
+    assert doc["deployment"]["kvrelay_version"] == "9.9.9"
+    assert [t["tenant"] for t in _doc(tenant="uni-on")["tenants"]] == ["uni-on"]
+    with pytest.raises(UnknownTenant, match="'nobody'.*lab-qc, uni-on"):
+        _doc(tenant="nobody")
+
+
+def test_jurisdiction_changes_the_sites_answer():
+    before = _answer(_doc(), "lab-qc", Question.JURISDICTIONS)
+    assert [s["site"] for s in before["facts"]["processing_sites"]] == ["montreal"]
+    assert "montreal (CA-QC)" in before["answer"] and "toronto (CA-ON); KV" not in before["answer"]
+
+    def to_ontario(raw):
+        _tenant(raw, "lab-qc")["jurisdictions"] = ["CA-ON"]
+    after = _answer(_doc(to_ontario), "lab-qc", Question.JURISDICTIONS)
+    assert [s["site"] for s in after["facts"]["processing_sites"]] == ["toronto"]
+    assert after["facts"]["jurisdictions_reached"] == ["CA-ON"] and after["answer"] != before["answer"]
+    # no jurisdictions: anywhere live; the site without replicas or workers is not reached
+    anywhere = _answer(_doc(), "uni-on", Question.JURISDICTIONS)
+    assert [s["site"] for s in anywhere["facts"]["processing_sites"]] == ["toronto", "montreal"]
+    assert [lk["link"] for lk in anywhere["facts"]["kv_links"]] == ["local", "montreal-toronto"]
+    scaled = dataclasses.replace(STATE, desired={("vancouver", "decode"): 1})
+    assert "vancouver" in [s["site"] for s in _answer(_doc(state=scaled), "uni-on", Question.JURISDICTIONS)
+                           ["facts"]["processing_sites"]]
+
+
+def test_dedicated_pool_changes_both_tenants_accelerator_answers():
+    shared = _doc()
+    pools = {p["pool"]: p for p in _answer(shared, "uni-on", Question.ACCELERATORS)["facts"]["pools"]}
+    assert pools["montreal/decode"]["sharing"] == "shared" and pools["montreal/decode"]["other_tenants"] == ["lab-qc"]
+
+    def dedicate(raw):
+        raw["sites"][1]["decode"]["tenants"] = ["lab-qc"]
+    doc = _doc(dedicate)
+    lab = _answer(doc, "lab-qc", Question.ACCELERATORS)
+    mine = {p["pool"]: p for p in lab["facts"]["pools"]}["montreal/decode"]
+    assert mine["sharing"] == "dedicated" and mine["dedicated_to"] == ["lab-qc"] and mine["other_tenants"] == []
+    assert "dedicated to this tenant only: montreal/decode" in lab["answer"]
+    uni = _answer(doc, "uni-on", Question.ACCELERATORS)
+    assert "montreal/decode" not in {p["pool"] for p in uni["facts"]["pools"]}
+    assert [p["pool"] for p in uni["facts"]["closed_to_it"]] == ["montreal/decode"]
+    assert "dedicated to other tenants, never used for it: montreal/decode" in uni["answer"]
+    assert uni["answer"] != _answer(shared, "uni-on", Question.ACCELERATORS)["answer"]
+    # live devices and health come from the workers
+    assert {p["pool"]: p for p in uni["facts"]["pools"]}["toronto/decode"]["live_devices"] == ["cuda:1"]
+
+
+def test_retention_changes_the_retention_answer():
+    before = _answer(_doc(), "uni-on", Question.RETENTION)
+    assert before["facts"]["job_retention_days"] == 30 and "deleted 30 days after" in before["answer"]
+
+    def shorter(raw):
+        _tenant(raw, "uni-on").update(job_retention_days=7, audit_retention_days=90, log_prompts=True)
+    after = _answer(_doc(shorter), "uni-on", Question.RETENTION)
+    assert after["facts"]["job_retention_days"] == 7 and after["facts"]["audit_retention_days"] == 90
+    assert "deleted 7 days after" in after["answer"] and "after 90 days" in after["answer"]
+    assert "never carry prompt" in before["answer"] and "carry prompt and output text" in after["answer"]
+    assert after["facts"]["other_uses"] == NOT_RECORDED
+
+
+def test_link_protection_changes_the_encryption_answers():
+    def links(doc, q):
+        return {lk["link"]: lk for lk in _answer(doc, "uni-on", q)["facts"]["kv_links"]}
+    before = _doc()
+    assert links(before, Question.JURISDICTIONS)["montreal-toronto"]["protection"] == "aead"
+
+    def integrity(raw):
+        raw["links"][0]["protection"] = "integrity"
+    after = _doc(integrity)
+    link = links(after, Question.JURISDICTIONS)["montreal-toronto"]
+    assert link["protection"] == "integrity" and not link["encrypted"]
+    assert links(after, Question.IDENTITY)["montreal-toronto"]["encrypted"] is False
+    assert "montreal-toronto (tcp, integrity)" in _answer(after, "uni-on", Question.IDENTITY)["answer"]
+    access = _answer(after, "uni-on", Question.ACCESS)
+    assert access["facts"]["links_readable_on_the_wire"] == ["montreal-toronto"]
+    assert "readable on the wire of montreal-toronto" in access["answer"]
+    assert "readable on the wire" not in _answer(before, "uni-on", Question.ACCESS)["answer"]
+
+
+def test_router_outside_the_tenants_jurisdictions_is_a_warning():
+    doc = _doc()
+    lab = next(t for t in doc["tenants"] if t["tenant"] == "lab-qc")
+    assert any("router at toronto (CA-ON) is outside" in w for w in lab["warnings"])
+    assert "WARNING: the router at toronto (CA-ON)" in _answer(doc, "lab-qc", Question.JURISDICTIONS)["answer"]
+    assert next(t for t in doc["tenants"] if t["tenant"] == "uni-on")["warnings"] == []
+
+    def in_quebec(raw):
+        raw["router"]["site"] = "montreal"
+    assert all(not t["warnings"] for t in _doc(in_quebec)["tenants"])
+
+    def undeclared(raw):
+        del raw["router"]["site"]
+    assert all(any("not declared (router.site)" in w for w in t["warnings"]) for t in _doc(undeclared)["tenants"])
+
+
+def test_no_open_decode_pool_is_a_warning():
+    def dedicate_both(raw):
+        raw["sites"][0]["decode"]["tenants"] = ["uni-on"]
+        raw["sites"][1]["decode"]["tenants"] = ["uni-on"]
+    lab = next(t for t in _doc(dedicate_both)["tenants"] if t["tenant"] == "lab-qc")
+    assert any("requests are refused" in w for w in lab["warnings"])
+
+
+def test_operators_identity_and_what_is_not_recorded():
+    doc = _doc()
+    ops = _answer(doc, "uni-on", Question.OPERATORS)
+    assert ops["facts"]["operator_credentials"]["tokens"] == ["noc"] and "SmolLM2" in ops["answer"]
+    assert ops["facts"]["site_and_hardware_operator"] == NOT_RECORDED
+    ident = _answer(doc, "uni-on", Question.IDENTITY)["facts"]
+    assert ident["sign_in"] == {"token": True, "client_certificate": True, "anonymous": False}
+    assert ident["policy"]["requests_per_minute"] == 60 and ident["federated_identity"] == "not configured"
+    resp = _answer(doc, "uni-on", Question.RESPONSIBILITY)
+    assert resp["facts"]["telemetry"] == "none configured" and resp["facts"]["incident_response"] == NOT_RECORDED
+
+    def anonymous(raw):
+        raw["auth"]["allow_anonymous"] = True
+        raw["tls"] = {"enabled": False}
+    doc = _doc(anonymous)
+    assert [t["tenant"] for t in doc["tenants"]][-1] == "anonymous"
+    assert _answer(doc, "anonymous", Question.IDENTITY)["facts"]["sign_in"] == {
+        "token": False, "client_certificate": False, "anonymous": True}
+    assert "TLS is off" in _answer(doc, "anonymous", Question.IDENTITY)["answer"]
+
+
+def test_a_telemetry_section_would_be_reported():
+    @dataclasses.dataclass(slots=True)
+    class Telemetry:
+        otlp_endpoint: str = "https://collector.example:4317"
+
+    @dataclasses.dataclass(slots=True)
+    class WithTelemetry(ClusterConfig):
+        telemetry: Telemetry = dataclasses.field(default_factory=Telemetry)
+
+    base = parse_config(copy.deepcopy(BASE))
+    cfg = WithTelemetry(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ClusterConfig)})
+    resp = _answer(statement(cfg, STATE), "uni-on", Question.RESPONSIBILITY)
+    assert resp["facts"]["telemetry"] == {"otlp_endpoint": "https://collector.example:4317"}
+    assert "collector.example" in resp["answer"]
+
+
+def test_markdown_has_all_eight_questions_per_tenant():
+    doc = _doc()
+    md = render_markdown(doc)
+    for t in doc["tenants"]:
+        section = md.split(f"## Tenant `{t['tenant']}`")[1].split("## Tenant")[0]
+        for q in Question:
+            assert f"### {int(q)}. {q.title}" in section
+        assert section.count("Facts:") == 8
+    assert "> **WARNING:** the router at toronto" in md
+
+
+def test_deployment_state_from_a_registry():
+    async def run() -> DeploymentState:
+        cfg = parse_config(copy.deepcopy(BASE))
+        reg = WorkerRegistry(cfg)
+        try:
+            await reg.register(wpb.WorkerInfo(worker_id="montreal/decode/0", role=Role.DECODE.proto, site="montreal",
+                                              address="127.0.0.1:1", device="cuda:0", transport="tcp", model="m"))
+            return deployment_state(reg, {("montreal", Role.DECODE): 2}, now=5.0)
+        finally:
+            await reg.close()
+    state = asyncio.run(run())
+    assert state.workers == [LiveWorker("montreal/decode/0", "montreal", "decode", "cuda:0", True, False, "tcp", "m")]
+    assert state.desired == {("montreal", "decode"): 2} and state.links == {"montreal-toronto": LinkState(True, "")}
+    assert state.generated_at == 5.0 and state.version != ""
