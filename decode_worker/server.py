@@ -65,7 +65,8 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         if request.colocated:
             try:
                 first = True
-                async for out in self.aengine.generate(rid, prompt, params, wr.salt, account=key):
+                async for out in self.aengine.generate(rid, prompt, params, wr.salt, account=key,
+                                                       priority=int(wr.batch)):
                     self.usage.count_output(key, out, computed_prompt=first)
                     first = False
                     yield wpb.DecodeEvent(output=output_to_proto(out))

@@ -132,13 +132,15 @@ class AsyncEngine:
                 return
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, salt: str = "",
-                       hold_blocks: bool = False, account: object = None) -> AsyncIterator[RequestOutput]:
-        """Runs a request here; leaving the iteration early aborts it. ``account``:
-        see ``LLMEngine.add_request``."""
+                       hold_blocks: bool = False, account: object = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Runs a request here; leaving the iteration early aborts it. ``account``
+        and ``priority``: see ``LLMEngine.add_request``."""
         q = self.open_stream(request_id)
         finished = False
         try:
-            await self.call(self.engine.add_request, request_id, prompt, params, salt, hold_blocks, account)
+            await self.call(self.engine.add_request, request_id, prompt, params, salt, hold_blocks, account,
+                            priority)
             async for out in self.outputs(request_id, q):
                 finished = out.finished
                 yield out

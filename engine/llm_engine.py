@@ -127,22 +127,23 @@ class LLMEngine:
                                       f"worker's KV cache ({capacity} tokens)")
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      salt: str, account: object = None) -> Sequence:
+                      salt: str, account: object = None, priority: int = 0) -> Sequence:
         if request_id in self._seqs or request_id in self._held:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed, salt, account=account)
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, salt, account=account, priority=priority)
         self._seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
         return seq
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    salt: str = "", hold_blocks: bool = False, account: object = None) -> None:
+                    salt: str = "", hold_blocks: bool = False, account: object = None, priority: int = 0) -> None:
         """Queues a request. With ``hold_blocks`` its blocks are kept when it
         finishes (for a KV transfer) until ``release_blocks``. ``account``
-        comes back with the request's share of each step (``step_hook``)."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, salt, account)
+        comes back with the request's share of each step (``step_hook``).
+        ``priority``: 0 interactive, 1 batch (admitted after every waiting interactive one)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, salt, account, priority)
         if hold_blocks:
             self._hold.add(request_id)
         self.scheduler.add(seq)

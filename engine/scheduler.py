@@ -6,7 +6,9 @@ is still being prefilled), then on waiting sequences, whose prompts may be
 split across steps. When the pool cannot supply a block, the newest running
 sequence is preempted: its blocks are freed (its full blocks stay in the
 prefix cache) and it goes back to the head of the queue to be recomputed.
-A sequence never touches blocks it does not hold.
+A sequence never touches blocks it does not hold. Waiting sequences queue
+by priority (interactive before batch, then arrival), and a step that
+admits an interactive prompt admits no batch prompt with it.
 """
 
 from __future__ import annotations
@@ -61,7 +63,12 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queues ``seq`` after every waiting sequence of its priority or a more urgent one."""
+        for i in range(len(self.waiting) - 1, -1, -1):
+            if self.waiting[i].priority <= seq.priority:
+                self.waiting.insert(i + 1, seq)
+                return
+        self.waiting.appendleft(seq) if self.waiting else self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -111,9 +118,15 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admits waiting sequences in order while budget, seats and blocks last.
+        A step that admits an interactive prompt (priority 0) admits no batch
+        one: its first token then waits for its own tokens only."""
         bs = self.block_size
+        urgent = bool(self.waiting) and self.waiting[0].priority == 0
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            if urgent and seq.priority > 0:
+                break
             if not seq.block_table:
                 # Leave at least one token to compute, so the step yields logits.
                 cacheable = (seq.num_tokens - 1) // bs

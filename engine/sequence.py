@@ -42,6 +42,9 @@ class Sequence:
     """Chained hashes of this sequence's full blocks computed so far."""
     num_registered_blocks: int = 0
     """Leading blocks already offered to the prefix cache."""
+    priority: int = 0
+    """Scheduling class: waiting sequences of a lower value are admitted first
+    (0 interactive, 1 batch); arrival order within a class."""
     account: object = None
     """Whom the caller accounts this sequence's compute to (opaque to the
     engine, handed back in :class:`~engine.llm_engine.StepUsage`)."""

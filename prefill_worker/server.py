@@ -72,12 +72,13 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
     async def Stats(self, request, context) -> wpb.WorkerLoad:
         return self.load()
 
-    async def _prefill_unless_failed(self, rid, prompt, params, salt, handle, key: UsageKey):
+    async def _prefill_unless_failed(self, rid, prompt, params, salt, handle, key: UsageKey, batch: bool = False):
         """Runs the prompt (its engine time counted for ``key``); stops early
         (and raises) if the transfer fails meanwhile, e.g. because the decode worker died."""
         async def run():
             out = None
-            async for out in self.aengine.generate(rid, prompt, params, salt, hold_blocks=True, account=key):
+            async for out in self.aengine.generate(rid, prompt, params, salt, hold_blocks=True, account=key,
+                                                   priority=int(batch)):
                 pass
             return out
 
@@ -120,7 +121,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         key = UsageKey(wr.tenant, kv_link(self.ident.site, target.receiver))
         t0 = time.perf_counter()
         try:
-            out = await self._prefill_unless_failed(rid, list(wr.prompt_token_ids), params, wr.salt, handle, key)
+            out = await self._prefill_unless_failed(rid, list(wr.prompt_token_ids), params, wr.salt, handle, key,
+                                                    wr.batch)
             self.usage.count(key, prompt_tokens=out.num_prompt_tokens - out.num_cached_tokens,
                              cached_tokens=out.num_cached_tokens)
             t1 = time.perf_counter()

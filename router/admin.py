@@ -12,9 +12,10 @@ import grpc
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 
+from router.audit import AuditError
 from router.errors import RouterError
 from router.governance import UnknownTenant, deployment_state, statement
-from router.peer import STATUS, CallAuth
+from router.peer import STATUS, CallAuth, authorization
 from router.planner import plan
 from router.pools import PoolManager
 from router.usage import grouping, usage_response
@@ -36,13 +37,14 @@ class AdminService(agrpc.AdminServicer):
         if self.core.audit is not None:
             try:
                 self.core.audit.append("operator", {"operator": who, "action": action, **fields})
-            except OSError:
+            except (AuditError, ValueError):
                 log.exception("the audit log could not be written")
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> str:
         try:
             return self.auth.operator(context)
         except RouterError as exc:
+            self.core.audit_refused("admin", exc, "token" if authorization(context) else "none")
             await context.abort(STATUS[exc.kind], exc.message)
 
     async def Scale(self, request: apb.ScaleRequest, context) -> apb.ScaleResponse:
@@ -92,7 +94,8 @@ class AdminService(agrpc.AdminServicer):
 
     async def Governance(self, request: apb.GovernanceRequest, context) -> apb.GovernanceResponse:
         """The data-handling statement (router/governance.py) of one tenant or all, from the live state."""
-        await self._authorize(context)
+        who = await self._authorize(context)
+        self._audit(who, "governance", tenant=request.tenant[:64] or None)
         state = deployment_state(self.pools.registry, self.pools.desired)
         try:
             doc = statement(self.pools.cfg, state, request.tenant or None)
@@ -103,7 +106,8 @@ class AdminService(agrpc.AdminServicer):
     async def Usage(self, request: apb.UsageRequest, context) -> apb.UsageResponse:
         """Usage totals per group from the workers' own counters (router/usage.py);
         INVALID_ARGUMENT naming a group-by that is not one of tenant, site, link, role, worker."""
-        await self._authorize(context)
+        who = await self._authorize(context)
+        self._audit(who, "usage", tenant=request.tenant[:64] or None)
         try:
             by = grouping(request.by)
         except ValueError as exc:

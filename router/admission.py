@@ -18,8 +18,11 @@ Whenever capacity may have freed up (a request ended, a heartbeat, a new
 ticket, or every ``PUMP_S``) the queue tries its tickets in order; a ticket
 whose placement fails for lack of room stays, and the next is tried (it may
 need other workers), skipping tickets with the same constraints as one
-that just failed. A placement made for a ticket holds its capacity at
-once, so no two tickets get the same room."""
+that just failed (whatever their tenant: so a large request is not
+overtaken forever by small ones that fit the same workers). A placement
+made for a ticket holds its capacity at once, so no two tickets get the
+same room. A tenant with nothing waiting starts at the queue's virtual
+time: requests of its that gave up waiting leave it no debt."""
 
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ class Ticket:
 
     tag: tuple
     """(class rank, batch?, virtual finish time, arrival number): smaller goes first."""
+    tenant: str
     start: float
     """Its virtual start time."""
     constraints: Hashable
@@ -72,9 +76,12 @@ class FairQueue:
     def ticket(self, tenant: str, rank: int, interactive: bool, weight: float, cost: float,
                constraints: Hashable, try_place: Callable[[], Any]) -> Ticket:
         """Queues a request; its future gets the placement (or the PlacementError that ends its wait)."""
-        start = max(self.vtime, self.finish.get(tenant, 0.0))
+        # a tenant with nothing waiting starts at the virtual time: requests of its
+        # that gave up waiting (deadline, caller gone) leave it no debt
+        backlogged = any(t.tenant == tenant for t in self.waiting)
+        start = max(self.vtime, self.finish.get(tenant, 0.0)) if backlogged else self.vtime
         self.finish[tenant] = start + max(cost, 1.0) / weight
-        t = Ticket((rank, not interactive, self.finish[tenant], next(self._arrivals)), start, constraints,
+        t = Ticket((rank, not interactive, self.finish[tenant], next(self._arrivals)), tenant, start, constraints,
                    try_place, asyncio.get_running_loop().create_future(), interactive)
         self.waiting.append(t)
         self.waiting.sort(key=lambda x: x.tag)

@@ -14,6 +14,13 @@ How a problem is named, at the first line that does not fit:
   K (line N-1) was edited";
 - a tombstone that no later ``retention`` record lists: "record seq K
   (line N) was deleted without a retention record";
+- a record dated before the one before it (times never go back; a
+  tombstone's line is not hashed, so this is what keeps its time between
+  its neighbours'): "record seq K (line N) is dated T, before seq K-1
+  (line N-1, T'): record times never go back ...";
+- a tombstone that the retention record covering it does not show as due:
+  its time after that record's ``cutoffs`` for its tenant: "record seq K
+  (line N) was deleted before its retention (time T, cutoff C)";
 - a ``head`` noted earlier that the log no longer contains: its end was
   edited or cut off.
 
@@ -22,6 +29,7 @@ next append's ``prev`` (or a noted head) shows it."""
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import re
@@ -46,6 +54,17 @@ class VerifyResult:
     problem: str | None = None
     line: int | None = None
     seq: int | None = None
+
+
+def parse_time(text: str) -> datetime.datetime:
+    """A record's ``time`` (or any ISO-8601 time; naive = UTC) as an aware datetime; ValueError if not one."""
+    when = datetime.datetime.fromisoformat(text)
+    return when if when.tzinfo is not None else when.replace(tzinfo=datetime.UTC)
+
+
+def owner_of(record: dict) -> str:
+    """Whose record it is, as retention counts it: its ``tenant``, or "" for a record of no tenant."""
+    return str(record["tenant"]) if "tenant" in record else ""
 
 
 class Broken(Exception):
@@ -170,7 +189,7 @@ def _check(line: Line, prev: Line | None, before: Line | None, ahead: _Peek) -> 
     raise Broken(f"record seq {p} (line {prev.no}) was edited", prev.no, p)
 
 
-def _ranges_of(line: Line) -> list[tuple[int, int]]:
+def listed_ranges(line: Line) -> list[tuple[int, int]]:
     """The seq ranges a retention record lists (``removed`` and ``carried``); Broken if malformed."""
     out = []
     for key in ("removed", "carried"):
@@ -184,41 +203,126 @@ def _ranges_of(line: Line) -> list[tuple[int, int]]:
     return out
 
 
-def _cover(line: Line, pending: dict[int, int]) -> None:
-    """Notes a tombstone (seq -> line) in ``pending``; a retention record takes those it lists out."""
-    record = line.record
-    if "tombstone" in record:
-        pending[record["seq"]] = line.no
-    elif record["kind"] == "retention" and pending:
-        for a, b in _ranges_of(line):
-            if b - a < len(pending):
-                for s in range(a, b + 1):
-                    pending.pop(s, None)
+def listed_cutoffs(line: Line) -> dict[str, tuple[datetime.datetime, str]]:
+    """A retention record's ``cutoffs`` ({owner: ISO time}) as {owner: (time, text)}; Broken if malformed.
+    A record without them (an older log's) lists none: every tombstone it covers then fails the check."""
+    value = line.record.get("cutoffs", {})
+    bad = Broken(f"line {line.no}: the retention record's cutoffs is not an object of tenant: ISO-8601 time",
+                 line.no, line.record["seq"])
+    if not isinstance(value, dict):
+        raise bad
+    out = {}
+    for owner, text in value.items():
+        try:
+            out[owner] = (parse_time(text), text)
+        except (TypeError, ValueError):
+            raise bad from None
+    return out
+
+
+@dataclass(slots=True)
+class _Stone:
+    """A tombstone waiting for the retention record that covers it."""
+
+    no: int
+    text: str
+    when: datetime.datetime
+    owner: str
+
+
+class Checker:
+    """Follows the lines :func:`walk` yields (each already fits the chain):
+    times that never go back, tombstones and the retention records that
+    cover them, a noted ``head``. :meth:`feed` raises Broken at a problem;
+    :meth:`result` is the verdict once every line is fed."""
+
+    def __init__(self, head: str | None = None) -> None:
+        self.count = 0
+        self.last: Line | None = None
+        self.time: datetime.datetime | None = None
+        """The time of the last line fed."""
+        self.pending: dict[int, _Stone] = {}
+        self._head = head
+        self._seen = head is None or head == GENESIS
+
+    def feed(self, line: Line) -> None:
+        """Takes the next line; Broken if it does not fit (then it is not counted)."""
+        when = self._check_time(line)
+        self.count, self.last, self.time = self.count + 1, line, when
+        record = line.record
+        if "tombstone" in record:
+            self.pending[record["seq"]] = _Stone(line.no, record["time"], when, owner_of(record))
+        elif record["kind"] == "retention":
+            self._cover(line)
+        self._seen = self._seen or line.link == self._head
+
+    def _check_time(self, line: Line) -> datetime.datetime:
+        seq, no, text = line.record["seq"], line.no, line.record["time"]
+        try:
+            when = parse_time(text)
+        except ValueError:
+            raise Broken(f"line {no}: its time {text!r} is not an ISO-8601 time", no, seq) from None
+        if self.time is not None and when < self.time:
+            p = self.last.record
+            raise Broken(f"record seq {seq} (line {no}) is dated {text}, before seq {p['seq']} (line {self.last.no}, "
+                         f"{p['time']}): record times never go back (one of the two was edited or moved)", no, seq)
+        return when
+
+    def _cover(self, line: Line) -> None:
+        """Takes the tombstones a retention record lists out of ``pending``;
+        Broken if one of them is dated after the record's cutoff for its tenant."""
+        ranges, cutoffs = listed_ranges(line), listed_cutoffs(line)
+        late = [(seq, stone) for seq, stone in self._take(ranges)
+                if stone.owner not in cutoffs or stone.when > cutoffs[stone.owner][0]]
+        if not late:
+            return
+        seq, stone = min(late, key=lambda kv: kv[1].no)
+        if stone.owner in cutoffs:
+            why = f"cutoff {cutoffs[stone.owner][1]}"
+        else:
+            who = f"tenant {stone.owner!r}" if stone.owner else "records of no tenant"
+            why = f"no cutoff for {who} in the retention record at line {line.no}"
+        raise Broken(f"record seq {seq} (line {stone.no}) was deleted before its retention (time {stone.text}, {why})",
+                     stone.no, seq)
+
+    def _take(self, ranges: list[tuple[int, int]]) -> list[tuple[int, _Stone]]:
+        out = []
+        for a, b in ranges:
+            if b - a < len(self.pending):
+                out += [(s, self.pending.pop(s)) for s in range(a, b + 1) if s in self.pending]
             else:
-                for s in [s for s in pending if a <= s <= b]:
-                    del pending[s]
+                out += [(s, self.pending.pop(s)) for s in [s for s in self.pending if a <= s <= b]]
+        return out
+
+    def broken(self, exc: Broken) -> VerifyResult:
+        """The verdict at a problem :func:`walk` or :meth:`feed` raised."""
+        return VerifyResult(False, self.count, self.last.link if self.last else GENESIS, exc.problem, exc.line,
+                            exc.seq)
+
+    def result(self) -> VerifyResult:
+        """The verdict once every line is fed: tombstones left uncovered, a noted head not seen."""
+        last, count = self.last, self.count
+        top = last.link if last else GENESIS
+        if self.pending:
+            seq, stone = min(self.pending.items(), key=lambda kv: kv[1].no)
+            return VerifyResult(False, count, top, f"record seq {seq} (line {stone.no}) was deleted without a "
+                                f"retention record", stone.no, seq)
+        if not self._seen:
+            head = self._head
+            if last is None:
+                return VerifyResult(False, 0, top, f"the log is empty: it does not contain head {head}", None, None)
+            seq = last.record["seq"]
+            return VerifyResult(False, count, top, f"the log does not contain head {head}: its last record (seq "
+                                f"{seq}, line {last.no}) was edited, or records after it were removed", last.no, seq)
+        return VerifyResult(True, count, top)
 
 
 def check_lines(lines: Iterable[tuple[int, bytes]], head: str | None = None) -> VerifyResult:
     """The whole check over numbered lines (see the module docstring); the first problem found."""
-    count, last, pending = 0, None, {}
-    seen = head is None or head == GENESIS
+    checker = Checker(head)
     try:
         for line in walk(iter(lines)):
-            count, last = count + 1, line
-            _cover(line, pending)
-            seen = seen or line.link == head
+            checker.feed(line)
     except Broken as exc:
-        return VerifyResult(False, count, last.link if last else GENESIS, exc.problem, exc.line, exc.seq)
-    top = last.link if last else GENESIS
-    if pending:
-        seq, no = min(pending.items(), key=lambda kv: kv[1])
-        return VerifyResult(False, count, top, f"record seq {seq} (line {no}) was deleted without a retention record",
-                            no, seq)
-    if not seen:
-        if last is None:
-            return VerifyResult(False, 0, top, f"the log is empty: it does not contain head {head}", None, None)
-        seq = last.record["seq"]
-        return VerifyResult(False, count, top, f"the log does not contain head {head}: its last record (seq {seq}, "
-                            f"line {last.no}) was edited, or records after it were removed", last.no, seq)
-    return VerifyResult(True, count, top)
+        return checker.broken(exc)
+    return checker.result()

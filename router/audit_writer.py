@@ -4,23 +4,33 @@ batches, each batch made durable with one fsync (group commit). A record
 costs the loop a queue put instead of a ~4 ms fsync (measured on this
 machine's disk, benchmarks/RESULTS.md).
 
-A record that cannot be written (disk full, a closed log) is logged as an
-error with its kind and the request or action it describes; serving goes
-on (the audit log is evidence, not a gate)."""
+A record that cannot be written (disk full, a closed log, or anything
+unexpected) is logged as an error with its kind and the request or action
+it describes; serving goes on (the audit log is evidence, not a gate), and
+so does the thread. At most :data:`MAX_QUEUED` records wait: beyond that
+:meth:`AuditWriter.append` drops them (counted in ``dropped``, an error
+logged at most once a second), and the next batch written ends with a
+``recovery`` record ``{action: "records dropped", count}``."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from router.audit import AuditError, AuditLog, SweepResult
+from router.audit import AuditError, AuditLog, RecordKind, SweepResult
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 512
 """Most records written before one fsync."""
+MAX_QUEUED = 100_000
+"""Most records (of :meth:`AuditWriter.append`) waiting to be written; more are dropped."""
+DROP_LOG_S = 1.0
+"""Least seconds between two errors about dropped records."""
 
 
 class _Done:
@@ -36,9 +46,17 @@ class _Done:
 class AuditWriter:
     """``append`` from any thread (never blocks on the disk); ``close`` writes what is queued."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, max_queued: int = MAX_QUEUED) -> None:
         self.log = AuditLog(path, fsync=False)
+        self.max_queued = max_queued
+        self.dropped = 0
+        """Records dropped so far because the queue was full."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._count_lock = threading.Lock()
+        self._queued = 0
+        self._unreported = 0
+        """Records dropped since the last ``records dropped`` record."""
+        self._drop_logged = float("-inf")
         self._thread = threading.Thread(target=self._run, name="audit-writer", daemon=True)
         self._thread.start()
 
@@ -47,12 +65,31 @@ class AuditWriter:
         return self.log.path
 
     def append(self, kind: str, fields: dict) -> None:
-        """Queues one record (see :meth:`AuditLog.append`)."""
-        self._queue.put((str(kind), dict(fields), None))
+        """Queues one record (see :meth:`AuditLog.append`); drops it if :attr:`max_queued` records wait."""
+        with self._count_lock:
+            room = self._queued < self.max_queued
+            self._queued += room
+            tell = not room and self._drop()
+        if room:
+            self._queue.put((str(kind), dict(fields), None))
+        elif tell:
+            log.error("audit queue full (%d records wait for the disk): %s record %s dropped (%d dropped so far)",
+                      self.max_queued, kind, _what(fields), self.dropped)
+
+    def _drop(self) -> bool:
+        """Counts a dropped record (the count lock held); whether to log it (at most once a second)."""
+        self.dropped += 1
+        self._unreported += 1
+        now = time.monotonic()
+        if now - self._drop_logged < DROP_LOG_S:
+            return False
+        self._drop_logged = now
+        return True
 
     def append_durable(self, kind: str, fields: dict, timeout_s: float = 10.0) -> None:
         """Writes one record and returns once it is on disk (for a deletion, which
-        must not happen unrecorded); AuditError when it is not within ``timeout_s``."""
+        must not happen unrecorded); AuditError when it is not within ``timeout_s``
+        (ValueError for a record the log refuses)."""
         done = _Done()
         self._queue.put((str(kind), dict(fields), done))
         if not done.event.wait(timeout_s):
@@ -60,48 +97,82 @@ class AuditWriter:
         if done.error is not None:
             raise done.error
 
-    def sweep(self, expired) -> SweepResult:
+    def sweep(self, expired: Callable[[dict], bool], cutoffs: Mapping[str, float] | None = None) -> SweepResult:
         """Retention (:meth:`AuditLog.sweep`), in order with the queued records' writes."""
-        return self.log.sweep(expired)
+        return self.log.sweep(expired, cutoffs)
 
     def _run(self) -> None:
         while True:
-            batch = [self._queue.get()]
-            while len(batch) < MAX_BATCH:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            waiting, last = [], False
-            for item in batch:
-                if item is None:
-                    last = True
-                    continue
-                kind, fields, done = item
-                if done is not None:
-                    waiting.append(done)
-                if kind:
-                    done_error = self._write(kind, fields)
-                    if done is not None:
-                        done.error = done_error
+            batch = self._take()
             try:
-                self.log.sync()
-            except AuditError as exc:
-                log.error("audit records may not be on disk: %s", exc)
-                for done in waiting:
-                    done.error = done.error or exc
-            for done in waiting:
-                done.event.set()
+                last = self._write_batch(batch)
+            except Exception as exc:  # a bug here must not stop the writer: logged, the waiters told
+                log.exception("audit writer: a batch failed")
+                last = _release(batch, AuditError(self.path, f"the batch was not written: {exc!r}"))
             if last:
                 return
 
+    def _take(self) -> list:
+        """The next batch (waiting for its first item); what it takes no longer counts as queued."""
+        batch = [self._queue.get()]
+        while len(batch) < MAX_BATCH:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        taken = sum(1 for item in batch if item is not None and item[2] is None)
+        with self._count_lock:
+            self._queued -= taken
+        return batch
+
+    def _write_batch(self, batch: list) -> bool:
+        """Writes the batch's records (then one for records dropped), syncs,
+        tells the waiters; whether it held the closing signal."""
+        waiting, last = [], False
+        for item in batch:
+            if item is None:
+                last = True
+                continue
+            kind, fields, done = item
+            error = self._write(kind, fields) if kind else None
+            if done is not None:
+                done.error = error
+                waiting.append(done)
+        self._report_dropped()
+        error = self._sync()
+        for done in waiting:
+            done.error = done.error or error
+            done.event.set()
+        return last
+
+    def _report_dropped(self) -> None:
+        with self._count_lock:
+            n, self._unreported = self._unreported, 0
+        if n and self._write(RecordKind.RECOVERY, {"action": "records dropped", "count": n}) is not None:
+            with self._count_lock:
+                self._unreported += n  # in the next batch's record, then
+
+    def _sync(self) -> Exception | None:
+        try:
+            self.log.sync()
+        except AuditError as exc:
+            log.error("audit records may not be on disk: %s", exc)
+            return exc
+        except Exception as exc:  # anything else: logged as well, the writer goes on
+            log.exception("audit records may not be on disk (unexpected error)")
+            return AuditError(self.path, f"cannot sync: {exc!r}")
+        return None
+
     def _write(self, kind: str, fields: dict) -> Exception | None:
+        """Writes one record; the error (logged) if it was not written."""
         try:
             self.log.append(kind, fields)
         except (AuditError, ValueError) as exc:
-            what = fields.get("request_id") or fields.get("action") or fields.get("job") or ""
-            log.error("audit record %s %s was not written: %s", kind, what, exc)
+            log.error("audit record %s %s was not written: %s", kind, _what(fields), exc)
             return exc
+        except Exception as exc:  # anything else: logged as well, the writer goes on
+            log.exception("audit record %s %s was not written (unexpected error)", kind, _what(fields))
+            return AuditError(self.path, f"the {kind} record was not written: {exc!r}")
         return None
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -115,3 +186,20 @@ class AuditWriter:
         self._queue.put(None)
         self._thread.join(timeout_s)
         self.log.close()
+
+
+def _what(fields: dict) -> str:
+    """The request or action a record describes, for a log line."""
+    return str(fields.get("request_id") or fields.get("action") or fields.get("job") or "")
+
+
+def _release(batch: list, error: Exception) -> bool:
+    """Tells the batch's waiters not yet told that it failed; whether it held the closing signal."""
+    last = False
+    for item in batch:
+        if item is None:
+            last = True
+        elif item[2] is not None and not item[2].event.is_set():
+            item[2].error = item[2].error or error
+            item[2].event.set()
+    return last

@@ -16,17 +16,18 @@ import hashlib
 import hmac
 
 from router.errors import ErrorKind, RouterError
+from router.tenancy import ANONYMOUS
 from runtime.config import ClusterConfig, Credential
 from runtime.pki import CertRole, Identity
 from runtime.tenants import TenantSection, sharing_group
-
-ANONYMOUS = "anonymous"
-"""The one tenant of callers without credentials (``auth.allow_anonymous``)."""
 
 
 def token_sha256(token: str) -> str:
     """The digest the config lists for ``token``."""
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+__all__ = ["ANONYMOUS", "BearerAuth", "CallerAuth", "TenantSalts", "token_sha256"]
 
 
 class BearerAuth:

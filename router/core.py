@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 from kvrelay.v1 import inference_pb2 as ipb
@@ -28,6 +29,7 @@ from kvrelay.v1 import worker_pb2 as wpb
 from engine.hashing import hash_blocks
 from engine.tokenizer import Tokenizer
 from router.admission import FairQueue
+from router.audit import AuditError
 from router.auth import TenantSalts
 from router.errors import ErrorKind, RouterError
 from router.placement import (
@@ -45,6 +47,7 @@ from router.registry import WorkerRegistry
 from router.relay import Relay, placement_proto
 from router.request_record import RequestRecord, prompt_text
 from router.requests import (
+    MAX_JURISDICTIONS,
     Caller,
     ModelLimits,
     Priority,
@@ -60,6 +63,28 @@ log = logging.getLogger(__name__)
 
 ADMISSION_BACKOFF_S = (0.05, 1.0)
 """First and longest pause of a request waiting at the router for a decode worker with room, or for one to come back."""
+
+REFUSALS_PER_S = 20.0
+"""Audit records of calls refused for their credentials, at most (the rest are counted)."""
+
+
+class RateLimit:
+    """At most ``per_s`` events a second (a burst of five seconds' worth); counts the ones it drops."""
+
+    def __init__(self, per_s: float) -> None:
+        self.per_s, self.level, self.at, self.dropped = per_s, per_s * 5, time.monotonic(), 0
+
+    def allow(self) -> int | None:
+        """None: drop this one; else the number dropped since the last one allowed."""
+        now = time.monotonic()
+        self.level, self.at = min(self.per_s * 5, self.level + (now - self.at) * self.per_s), now
+        if self.level < 1:
+            self.dropped += 1
+            return None
+        self.level -= 1
+        dropped, self.dropped = self.dropped, 0
+        return dropped
+
 
 PLACEMENT_KIND = {PlacementFailure.CONSTRAINT: ErrorKind.CONSTRAINT, PlacementFailure.CAPACITY: ErrorKind.OVERLOADED,
                   PlacementFailure.UNAVAILABLE: ErrorKind.UNAVAILABLE}
@@ -114,6 +139,7 @@ class RouterCore:
         self.registry = WorkerRegistry(cfg, dialer)
         self.pools = PoolManager(cfg, self.registry)
         self.policy = make_policy(cfg.router.policy, policy_seed)
+        self._refusals = RateLimit(REFUSALS_PER_S)
         self.audit = None
         """The audit log (router/audit.py ``AuditLog``), set by router/main.py; None: no audit log."""
         self.tokenizers = concurrent.futures.ThreadPoolExecutor(cfg.router.api.tokenizer_threads,
@@ -132,6 +158,7 @@ class RouterCore:
         req = parse_request(msg, self.tok, self.limits, salt=self.salts.of(caller.tenant),
                             max_prompt_bytes=self.cfg.router.api.max_prompt_bytes)
         req.work.tenant = caller.tenant
+        req.work.batch = caller.priority is Priority.BATCH  # engines admit it after waiting interactive ones
         req.allowed_jurisdictions = self.tenants.jurisdictions(caller.tenant, req.allowed_jurisdictions)
         self.tenants.check_context(caller.tenant, len(req.work.prompt_token_ids), req.work.max_tokens)
         return req
@@ -141,6 +168,9 @@ class RouterCore:
         else (a prompt over ``router.api.max_prompt_bytes`` is refused there before
         tokenizing). A refused request is audited here; an admitted one by :meth:`generate`."""
         try:
+            early = self.quotas.refusal(self.tenants.of(caller.tenant), 0)  # rate and concurrency: before tokenizing
+            if early is not None:
+                raise early
             return await asyncio.get_running_loop().run_in_executor(self.tokenizers, self.prepare, msg, caller)
         except RouterError as exc:
             record = self._record(msg, caller)
@@ -149,15 +179,24 @@ class RouterCore:
 
     def _record(self, msg: ipb.GenerateRequest, caller: Caller) -> RequestRecord:
         logged = prompt_text(msg) if self.tenants.of(caller.tenant).log_prompts else None
-        requested = frozenset(msg.allowed_jurisdictions) or None
-        return RequestRecord(caller, msg.model or self.limits.name, msg.request_id[:128], requested, logged)
+        # what the client sent, bounded as the checks bound it (a refused request may be larger)
+        requested = frozenset(j[:32] for j in msg.allowed_jurisdictions[:MAX_JURISDICTIONS]) or None
+        return RequestRecord(caller, (msg.model or self.limits.name)[:128], msg.request_id[:128], requested, logged)
 
-    def _audit(self, record: dict) -> None:
+    def _audit(self, record: dict, kind: str = "request") -> None:
         if self.audit is not None:
             try:
-                self.audit.append("request", record)
-            except OSError:
+                self.audit.append(kind, record)
+            except (AuditError, ValueError):
                 log.exception("the audit log could not be written")
+
+    def audit_refused(self, caller_api: str, error: RouterError, credential: str) -> None:
+        """A call refused before it had a tenant (missing or wrong credentials), at most
+        REFUSALS_PER_S a second in the log (a flood of them is counted, not written one by one)."""
+        suppressed = self._refusals.allow()
+        if suppressed is not None:
+            self._audit({"api": caller_api, "credential": credential, "outcome": error.kind.value,
+                         "error": error.message[:300], "suppressed_before": suppressed}, "refusal")
 
     def health(self) -> ipb.HealthResponse:
         p = len(self.registry.candidates(Role.PREFILL))
@@ -167,8 +206,8 @@ class RouterCore:
     async def generate(self, req: Request, caller: Caller,
                        msg: ipb.GenerateRequest | None = None) -> AsyncIterator[ipb.GenerateResponse]:
         """The answer to ``req``, message by message, within its tenant's quotas
-        (over one: RouterError OVERLOADED naming it; batch requests wait their
-        turn instead); every request ends with one audit record. ``msg``: the
+        (over one: QuotaExceeded, an OVERLOADED RouterError naming it); every
+        request ends with one audit record. ``msg``: the
         request as the client sent it (for a tenant whose prompts may be logged)."""
         policy = self.tenants.of(caller.tenant)
         record = self._record(msg or ipb.GenerateRequest(request_id=req.client_id), caller)
@@ -178,10 +217,7 @@ class RouterCore:
         error: BaseException | None = None
         grant = None
         try:
-            if caller.priority is Priority.BATCH:
-                grant = await self.quotas.wait(policy, cost, caller.time_remaining())
-            else:
-                grant = self.quotas.admit(policy, cost)
+            grant = self.quotas.admit(policy, cost)
             async for out in self._generate(req, caller):
                 record.saw(out)
                 yield out
@@ -249,7 +285,8 @@ class RouterCore:
         ticket = self.queue.ticket(
             caller.tenant, policy.priority.rank, caller.priority is Priority.INTERACTIVE, policy.weight,
             preq.prompt_tokens + work.max_tokens,
-            (preq.allowed_jurisdictions, caller.tenant, preq.exclude, preq.colocated_only, preq.reserve), try_place)
+            (preq.allowed_jurisdictions, self.registry.pools_of(caller.tenant), preq.exclude, preq.colocated_only,
+             preq.reserve), try_place)
         try:
             return await self._turn(ticket, admission)
         except PlacementError as exc:

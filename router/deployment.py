@@ -7,11 +7,15 @@ Reach follows placement's hard constraints (router/placement.py): the pools
 in the tenant's jurisdictions that are open to it (not dedicated to other
 tenants) and have replicas or live workers. A decode pool always counts; a
 prefill pool only when a link joins it to such a decode pool, and KV crosses
-exactly those links. Pure functions of the config and the snapshot."""
+exactly those links. Pure functions of the config and the snapshot; the
+snapshot (:func:`deployment_state`) is where the disk is read: the modes of
+the router's files (:func:`file_states`)."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import stat
 import time
 from dataclasses import dataclass, field
 
@@ -48,6 +52,52 @@ class LinkState:
     """Why it is down ("" when up)."""
 
 
+@dataclass(frozen=True, slots=True)
+class FileState:
+    """One of the router's files as the router read it on disk (``os.stat``)."""
+
+    path: str
+    mode: int | None = None
+    """Its permission bits (e.g. 0o600); None: not read (``error`` says why)."""
+    owner_uid: int | None = None
+    folder: str = ""
+    """The folder that holds it."""
+    folder_mode: int | None = None
+    """The folder's permission bits; None: not read (``folder_error`` says why)."""
+    error: str = ""
+    """"missing", or why it could not be read ("" when ``mode`` is set)."""
+    folder_error: str = ""
+
+
+STORES = ("audit_log", "jobs_db", "usage_db")
+"""The router's files, by their ``router.*`` config field."""
+
+
+def _stat(path: str) -> tuple[os.stat_result | None, str]:
+    try:
+        return os.stat(path), ""
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
+
+
+def file_state(path: str) -> FileState:
+    """``path`` and its folder as ``os.stat`` finds them now."""
+    folder = os.path.dirname(os.path.abspath(path))
+    info, error = _stat(path)
+    finfo, ferror = _stat(folder)
+    return FileState(path, None if info is None else stat.S_IMODE(info.st_mode),
+                     None if info is None else info.st_uid, folder,
+                     None if finfo is None else stat.S_IMODE(finfo.st_mode), error, ferror)
+
+
+def file_states(cfg: ClusterConfig) -> dict[str, FileState]:
+    """The router's configured files (router.audit_log, jobs_db, usage_db), read
+    on disk; a field that names no file (None) is absent."""
+    return {name: file_state(path) for name in STORES if (path := getattr(cfg.router, name))}
+
+
 @dataclass(slots=True)
 class DeploymentState:
     """The live half of the statement's inputs (the config is the other)."""
@@ -63,6 +113,9 @@ class DeploymentState:
     """The checkpoint the router serves, when it knows (else the config's model.path)."""
     generated_at: float = 0.0
     """Unix time of the snapshot."""
+    files: dict[str, FileState] | None = None
+    """The router's files as read on disk (``router.*`` field -> its state, :func:`file_states`);
+    None: not read for this snapshot (a configured file absent from it likewise)."""
 
 
 def kvrelay_version() -> str:
@@ -76,13 +129,15 @@ def kvrelay_version() -> str:
 def deployment_state(registry: WorkerRegistry, desired: dict[tuple[str, str], int] | None = None,
                      model_path: str | None = None, now: float | None = None) -> DeploymentState:
     """A snapshot of ``registry`` (workers, link health) with the pools' desired sizes
-    (router/pools.py ``PoolManager.desired``; None: the config's replicas)."""
+    (router/pools.py ``PoolManager.desired``; None: the config's replicas), and
+    the router's files (its config's) as read on disk now: call it in the router."""
     workers = [LiveWorker(r.info.worker_id, r.info.site, Role.of(r.info.role).value, r.info.device,
                           registry.healthy(r), r.draining, r.info.transport, r.info.model)
                for r in sorted(registry.workers.values(), key=lambda r: r.info.worker_id)]
     links = {lv.name: LinkState(lv.up, registry.link_health[key].reason) for key, lv in registry.links.items()}
     return DeploymentState(workers, links, {(s, str(r)): n for (s, r), n in (desired or {}).items()},
-                           kvrelay_version(), model_path, time.time() if now is None else now)
+                           kvrelay_version(), model_path, time.time() if now is None else now,
+                           file_states(registry.cfg))
 
 
 @dataclass(slots=True)

@@ -4,7 +4,8 @@ never from text written in advance. Institutions file it with their records.
 
 ``statement(cfg, state, tenant)`` is a pure function (no I/O, no clock) over
 the config and a :class:`DeploymentState` (router/deployment.py; the Admin
-API's ``Governance`` takes it from the registry). Its JSON::
+API's ``Governance`` takes it from the registry, and the modes of the
+router's files from the disk, in the router). Its JSON::
 
     {"generated_at": "...Z", "deployment": {...},
      "tenants": [{"tenant": "lab-qc", "warnings": [...],
@@ -21,7 +22,15 @@ import datetime
 from enum import IntEnum
 
 from router.auth import ANONYMOUS
-from router.deployment import Deployment, DeploymentState, Pool, Reach, deployment_state
+from router.deployment import (
+    STORES,
+    Deployment,
+    DeploymentState,
+    FileState,
+    Pool,
+    Reach,
+    deployment_state,
+)
 from runtime.config import ClusterConfig, is_loopback
 from runtime.tenants import TenantSection
 from runtime.topology import LOCAL_LINK
@@ -108,13 +117,65 @@ def _router_where(d: Deployment) -> str:
 
 def _stores(cfg: ClusterConfig) -> dict:
     """The router's files (on its host), None where the config names none."""
-    r = cfg.router
-    return {"audit_log": r.audit_log, "jobs_db": r.jobs_db, "usage_db": r.usage_db}
+    return {name: getattr(cfg.router, name) for name in STORES}
 
 
 _STORE_WORDS = {"audit_log": "the audit log (who, when, where, how much)",
                 "jobs_db": "the jobs database (job requests and results)",
-                "usage_db": "the usage records (token counts)"}
+                "usage_db": "the usage records (request, token and KV-byte counts)"}
+_STORE_NAMES = {"audit_log": "the audit log", "jobs_db": "the jobs database", "usage_db": "the usage database"}
+AUDITED_ACTIONS = ("scale", "drain", "plan apply", "usage", "governance")
+"""The Admin calls router/admin.py writes to the audit log with the operator
+who made them (every call refused for its credentials too, as a ``refusal``)."""
+
+_UNSET = {"audit_log": "nothing is audited", "jobs_db": "batch jobs are kept in the router's memory only",
+          "usage_db": "usage is kept in the router's memory only"}
+"""What the router does when ``router.<name>`` names no file (router/main.py, router/usage.py)."""
+
+
+def _mode(mode: int | None) -> str | None:
+    return None if mode is None else f"{mode:04o}"
+
+
+def _readers(mode: int) -> str:
+    """Who the permission bits let read a file."""
+    return "any user" if mode & 0o004 else "its owner and group" if mode & 0o040 else "its owner only"
+
+
+def _file(d: Deployment, name: str) -> dict:
+    """``router.<name>`` as the router read it on disk (the snapshot's :class:`FileState`):
+    state "read", "missing", why it could not be read, "not read" (no stat in the snapshot) or "not set"."""
+    path = getattr(d.cfg.router, name)
+    if path is None:
+        return {"path": None, "state": "not set", "consequence": _UNSET[name]}
+    fs: FileState | None = (d.state.files or {}).get(name)
+    if fs is None:
+        return {"path": path, "state": "not read"}
+    out = {"path": path, "state": "read" if fs.mode is not None else fs.error}
+    if fs.mode is not None:
+        out |= {"mode": _mode(fs.mode), "readable_by": _readers(fs.mode), "owner_uid": fs.owner_uid}
+    return out | {"folder": fs.folder, "folder_mode": _mode(fs.folder_mode),
+                  "folder_state": "read" if fs.folder_mode is not None else fs.folder_error}
+
+
+def _file_text(name: str, f: dict) -> str:
+    """One file's facts from :func:`_file` in words."""
+    words = _STORE_NAMES[name]
+    if f["state"] == "not set":
+        return f"{words}: not set (router.{name}; {f['consequence']})"
+    if f["state"] == "not read":
+        return f"{words} {f['path']} (its mode was not read)"
+    folder = (f"in {f['folder']}, mode {f['folder_mode']}" if f["folder_mode"] is not None
+              else f"in {f['folder']} ({f['folder_state']})")
+    if f["state"] == "read":
+        return f"{words} {f['path']}, mode {f['mode']} (readable by {f['readable_by']}), {folder}"
+    if f["state"] == "missing":
+        return f"{words} {f['path']}: missing on disk ({folder})"
+    return f"{words} {f['path']}: its mode could not be read ({f['state']}; {folder})"
+
+
+def _files(d: Deployment) -> dict:
+    return {name: _file(d, name) for name in STORES}
 
 
 def _link_text(lk: dict) -> str:
@@ -130,7 +191,7 @@ def _operators(cfg: ClusterConfig) -> dict:
 
 def _operators_text(cfg: ClusterConfig) -> str:
     ops = _operators(cfg)
-    certs = " and any operator certificate from the cluster CA" if ops["certificates_accepted"] else ""
+    certs = " and of any operator certificate from the cluster CA" if ops["certificates_accepted"] else ""
     return f"the holders of operator tokens ({_names(ops['tokens'])}){certs}"
 
 
@@ -166,8 +227,16 @@ def accelerators(d: Deployment, t: TenantSection, r: Reach) -> dict:
     pools = [p.facts() | {"other_tenants": [n for n in d.users_of(p) if n != t.name]} for p in r.pools]
     shared = [p for p in r.pools if not p.dedicated_to]
     dedicated = [p for p in r.pools if p.dedicated_to]
+    rs = d.cfg.router
+    reserved = {"interactive_reserve": rs.interactive_reserve, "max_inflight_per_worker": rs.max_inflight_per_worker,
+                "applies_to": "every worker: batch (job) requests leave interactive_reserve of its "
+                              "max_inflight_per_worker slots free for interactive requests",
+                "job_concurrency": rs.job_concurrency,
+                "jobs_start_only_while_no_interactive_request_waits": True,
+                "engines_admit_waiting_interactive_prompts_first": True,
+                "for_tenants": "none beyond dedicated pools"}
     facts = {"pools": pools, "closed_to_it": [p.facts() for p in r.closed],
-             "reservations": "none beyond dedicated pools", "other_workloads_on_the_hosts": NOT_RECORDED}
+             "reservations": reserved, "other_workloads_on_the_hosts": NOT_RECORDED}
     parts = []
     if shared:
         others = sorted({n for p in shared for n in d.users_of(p)} - {t.name})
@@ -180,7 +249,17 @@ def accelerators(d: Deployment, t: TenantSection, r: Reach) -> dict:
             "No pool is open to it within its jurisdictions: its requests are refused.")
     if r.closed:
         text += f" Pools dedicated to other tenants, never used for it: {_names(p.name for p in r.closed)}."
-    text += f" No capacity is reserved otherwise; whether the hosts run other workloads is {NOT_RECORDED}."
+    if rs.interactive_reserve:
+        text += (f" Reserved for interactive requests: on every worker, batch (job) requests leave "
+                 f"{rs.interactive_reserve} of its {rs.max_inflight_per_worker} slots free "
+                 f"(router.interactive_reserve of router.max_inflight_per_worker)")
+    else:
+        text += (f" Reserved for interactive requests: no slot (router.interactive_reserve is 0): batch (job) "
+                 f"requests may take all {rs.max_inflight_per_worker} slots of a worker")
+    text += (f"; the router starts job requests only while no interactive request waits for room, at most "
+             f"{rs.job_concurrency} at once (router.job_concurrency), and engines admit waiting interactive "
+             f"prompts before batch ones. Nothing is reserved for any tenant beyond dedicated pools; whether the "
+             f"hosts run other workloads is {NOT_RECORDED}.")
     return _answer(Question.ACCELERATORS, text, facts)
 
 
@@ -209,41 +288,78 @@ def jurisdictions(d: Deployment, t: TenantSection, r: Reach) -> dict:
                                   for s, j in r.sites()],
              "kv_links": r.links, "stores": {k: {"path": v, "host": router["host"], "site": router["site"],
                                           "jurisdiction": router["jurisdiction"]} for k, v in stores.items()},
-             "backups": _section(getattr(d.cfg, "backups", None)) or "none configured",
+             "backups": _section(getattr(d.cfg, "backups", None)) or NOT_RECORDED,
              "jurisdictions_reached": reached, "warnings": warnings}
     links = _names((_link_text(lk) for lk in r.links), "no link (its prompts are computed where they are decoded)")
     words = _STORE_WORDS | ({"audit_log": "the audit log (who, when, where, how much, and its prompt and output "
                                           "text: log_prompts)"} if t.log_prompts else {})
-    files = _names(f"{words[k]} {v or 'not set'}" for k, v in stores.items())
+    files = _names(f"{words[k]} {v}" if v else f"{words[k]}: not set ({_UNSET[k]})" for k, v in stores.items())
+    backups = (_section_text(facts["backups"]) if facts["backups"] != NOT_RECORDED else
+               f"host backups are outside kvrelay's configuration, so whether and where these files are backed "
+               f"up is {NOT_RECORDED}")
     text = (f"Its prompts are tokenized, and its outputs returned, by the router on {_router_where(d)}; prompts and KV "
             f"are processed at {_names((f'{s} ({j})' for s, j in r.sites()), 'no site')}; KV crosses {links}. "
-            f"The router's files, on its host: {files}. Backups: {_section_text(facts['backups'])}. "
+            f"The router's files, on its host: {files}. Backups: {backups}. "
             f"Jurisdictions reached: {_names(reached)}.")
     text += "".join(f" WARNING: {w}." for w in warnings)
     return _answer(Question.JURISDICTIONS, text, facts)
 
 
+def _kv_memory(cfg: ClusterConfig) -> str:
+    c = cfg.cache
+    if c.num_blocks is not None:
+        return f"{c.num_blocks} blocks of {c.block_size} tokens per worker, cache.num_blocks"
+    return f"{c.memory_gib:g} GiB per worker, cache.memory_gib"
+
+
 def retention(d: Deployment, t: TenantSection, r: Reach) -> dict:
     """(4) How long each kind of record is kept; where its prompts may be reused."""
-    cfg = d.cfg
-    usage_days = getattr(cfg.router, "usage_retention_days", None)
-    facts = {"job_retention_days": t.job_retention_days, "audit_retention_days": t.audit_retention_days,
-             "operator_audit_retention_days": cfg.router.operator_audit_retention_days,
-             "retention_sweep_s": cfg.router.retention_sweep_s, "usage_retention_days": usage_days,
-             "log_prompts": t.log_prompts, "prefix_cache_shared_with": sorted(t.share_prefix_cache_with),
+    cfg, rs = d.cfg, d.cfg.router
+    usage_days = getattr(rs, "usage_retention_days", None)
+    sharing = sorted(t.share_prefix_cache_with)
+    prefix = cfg.cache.enable_prefix_caching
+    facts = {"job_retention_days": t.job_retention_days, "jobs_kept_in": rs.jobs_db or "router memory",
+             "audit_retention_days": t.audit_retention_days, "audit_log": rs.audit_log,
+             "expired_audit_records": "replaced by tombstones (seq, time, kind, tenant, hash of the removed line)",
+             "operator_audit_retention_days": rs.operator_audit_retention_days,
+             "retention_sweep_s": rs.retention_sweep_s, "usage_retention_days": usage_days,
+             "usage_kept_in": rs.usage_db or "router memory",
+             "log_prompts": t.log_prompts, "prefix_cache_shared_with": sharing if prefix else [],
              "kv_cache": {"held_in": "worker memory", "memory_gib": cfg.cache.memory_gib,
-                          "num_blocks": cfg.cache.num_blocks, "prefix_caching": cfg.cache.enable_prefix_caching},
+                          "num_blocks": cfg.cache.num_blocks, "block_size": cfg.cache.block_size,
+                          "prefix_caching": prefix},
              "other_uses": NOT_RECORDED}
-    text = (f"Its batch jobs (requests and results) are deleted {t.job_retention_days:g} days after they finish and "
-            f"its audit records after {t.audit_retention_days:g} days (swept every {cfg.router.retention_sweep_s:g} s); "
-            f"operators' records are kept {cfg.router.operator_audit_retention_days:g} days. Its audit records "
-            f"{'carry' if t.log_prompts else 'never carry'} prompt and output text (log_prompts: "
-            f"{str(t.log_prompts).lower()}). Usage records: "
-            f"{'no retention configured' if usage_days is None else f'{usage_days:g} days'}. KV lives only in worker "
-            f"memory ({cfg.cache.memory_gib:g} GiB per worker) until evicted; its cached prefixes are reused "
-            + (f"for its own requests and those of {_names(sorted(t.share_prefix_cache_with))}"
-               if t.share_prefix_cache_with else "only for its own requests")
-            + f". Any other use of its data by the operator is {NOT_RECORDED}.")
+    where = "in the jobs database" if rs.jobs_db else "in the router's memory only (router.jobs_db is not set)"
+    text = (f"Its batch jobs (requests and results: its prompts and outputs, whatever log_prompts says) are kept "
+            f"{where} and deleted {t.job_retention_days:g} days after they finish (done or cancelled), or sooner "
+            f"by the tenant itself (`kvrelay job delete`). ")
+    if rs.audit_log:
+        text += (f"Its audit records are replaced by tombstones (sequence number, time, kind, tenant and the hash "
+                 f"of the removed line stay, so the chain still verifies) {t.audit_retention_days:g} days after "
+                 f"their time; records of no tenant (operator actions, worker registrations, retention records) "
+                 f"after {rs.operator_audit_retention_days:g} days. ")
+    else:
+        text += "Nothing is audited (router.audit_log is not set). "
+    text += (f"The router's retention sweep runs when it starts and every {rs.retention_sweep_s:g} s "
+             f"(router.retention_sweep_s), so a record may outlive its period by up to that long. ")
+    if rs.audit_log:
+        text += (f"Its audit records {'carry' if t.log_prompts else 'never carry'} prompt and output text "
+                 f"(log_prompts: {str(t.log_prompts).lower()}). ")
+    if usage_days is not None:
+        text += f"Usage records: {usage_days:g} days. "
+    elif rs.usage_db:
+        text += ("Usage records (counts per minute, tenant, site, link, role and worker; no text) are never "
+                 "deleted by kvrelay. ")
+    else:
+        text += "Usage records are kept in the router's memory only (router.usage_db is not set) until it stops. "
+    text += f"KV is held in worker memory ({_kv_memory(cfg)}); "
+    if prefix:
+        text += ("its blocks stay cached after a request until evicted, and its cached prefixes are reused "
+                 + (f"for its own requests and those of {_names(sharing)}" if sharing else "only for its own requests"))
+    else:
+        text += ("its blocks are freed when its request ends and never reused for another prompt "
+                 "(cache.enable_prefix_caching is false)")
+    text += f". Any other use of its data by the operator is {NOT_RECORDED}."
     return _answer(Question.RETENTION, text, facts)
 
 
@@ -254,7 +370,8 @@ def _sign_in(cfg: ClusterConfig, t: TenantSection) -> dict:
 
 def _sign_in_text(methods: dict) -> str:
     words = {"token": "a bearer token (only its SHA-256 is configured)",
-             "client_certificate": "a client certificate naming it from the cluster CA",
+             "client_certificate": "a client certificate naming it from the cluster CA (gRPC on the internal "
+                                   "port; the HTTP API takes tokens only)",
              "anonymous": "no credentials at all (anonymous access is allowed on loopback)"}
     return _names((words[k] for k, on in methods.items() if on), "nothing: it cannot sign in", last="or")
 
@@ -265,16 +382,30 @@ def access(d: Deployment, t: TenantSection, r: Reach) -> dict:
     co_tenants = sorted({n for p in r.pools for n in d.users_of(p)} - {t.name})
     readable = [lk["link"] for lk in r.links if not lk["encrypted"]]
     nixl = [lk["link"] for lk in r.links if "nixl" in lk["transport"]]
-    facts = {"tenant_signs_in_with": _sign_in(cfg, t), "operators": _operators(cfg),
-             "operators_read_prompts_in_audit": t.log_prompts, "router_files": _stores(cfg),
-             "tenants_on_the_same_workers": co_tenants, "prefix_cache_shared_with": sorted(t.share_prefix_cache_with),
+    files = _files(d)
+    sharing = sorted(t.share_prefix_cache_with) if cfg.cache.enable_prefix_caching else []
+    facts = {"tenant_signs_in_with": _sign_in(cfg, t),
+             "tenant_sees": {"jobs": "its own only", "usage": "no: operators only (Admin.Usage)",
+                             "audit_records": "no: a file on the router's host"},
+             "operators": _operators(cfg),
+             "operators_see": ["usage of every tenant (Admin.Usage)", "this statement (Admin.Governance)",
+                               "pools and workers"],
+             "audit_log_carries_prompts": t.log_prompts, "router_files": files,
+             "tenants_on_the_same_workers": co_tenants, "prefix_cache_shared_with": sharing,
              "links_readable_on_the_wire": readable, "nixl_links": nixl,
              "vendor_staff": NOT_RECORDED, "host_administrators": NOT_RECORDED}
-    text = (f"Users: whoever presents {_sign_in_text(facts['tenant_signs_in_with'])} acts as this tenant and sees "
-            f"only its own jobs and usage. Administrators: {_operators_text(cfg)} manage the pools and read the "
-            f"audit log{', which carries its prompts and outputs' if t.log_prompts else ''}; whoever can read the "
-            f"router host's files reads its jobs and records. Other tenants on the same workers: {_names(co_tenants)} "
-            f"(prefix caches apart unless shared; shared with: {_names(sorted(t.share_prefix_cache_with))}).")
+    held = (["the jobs database holds its batch jobs' prompts and outputs"] if cfg.router.jobs_db else []) + (
+        ["the audit log holds its prompts and outputs (log_prompts)"] if t.log_prompts and cfg.router.audit_log else [])
+    text = (f"Users: whoever presents {_sign_in_text(facts['tenant_signs_in_with'])} acts as this tenant: it sends "
+            f"requests and sees its own batch jobs only (another tenant's job is as unknown as a missing one); "
+            f"usage reports are for operators only (Admin.Usage needs operator credentials). Administrators: "
+            f"{_operators_text(cfg)} scale and drain the pools and read every tenant's usage and this statement "
+            f"through the Admin API, which serves no prompt, output or audit record. The router's files are read "
+            f"on its host by whoever its file permissions let (as read there: "
+            f"{'; '.join(_file_text(k, f) for k, f in files.items())}){': ' + _names(held) if held else ''}. "
+            f"Other tenants whose requests may run on the same workers: {_names(co_tenants)} ("
+            + (f"prefix caches apart unless shared; shared with: {_names(sharing)})." if cfg.cache.enable_prefix_caching
+               else "no prefix cache: cache.enable_prefix_caching is false)."))
     if readable:
         text += f" Its KV is readable on the wire of {_names(readable)} (protection: integrity)."
     if nixl:
@@ -288,6 +419,12 @@ def _policy(d: Deployment, t: TenantSection) -> dict:
             "requests_per_minute": t.requests_per_minute, "tokens_per_minute": t.tokens_per_minute,
             "max_concurrent": t.max_concurrent, "max_context": t.max_context,
             "dedicated_pools": [p.name for p in d.pools if t.name in p.dedicated_to]}
+
+
+_QUOTA_WORDS = {"requests_per_minute": "{} requests per minute", "tokens_per_minute":
+                "{} tokens per minute (prompt + max_tokens held at admission, the unused part returned)",
+                "max_concurrent": "{} requests in progress at once", "max_context": "{} tokens of prompt + max_tokens "
+                                                                                   "per request"}
 
 
 def identity(d: Deployment, t: TenantSection, r: Reach) -> dict:
@@ -305,14 +442,19 @@ def identity(d: Deployment, t: TenantSection, r: Reach) -> dict:
                 f"certificates from {'the CA ' + tls.ca if tls.ca else 'a CA the launcher made for this run'} "
                 f"({len(tls.revoked_serials)} revoked serials)" if tls.enabled else
                 "TLS is off (plaintext, allowed on loopback addresses only)")
-    quotas = [f"{k.replace('_', ' ')} {policy[k]}" for k in ("requests_per_minute", "tokens_per_minute",
-                                                             "max_concurrent", "max_context") if policy[k]]
+    quotas = [_QUOTA_WORDS[k].format(policy[k]) for k in _QUOTA_WORDS if policy[k]]
+    quota_text = (f"quotas {_names(quotas)} (over a rate or concurrency quota an interactive request is refused "
+                  f"with a time to retry; a batch one waits, its owner's jobs paused until then)" if quotas else "no quotas")
     links = _names((_link_text(lk) for lk in r.links), "none")
+    federated_text = (_section_text(federated) if federated else
+                      "not configured (tenants sign in with kvrelay's own tokens or cluster-CA certificates)")
     text = (f"It signs in with {_sign_in_text(facts['sign_in'])}; federated or institutional identity: "
-            f"{_section_text(facts['federated_identity'])}. {tls_text}. KV links: {links}. Whether the links "
-            f"are private network paths is {NOT_RECORDED}. Its policy: jurisdictions {_names(t.jurisdictions, 'any')}, "
-            f"priority {t.priority} (weight {t.weight:g}), quotas {_names(quotas)}, dedicated pools "
-            f"{_names(policy['dedicated_pools'])}.")
+            f"{federated_text}. {tls_text}. KV links: {links}. Whether the links are private network paths is "
+            f"{NOT_RECORDED}. Its policy: jurisdictions {_names(t.jurisdictions, 'any')}"
+            f"{' (a request asking for others is narrowed to these, never widened)' if t.jurisdictions else ''}; "
+            f"{quota_text}; priority class {t.priority} and weight {t.weight:g}, "
+            f"which order the requests waiting at the router for room (higher classes first, interactive before "
+            f"batch, then by weight: weighted fair queueing); dedicated pools {_names(policy['dedicated_pools'])}.")
     return _answer(Question.IDENTITY, text, facts)
 
 
@@ -323,41 +465,55 @@ def responsibility(d: Deployment, t: TenantSection, r: Reach) -> dict:
     facts = {"operators": _operators(cfg), "telemetry": telemetry or "none configured",
              "health_checks": {"heartbeat_interval_s": rs.heartbeat_interval_s, "worker_timeout_s": rs.worker_timeout_s,
                                "link_probe_timeout_s": rs.link_probe_timeout_s},
-             "operator_actions_logged_to": rs.audit_log,
+             "operator_actions_logged_to": rs.audit_log, "operator_actions_logged": [*AUDITED_ACTIONS, "refused credentials"],
              "capacity": [{k: p.facts()[k] for k in ("pool", "desired", "min_replicas", "max_replicas")}
                           for p in r.pools],
              "slo": {"ttft_s": rs.slo_ttft_s, "tpot_s": rs.slo_tpot_s}, "runtime_version": d.state.version,
              "incident_response": NOT_RECORDED, "upgrades": NOT_RECORDED}
     sizes = _names(f"{c['pool']} {c['desired']} (max {c['max_replicas']})" for c in facts["capacity"])
-    text = (f"Operators ({_names(facts['operators']['tokens'])}) scale, drain and plan the pools; their actions go "
-            f"to the audit log ({rs.audit_log or 'not set'}). Telemetry (traces, metrics): "
-            f"{_section_text(facts['telemetry'])}; the "
+    logged = (f"are written to the audit log ({rs.audit_log})" if rs.audit_log else
+              "are not audited (router.audit_log is not set)")
+    text = (f"Operators ({_operators_text(cfg)}) scale, drain and plan the pools; their "
+            f"{_names(AUDITED_ACTIONS)} calls, and calls refused for their credentials, {logged}. Telemetry (traces, metrics): {_section_text(facts['telemetry'])}; the "
             f"router marks a worker unhealthy after {rs.worker_timeout_s:g} s without a heartbeat and a link down when "
-            f"a probe takes over {rs.link_probe_timeout_s:g} s. Capacity: {sizes}, sized against a time to first token "
-            f"of {rs.slo_ttft_s:g} s and {rs.slo_tpot_s:g} s per output token (kvrelay plan). Runtime: kvrelay "
-            f"{d.state.version}. Who answers incidents and schedules upgrades is {NOT_RECORDED}.")
+            f"a probe takes over {rs.link_probe_timeout_s:g} s. Capacity: {sizes}; `kvrelay plan` recommends sizes "
+            f"for a time to first token of {rs.slo_ttft_s:g} s and {rs.slo_tpot_s:g} s per output token, applied "
+            f"only when an operator runs it with --apply. Runtime: kvrelay {d.state.version}. Who answers incidents "
+            f"and schedules upgrades is {NOT_RECORDED}.")
     return _answer(Question.RESPONSIBILITY, text, facts)
 
 
 def portability(d: Deployment, t: TenantSection, r: Reach) -> dict:
-    """(8) How its jobs, records, the config and the model leave the deployment."""
+    """(8) How its jobs, records, the config and the model leave the deployment, and who can take them out."""
     cfg, stores = d.cfg, _stores(d.cfg)
     path = d.state.model_path or cfg.model.path
+    ops = _operators_text(cfg)
+    audit = stores["audit_log"]
     exports = [
-        {"data": "batch jobs and results", "command": "kvrelay job results <job-id>", "store": stores["jobs_db"],
+        {"data": "batch jobs and results", "who": "the tenant itself (its own credential)",
+         "command": "kvrelay job status; kvrelay job results <job-id>", "store": stores["jobs_db"],
          "format": "JSON lines"},
-        {"data": "audit records", "command": "kvrelay audit query --json", "store": stores["audit_log"],
-         "format": "JSON lines, hash-chained"},
-        {"data": "usage", "command": "kvrelay usage --json", "store": stores["usage_db"], "format": "JSON"},
-        {"data": "configuration", "command": None, "store": None, "format": "YAML (the cluster config file)"},
-        {"data": "model", "command": None, "store": path or "the embedded default (kvrelay model prepare)",
+        {"data": "audit records",
+         "who": (f"through the operators: whoever can read {audit} on the router's host" if audit else
+                 "nobody: nothing is audited (router.audit_log is not set)"),
+         "command": f"kvrelay audit query --file {audit} --tenant {t.name} --json" if audit else None,
+         "store": audit, "format": "JSON lines, hash-chained"},
+        {"data": "usage", "who": f"through the operators: {ops} (operator credentials)",
+         "command": f"kvrelay usage --tenant {t.name} --json", "store": stores["usage_db"], "format": "JSON"},
+        {"data": "configuration", "who": NOT_RECORDED, "command": None, "store": None,
+         "format": "YAML (the cluster config file)"},
+        {"data": "model", "who": NOT_RECORDED, "command": None,
+         "store": path or "the embedded default (kvrelay model prepare)",
          "format": "Hugging Face checkpoint folder: config.json, *.safetensors, tokenizer.json"}]
     apis = ["kvrelay.v1 gRPC"] + (["OpenAI-compatible HTTP"] if cfg.router.http_port is not None else [])
     facts = {"exports": exports, "apis": apis}
-    commands = _names(f"{e['data']} with `{e['command']}`" for e in exports if e["command"])
-    text = (f"Yes: {commands}; the "
-            f"configuration is a YAML file and the model a checkpoint in open formats ({exports[-1]['format']}, "
-            f"at {exports[-1]['store']}). Clients use {_names(apis)} APIs, which other services also offer.")
+    text = ("It takes out its own batch jobs itself, with its own credential: `kvrelay job status` lists them and "
+            "`kvrelay job results <job-id>` gives each one's results (JSON lines). Through the operators: ")
+    text += (f"its audit records with `{exports[1]['command']}`, which reads the file on the router's host (whoever "
+             f"can read it there); " if audit else "no audit records (router.audit_log is not set); ")
+    text += (f"its usage with `{exports[2]['command']}`, which needs operator credentials ({ops}). The "
+             f"configuration is a YAML file and the model a checkpoint in open formats ({exports[-1]['format']}, "
+             f"at {exports[-1]['store']}). Clients use {_names(apis)} APIs, which other services also offer.")
     return _answer(Question.PORTABILITY, text, facts)
 
 
@@ -369,6 +525,7 @@ ANSWERS = (operators, accelerators, jurisdictions, retention, access, identity, 
 def deployment_facts(d: Deployment) -> dict:
     """What the statement says of the whole deployment (every tenant's answers draw on it)."""
     return {"kvrelay_version": d.state.version, "router": _router(d), "stores": _stores(d.cfg),
+            "files": _files(d),
             "sites": [{"site": s.name, "jurisdiction": s.jurisdiction,
                        "pools": [p.facts() for p in d.pools if p.site == s.name]} for s in d.cfg.sites],
             "operators": _operators(d.cfg), "telemetry": _section(getattr(d.cfg, "telemetry", None)),

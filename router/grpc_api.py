@@ -18,7 +18,7 @@ from kvrelay.v1 import worker_pb2 as wpb
 from router.admin import AdminService
 from router.core import RouterCore
 from router.errors import RouterError
-from router.peer import STATUS, CallAuth
+from router.peer import STATUS, CallAuth, authorization
 from router.registry_service import RegistryService
 from runtime.rpc import add_service
 
@@ -39,7 +39,11 @@ class InferenceService(igrpc.InferenceServicer):
 
     async def Generate(self, request: ipb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            caller = self.auth.caller(context)
+            try:
+                caller = self.auth.caller(context)
+            except RouterError as exc:
+                self.core.audit_refused("grpc", exc, "token" if authorization(context) else "none")
+                raise
             req = await self.core.admit(request, caller)
             async for msg in self.core.generate(req, caller, request):
                 yield msg

@@ -22,7 +22,8 @@ from router.core import RouterCore
 from router.errors import ErrorKind, RouterError
 from router.grpc_api import STATUS, abort
 from router.jobs_store import JOB_CANCELLED, JOB_DONE, RESULT_PAGE, JobRow, JobStore
-from router.peer import CallAuth
+from router.peer import CallAuth, authorization
+from router.quotas import QuotaExceeded
 from router.requests import Caller, Priority
 from runtime.rpc import add_service
 from runtime.topology import Role
@@ -95,6 +96,8 @@ class JobService(jgrpc.JobsServicer):
         self._runner: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._paused_until = 0.0
+        self._owner_paused: dict[str, float] = {}
+        """Owner -> until when its jobs wait (it was over a quota)."""
 
     async def _db(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -123,6 +126,7 @@ class JobService(jgrpc.JobsServicer):
         try:
             return self.auth.caller(context).tenant
         except RouterError as exc:
+            self.core.audit_refused("jobs", exc, "token" if authorization(context) else "none")
             await abort(context, exc)
 
     async def SubmitJob(self, request: jpb.SubmitJobRequest, context) -> jpb.Job:
@@ -139,6 +143,7 @@ class JobService(jgrpc.JobsServicer):
         row = await self._db(self.store.submit, request.name, [r.SerializeToString() for r in request.requests],
                              owner)
         log.info("job %s (%s): %d requests", row.id, request.name or "unnamed", row.total)
+        self._audit({"action": "submitted", "job": row.id, "tenant": owner, "requests": row.total})
         self._wake.set()
         return _job_proto(row)
 
@@ -170,8 +175,18 @@ class JobService(jgrpc.JobsServicer):
         return jpb.ListJobsResponse(jobs=[_job_proto(r) for r in await self._db(self.store.list, owner)])
 
     async def CancelJob(self, request: jpb.CancelJobRequest, context) -> jpb.Job:
-        await self._row(request.id, context)
+        row = await self._row(request.id, context)
+        self._audit({"action": "cancelled", "job": row.id, "tenant": row.owner})
         return _job_proto(await self._db(self.store.cancel, request.id))
+
+    def _audit(self, fields: dict) -> None:
+        """A job record in the audit log (submission, cancellation), written off the event loop."""
+        audit = getattr(self.core, "audit", None)
+        if audit is not None:
+            try:
+                audit.append(RecordKind.JOB, fields)
+            except (AuditError, ValueError):
+                log.exception("the audit log could not be written")
 
     async def DeleteJob(self, request: jpb.DeleteJobRequest, context) -> jpb.DeleteJobResponse:
         """Deletes the caller's job with its requests and results (another
@@ -268,7 +283,9 @@ class JobService(jgrpc.JobsServicer):
             if loop.time() < self._paused_until or not self.core.registry.candidates(Role.DECODE):
                 continue  # nothing can serve now (e.g. a router that just restarted)
             room = self.concurrency - len(self.inflight)
-            for job, idx, blob, owner in await self._db(self.store.claim, room):
+            now = loop.time()
+            paused = frozenset(o for o, until in self._owner_paused.items() if until > now)
+            for job, idx, blob, owner in await self._db(self.store.claim, room, paused):
                 task = asyncio.create_task(self._one(job, idx, ipb.GenerateRequest.FromString(blob), owner),
                                            name=f"job {job}/{idx}")
                 self.inflight.add(task)
@@ -281,11 +298,18 @@ class JobService(jgrpc.JobsServicer):
         ok = True
         caller = Caller(owner, priority=Priority.BATCH, api="jobs", credential="job")  # as its owner, no deadline
         try:
+            if not self.core.tenants.known(owner):  # removed from the config since: no policy, no service
+                raise RouterError(ErrorKind.PERMISSION_DENIED, f"the job's owner {owner!r} is not a configured "
+                                                               "tenant (any more); its requests do not run")
             async for msg in self.core.generate(await self.core.admit(req, caller), caller, req):
                 result.token_ids.extend(msg.token_ids)
                 result.text += msg.text
                 if msg.HasField("finish"):
                     result.finish.CopyFrom(msg.finish)
+        except QuotaExceeded as exc:  # its owner's quota: that owner's jobs wait, nobody else's
+            await self._db(self.store.release, job, idx)
+            self._owner_paused[owner] = asyncio.get_running_loop().time() + (exc.retry_after_s or BACKOFF_S)
+            return
         except RouterError as exc:
             if exc.kind in TRANSIENT:
                 await self._db(self.store.release, job, idx)

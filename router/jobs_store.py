@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import sqlite3
 import threading
@@ -160,16 +161,23 @@ class JobStore:
         return self.get(job)
 
     @_serialized
-    def claim(self, n: int) -> list[tuple[str, int, bytes, str]]:
-        """Up to ``n`` pending requests (job, index, request, owner), oldest job first, now marked running."""
+    def claim(self, n: int, skip_owners: frozenset[str] = frozenset()) -> list[tuple[str, int, bytes, str]]:
+        """Up to ``n`` pending requests (job, index, request, owner), now marked
+        running: the owners with pending work take turns (each its oldest job
+        first), so one tenant's huge job does not hold back every other's.
+        Owners in ``skip_owners`` (over their quota) get none."""
         if n <= 0:
             return []
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            rows = self.db.execute(
-                "SELECT i.job, i.idx, i.request, j.owner FROM items i JOIN jobs j ON j.id = i.job "
-                "WHERE i.status=? AND j.state IN (?, ?) ORDER BY j.created, i.idx LIMIT ?",
-                (PENDING, JOB_QUEUED, JOB_RUNNING, n)).fetchall()
+            owners = [r[0] for r in self.db.execute(
+                "SELECT owner FROM jobs WHERE state IN (?, ?) GROUP BY owner ORDER BY MIN(created)",
+                (JOB_QUEUED, JOB_RUNNING)) if r[0] not in skip_owners]
+            per_owner = [self.db.execute(
+                "SELECT i.job, i.idx, i.request, j.owner FROM jobs j JOIN items i ON i.job = j.id "
+                "WHERE j.owner=? AND j.state IN (?, ?) AND i.status=? ORDER BY j.created, i.idx LIMIT ?",
+                (owner, JOB_QUEUED, JOB_RUNNING, PENDING, n)).fetchall() for owner in owners]
+            rows = [row for turn in itertools.zip_longest(*per_owner) for row in turn if row is not None][:n]
             self.db.executemany("UPDATE items SET status=? WHERE job=? AND idx=?",
                                 [(RUNNING, job, idx) for job, idx, _, _ in rows])
             for job in {row[0] for row in rows}:

@@ -66,6 +66,14 @@ def audit_log(cfg) -> AuditWriter | None:
     return None
 
 
+async def _stopped(task: asyncio.Task, timeout_s: float, what: str) -> None:
+    """Waits for ``task`` to end, at most ``timeout_s``: the rest of a shutdown matters more."""
+    try:
+        await asyncio.wait_for(task, timeout_s)
+    except asyncio.TimeoutError:
+        logging.getLogger(__name__).warning("%s did not stop within %.0f s; shutting down anyway", what, timeout_s)
+
+
 async def run(args: argparse.Namespace) -> None:
     cfg = load_config(args.config)
     tls = router_tls(cfg)
@@ -113,7 +121,7 @@ async def run(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     sweeping = asyncio.create_task(retention.run(stop))
     await stop.wait()
-    await asyncio.wait_for(sweeping, 30.0)
+    await _stopped(sweeping, 30.0, "the retention sweep")
     if http is not None:
         http.should_exit = True
         await asyncio.wait_for(http_task, 5.0)

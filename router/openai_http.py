@@ -168,6 +168,7 @@ class OpenAIServer:
         try:
             tenant = self.auth.tenant(how)
         except RouterError as exc:
+            self.core.audit_refused("http", exc, "token" if how else "none")
             raise api_error(exc) from None
         body = decode_body(await self._body(request))
         req, stream, include_usage = chat_request(body) if chat else completion_request(body)

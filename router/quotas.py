@@ -8,11 +8,11 @@ when it ends. A request larger than a whole bucket is let through when the
 bucket is full and leaves it in debt, so no size is refused outright.
 Over a quota: :class:`~router.errors.RouterError` OVERLOADED (gRPC
 RESOURCE_EXHAUSTED, HTTP 429 with ``Retry-After``) naming the quota and
-when to retry; batch requests wait for their turn instead (:meth:`Quotas.wait`)."""
+when to retry (:class:`QuotaExceeded`; the job runner pauses that tenant's
+jobs for that long, not everyone's)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,7 +86,7 @@ class Quotas:
             self.state[policy.name] = st
         return st
 
-    def refusal(self, policy: TenantSection, tokens: int) -> RouterError | None:
+    def refusal(self, policy: TenantSection, tokens: int) -> QuotaExceeded | None:
         """Why ``policy``'s tenant may not start a request of ``tokens`` now (None: it may)."""
         st, now, name = self._of(policy), self.clock(), policy.name
         if policy.max_concurrent is not None and st.running >= policy.max_concurrent:
@@ -104,16 +104,6 @@ class Quotas:
         problem = self.refusal(policy, tokens)
         if problem is not None:
             raise problem
-        return self._take(policy, tokens)
-
-    async def wait(self, policy: TenantSection, tokens: int, deadline_s: float | None = None) -> Grant:
-        """As :meth:`admit`, but waits for the quota to allow it (batch requests), up to ``deadline_s``."""
-        until = None if deadline_s is None else self.clock() + deadline_s
-        while (problem := self.refusal(policy, tokens)) is not None:
-            pause = problem.retry_after_s or CONCURRENCY_RETRY_S
-            if until is not None and self.clock() + pause > until:
-                raise problem
-            await asyncio.sleep(min(pause, CONCURRENCY_RETRY_S))
         return self._take(policy, tokens)
 
     def _take(self, policy: TenantSection, tokens: int) -> Grant:
@@ -136,7 +126,14 @@ class Quotas:
             st.tokens.give(max(0, grant.tokens - used_tokens))
 
 
-def _over(tenant: str, quota: str, wait_s: float) -> RouterError:
+class QuotaExceeded(RouterError):
+    """OVERLOADED because of the tenant's own quota (not the cluster's capacity)."""
+
+    def __init__(self, tenant: str, message: str, retry_after_s: float) -> None:
+        super().__init__(ErrorKind.OVERLOADED, message, retry_after_s)
+        self.tenant = tenant
+
+
+def _over(tenant: str, quota: str, wait_s: float) -> QuotaExceeded:
     ms = max(1, int(wait_s * 1e3 + 0.999))
-    return RouterError(ErrorKind.OVERLOADED, f"tenant {tenant!r} is over its {quota}; retry in {ms} ms",
-                       retry_after_s=ms / 1e3)
+    return QuotaExceeded(tenant, f"tenant {tenant!r} is over its {quota}; retry in {ms} ms", ms / 1e3)

@@ -98,6 +98,11 @@ class WorkerRegistry:
         """Healthy workers per site, sorted, as probe targets (rebuilt at most every half interval:
         every heartbeat asks, so not once per heartbeat over every worker)."""
 
+    def pools_of(self, tenant: str) -> frozenset:
+        """The dedicated pools ``tenant`` may use: requests with the same set (and
+        constraints) fit the same workers, whoever their tenant."""
+        return frozenset(pool for pool, tenants in self.dedicated.items() if tenant in tenants)
+
     def holder(self, worker_id: str) -> WorkerRecord | None:
         """The live worker that holds ``worker_id`` (heartbeating within the
         timeout), which no second registration may take over."""

@@ -10,7 +10,8 @@ the tenants' policy says is kept no longer.
   their ``time``; records of no tenant (operator actions, registrations,
   the retention records themselves) after
   ``router.operator_audit_retention_days``. The audit log appends a
-  ``retention`` record listing them (router/audit.py).
+  ``retention`` record listing them and the cutoff applied per tenant
+  (router/audit.py).
 
 A job's owner that is no configured tenant ("" without authentication, a
 tenant since removed) gets the defaults of ``TenantSection``. ``clock``
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.audit import AuditLog, RecordKind, parse_time
+from router.audit import OTHER_TENANTS, AuditLog, RecordKind, parse_time
 from router.jobs_store import JobStore
 from runtime.config import ClusterConfig
 from runtime.tenants import TenantSection
@@ -75,7 +76,7 @@ class RetentionSweeper:
         if self.jobs is not None:
             self._sweep_jobs(now, report)
         if self.audit is not None:
-            result = self.audit.sweep(self._audit_expired(now))
+            result = self.audit.sweep(self._audit_expired(now), self._audit_cutoffs(now))
             report.audit_records_deleted = dict(result.counts)
         return report
 
@@ -93,6 +94,15 @@ class RetentionSweeper:
             report.jobs_deleted[row.owner] = report.jobs_deleted.get(row.owner, 0) + 1
             report.requests_deleted[row.owner] = report.requests_deleted.get(row.owner, 0) + n
             log.info("job %s of %r expired: deleted with its %d requests", row.id, row.owner, n)
+
+    def _audit_cutoffs(self, now: float) -> dict[str, float]:
+        """The Unix time before which audit records expire at ``now``, per
+        tenant ("": records of no tenant; OTHER_TENANTS: an unknown tenant's),
+        as the audit log's retention record notes them."""
+        cutoffs = {t.name: now - t.audit_retention_days * DAY_S for t in self.cfg.tenants}
+        cutoffs[""] = now - self.cfg.router.operator_audit_retention_days * DAY_S
+        cutoffs[OTHER_TENANTS] = now - DEFAULT_POLICY.audit_retention_days * DAY_S
+        return cutoffs
 
     def _audit_expired(self, now: float) -> Callable[[dict], bool]:
         """Whether an audit record is past its retention at ``now``."""

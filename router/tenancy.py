@@ -7,6 +7,9 @@ placement constraint (router/placement.py)."""
 from __future__ import annotations
 
 from router.errors import ErrorKind, RouterError
+
+ANONYMOUS = "anonymous"
+"""The one tenant of callers without credentials (``auth.allow_anonymous``)."""
 from runtime.config import ClusterConfig
 from runtime.tenants import TenantSection
 
@@ -21,11 +24,16 @@ class TenantPolicies:
 
     def __init__(self, cfg: ClusterConfig) -> None:
         self.by_name = {t.name: t for t in cfg.tenants}
+        self.anonymous = cfg.auth.allow_anonymous
+
+    def known(self, tenant: str) -> bool:
+        """``tenant`` is configured (or is the anonymous tenant while anonymous callers are allowed)."""
+        return tenant in self.by_name or (self.anonymous and tenant == ANONYMOUS)
 
     def of(self, tenant: str) -> TenantSection:
         """``tenant``'s policy."""
         policy = self.by_name.get(tenant)
-        return policy if policy is not None else TenantSection(name=tenant or "anonymous")
+        return policy if policy is not None else TenantSection(name=tenant or ANONYMOUS)
 
     def jurisdictions(self, tenant: str, requested: frozenset[str] | None) -> frozenset[str] | None:
         """Where the request may be processed: its own set intersected with

@@ -779,10 +779,15 @@ def _check_tenants(cfg: ClusterConfig) -> None:
     names = {t.name for t in cfg.tenants} | ({"anonymous"} if cfg.auth.allow_anonymous else set())
     for i, site in enumerate(cfg.sites):
         for role in ("prefill", "decode"):
-            for name in getattr(site, role).tenants:
+            dedicated = getattr(site, role).tenants
+            for name in dedicated:
                 if name not in names:
                     raise ConfigError(f"sites[{i}].{role}.tenants: {name!r} is not a tenant "
                                       f"(tenants: {', '.join(sorted(names)) or 'none'})")
+            if dedicated and all((t := cfg.tenant(n)) is not None and t.jurisdictions and
+                                 site.jurisdiction not in t.jurisdictions for n in dedicated):
+                raise ConfigError(f"sites[{i}].{role}.tenants: the pool is in {site.jurisdiction}, where none of "
+                                  f"{', '.join(dedicated)} may be served (their jurisdictions); it would serve nobody")
 
 
 def parse_config(raw: Any) -> ClusterConfig:

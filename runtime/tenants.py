@@ -40,6 +40,8 @@ class FieldError(ValueError):
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 """A tenant's name: what its certificate names and what audit and usage records carry."""
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+MIN_WEIGHT = 1e-6
+"""Smallest weight (a smaller one would make a request's virtual cost overflow)."""
 _JURISDICTION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 
 
@@ -102,8 +104,11 @@ class TenantSection:
             self.priority = TenantPriority(self.priority)
         except ValueError:
             raise FieldError("priority", f"must be one of {', '.join(TenantPriority)}, got {self.priority!r}") from None
-        if not self.weight > 0:
-            raise FieldError("weight", f"must be positive, got {self.weight}")
+        if not self.weight >= MIN_WEIGHT:
+            raise FieldError("weight", f"must be >= {MIN_WEIGHT}, got {self.weight}")
+        if self.name == "anonymous" and self.token_sha256 is not None:
+            raise FieldError("token_sha256", "tenant 'anonymous' is the one of callers without credentials "
+                                             "(auth.allow_anonymous); it takes no token")
         for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent", "max_context"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -1,11 +1,14 @@
 """`kvrelay governance` against a running cluster with two tenants: the
 statement's answers come from the live config (jurisdictions, a dedicated
 pool, retention, link protection, the router's site) and the live workers
-(their devices, health and model)."""
+(their devices, health and model), and the modes of the router's files from
+its disk."""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 
@@ -68,6 +71,18 @@ def test_statement_reflects_the_live_config_and_workers(cluster, tmp_path, capsy
         ("local", "aead", ["tcp"])]
     assert lab[3]["facts"]["stores"]["jobs_db"]["path"] == cluster.cfg.router.jobs_db
     assert lab[4]["facts"]["job_retention_days"] == 7 and "carry prompt and output text" in lab[4]["answer"]
+    # the router's files as the router read them on disk
+    files = lab[5]["facts"]["router_files"]
+    for name in ("audit_log", "jobs_db"):
+        path = getattr(cluster.cfg.router, name)
+        assert files[name]["path"] == path and files[name]["state"] == "read"
+        assert files[name]["mode"] == f"{stat.S_IMODE(os.stat(path).st_mode):04o}" == "0600"
+        assert files[name]["folder_mode"] == f"{stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode):04o}"
+    assert f"{cluster.cfg.router.audit_log}, mode 0600" in lab[5]["answer"]
+    assert "sees its own batch jobs only" in lab[5]["answer"]
+    assert lab[2]["facts"]["reservations"]["interactive_reserve"] == cluster.cfg.router.interactive_reserve
+    usage = next(e for e in lab[8]["facts"]["exports"] if e["data"] == "usage")
+    assert "kvrelay-launcher" in usage["who"] and usage["command"] == "kvrelay usage --tenant lab-on --json"
     assert doc["tenants"][0]["warnings"] == []
     uni = next(t for t in doc["tenants"] if t["tenant"] == "uni-qc")
     assert any("router at local (CA-ON) is outside" in w for w in uni["warnings"])

@@ -41,5 +41,6 @@ def test_job_delete_through_the_cli(cluster, tmp_path, capsys, as_cluster_user):
     assert f"NOT_FOUND: no job '{job_id}'" in capsys.readouterr().err
     audit = cluster.cfg.router.audit_log
     deleted = [x for x in query(audit, kind="job") if x.get("job") == job_id]
-    assert [(x["action"], x["requests_deleted"]) for x in deleted] == [("deleted", 2)]
+    assert [(x["action"], x.get("requests"), x.get("requests_deleted")) for x in deleted] == [
+        ("submitted", 2, None), ("deleted", None, 2)]
     assert verify(audit).ok

@@ -1,33 +1,44 @@
 """The audit log on real files: a log of mixed records verifies; an edited,
-deleted, inserted or half-written line is found and named (line and seq);
-retention tombstones keep the chain whole, a tombstone forged without a
-retention record is found; a noted head finds the end edited or cut off;
-the log resumes its chain when reopened, refuses to continue a broken one,
-and is private (0600 in a 0700 folder); query filters; and the
-``kvrelay audit`` commands over the same files."""
+deleted, inserted or out-of-time line is found and named (line and seq); a
+torn last line is moved aside and noted, a complete bad one refused;
+retention tombstones and their retention record land in one atomic rewrite
+and keep the chain whole, a tombstone forged without a retention record or
+before its cutoff is found; a sweep with nothing expired reads little and
+writes nothing; a noted head (or the ``.head`` file) finds the end edited or
+cut off; the log resumes its chain when reopened, refuses to continue a
+broken one, turns every write failure into an AuditError, and is private
+(0600 in a 0700 folder); query filters; and the ``kvrelay audit`` commands
+over the same files."""
 
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import json
 import os
 import stat
+import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 
+import router.audit as audit
 from cli.main import main
 from router.audit import (
     GENESIS,
+    OTHER_TENANTS,
     AuditError,
     AuditLog,
     RecordKind,
+    head_path,
     iso_time,
     query,
     verify,
 )
+from router.retention import DAY_S, RetentionSweeper
+from runtime.config import parse_config
 
 T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 
@@ -124,22 +135,47 @@ def test_an_inserted_line_is_named_copied_or_forged(log_path):
     assert verify(log_path).problem == "a record was inserted at line 11 (seq 11)"
 
 
-def test_a_half_written_last_line_is_reported_and_the_log_refuses_to_continue(log_path):
+def test_a_torn_last_line_is_moved_aside_and_noted_in_the_chain(log_path):
     data = log_path.read_bytes()
-    last = _lines(log_path)[-1]
-    log_path.write_bytes(data[:-len(last) // 2 - 1])  # the last line cut halfway, as a crash would
+    lines = _lines(log_path)
+    head_path(log_path).write_text(f"19 {hashlib.sha256(lines[18]).hexdigest()}\n")  # as the crash left it
+    cut = data[:-len(lines[-1]) // 2 - 1]  # the last line cut halfway, as a crash mid-write would
+    log_path.write_bytes(cut)
+    torn = cut[len(data) - len(lines[-1]) - 1:]
     result = verify(log_path)
     assert not result.ok and result.line == 20 and result.records == 19
     assert result.problem == "line 20 is incomplete (no newline at its end: a write cut short?)"
-    with pytest.raises(AuditError) as err:
-        AuditLog(log_path)
-    assert str(log_path) in str(err.value) and "line 20 is incomplete" in str(err.value) and err.value.line == 20
-    # a line that is not JSON, newline and all
-    log_path.write_bytes(data[:-len(last) - 1] + b'{"seq": 20, "ti\n')
+    clock = Clock(T0 + 3600)
+    log = AuditLog(log_path, clock=clock, fsync=False)  # the router starts: the log is evidence, not a gate
+    moved = log_path.parent / f"audit.jsonl.torn-{int(clock.t)}"
+    assert moved.read_bytes() == torn and stat.S_IMODE(moved.stat().st_mode) == 0o600
+    record = json.loads(_lines(log_path)[-1])
+    assert log.seq == 20 and record["seq"] == 20 and record["kind"] == RecordKind.RECOVERY == "recovery"
+    assert {k: record[k] for k in ("action", "bytes", "file")} == {
+        "action": "torn tail moved", "bytes": len(torn), "file": moved.name}
+    assert head_path(log_path).read_text() == f"20 {log.head}\n"  # on disk (synced) and noted
+    log.append(RecordKind.OPERATOR, {"operator": "ops"})
+    log.close()
+    assert log_path.read_bytes().startswith(data[:-len(lines[-1]) - 1])
+    assert verify(log_path).ok and verify(log_path).records == 21
+    lone = log_path.parent / "lone.jsonl"  # nothing but a torn first line
+    lone.write_bytes(b'{"seq":1,"ti')
+    with AuditLog(lone, clock=clock) as log:
+        assert log.seq == 1
+    assert (log_path.parent / f"lone.jsonl.torn-{int(clock.t)}").read_bytes() == b'{"seq":1,"ti'
+    assert verify(lone).ok
+
+
+def test_a_complete_last_line_that_is_not_a_record_is_refused(log_path):
+    data = log_path.read_bytes()
+    last = _lines(log_path)[-1]
+    log_path.write_bytes(data[:-len(last) - 1] + b'{"seq": 20, "ti\n')  # newline and all: not a crash
     assert verify(log_path).problem == "line 20 is not a JSON record (where seq 20 was expected)"
-    with pytest.raises(AuditError, match="line 20 is not a JSON record"):
+    with pytest.raises(AuditError, match="line 20 is not a JSON record") as err:
         AuditLog(log_path)
+    assert str(log_path) in str(err.value) and err.value.line == 20
     assert log_path.read_bytes() == data[:-len(last) - 1] + b'{"seq": 20, "ti\n'  # left as it was
+    assert not list(log_path.parent.glob("*.torn-*"))
 
 
 def test_the_last_record_edited_is_refused_on_reopen_only_through_its_successor(log_path):
@@ -233,6 +269,8 @@ def test_sweep_tombstones_keep_the_chain_and_are_listed(log_path):
     assert result.counts == {"a": 4, "": 1} and result.removed == [(2, 2), (4, 4), (6, 8)]
     assert result.record["kind"] == "retention" and result.record["seq"] == 21
     assert result.record["removed"] == [[2, 2], [4, 4], [6, 8]] and result.record["counts"] == {"a": 4, "": 1}
+    # no cutoffs given: a tenant's is the time of its youngest record removed (seq 8 of a, seq 7 of none)
+    assert result.record["cutoffs"] == {"": iso_time(T0 + 7 * 60), "a": iso_time(T0 + 8 * 60)}
     assert [r["seq"] for r in query(log_path, tenant="a")] == [12, 16, 18]
     lines = [json.loads(x) for x in _lines(log_path)]
     assert set(lines[1]) == {"seq", "time", "kind", "prev", "tenant", "tombstone"} and lines[1]["tenant"] == "a"
@@ -247,7 +285,7 @@ def test_sweep_tombstones_keep_the_chain_and_are_listed(log_path):
     log.close()
     assert verify(log_path).ok and verify(log_path).records == 23
     assert stat.S_IMODE(log_path.stat().st_mode) == 0o600
-    assert not [p for p in log_path.parent.iterdir() if p.name != log_path.name]  # no temporary file left
+    assert sorted(p.name for p in log_path.parent.iterdir()) == ["audit.jsonl", "audit.jsonl.head"]  # no temp file
 
 
 def test_a_tombstone_without_a_retention_record_is_a_deletion(log_path):
@@ -286,6 +324,237 @@ def test_query_filters_by_tenant_site_since_and_kind(log_path):
     assert [r["seq"] for r in query(log_path, tenant="b", kind="request", site="toronto", since=since)] == [17, 19]
     AuditLog(log_path, fsync=False).sweep(lambda r: r.get("tenant") == "a")
     assert list(query(log_path, tenant="a")) == []  # tombstones are not records
+
+
+def _stone(line: bytes) -> bytes:
+    """The tombstone a sweep would write for ``line``."""
+    original = json.loads(line)
+    stone = {k: original[k] for k in ("seq", "time", "kind", "prev")}
+    if "tenant" in original:
+        stone["tenant"] = original["tenant"]
+    stone["tombstone"] = hashlib.sha256(line).hexdigest()
+    return json.dumps(stone, separators=(",", ":")).encode()
+
+
+def _chained(lines: list[bytes], time: str, kind: str, **fields) -> bytes:
+    """A record forged to fit after ``lines`` (what anyone who can write the file can do)."""
+    last = json.loads(lines[-1])
+    prev = last["tombstone"] if "tombstone" in last else hashlib.sha256(lines[-1]).hexdigest()
+    record = {"seq": last["seq"] + 1, "time": time, "kind": kind, "prev": prev, **fields}
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
+def test_a_sweep_renames_its_tombstones_and_retention_record_into_place_together(log_path, monkeypatch):
+    log = AuditLog(log_path, clock=Clock(T0 + 86_400), fsync=False)
+    renamed, real = [], os.replace
+
+    def replace(src, dst):
+        if str(src).endswith(".sweep"):
+            renamed.append(json.loads(Path(src).read_bytes().splitlines()[-1]))
+        return real(src, dst)
+    monkeypatch.setattr(os, "replace", replace)
+
+    def full_disk(data: bytes) -> None:  # appends fail from now on: the sweep needs none
+        raise AuditError(log_path, "cannot write a record: No space left on device")
+    monkeypatch.setattr(log, "_write", full_disk)
+    result = log.sweep(lambda r: r.get("tenant") == "a")
+    assert renamed == [result.record] and result.record["kind"] == "retention"  # in the file before its rename
+    assert log.seq == 21 and head_path(log_path).read_text() == f"21 {log.head}\n"
+    assert verify(log_path).ok
+
+
+def test_a_sweep_that_fails_before_its_rename_leaves_the_log_as_it_was(log_path, monkeypatch):
+    before = log_path.read_bytes()
+    log = AuditLog(log_path, clock=Clock(T0 + 86_400), fsync=False)
+
+    def replace(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(AuditError, match="cannot sweep: No space left on device; not swept"):
+        log.sweep(lambda r: r.get("tenant") == "a")
+    monkeypatch.undo()
+    assert log_path.read_bytes() == before and log.seq == 20
+    assert not list(log_path.parent.glob(".*.sweep"))
+    assert log.sweep(lambda r: r.get("tenant") == "a").record["seq"] == 21  # the next one runs
+    log.close()
+    assert verify(log_path).ok
+
+
+def test_a_sweep_with_cutoffs_removes_only_records_past_them_and_notes_them(log_path):
+    log = AuditLog(log_path, clock=Clock(T0 + 86_400), fsync=False)
+    cutoffs = {"a": T0 + 10 * 60 + 30, "": T0 + 5 * 60 + 30, OTHER_TENANTS: T0 + 3 * 60 + 30}
+    result = log.sweep(lambda r: True, cutoffs)  # expired says yes to all: the cutoffs still hold
+    assert result.removed == [(1, 6), (8, 8)] and result.counts == {"b": 2, "a": 4, "": 1}
+    assert result.record["cutoffs"] == {"": iso_time(cutoffs[""]), "a": iso_time(cutoffs["a"]),
+                                        "b": iso_time(cutoffs[OTHER_TENANTS])}  # b is named by no cutoff: "*"
+    assert verify(log_path).ok
+    with pytest.raises(ValueError, match="sweep cutoff for 'a' is not a Unix time: 'soon'"):
+        log.sweep(lambda r: True, {"a": "soon"})
+    log.close()
+
+
+def test_a_sweep_with_nothing_expired_reads_only_the_old_records_and_writes_nothing(log_path, monkeypatch):
+    read, made = [], []
+    real_lines, real_mkstemp = audit.raw_lines, tempfile.mkstemp
+
+    def counting(f, limit=None):
+        for item in real_lines(f, limit):
+            read.append(item[0])
+            yield item
+    monkeypatch.setattr(audit, "raw_lines", counting)
+    monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: made.append(a) or real_mkstemp(*a, **k))
+    log = AuditLog(log_path, fsync=False)
+    result = log.sweep(lambda r: False, {"a": T0 + 3 * 60 + 30, "": T0})
+    assert result.record is None and result.counts == {} and made == []
+    assert max(read) == 4  # seq 4 (08:04) is younger than every cutoff: the scan stops there
+    log.close()
+
+
+def test_sweep_files_a_crash_left_are_deleted_on_open(log_path):
+    stale = log_path.parent / ".audit.jsonl.k2j3x.sweep"
+    stale.write_bytes(b'{"seq":2,"tenant":"a","prompt":"past its retention"}\n')
+    other = log_path.parent / ".other.jsonl.k2j3x.sweep"  # another log's: not this one's to delete
+    other.write_bytes(b"")
+    AuditLog(log_path, fsync=False).close()
+    assert not stale.exists() and other.exists()
+
+
+def test_a_deletion_before_its_cutoff_is_found(log_path):
+    lines = _lines(log_path)
+    assert json.loads(lines[15])["tenant"] == "a" and json.loads(lines[15])["time"] == "2027-01-15T08:16:00.000Z"
+    lines[15] = _stone(lines[15])  # a forger tombstones seq 16 and appends a retention record for it
+    covering = {"removed": [[16, 16]], "counts": {"a": 1}}
+    _write(log_path, lines + [_chained(lines, "2027-01-15T09:00:00.000Z", "retention", **covering,
+                                       cutoffs={"a": "2027-01-15T08:10:00.000Z"})])
+    result = verify(log_path)
+    assert result.problem == ("record seq 16 (line 16) was deleted before its retention "
+                              "(time 2027-01-15T08:16:00.000Z, cutoff 2027-01-15T08:10:00.000Z)")
+    assert (result.line, result.seq) == (16, 16)
+    _write(log_path, lines + [_chained(lines, "2027-01-15T09:00:00.000Z", "retention", **covering)])
+    assert verify(log_path).problem == ("record seq 16 (line 16) was deleted before its retention (time "
+                                        "2027-01-15T08:16:00.000Z, no cutoff for tenant 'a' in the retention "
+                                        "record at line 21)")
+    _write(log_path, lines + [_chained(lines, "2027-01-15T09:00:00.000Z", "retention", **covering,
+                                       cutoffs={"a": "not a time"})])
+    assert verify(log_path).problem == "line 21: the retention record's cutoffs is not an object of tenant: " \
+                                       "ISO-8601 time"
+    # what a forger can still do: claim a cutoff after the record's time (the module docstring says so)
+    _write(log_path, lines + [_chained(lines, "2027-01-15T09:00:00.000Z", "retention", **covering,
+                                       cutoffs={"a": "2027-01-15T08:59:00.000Z"})])
+    assert verify(log_path).ok
+
+
+def test_record_times_never_go_back(log_path):
+    lines = _lines(log_path)
+    stone = json.loads(_stone(lines[9]))
+    stone["time"] = "2027-01-15T08:01:30.000Z"  # a tombstone's line is not hashed: its time moved back
+    _write(log_path, lines[:9] + [json.dumps(stone).encode()] + lines[10:])
+    result = verify(log_path)
+    assert result.problem == ("record seq 10 (line 10) is dated 2027-01-15T08:01:30.000Z, before seq 9 (line 9, "
+                              "2027-01-15T08:09:00.000Z): record times never go back (one of the two was edited "
+                              "or moved)")
+    assert (result.line, result.seq) == (10, 10)
+    stone["time"] = "2027-01-15T08:30:00.000Z"  # or forward, past the record after it
+    _write(log_path, lines[:9] + [json.dumps(stone).encode()] + lines[10:])
+    assert verify(log_path).problem.startswith("record seq 11 (line 11) is dated 2027-01-15T08:11:00.000Z, "
+                                               "before seq 10 (line 10, 2027-01-15T08:30:00.000Z)")
+    stone["time"] = "yesterday"
+    _write(log_path, lines[:9] + [json.dumps(stone).encode()] + lines[10:])
+    assert verify(log_path).problem == "line 10: its time 'yesterday' is not an ISO-8601 time"
+    _write(log_path, lines)
+    log = AuditLog(log_path, clock=Clock(T0), fsync=False)  # the clock stepped back 20 minutes
+    assert log.append(RecordKind.OPERATOR, {"operator": "ops"})["time"] == json.loads(lines[-1])["time"]
+    log.close()
+    assert verify(log_path).ok
+
+
+def test_the_retention_sweeper_notes_the_cutoffs_it_applies(tmp_path):
+    cfg = parse_config({
+        "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
+        "router": {"operator_audit_retention_days": 30},
+        "tenants": [{"name": "a", "audit_retention_days": 2}, {"name": "b", "audit_retention_days": 20}]})
+    clock = Clock()
+    log = AuditLog(tmp_path / "audit.jsonl", clock=clock, fsync=False)
+    for who in ("a", "b", None, "zed", ""):  # zed: no tenant of the config (nor is ""): the defaults (365 days)
+        clock.t += 60
+        log.append(RecordKind.REQUEST if who is not None else RecordKind.OPERATOR,
+                   {"tenant": who} if who is not None else {"operator": "ops"})
+    sweeper = RetentionSweeper(cfg, None, log, clock=clock)
+    clock.t = T0 + 3 * DAY_S
+    assert sweeper.sweep_once().audit_records_deleted == {"a": 1}
+    (record,) = query(log.path, kind="retention")
+    assert record["cutoffs"] == {"a": iso_time(clock.t - 2 * DAY_S)}
+    clock.t = T0 + 400 * DAY_S
+    assert sweeper.sweep_once().audit_records_deleted == {"b": 1, "": 3, "zed": 1}
+    last = list(query(log.path, kind="retention"))[-1]
+    assert last["carried"] == [[1, 1]] and last["cutoffs"] == {
+        "": iso_time(clock.t - 30 * DAY_S), "a": iso_time(T0 + DAY_S), "b": iso_time(clock.t - 20 * DAY_S),
+        "zed": iso_time(clock.t - 365 * DAY_S)}
+    log.close()
+    assert verify(log.path).ok
+
+
+# -- the .head file, write failures ---------------------------------------------------
+
+def test_the_head_file_finds_the_end_edited_or_cut_while_the_log_was_closed(log_path, monkeypatch):
+    lines = _lines(log_path)
+    side = head_path(log_path)
+    assert side.read_text() == f"20 {hashlib.sha256(lines[-1]).hexdigest()}\n"
+    assert stat.S_IMODE(side.stat().st_mode) == 0o600
+    edited = lines[:-1] + [lines[-1].replace(b'"action":"scale"', b'"action":"drain"')]
+    _write(log_path, edited)
+    assert verify(log_path).ok  # the chain alone cannot tell
+    with pytest.raises(AuditError, match=r"record seq 20 \(line 20\) is not the one this log wrote") as err:
+        AuditLog(log_path)
+    assert "audit.jsonl.head notes" in str(err.value) and err.value.line == 20
+    _write(log_path, lines[:17])
+    with pytest.raises(AuditError, match="records after seq 17 are missing: audit.jsonl.head notes seq 20"):
+        AuditLog(log_path)
+    _write(log_path, lines)
+    side.write_text(f"18 {hashlib.sha256(lines[17]).hexdigest()}\n")  # records appended after the last sync
+    AuditLog(log_path).close()
+    assert side.read_text() == f"20 {hashlib.sha256(lines[-1]).hexdigest()}\n"  # noted on close
+    side.write_text(f"18 {hashlib.sha256(lines[16]).hexdigest()}\n")
+    with pytest.raises(AuditError, match=r"record seq 18 \(line 18\) is not the one this log wrote"):
+        AuditLog(log_path)
+    monkeypatch.setattr(audit, "TAIL_LINES", 3)  # a head noted further back than the lines checked from the end
+    side.write_text(f"5 {hashlib.sha256(lines[4]).hexdigest()}\n")
+    AuditLog(log_path, fsync=False).close()
+    side.write_text(f"5 {hashlib.sha256(lines[3]).hexdigest()}\n")
+    with pytest.raises(AuditError, match=r"record seq 5 \(line 5\) is not the one this log wrote"):
+        AuditLog(log_path)
+    side.unlink()  # a first start (or a side file gone): nothing to check
+    _write(log_path, edited)
+    AuditLog(log_path, fsync=False).close()
+    assert side.read_text() == f"20 {hashlib.sha256(edited[-1]).hexdigest()}\n"
+
+
+def test_every_write_failure_is_an_audit_error(tmp_path, monkeypatch):
+    path = tmp_path / "a.jsonl"
+    log = AuditLog(path, fsync=False)
+    log.append(RecordKind.REQUEST, {"tenant": "a"})
+
+    def eio(*args):
+        raise OSError(errno.EIO, "Input/output error")
+    with monkeypatch.context() as m:
+        m.setattr(os, "fstat", eio)
+        with pytest.raises(AuditError, match="cannot write a record: Input/output error"):
+            log.append(RecordKind.REQUEST, {"tenant": "a"})
+    real_write = os.write
+
+    def half(fd, data):  # half a line written, then the disk is full, and the cut fails too
+        real_write(fd, bytes(data[:len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", half)
+        m.setattr(os, "ftruncate", eio)
+        with pytest.raises(AuditError, match="cannot write a record: No space left on device"):
+            log.append_durable(RecordKind.JOB, {"action": "deleted", "job": "j1"})
+    assert not path.read_bytes().endswith(b"\n")  # the half line is still there...
+    log.append(RecordKind.JOB, {"action": "deleted", "job": "j1"})  # ...and cut before the next record
+    log.close()
+    result = verify(path)
+    assert result.ok and result.records == 2
 
 
 # -- kvrelay audit ----------------------------------------------------------------

@@ -1,15 +1,18 @@
 """The router's audit writer on real files: records queued from many threads
 land in order of their queueing per thread, the chain verifies, a durable
-record is on disk when append_durable returns, and close writes the rest."""
+record is on disk when append_durable returns, each batch notes the head,
+close writes the rest; an unexpected error never stops the writer, and a
+full queue drops records, counts them and says so in the log."""
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import pytest
 
-from router.audit import AuditError, verify
+from router.audit import AuditError, head_path, verify
 from router.audit_writer import AuditWriter
 
 
@@ -47,3 +50,72 @@ def test_a_record_that_cannot_be_written_fails_its_durable_append(tmp_path):
     assert verify(tmp_path / "audit.jsonl").records == 1
     with pytest.raises(AuditError):
         w.log.append("request", {"after": "close"})
+
+
+def test_each_batch_notes_the_head(tmp_path):
+    w = AuditWriter(tmp_path / "audit.jsonl")
+    w.append("request", {"tenant": "a"})
+    assert w.flush(10)
+    assert head_path(w.path).read_text() == f"1 {w.log.head}\n"
+    w.close()
+
+
+def test_an_unexpected_error_never_stops_the_writer(tmp_path, monkeypatch, caplog):
+    w = AuditWriter(tmp_path / "audit.jsonl")
+    real_append, real_sync = w.log.append, w.log.sync
+
+    def buggy(kind, fields):
+        if fields.get("boom"):
+            raise RuntimeError("a bug")
+        return real_append(kind, fields)
+    monkeypatch.setattr(w.log, "append", buggy)
+    with caplog.at_level(logging.ERROR, logger="router.audit_writer"):
+        w.append("request", {"boom": True, "request_id": "r1"})
+        with pytest.raises(AuditError, match="the job record was not written: RuntimeError"):
+            w.append_durable("job", {"boom": True, "job": "j1"}, timeout_s=5)
+        w.append("request", {"request_id": "r2"})
+        assert w.flush(5)
+
+        def broken_sync() -> None:
+            raise RuntimeError("another bug")
+        monkeypatch.setattr(w.log, "sync", broken_sync)
+        with pytest.raises(AuditError, match="cannot sync: RuntimeError"):
+            w.append_durable("job", {"job": "j2"}, timeout_s=5)
+    assert "audit record request r1 was not written (unexpected error)" in caplog.text
+    assert "audit records may not be on disk (unexpected error)" in caplog.text
+    monkeypatch.setattr(w.log, "sync", real_sync)
+    w.append("request", {"request_id": "r3"})
+    w.close()
+    records = [json.loads(x) for x in w.path.read_text().splitlines()]
+    assert [r.get("request_id") or r.get("job") for r in records] == ["r2", "j2", "r3"]
+    assert verify(w.path).ok
+
+
+def test_a_full_queue_drops_records_counts_them_and_notes_them(tmp_path, monkeypatch, caplog):
+    w = AuditWriter(tmp_path / "audit.jsonl", max_queued=5)
+    inside, gate = threading.Event(), threading.Event()
+    real_append = w.log.append
+
+    def slow(kind, fields):
+        if fields.get("first"):
+            inside.set()
+            gate.wait(10)
+        return real_append(kind, fields)
+    monkeypatch.setattr(w.log, "append", slow)
+    w.append("request", {"first": True})
+    assert inside.wait(10)  # the writer is busy with it: what comes now waits in the queue
+    with caplog.at_level(logging.ERROR, logger="router.audit_writer"):
+        for i in range(8):
+            w.append("request", {"request_id": f"r{i}"})
+    assert w.dropped == 3
+    assert caplog.text.count("audit queue full") == 1  # once a second at most
+    assert "request record r5 dropped (1 dropped so far)" in caplog.text
+    gate.set()
+    assert w.flush(10)
+    w.append("request", {"request_id": "after"})
+    w.close()
+    records = [json.loads(x) for x in w.path.read_text().splitlines()]
+    assert [r.get("request_id") for r in records if r["kind"] == "request"] == [
+        None, "r0", "r1", "r2", "r3", "r4", "after"]
+    assert [(r["action"], r["count"]) for r in records if r["kind"] == "recovery"] == [("records dropped", 3)]
+    assert verify(w.path).ok

@@ -78,3 +78,17 @@ def test_abort_frees_blocks_and_others_continue(tiny_checkpoints, make_engine):
         for out in eng.step():
             got += out.new_token_ids
     assert got[-25:] == expected[-25:]
+
+
+def test_waiting_interactive_requests_are_admitted_before_batch_ones(tiny_checkpoints, make_engine):
+    eng = make_engine(tiny_checkpoints["llama"], max_seqs=1)  # one at a time: the finishing order shows it
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    p = prompts()[0]
+    eng.add_request("batch0", p, params, priority=1)
+    eng.step()  # batch0 runs now; an interactive request does not preempt it
+    for name, priority in [("batch1", 1), ("batch2", 1), ("interactive", 0), ("batch3", 1)]:
+        eng.add_request(name, p, params, priority=priority)
+    finished = []
+    while eng.has_unfinished():
+        finished += [out.request_id for out in eng.step() if out.finished]
+    assert finished == ["batch0", "interactive", "batch1", "batch2", "batch3"]

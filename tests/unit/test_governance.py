@@ -1,7 +1,8 @@
 """The data-handling statement (router/governance.py) is derived from the
 config and the live state: changing a jurisdiction, a dedicated pool, a
-retention period, a link's protection or the router's site changes the
-answer that depends on it, and the Markdown rendering has every question."""
+retention period, a link's protection, the router's site, the operators,
+the interactive reserve or the router's files on disk changes the answer
+that depends on it, and the Markdown rendering has every question."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import asyncio
 import copy
 import dataclasses
 import json
+import os
 
 import pytest
 from kvrelay.v1 import worker_pb2 as wpb
 
 from cli.governance import render_markdown
-from router.deployment import LinkState, LiveWorker
+from router.deployment import LinkState, LiveWorker, file_states
 from router.governance import (
     NOT_RECORDED,
     DeploymentState,
@@ -46,12 +48,17 @@ STATE = DeploymentState(
     links={"montreal-toronto": LinkState(True)}, version="9.9.9", generated_at=1_700_000_000.0)
 
 
-def _doc(edit=None, state: DeploymentState = STATE, tenant: str | None = None) -> dict:
-    """The statement of BASE after ``edit(raw)``; always plain JSON data."""
+def _raw(edit=None) -> dict:
+    """BASE after ``edit(raw)``."""
     raw = copy.deepcopy(BASE)
     if edit is not None:
         edit(raw)
-    doc = statement(parse_config(raw), state, tenant)
+    return raw
+
+
+def _doc(edit=None, state: DeploymentState = STATE, tenant: str | None = None) -> dict:
+    """The statement of BASE after ``edit(raw)``; always plain JSON data."""
+    doc = statement(parse_config(_raw(edit)), state, tenant)
     assert json.loads(json.dumps(doc)) == doc
     return doc
 
@@ -128,7 +135,7 @@ def test_retention_changes_the_retention_answer():
         _tenant(raw, "uni-on").update(job_retention_days=7, audit_retention_days=90, log_prompts=True)
     after = _answer(_doc(shorter), "uni-on", Question.RETENTION)
     assert after["facts"]["job_retention_days"] == 7 and after["facts"]["audit_retention_days"] == 90
-    assert "deleted 7 days after" in after["answer"] and "after 90 days" in after["answer"]
+    assert "deleted 7 days after" in after["answer"] and "90 days after their time" in after["answer"]
     assert "never carry prompt" in before["answer"] and "carry prompt and output text" in after["answer"]
     assert after["facts"]["other_uses"] == NOT_RECORDED
 
@@ -224,9 +231,13 @@ def test_markdown_has_all_eight_questions_per_tenant():
     assert "> **WARNING:** the router at toronto" in md
 
 
-def test_deployment_state_from_a_registry():
+def test_deployment_state_from_a_registry(tmp_path):
+    raw = copy.deepcopy(BASE)
+    raw["router"] |= {"audit_log": str(tmp_path / "audit.jsonl"), "jobs_db": str(tmp_path / "jobs.sqlite"),
+                      "usage_db": str(tmp_path / "usage.sqlite")}  # the registry's ledger makes the usage file
+
     async def run() -> DeploymentState:
-        cfg = parse_config(copy.deepcopy(BASE))
+        cfg = parse_config(raw)
         reg = WorkerRegistry(cfg)
         try:
             await reg.register(wpb.WorkerInfo(worker_id="montreal/decode/0", role=Role.DECODE.proto, site="montreal",
@@ -238,3 +249,172 @@ def test_deployment_state_from_a_registry():
     assert state.workers == [LiveWorker("montreal/decode/0", "montreal", "decode", "cuda:0", True, False, "tcp", "m")]
     assert state.desired == {("montreal", "decode"): 2} and state.links == {"montreal-toronto": LinkState(True, "")}
     assert state.generated_at == 5.0 and state.version != ""
+    # the router's files as read on disk: the ledger's is 0600, the others not written yet
+    assert state.files["usage_db"].mode == 0o600 and state.files["usage_db"].folder == str(tmp_path)
+    assert state.files["audit_log"].mode is None and state.files["audit_log"].error == "missing"
+
+
+def test_tenants_see_their_own_jobs_and_usage_is_for_operators():
+    doc = _doc()
+    a = _answer(doc, "uni-on", Question.ACCESS)
+    assert "sees its own batch jobs only" in a["answer"] and "jobs and usage" not in a["answer"]
+    assert "usage reports are for operators only (Admin.Usage needs operator credentials)" in a["answer"]
+    assert a["facts"]["tenant_sees"]["jobs"] == "its own only"
+    assert a["facts"]["tenant_sees"]["usage"].startswith("no: operators only")
+    assert "holders of operator tokens (noc) and of any operator certificate" in a["answer"]
+
+    def more_operators_no_tls(raw):
+        raw["auth"]["operators"].append({"name": "sre", "token_sha256": "d" * 64})
+        raw["tls"] = {"enabled": False}
+    after = _answer(_doc(more_operators_no_tls), "uni-on", Question.ACCESS)
+    assert "holders of operator tokens (noc and sre) scale and drain" in after["answer"]
+    assert "certificate from the cluster CA" not in after["answer"]
+
+
+def test_portability_says_who_can_take_each_out():
+    doc = _doc()
+    exports = {e["data"]: e for e in _answer(doc, "lab-qc", Question.PORTABILITY)["facts"]["exports"]}
+    text = _answer(doc, "lab-qc", Question.PORTABILITY)["answer"]
+    assert exports["batch jobs and results"]["who"] == "the tenant itself (its own credential)"
+    assert "kvrelay job results <job-id>" in exports["batch jobs and results"]["command"]
+    assert exports["audit records"]["who"] == ("through the operators: whoever can read /srv/kvrelay/audit.jsonl on "
+                                               "the router's host")
+    assert exports["audit records"]["command"] == ("kvrelay audit query --file /srv/kvrelay/audit.jsonl "
+                                                   "--tenant lab-qc --json")
+    assert exports["usage"]["who"].startswith("through the operators: the holders of operator tokens (noc)")
+    assert exports["usage"]["command"] == "kvrelay usage --tenant lab-qc --json"
+    assert "It takes out its own batch jobs itself" in text and "Through the operators: its audit records" in text
+    assert "needs operator credentials (the holders of operator tokens (noc)" in text
+
+    def other_operators_no_audit(raw):
+        raw["auth"]["operators"] = [{"name": "ops-team", "token_sha256": "e" * 64}]
+        del raw["router"]["audit_log"]
+    after = _answer(_doc(other_operators_no_audit), "lab-qc", Question.PORTABILITY)
+    exports = {e["data"]: e for e in after["facts"]["exports"]}
+    assert exports["audit records"]["command"] is None and exports["audit records"]["who"].startswith("nobody")
+    assert "(ops-team)" in exports["usage"]["who"] and "noc" not in after["answer"]
+    assert "no audit records (router.audit_log is not set)" in after["answer"]
+
+
+def test_backups_are_not_recorded_unless_a_section_says():
+    a = _answer(_doc(), "uni-on", Question.JURISDICTIONS)
+    assert a["facts"]["backups"] == NOT_RECORDED and "none configured" not in a["answer"]
+    assert f"host backups are outside kvrelay's configuration, so whether and where these files are backed up is " \
+           f"{NOT_RECORDED}" in a["answer"]
+
+    @dataclasses.dataclass(slots=True)
+    class Backups:
+        target: str = "s3://backups.example/kvrelay"
+
+    @dataclasses.dataclass(slots=True)
+    class WithBackups(ClusterConfig):
+        backups: Backups = dataclasses.field(default_factory=Backups)
+
+    base = parse_config(copy.deepcopy(BASE))
+    cfg = WithBackups(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ClusterConfig)})
+    after = _answer(statement(cfg, STATE), "uni-on", Question.JURISDICTIONS)
+    assert after["facts"]["backups"] == {"target": "s3://backups.example/kvrelay"}
+    assert "Backups: target s3://backups.example/kvrelay." in after["answer"]
+
+
+def test_interactive_reserve_is_reported_as_reserved_capacity():
+    a = _answer(_doc(), "uni-on", Question.ACCELERATORS)
+    assert a["facts"]["reservations"]["interactive_reserve"] == 1
+    assert a["facts"]["reservations"]["max_inflight_per_worker"] == 64
+    assert "batch (job) requests leave 1 of its 64 slots free" in a["answer"]
+    assert "engines admit waiting interactive prompts before batch ones" in a["answer"]
+    assert "No capacity is reserved otherwise" not in a["answer"]
+
+    def bigger(raw):
+        raw["router"] |= {"interactive_reserve": 3, "max_inflight_per_worker": 8, "job_concurrency": 2}
+    after = _answer(_doc(bigger), "uni-on", Question.ACCELERATORS)
+    assert after["facts"]["reservations"]["interactive_reserve"] == 3
+    assert "leave 3 of its 8 slots free" in after["answer"] and "at most 2 at once" in after["answer"]
+
+    def none(raw):
+        raw["router"]["interactive_reserve"] = 0
+    assert "no slot (router.interactive_reserve is 0): batch (job) requests may take all 64 slots" in _answer(
+        _doc(none), "uni-on", Question.ACCELERATORS)["answer"]
+
+
+def test_file_modes_are_read_from_disk(tmp_path):
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    os.chmod(folder, 0o755)  # kvrelay serve's cache folder keeps the mode it already had
+    audit = folder / "audit.jsonl"
+    audit.touch()
+    os.chmod(audit, 0o600)
+
+    def at(raw):
+        raw["router"] |= {"audit_log": str(audit), "jobs_db": str(folder / "jobs.sqlite")}
+        del raw["router"]["usage_db"]
+    cfg = parse_config(_raw(at))
+
+    def access(state):
+        return _answer(statement(cfg, state), "uni-on", Question.ACCESS)
+    a = access(dataclasses.replace(STATE, files=file_states(cfg)))
+    files = a["facts"]["router_files"]
+    assert files["audit_log"] | {"owner_uid": None} == {
+        "path": str(audit), "state": "read", "mode": "0600", "readable_by": "its owner only", "owner_uid": None,
+        "folder": str(folder), "folder_mode": "0755", "folder_state": "read"}
+    assert f"the audit log {audit}, mode 0600 (readable by its owner only), in {folder}, mode 0755" in a["answer"]
+    assert files["jobs_db"]["state"] == "missing"
+    assert f"the jobs database {folder / 'jobs.sqlite'}: missing on disk" in a["answer"]
+    assert files["usage_db"]["state"] == "not set"
+    assert "the usage database: not set (router.usage_db; usage is kept in the router's memory only)" in a["answer"]
+    assert "0700" not in a["answer"]
+    # the modes change on disk: so does the answer
+    os.chmod(audit, 0o644)
+    os.chmod(folder, 0o700)
+    after = access(dataclasses.replace(STATE, files=file_states(cfg)))
+    assert f"the audit log {audit}, mode 0644 (readable by any user), in {folder}, mode 0700" in after["answer"]
+    # a snapshot that read nothing says so, and claims no mode
+    unread = access(STATE)
+    assert unread["facts"]["router_files"]["audit_log"] == {"path": str(audit), "state": "not read"}
+    assert f"the audit log {audit} (its mode was not read)" in unread["answer"]
+    assert _doc()["deployment"]["files"]["audit_log"]["state"] == "not read"
+
+
+def test_retention_follows_the_stores_and_the_cache():
+    before = _answer(_doc(), "uni-on", Question.RETENTION)
+    assert "kept in the jobs database" in before["answer"] and "never deleted by kvrelay" in before["answer"]
+    assert "1 GiB per worker" in before["answer"] and "reused only for its own requests" in before["answer"]
+    assert "runs when it starts and every 3600 s" in before["answer"]
+
+    def changed(raw):
+        for name in ("audit_log", "jobs_db", "usage_db"):
+            del raw["router"][name]
+        raw["router"]["retention_sweep_s"] = 600
+        raw["cache"] = {"num_blocks": 512, "enable_prefix_caching": False}
+    after = _answer(_doc(changed), "uni-on", Question.RETENTION)
+    assert "kept in the router's memory only (router.jobs_db is not set)" in after["answer"]
+    assert "Nothing is audited (router.audit_log is not set)" in after["answer"]
+    assert "carry prompt" not in after["answer"] and "every 600 s" in after["answer"]
+    assert "Usage records are kept in the router's memory only" in after["answer"]
+    assert "512 blocks of 16 tokens per worker" in after["answer"]
+    assert "never reused for another prompt (cache.enable_prefix_caching is false)" in after["answer"]
+    assert after["facts"]["kv_cache"]["prefix_caching"] is False
+    access = _answer(_doc(changed), "uni-on", Question.ACCESS)["answer"]
+    assert "no prefix cache: cache.enable_prefix_caching is false" in access
+    assert "the jobs database holds" not in access
+
+
+def test_responsibility_names_what_is_audited_and_that_plans_are_advice():
+    a = _answer(_doc(), "uni-on", Question.RESPONSIBILITY)
+    assert ("scale, drain, plan apply, usage and governance calls, and calls refused for their credentials, are "
+            "written to the audit log (/srv/kvrelay/audit.jsonl)") in a["answer"]
+    assert "applied only when an operator runs it with --apply" in a["answer"]
+
+    def unaudited(raw):
+        del raw["router"]["audit_log"]
+    assert "are not audited (router.audit_log is not set)" in _answer(
+        _doc(unaudited), "uni-on", Question.RESPONSIBILITY)["answer"]
+
+
+def test_the_statement_lists_exactly_the_admin_calls_that_are_audited():
+    import re
+    from pathlib import Path
+
+    from router.governance import AUDITED_ACTIONS
+    source = (Path(__file__).parents[2] / "router" / "admin.py").read_text()
+    assert set(re.findall(r'self\._audit\(who, "([^"]+)"', source)) == set(AUDITED_ACTIONS)

@@ -16,6 +16,7 @@ import sqlite3
 import stat
 import threading
 import time
+import types
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,6 +234,7 @@ class _Core:
         self.audit = audit
         self.waiting_interactive = 0
         self.registry = _Registry()
+        self.tenants = types.SimpleNamespace(known=lambda tenant: True)  # every owner is a configured tenant
         self.started: list[str] = []
         self.cancelled: list[str] = []
 
@@ -300,8 +302,8 @@ def test_delete_job_stops_a_running_job_and_only_its_owner_may(tmp_path):
             return job
     job = asyncio.run(go())
     records = list(query(audit.path, kind="job"))
-    assert [(r["action"], r["job"], r["tenant"], r["requests_deleted"]) for r in records] == [
-        ("deleted", job, "a", 3)]
+    assert [(r["action"], r["job"], r["tenant"]) for r in records] == [("submitted", job, "a"), ("deleted", job, "a")]
+    assert records[0]["requests"] == 3 and records[1]["requests_deleted"] == 3
     assert verify(audit.path).ok
     audit.close()
 
