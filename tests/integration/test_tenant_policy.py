@@ -152,3 +152,21 @@ def test_the_audit_log_verifies_and_keeps_prompts_only_where_allowed(cluster, ca
     capsys.readouterr()
     assert kvrelay(["audit", "verify", cluster.cfg.router.audit_log]) == 0
     assert capsys.readouterr().out.startswith("ok")
+
+
+def test_verify_names_an_edited_a_deleted_and_an_inserted_record_of_the_real_log(cluster, tmp_path, capsys):
+    for _ in range(4):
+        generate(cluster, "lab-x")
+    assert wait_until(lambda: len(_records(cluster)) >= 6, 10)
+    lines = Path(cluster.cfg.router.audit_log).read_bytes().splitlines(keepends=True)
+    cases = {"edited": lines[:3] + [lines[3].replace(b'"seq"', b'"seq" ', 1)] + lines[4:],
+             "deleted": lines[:3] + lines[4:],
+             "inserted": lines[:3] + [lines[2]] + lines[3:]}
+    for name, content in cases.items():
+        copy = tmp_path / f"{name}.jsonl"
+        copy.write_bytes(b"".join(content))
+        capsys.readouterr()
+        assert kvrelay(["audit", "verify", str(copy)]) == 1, name
+        err = capsys.readouterr()
+        said = err.out + err.err
+        assert "line 4" in said or "seq 4" in said, (name, said)
