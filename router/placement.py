@@ -234,10 +234,15 @@ def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView
                                     "tenants)" if any(w.tenants for w in view.workers) else ""),
                                  wait=Wait.WORKERS)
         if not any_allowed_decode:
-            sites = sorted(s for s, j in view.jurisdiction.items() if j in (allowed or ()))
+            # sites whose decode pool is dedicated to other tenants cannot serve it, however long it waits
+            closed = {w.site for w in view.workers if w.role == Role.DECODE and not w.serves(req.tenant)}
+            sites = sorted(s for s, j in view.jurisdiction.items() if j in (allowed or ()) and s not in closed)
+            dedicated = sorted(s for s, j in view.jurisdiction.items() if j in (allowed or ()) and s in closed)
             raise PlacementError(PlacementFailure.CONSTRAINT,
                                  f"no healthy decode worker in the allowed jurisdictions {sorted(allowed or ())} "
-                                 f"(sites there: {sites or 'none'}); the request is not served elsewhere",
+                                 f"(sites there: {sites or 'none'}"
+                                 + (f"; dedicated to other tenants: {dedicated}" if dedicated else "")
+                                 + "); the request is not served elsewhere",
                                  wait=Wait.WORKERS if sites else Wait.NOTHING)
         raise PlacementError(PlacementFailure.CAPACITY, "every eligible decode worker is full", retry_after_s=1.0,
                          wait=Wait.ROOM)

@@ -80,7 +80,10 @@ class RequestRecord:
             "kv_bytes": p.kv_bytes, "policy": p.policy, "retries": p.retries, "migrations": p.migrations}
 
     def record(self, error: BaseException | None = None) -> dict:
-        """The finished record (``error``: what ended it early; None: it completed)."""
+        """The finished record (``error``: what ended it early; None: it completed).
+        A caller that closes the stream after the last message has had all of it."""
+        if error is not None and not isinstance(error, Exception) and "finish_reason" in self.fields:
+            error = None
         out = dict(self.fields, completion_tokens=self.completion, started=iso(self.started),
                    ttft_ms=None if self.ttft_ms is None else round(self.ttft_ms, 3),
                    duration_ms=round((time.perf_counter() - self.t0) * 1e3, 3))

@@ -92,8 +92,13 @@ def test_a_pool_dedicated_to_lab_on_serves_only_lab_on(cluster):
     before = toronto_work(cluster)
     assert {generate(cluster, "lab-x")[-1].finish.placement.decode_site for _ in range(4)} == {"montreal"}
     assert toronto_work(cluster) == before
-    sites = {generate(cluster, "lab-on")[-1].finish.placement.decode_site for _ in range(4)}
-    assert "toronto" in sites  # least_loaded spreads lab-on's requests over both pools it may use
+    with pytest.raises(grpc.RpcError) as err:  # the only CA-ON pool is lab-on's: refused at once, not after a wait
+        generate(cluster, "lab-x", allowed_jurisdictions=["CA-ON"])
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "dedicated to other tenants: ['toronto']" in err.value.details()
+    fin = generate(cluster, "lab-on", allowed_jurisdictions=["CA-ON"])[-1].finish
+    assert fin.placement.decode_site == "toronto"  # lab-on may use its pool
+    assert toronto_work(cluster) != before
 
 
 def _http(lc, tenant: str, body: dict) -> tuple[int, dict, dict]:
@@ -137,7 +142,9 @@ def test_the_audit_log_verifies_and_keeps_prompts_only_where_allowed(cluster, ca
     generate(cluster, "lab-on", prompt=LOGGED)
     with cluster.operator_dialer.sync(cluster.router_address) as ch:
         agrpc.AdminStub(ch).Scale(apb.ScaleRequest(site="toronto", role="prefill", replicas=0), timeout=30)
-    assert wait_until(lambda: any(r.get("prompt") == LOGGED for r in _records(cluster)), 10)
+    # written by the router's audit thread: wait for both records
+    assert wait_until(lambda: any(r.get("prompt") == LOGGED for r in _records(cluster)) and any(
+        r["kind"] == "operator" and r["action"] == "scale" for r in _records(cluster)), 10)
     text = Path(cluster.cfg.router.audit_log).read_text()
     assert "PAPAYA" not in text  # lab-qc's policy: never
     records = _records(cluster)
