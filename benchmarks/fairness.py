@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import random
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -28,6 +27,7 @@ from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
 from benchmarks.kv_bench import machine
+from benchmarks.overload import quantile
 from launch.local import LocalCluster
 from router.auth import token_sha256
 from runtime.config import parse_config
@@ -63,15 +63,10 @@ class FairnessReport:
     job_finished_meanwhile: int
     machine: dict = field(default_factory=machine)
 
-    @staticmethod
-    def _p(values: list[float], q: float) -> float:
-        return statistics.quantiles(values, n=100, method="inclusive")[int(q * 100) - 1] if len(values) > 1 \
-            else values[0]
-
     def summary(self) -> dict:
-        idle90, loaded90 = self._p(self.idle_ttft_s, 0.9), self._p(self.loaded_ttft_s, 0.9)
-        return {"idle_ttft_p50_s": self._p(self.idle_ttft_s, 0.5), "idle_ttft_p90_s": idle90,
-                "loaded_ttft_p50_s": self._p(self.loaded_ttft_s, 0.5), "loaded_ttft_p90_s": loaded90,
+        idle90, loaded90 = quantile(self.idle_ttft_s, 0.9), quantile(self.loaded_ttft_s, 0.9)
+        return {"idle_ttft_p50_s": quantile(self.idle_ttft_s, 0.5), "idle_ttft_p90_s": idle90,
+                "loaded_ttft_p50_s": quantile(self.loaded_ttft_s, 0.5), "loaded_ttft_p90_s": loaded90,
                 "p90_ratio": loaded90 / idle90, "job_finished_meanwhile": self.job_finished_meanwhile}
 
     def to_json(self) -> dict:

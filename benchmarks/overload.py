@@ -142,7 +142,8 @@ def _rss_mib(pid: int) -> float:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def _quantile(values: list[float], q: float) -> float | None:
+def quantile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0.5, 0.9, ...) of ``values``, inclusive method; None when empty."""
     if not values:
         return None
     return statistics.quantiles(values, n=100, method="inclusive")[int(q * 100) - 1] if len(values) > 1 else values[0]
@@ -160,7 +161,7 @@ def _report(shots: list[Shot], sustainable: float, offered: float, slo: float, r
     within = sum(t <= slo for t in ttft) / len(ttft) if ttft else 0.0
     return OverloadReport(round(sustainable, 3), round(offered, 3), len(shots), len(ok), len(shed),
                           sum(s.retry_after_ms is not None for s in shed), other,
-                          _quantile(ttft, 0.5), _quantile(ttft, 0.9), _quantile(ttft, 0.99), ttft[-1] if ttft else None,
+                          quantile(ttft, 0.5), quantile(ttft, 0.9), quantile(ttft, 0.99), ttft[-1] if ttft else None,
                           slo, round(within, 4), rss, crashed, asdict(cfg))
 
 
