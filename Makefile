@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build). On a CUDA host: make TORCH=torch test
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test bench-engine clean
+.PHONY: install run test bench-engine clean prometheus
 
 install: $(VENV)/.installed
 
@@ -23,9 +23,16 @@ run: install
 	$(BIN)/kvrelay model prepare
 	$(BIN)/kvrelay serve $(if $(CONFIG),--config $(CONFIG))
 
-test: install
+test: install prometheus
 	$(BIN)/kvrelay model prepare
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# Debian's Prometheus server and promtool, for the metrics tests (as root; else they are skipped)
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q prometheus >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null)) || \
+		echo "warning: could not install Debian's prometheus package; the Prometheus tests will be skipped"
 
 bench-engine: install
 	$(BIN)/kvrelay bench engine

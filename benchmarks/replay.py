@@ -58,6 +58,9 @@ class ReplayRecord(RequestRecord):
     """Times it was sent again after an overload refusal (RESOURCE_EXHAUSTED, retry-after-ms)."""
     overload_wait_s: float = 0.0
     """Seconds it waited, as advised, before those resends."""
+    trace_id: str = ""
+    """Its OpenTelemetry trace (32 hex; "" when not sampled or traces are off), from
+    its placement: ``kvrelay trace TRACE_ID`` shows it."""
 
 
 @dataclass(slots=True)
@@ -171,8 +174,8 @@ async def _one(stub, sr: ScaledRequest, t0: float, cfg: ReplayConfig, rec: Repla
         rec.error = f"got {len(rec.token_times)} tokens, the trace forces {sr.max_tokens}"
 
 
-async def _stream(stub, req: ipb.GenerateRequest, t0: float, cfg: ReplayConfig, rec: RequestRecord) -> None:
-    """One attempt at a request, recording its tokens and final placement."""
+async def _stream(stub, req: ipb.GenerateRequest, t0: float, cfg: ReplayConfig, rec: ReplayRecord) -> None:
+    """One attempt at a request, recording its tokens, final placement and trace id."""
     async for msg in stub.Generate(req, timeout=max(0.1, _left_s(rec, t0, cfg))):
         now = time.perf_counter() - t0
         rec.token_times += [now] * len(msg.token_ids)
@@ -186,6 +189,7 @@ async def _stream(stub, req: ipb.GenerateRequest, t0: float, cfg: ReplayConfig, 
                              "estimated_ttft_ms": p.estimated_ttft_ms, "router_ttft_ms": p.ttft_ms,
                              "retries": p.retries, "migrations": p.migrations}
             rec.cached_tokens = msg.finish.usage.cached_prompt_tokens
+            rec.trace_id = p.trace_id
 
 
 def _spread(times: list[float]) -> None:

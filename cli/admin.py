@@ -21,6 +21,7 @@ from cli.common import (
     operator_token,
     table,
 )
+from cli.watch import pool_rows, render_status, watch
 from router.auth import token_sha256
 from runtime.rpc import Dialer
 from runtime.topology import Role
@@ -50,12 +51,6 @@ def admin_call(args: argparse.Namespace, method: str, request):
 
     with operator_dialer(args).sync(args.router) as ch:
         return getattr(agrpc.AdminStub(ch), method)(request, timeout=30)
-
-
-def pool_rows(pools) -> list[tuple[str, ...]]:
-    return [("SITE", "ROLE", "DESIRED", "ACTIVE", "DRAINING", "UNHEALTHY", "WORKERS")] + [
-        (p.site, p.role, str(p.desired), str(p.active), str(p.draining), str(p.unhealthy), " ".join(p.workers))
-        for p in pools]
 
 
 def run_admin(args: argparse.Namespace, method: str, request, show) -> int:
@@ -105,33 +100,37 @@ def cmd_pools(args: argparse.Namespace) -> int:
     return run_admin(args, "ListPools", apb.ListPoolsRequest(), lambda resp: table(pool_rows(resp.pools)))
 
 
+def fetch_status(ch: grpc.Channel) -> tuple[wpb.ListWorkersResponse, apb.ListPoolsResponse | str]:
+    """Registry.ListWorkers (its error raises) and Admin.ListPools (its error: the reason, as text)."""
+    workers = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)
+    try:
+        pools: apb.ListPoolsResponse | str = agrpc.AdminStub(ch).ListPools(apb.ListPoolsRequest(), timeout=30)
+    except grpc.RpcError as exc:
+        pools = exc.details() or exc.code().name
+    return workers, pools
+
+
+def status_or_error(ch: grpc.Channel, interval_s: float) -> str:
+    """The status as text, or why it could not be read (``--watch`` keeps trying)."""
+    try:
+        return render_status(*fetch_status(ch))
+    except grpc.RpcError as exc:
+        return f"kvrelay: error: {exc.code().name}: {exc.details()} (trying again every {interval_s:g} s)\n"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-
-
-
+    """Prints the status once, or with --watch (or --count) every --interval seconds."""
+    if args.interval <= 0 or (args.count is not None and args.count < 1):
+        print("kvrelay: --interval must be > 0 and --count >= 1", file=sys.stderr)
+        return 2
     with operator_dialer(args).sync(args.router) as ch:
+        if args.watch or args.count is not None:
+            return watch(lambda: status_or_error(ch, args.interval), sys.stdout, args.interval, args.count)
         try:
-            resp = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)
+            text = render_status(*fetch_status(ch))
         except grpc.RpcError as exc:
             return grpc_error(exc)
-    try:
-        table(pool_rows(admin_call(args, "ListPools", apb.ListPoolsRequest()).pools))
-    except grpc.RpcError as exc:
-        print(f"(pools: {exc.details()})")
-    print()
-    rows = [("WORKER", "SITE", "ROLE", "HEALTH", "INFLIGHT", "RUNNING", "WAITING", "KV FREE/TOTAL", "CACHED",
-             "PREFILL TOK/S", "TRANSPORT", "ADDRESS")]
-    for w in resp.workers:
-        role = Role.of(w.info.role)
-        health = "draining" if w.draining else "ok" if w.healthy else "UNHEALTHY"
-        rows.append((w.info.worker_id, w.info.site, role, health, str(w.inflight), str(w.load.running),
-                     str(w.load.waiting), f"{w.load.free_blocks}/{w.load.total_blocks}", str(w.cached_blocks),
-                     f"{w.load.prefill_tokens_per_s:.0f}", w.info.transport, w.info.address))
-    table(rows)
-    print(f"\nplacement policy: {resp.policy}\n")
-    table([("LINK", "RTT MS", "GBPS", "TRANSPORT", "PROTECTION", "STATE")] + [
-        (lk.name, f"{lk.rtt_ms:g}", f"{lk.gbps:g}", lk.transport, lk.protection,
-         "up" if lk.up else f"DOWN ({lk.down_reason})") for lk in resp.links])
+    sys.stdout.write(text)
     return 0
 
 
@@ -144,7 +143,10 @@ def operator_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub) -> None:
-    st = sub.add_parser("status", help="sites, pools, workers with load and KV usage, links")
+    st = sub.add_parser("status", help="sites, pools, workers with load and KV usage, links, recent latency")
+    st.add_argument("--watch", action="store_true", help="redraw it every --interval seconds until Ctrl-C")
+    st.add_argument("--interval", type=float, default=2.0, help="seconds between frames (default: %(default)s)")
+    st.add_argument("--count", type=int, help="with --watch: stop after this many frames (implies --watch)")
     operator_flags(st)
     st.set_defaults(func=cmd_status)
 

@@ -17,16 +17,22 @@ from runtime.worker import (
     worker_info,
     worker_main,
 )
+from runtime.worker_telemetry import WorkerTelemetry
 
 
 async def run(setup: WorkerSetup) -> None:
     aengine = await start_engine(setup)
     server, port = listening_server(setup)
     receiver = make_receiver(setup.transport, aengine.engine.cache, setup.host, setup.transfer)
-    service = DecodeService(aengine, setup.ident, receiver, setup.cfg.router.kv_lease_s)
+    tel = WorkerTelemetry(setup.cfg.telemetry, Role.DECODE, setup.ident.worker_id, setup.ident.site)
+    service = DecodeService(aengine, setup.ident, receiver, setup.cfg.router.kv_lease_s, tel)
     wgrpc.add_DecodeWorkerServicer_to_server(service, server)
     info = worker_info(setup, aengine.engine, port, receiver.endpoint)
-    await serve_worker(setup, aengine, server, info, service.load)
+    info.metrics_address = tel.serve(aengine.engine, setup.host)
+    try:
+        await serve_worker(setup, aengine, server, info, service.load)
+    finally:
+        tel.close()
 
 
 def main(argv: list[str] | None = None) -> int:

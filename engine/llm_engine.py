@@ -78,6 +78,10 @@ class StepUsage:
     tokens: list[tuple[object, int]]
     """Per sequence in the step: its ``account`` and the tokens computed for it
     (a prefill chunk's length; 1 for a decoding sequence)."""
+    request_ids: list[str] = field(default_factory=list)
+    """The sequences' request ids, in the order of ``tokens``."""
+    end_unix_ns: int = 0
+    """When the step ended (``time.time_ns()``): it began ``ns`` before."""
 
 
 class LLMEngine:
@@ -236,8 +240,9 @@ class LLMEngine:
             return []
         outputs = self._run(sched)
         if self.step_hook is not None:
-            self.step_hook(StepUsage(time.perf_counter_ns() - t0,
-                                     [(e.seq.account, e.num_new_tokens) for e in sched.entries]))
+            entries = sched.entries
+            self.step_hook(StepUsage(time.perf_counter_ns() - t0, [(e.seq.account, e.num_new_tokens) for e in entries],
+                                     [e.seq.request_id for e in entries], time.time_ns()))
         return outputs
 
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:

@@ -78,6 +78,9 @@ class TransferTarget:
     receiver: str | None = None
     """The receiver's identity (``site/role/name``) its certificate must name;
     None = any receiver the sender's credentials accept."""
+    traceparent: str = ""
+    """The sender's transfer span (W3C traceparent), sent with the last frame so
+    that the receiver's span can link to it; "" = not traced."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,6 +91,8 @@ class TransferResult:
     first_logprob: float
     nbytes: int
     seconds: float
+    sender_traceparent: str = ""
+    """The sender's transfer span as its last frame named it (unchecked: a peer's word)."""
 
 
 class TransferHandle(ABC):

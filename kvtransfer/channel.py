@@ -173,7 +173,8 @@ class SendStream:
                 else:
                     _, _, token, logprob = item
                     self.session.writer.send(pb.KVFrame(done=pb.KVDone(
-                        transfer_id=h.transfer_id, first_token_id=token, first_logprob=logprob)))
+                        transfer_id=h.transfer_id, first_token_id=token, first_logprob=logprob,
+                        traceparent=h.target.traceparent[:64])))
             except ProtocolError as exc:
                 self._broken(f"handshake with {self.pool.endpoint} failed: {exc}")
             except OSError as exc:

@@ -355,7 +355,7 @@ class ChannelReceiver(KVReceiver):
             inc.acked = True
         if state is not TransferState.FAILED:
             inc.handle.complete(TransferResult(inc.done.first_token_id, inc.done.first_logprob, inc.nbytes,
-                                               time.perf_counter() - inc.started))
+                                               time.perf_counter() - inc.started, inc.done.traceparent[:64]))
             with self._lock:  # done: later frames for it are dropped unread
                 if self._expected.get(tid) is inc:
                     del self._expected[tid]

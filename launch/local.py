@@ -132,6 +132,8 @@ class LocalCluster:
         """host:port of its mutual-TLS listener (workers, certificate holders)."""
         self.http_address = ""
         """host:port of the router's OpenAI-compatible HTTP API ("" when turned off)."""
+        self.metrics_address = ""
+        """host:port of the router's /metrics ("" when off)."""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-")
         """The launcher's own files: the jobs database, the CA of this run."""
         self._worker_tmp = tempfile.TemporaryDirectory(prefix="kvrelay-workers-")
@@ -296,6 +298,8 @@ class LocalCluster:
         self.cfg.router.internal_port = int(self.internal_address.rpartition(":")[2])
         if self.http_address:
             self.cfg.router.http_port = int(self.http_address.rpartition(":")[2])
+        if self.metrics_address:  # a restarted router serves /metrics where Prometheus looks
+            self.cfg.telemetry.router_metrics_port = int(self.metrics_address.rpartition(":")[2])
         dump_config(self.cfg, self.config_path)
         self._start_router(time.monotonic() + timeout_s)
 
@@ -310,6 +314,7 @@ class LocalCluster:
                     fields = line.split()
                     named = dict(f.split("=", 1) for f in fields[2:])
                     self.http_address = named.get("http", "")
+                    self.metrics_address = named.get("metrics", "")
                     self.internal_address = named["internal"]
                     return fields[1]
         raise TimeoutError("router did not become ready in time")

@@ -20,6 +20,7 @@ from runtime.worker import (
     worker_info,
     worker_main,
 )
+from runtime.worker_telemetry import WorkerTelemetry
 
 
 async def run(setup: WorkerSetup) -> None:
@@ -28,9 +29,15 @@ async def run(setup: WorkerSetup) -> None:
     aengine = await start_engine(setup, shm)
     server, port = listening_server(setup)
     sender = make_sender(setup.transport, aengine.engine.cache, setup.transfer)
-    service = PrefillService(aengine, setup.ident, sender, setup.cfg.kv.transfer_timeout_s)
+    tel = WorkerTelemetry(setup.cfg.telemetry, Role.PREFILL, setup.ident.worker_id, setup.ident.site)
+    service = PrefillService(aengine, setup.ident, sender, setup.cfg.kv.transfer_timeout_s, tel)
     wgrpc.add_PrefillWorkerServicer_to_server(service, server)
-    await serve_worker(setup, aengine, server, worker_info(setup, aengine.engine, port, ""), service.load)
+    info = worker_info(setup, aengine.engine, port, "")
+    info.metrics_address = tel.serve(aengine.engine, setup.host)
+    try:
+        await serve_worker(setup, aengine, server, info, service.load)
+    finally:
+        tel.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ import time
 import grpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from engine.async_engine import AsyncEngine
 from engine.blocks import blocks_for
@@ -34,15 +35,17 @@ from kvtransfer.handles import wait_async
 from kvtransfer.wire import link_socket_buffer
 from prefill_worker.streamer import LayerStreamer
 from runtime.convert import top_logprobs_proto, work_params
+from runtime.tracing import context_from_metadata, traceparent, within
 from runtime.usage_meter import UsageKey, UsageMeter, kv_link
 from runtime.worker import WorkerIdentity, worker_load
+from runtime.worker_telemetry import DISABLED, ChunkSpans, WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
 
 class PrefillService(wgrpc.PrefillWorkerServicer):
     def __init__(self, aengine: AsyncEngine, ident: WorkerIdentity, sender: KVSender,
-                 transfer_timeout_s: float = 30.0) -> None:
+                 transfer_timeout_s: float = 30.0, telemetry: WorkerTelemetry = DISABLED) -> None:
         self.aengine = aengine
         self.engine = aengine.engine
         self.ident = ident
@@ -52,8 +55,15 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         self.kv_bytes_sent = 0
         self.usage = UsageMeter()
         """Per tenant and link: prompt tokens computed and cached, engine time (prefill_worker_s)."""
-        self.engine.step_hook = self.usage.on_step
+        self.tel = telemetry
+        self.chunks = ChunkSpans(telemetry.tracing)
+        """Spans of each traced prompt's queue time and chunks (made on the engine thread)."""
+        self.engine.step_hook = self._on_step
         self._cleanups: set[asyncio.Task] = set()
+
+    def _on_step(self, step) -> None:
+        self.usage.on_step(step)
+        self.chunks.on_step(step)
 
     def _spawn_cleanup(self, coro) -> None:
         """Runs ``coro`` in the background (kept referenced; failures logged)."""
@@ -98,27 +108,52 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         return task.result()
 
     async def Prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext) -> wpb.PrefillResponse:
-        wr, target = request.request, request.target
-        rid = wr.request_id
+        """Computes the prompt and pushes its KV to the target, in span ``kvrelay.prefill``
+        (a child of the router's attempt when the call's metadata names it)."""
+        wr = request.request
+        span = self.tel.tracing.start(
+            "kvrelay.prefill", context_from_metadata(context.invocation_metadata()), SpanKind.SERVER,
+            {**self.tel.attributes(), "kvrelay.request_id": wr.request_id, "kvrelay.tenant": wr.tenant,
+             "gen_ai.usage.input_tokens": len(wr.prompt_token_ids)})
+        try:
+            return await self._prefill(request, context, span)
+        except BaseException as exc:
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:300]))
+            raise
+        finally:
+            span.end()
+
+    async def _checked(self, wr: wpb.WorkRequest, target: wpb.KVTarget, context: grpc.aio.ServicerContext):
+        """The request's sampling parameters once it and its target fit this worker (else the call aborts)."""
         if target.layout_hash != self.engine.layout.compat_hash():
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV layout of the target differs from ours")
-        bs = self.engine.layout.block_size
-        n_blocks = blocks_for(len(wr.prompt_token_ids), bs)
+        n_blocks = blocks_for(len(wr.prompt_token_ids), self.engine.layout.block_size)
         if target.start_block + len(target.block_ids) != n_blocks:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"target covers blocks [{target.start_block}, "
                                 f"{target.start_block + len(target.block_ids)}); the prompt has {n_blocks}")
         try:
-            params = work_params(wr, max_tokens=1)
+            return work_params(wr, max_tokens=1)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _prefill(self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext,
+                       span: Span) -> wpb.PrefillResponse:
+        wr, target = request.request, request.target
+        rid = wr.request_id
+        params = await self._checked(wr, target, context)
+        key = UsageKey(wr.tenant, kv_link(self.ident.site, target.receiver))
+        send = self.tel.tracing.start("kvrelay.kv.send", within(span), attributes={
+            "kvrelay.link": key.link, "kvrelay.transport": target.transport or str(self.sender.name),
+            "kvrelay.protection": target.protection, "kvrelay.kv.receiver": target.receiver,
+            "kvrelay.kv.blocks": len(target.block_ids), "kvrelay.kv.cached_blocks": target.start_block})
         handle = self.sender.open(TransferTarget(
             target.endpoint, target.transfer_id, tuple(target.block_ids), target.layout_hash,
             socket_buffer_bytes=link_socket_buffer(target.link_gbps, target.link_rtt_ms),
             protection=target.protection or None, pull=False if target.transport == "tcp" else None,
-            receiver=target.receiver or None))
-        self.streamer.add(rid, handle, target.start_block, len(target.block_ids))
-        key = UsageKey(wr.tenant, kv_link(self.ident.site, target.receiver))
+            receiver=target.receiver or None, traceparent=traceparent(send)))
+        self.streamer.add(rid, handle, target.start_block, len(target.block_ids), send)
+        self.chunks.add(rid, span, time.time_ns())
         t0 = time.perf_counter()
         try:
             out = await self._prefill_unless_failed(rid, list(wr.prompt_token_ids), params, wr.salt, handle, key,
@@ -130,6 +165,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             handle.finish(out.new_token_ids[0], logprob)
             result = await wait_async(handle, self.transfer_timeout_s)
             self.kv_bytes_sent += result.nbytes
+            send.set_attribute("kvrelay.kv.bytes", result.nbytes)
+            span.set_attribute("kvrelay.cached_tokens", out.num_cached_tokens)
             resp = wpb.PrefillResponse(first_token_id=out.new_token_ids[0], first_logprob=logprob,
                                        kv_bytes=result.nbytes, prefill_ms=(t1 - t0) * 1e3,
                                        transfer_ms=(time.perf_counter() - t1) * 1e3,
@@ -141,8 +178,11 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KVTransferError as exc:
             log.warning("transfer for %s failed: %s", rid, exc.reason)
+            send.set_status(Status(StatusCode.ERROR, exc.reason[:300]))
             await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {exc.reason}")
         finally:
+            send.end()
+            self.chunks.remove(rid)
             self.streamer.remove(rid)
             handle.fail("prefill ended")  # no-op when DONE; stops queued sends otherwise
             await asyncio.to_thread(handle.quiesce, 10.0)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from opentelemetry.trace import INVALID_SPAN, Span
+
 from engine.blocks import blocks_for
 from engine.model_runner import ModelRunner
 from kvtransfer.base import SendHandle
@@ -25,6 +27,8 @@ class _Active:
     num_blocks: int
     sent: list[int]
     """Per layer: blocks of the prompt sent so far (from block 0)."""
+    span: Span = INVALID_SPAN
+    """The transfer's span: an event per layer's blocks queued for sending."""
 
 
 class LayerStreamer:
@@ -35,9 +39,10 @@ class LayerStreamer:
         self._active: dict[str, _Active] = {}
         runner.layer_hook = self.on_layer
 
-    def add(self, request_id: str, handle: SendHandle, start_block: int, num_blocks: int) -> None:
-        """Streams ``num_blocks`` prompt blocks from ``start_block`` on."""
-        self._active[request_id] = _Active(handle, start_block, num_blocks, [start_block] * self.num_layers)
+    def add(self, request_id: str, handle: SendHandle, start_block: int, num_blocks: int,
+            span: Span = INVALID_SPAN) -> None:
+        """Streams ``num_blocks`` prompt blocks from ``start_block`` on (``span``: the transfer's)."""
+        self._active[request_id] = _Active(handle, start_block, num_blocks, [start_block] * self.num_layers, span)
 
     def remove(self, request_id: str) -> None:
         self._active.pop(request_id, None)
@@ -54,3 +59,5 @@ class LayerStreamer:
             if upto > lo:
                 a.handle.send_layer(layer, sl.block_table[lo:upto], lo - a.start_block)
                 a.sent[layer] = upto
+                if a.span.is_recording():
+                    a.span.add_event("layer", {"kvrelay.layer": layer, "kvrelay.kv.blocks": upto - lo})

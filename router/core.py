@@ -32,6 +32,7 @@ from router.admission import FairQueue
 from router.audit import AuditError
 from router.auth import TenantSalts
 from router.errors import ErrorKind, RouterError
+from router.observe import RequestObservation, RouterTelemetry
 from router.placement import (
     PlacementError,
     PlacementFailure,
@@ -58,6 +59,7 @@ from router.tenancy import TenantPolicies
 from runtime.config import ClusterConfig, RouterSection
 from runtime.rpc import PLAINTEXT, Dialer
 from runtime.topology import Role, Topology
+from runtime.tracing import NO_TRACING, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +125,11 @@ class RouterCore:
     """Admission, placement, the P/D relay and recovery for every front end."""
 
     def __init__(self, cfg: ClusterConfig, tokenizer: Tokenizer, limits: ModelLimits,
-                 policy_seed: int | None = None, dialer: Dialer = PLAINTEXT, salt_key: bytes | None = None) -> None:
+                 policy_seed: int | None = None, dialer: Dialer = PLAINTEXT, salt_key: bytes | None = None,
+                 tracing: Tracing = NO_TRACING) -> None:
         """``dialer``: how to reach workers (the router's certificate).
         ``salt_key``: keys tenants' prefix-cache salts (the KV secret; None:
-        a random key for this process's life)."""
+        a random key for this process's life). ``tracing``: the process's tracer."""
         self.cfg = cfg
         self.tok = tokenizer
         self.limits = limits
@@ -142,9 +145,16 @@ class RouterCore:
         self._refusals = RateLimit(REFUSALS_PER_S)
         self.audit = None
         """The audit log (router/audit.py ``AuditLog``), set by router/main.py; None: no audit log."""
+        self.telemetry = RouterTelemetry(tracing, durable=self.registry.usage, links=self._links)
+        """Traces, metrics and the last minute's latency (router/observe.py)."""
+        self.metrics_address = ""
+        """Where the router serves /metrics ("" when off), set by router/main.py."""
         self.tokenizers = concurrent.futures.ThreadPoolExecutor(cfg.router.api.tokenizer_threads,
                                                                 thread_name_prefix="tokenize")
         """Where prompts are tokenized, off the event loop (the tokenizer lets go of the GIL)."""
+
+    def _links(self) -> list[tuple[str, bool]]:
+        return [(lv.name, lv.up) for lv in self.registry.links.values()]
 
     @property
     def waiting_interactive(self) -> int:
@@ -167,15 +177,20 @@ class RouterCore:
         """:meth:`prepare` in the tokenizer threads, so a long prompt holds up no one
         else (a prompt over ``router.api.max_prompt_bytes`` is refused there before
         tokenizing). A refused request is audited here; an admitted one by :meth:`generate`."""
+        t0 = time.perf_counter()
         try:
             early = self.quotas.refusal(self.tenants.of(caller.tenant), 0)  # rate and concurrency: before tokenizing
             if early is not None:
                 raise early
-            return await asyncio.get_running_loop().run_in_executor(self.tokenizers, self.prepare, msg, caller)
+            req = await asyncio.get_running_loop().run_in_executor(self.tokenizers, self.prepare, msg, caller)
         except RouterError as exc:
             record = self._record(msg, caller)
             self._audit(record.record(exc))
+            self.telemetry.refused(caller, exc)
             raise
+        req.arrived, req.tokenized_s = t0, time.perf_counter() - t0
+        req.chat = msg.WhichOneof("input") == "messages"
+        return req
 
     def _record(self, msg: ipb.GenerateRequest, caller: Caller) -> RequestRecord:
         logged = prompt_text(msg) if self.tenants.of(caller.tenant).log_prompts else None
@@ -216,9 +231,11 @@ class RouterCore:
         cost = len(req.work.prompt_token_ids) + req.work.max_tokens
         error: BaseException | None = None
         grant = None
+        obs = self.telemetry.observe(req, caller, self.limits.name)
         try:
             grant = self.quotas.admit(policy, cost)
-            async for out in self._generate(req, caller):
+            async for out in self._generate(req, caller, obs):
+                obs.message(out)
                 record.saw(out)
                 yield out
         except BaseException as exc:
@@ -227,9 +244,11 @@ class RouterCore:
         finally:
             if grant is not None:
                 self.quotas.release(grant, len(req.work.prompt_token_ids) + record.completion)
+            obs.finish(error)
             self._audit(record.record(error))
 
-    async def _generate(self, req: Request, caller: Caller) -> AsyncIterator[ipb.GenerateResponse]:
+    async def _generate(self, req: Request, caller: Caller,
+                        obs: RequestObservation) -> AsyncIterator[ipb.GenerateResponse]:
         run = Recovery(req.work)
         admission = AdmissionWait(self.cfg.router, caller)
         while True:
@@ -239,26 +258,27 @@ class RouterCore:
                 return
             hashes = hash_blocks(work.prompt_token_ids, self.cfg.cache.block_size, work.salt)
             try:
-                async for msg in self._placed(req, work, hashes, run, caller, admission):
+                async for msg in self._placed(req, work, hashes, run, caller, admission, obs):
                     yield run.passed(msg)
                 return
             except Failover as f:
                 if f.suspect:
                     self.registry.suspect(f.worker_id)
                 why = run.failed(f)
+                obs.attempt_failed(f.stage, f.worker_id, why)
                 log.warning("%s: %s", req.client_id, why)
                 if run.exhausted:
                     raise RouterError(ErrorKind.UNAVAILABLE, why) from None
 
     async def _placed(self, req: Request, work: wpb.WorkRequest, hashes: list, run: Recovery, caller: Caller,
-                      admission: AdmissionWait) -> AsyncIterator[ipb.GenerateResponse]:
+                      admission: AdmissionWait, obs: RequestObservation) -> AsyncIterator[ipb.GenerateResponse]:
         """One attempt, placed as soon as a placement is possible (waiting for one when that can help)."""
         while True:
             preq = PlacementRequest(len(work.prompt_token_ids), self.registry.index.leading_blocks(hashes),
                                     req.allowed_jurisdictions, caller.time_remaining(), frozenset(run.exclude),
                                     run.colocated_only, caller.tenant,
                                     self.cfg.router.interactive_reserve if caller.priority is Priority.BATCH else 0)
-            relay = await self._admitted(work, req.client_id, preq, caller, admission)
+            relay = await self._admitted(work, req.client_id, preq, caller, admission, obs)
             try:
                 async for msg in relay.run():
                     yield msg
@@ -269,11 +289,13 @@ class RouterCore:
                 await admission.pause()
 
     async def _admitted(self, work: wpb.WorkRequest, client_id: str, preq: PlacementRequest, caller: Caller,
-                        admission: AdmissionWait) -> Relay:
+                        admission: AdmissionWait, obs: RequestObservation) -> Relay:
         """A placement holding its workers' capacity: at once when there is room and
         nobody waits, else in the fair queue's order (router/admission.py)."""
         def try_place() -> Relay:
-            return self._relay(work, client_id, place(preq, self.registry.view(), self.policy), caller)
+            t0 = time.time_ns()
+            pl = place(preq, self.registry.view(), self.policy)
+            return self._relay(work, client_id, pl, caller, obs, (t0, time.time_ns()))
 
         if not self.queue.waiting:
             try:
@@ -281,6 +303,7 @@ class RouterCore:
             except PlacementError as exc:
                 if not admission.allows(exc.wait):
                     raise refusal(exc) from None
+        obs.waiting()
         policy = self.tenants.of(caller.tenant)
         ticket = self.queue.ticket(
             caller.tenant, policy.priority.rank, caller.priority is Priority.INTERACTIVE, policy.weight,
@@ -312,12 +335,14 @@ class RouterCore:
                 continue
         return ticket.future.result()
 
-    def _relay(self, work: wpb.WorkRequest, client_id: str, pl, caller: Caller) -> Relay:
+    def _relay(self, work: wpb.WorkRequest, client_id: str, pl, caller: Caller, obs: RequestObservation,
+               placed_ns: tuple[int, int]) -> Relay:
         """An attempt on placement ``pl``, holding its workers' capacity from now on."""
         d = self.registry.workers[pl.decode.worker_id]
         p = self.registry.workers[pl.prefill.worker_id] if pl.prefill is not None else None
         shown = placement_proto(pl.est_ttft_s, pl.policy, pl.cached_blocks_prefill, pl.cached_blocks_decode, p, d)
         relay = Relay(work, client_id, p, d, shown, caller, registry=self.registry, topology=self.topology,
-                      window=self.pools.window, lease_s=self.cfg.router.kv_lease_s, on_release=self.queue.pump)
+                      window=self.pools.window, lease_s=self.cfg.router.kv_lease_s, on_release=self.queue.pump,
+                      span=obs.placed(pl, shown.link, placed_ns))
         relay.hold()
         return relay

@@ -24,6 +24,7 @@ from router.core import RouterCore
 from router.grpc_api import add_router_to_server
 from router.http_server import serve_http
 from router.jobs import JobService, add_jobs_to_server
+from router.observe import TARGETS_REFRESH_S, prometheus_targets, write_targets
 from router.openai_http import OpenAIServer
 from router.peer import CallAuth
 from router.requests import ModelLimits
@@ -31,9 +32,11 @@ from router.retention import RetentionSweeper
 from runtime.config import ClusterConfig, load_config
 from runtime.kvsecret import pem_from_env, read_secret
 from runtime.lifetime import die_with_parent
+from runtime.metrics import serve_metrics
 from runtime.pki import CertRole, PKIError, write_private
 from runtime.rpc import Dialer, bind, create_server
 from runtime.tls import TLSMaterial, load_material
+from runtime.tracing import Tracing
 
 
 def router_tls(cfg: ClusterConfig) -> TLSMaterial | None:
@@ -74,17 +77,53 @@ async def _stopped(task: asyncio.Task, timeout_s: float, what: str) -> None:
         logging.getLogger(__name__).warning("%s did not stop within %.0f s; shutting down anyway", what, timeout_s)
 
 
-async def run(args: argparse.Namespace) -> None:
-    cfg = load_config(args.config)
-    tls = router_tls(cfg)
-    salt_key = read_secret(cfg.kv.secret_file, os.environ.get("KVRELAY_KV_SECRET", ""))
+async def keep_targets(core: RouterCore, path: str | None, stop: asyncio.Event) -> None:
+    """Keeps ``telemetry.prometheus_targets`` (a file_sd file) listing every process's
+    /metrics, rewritten (atomically) whenever workers come or go."""
+    last = None
+    while path and not stop.is_set():
+        targets = prometheus_targets(core)
+        if targets != last:
+            try:
+                write_targets(Path(path), targets)
+                last = targets
+            except OSError as exc:
+                logging.getLogger(__name__).warning("could not write %s: %s", path, exc)
+        try:
+            await asyncio.wait_for(stop.wait(), TARGETS_REFRESH_S)
+        except asyncio.TimeoutError:
+            pass
+
+
+def build_core(cfg: ClusterConfig, args: argparse.Namespace, tls: TLSMaterial | None, secret_env: str) -> RouterCore:
+    """The router's core: the model's tokenizer and limits, its tracer, its audit log."""
+    salt_key = read_secret(cfg.kv.secret_file, secret_env)
     model_cfg = ModelConfig.from_file(f"{args.model_path}/config.json")
     max_len = effective_max_model_len(model_cfg, cfg.scheduler)
     tok = Tokenizer(args.model_path)
     limits = ModelLimits(name=args.model_name or model_cfg.name, max_model_len=max_len,
                          vocab_size=model_cfg.vocab_size, chat=tok.has_chat_template)
-    core = RouterCore(cfg, tok, limits, dialer=Dialer(tls), salt_key=salt_key)
+    tracing = Tracing(cfg.telemetry, "kvrelay-router", "router", {"kvrelay.site": cfg.router.site or ""})
+    core = RouterCore(cfg, tok, limits, dialer=Dialer(tls), salt_key=salt_key, tracing=tracing)
     core.audit = audit_log(cfg)
+    return core
+
+
+def close_files(core: RouterCore, metrics) -> None:
+    """The audit log, /metrics and the tracer (its last spans exported) at exit."""
+    if core.audit is not None:
+        core.audit.close()
+    if metrics is not None:
+        metrics.close()
+    core.telemetry.tracing.shutdown()
+
+
+async def run(args: argparse.Namespace) -> None:
+    cfg = load_config(args.config)
+    tls = router_tls(cfg)
+    core = build_core(cfg, args, tls, os.environ.get("KVRELAY_KV_SECRET", ""))
+    metrics = serve_metrics(core.telemetry.registry, cfg.telemetry.metrics_host, cfg.telemetry.router_metrics_port)
+    core.metrics_address = metrics.address if metrics is not None else ""
     auth = CallAuth(core, tls)
     api = cfg.router.api
     # the public listener takes small messages and a bounded number of calls; the internal one, workers' sizes
@@ -114,14 +153,18 @@ async def run(args: argparse.Namespace) -> None:
         http, http_task, http_port = await serve_http(OpenAIServer(core, cfg.router.http).app, host,
                                                       cfg.router.http_port, files, cfg.router.http)
         ready += f" http={host}:{http_port}"
+    if metrics is not None:
+        ready += f" metrics={metrics.address}"
     print(ready, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     sweeping = asyncio.create_task(retention.run(stop))
+    targets = asyncio.create_task(keep_targets(core, cfg.telemetry.prometheus_targets, stop))
     await stop.wait()
     await _stopped(sweeping, 30.0, "the retention sweep")
+    await _stopped(targets, 5.0, "the Prometheus targets file")
     if http is not None:
         http.should_exit = True
         await asyncio.wait_for(http_task, 5.0)
@@ -129,8 +172,7 @@ async def run(args: argparse.Namespace) -> None:
     await jobs.stop()
     core.tokenizers.shutdown(wait=False, cancel_futures=True)
     await core.registry.close()
-    if core.audit is not None:
-        core.audit.close()
+    close_files(core, metrics)
     private.cleanup()
 
 

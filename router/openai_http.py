@@ -48,6 +48,7 @@ from router.openai_requests import (
 from router.openai_schema import openapi
 from router.requests import Caller
 from runtime.config import HttpSection
+from runtime.tracing import TRACEPARENT
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +173,9 @@ class OpenAIServer:
             raise api_error(exc) from None
         body = decode_body(await self._body(request))
         req, stream, include_usage = chat_request(body) if chat else completion_request(body)
-        return req, stream, include_usage, Caller.with_timeout(tenant, self.request_timeout_s, api="http",
-                                                               credential=self.auth.credential(how))
+        return req, stream, include_usage, Caller.with_timeout(
+            tenant, self.request_timeout_s, api="http", credential=self.auth.credential(how),
+            traceparent=request.headers.get(TRACEPARENT, ""))
 
     async def _first(self, req: ipb.GenerateRequest, caller: Caller):
         """Admission up to the first message: (the core's generator, that message), or the error's response."""

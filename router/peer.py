@@ -13,6 +13,7 @@ from router.errors import ErrorKind, RouterError
 from router.requests import Caller, Priority
 from runtime.pki import Identity
 from runtime.tls import PeerRefused, TLSMaterial
+from runtime.tracing import TRACEPARENT
 
 STATUS = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT, ErrorKind.UNKNOWN_MODEL: grpc.StatusCode.NOT_FOUND,
@@ -29,7 +30,13 @@ STATUS = {
 
 def authorization(context: grpc.aio.ServicerContext) -> str:
     """The call's ``authorization`` metadata ("" when absent)."""
-    return dict(context.invocation_metadata() or ()).get("authorization", "")
+    return metadata_value(context, "authorization")
+
+
+def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str:
+    """The call's metadata value for ``key`` ("" when absent or binary)."""
+    value = dict(context.invocation_metadata() or ()).get(key, "")
+    return value if isinstance(value, str) else ""
 
 
 class CallAuth:
@@ -53,7 +60,8 @@ class CallAuth:
         """The tenant calling, with the call's deadline; raises RouterError."""
         how, cert = authorization(context), self.cert(context)
         tenant = self.auth.tenant(how, cert)
-        return Caller.with_timeout(tenant, context.time_remaining(), priority, credential=self.auth.credential(how, cert))
+        return Caller.with_timeout(tenant, context.time_remaining(), priority, credential=self.auth.credential(how, cert),
+                                   traceparent=metadata_value(context, TRACEPARENT))
 
     def operator(self, context: grpc.aio.ServicerContext) -> str:
         """The operator calling; raises RouterError."""

@@ -133,9 +133,13 @@ class RegistryService(wgrpc.RegistryServicer):
         now = time.monotonic()
         reg, cfg = self.registry, self.core.cfg
         links = [self._link_status(lc, now) for lc in [cfg.local_link, *cfg.links]]
+        rates = self.core.telemetry.link_rates.per_s()
+        for lk in links:
+            lk.kv_bytes_per_s = rates.get(lk.name, 0.0)
         return wpb.ListWorkersResponse(workers=[
             wpb.WorkerStatus(info=w.info, load=w.load, healthy=reg.healthy(w), last_heartbeat_age_s=now - w.last_seen,
                              draining=w.draining, inflight=w.inflight,
                              cached_blocks=reg.index.blocks_of(w.info.worker_id))
             for w in sorted(reg.workers.values(), key=lambda w: w.info.worker_id)], links=links,
-            policy=self.core.policy.name)
+            policy=self.core.policy.name, latency=self.core.telemetry.latency(),
+            router_metrics_address=self.core.metrics_address)

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 import grpc
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from router.errors import ErrorKind, RouterError
 from router.placement import PlacementError, PlacementFailure, Wait
@@ -34,6 +35,7 @@ from router.recovery import Failover
 from router.registry import WorkerRecord, WorkerRegistry
 from router.requests import Caller
 from runtime.topology import Role, Topology, link_name
+from runtime.tracing import metadata_for
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,11 @@ class Relay:
 
     def __init__(self, wr: wpb.WorkRequest, client_id: str, p: WorkerRecord | None, d: WorkerRecord,
                  placement: ipb.Placement, caller: Caller, *, registry: WorkerRegistry, topology: Topology,
-                 window: RequestWindow, lease_s: float, on_release=None) -> None:
-        """``on_release``: called (soon after) when the attempt gives its workers' capacity back."""
+                 window: RequestWindow, lease_s: float, on_release=None, span: Span = INVALID_SPAN) -> None:
+        """``on_release``: called (soon after) when the attempt gives its workers' capacity back;
+        ``span``: the attempt's (the workers' spans become its children)."""
+        self.span = span
+        self.metadata = metadata_for(span)
         self.wr, self.client_id, self.p, self.d = wr, client_id, p, d
         self.on_release = on_release
         self.held = False
@@ -124,7 +129,8 @@ class Relay:
     def _reserve(self) -> None:
         """Opens D's Decode stream; its first answer is a reservation, or tokens when colocated."""
         self.call = self.d.stub.Decode(wpb.DecodeRequest(request=self.wr, colocated=self.p is None,
-                                                         lease_s=self.lease_s, link=self.placement.link))
+                                                         lease_s=self.lease_s, link=self.placement.link),
+                                     metadata=self.metadata)
         # KV crossing a link between sites: if the link goes down meanwhile, re-place at once
         # (the transfer would otherwise stall until its timeout)
         if self.p is not None:
@@ -141,7 +147,10 @@ class Relay:
         # the sender's kind decides unless the link pins one (tcp = bytes over the socket)
         target.transport = self.topology.transport(link, self.p.info.transport)
         self.placement.transport = target.transport
-        self.prefill = asyncio.ensure_future(self.p.stub.Prefill(wpb.PrefillRequest(request=self.wr, target=target)))
+        self.span.add_event("kvrelay.reservation", {"kvrelay.kv.blocks": len(target.block_ids),
+                                                    "kvrelay.transport": target.transport})
+        self.prefill = asyncio.ensure_future(self.p.stub.Prefill(wpb.PrefillRequest(request=self.wr, target=target),
+                                                                 metadata=self.metadata))
 
     def _relay(self, out: ipb.GenerateResponse) -> ipb.GenerateResponse:
         """One message from D on its way to the caller."""
@@ -149,6 +158,7 @@ class Relay:
         if self.n_out == 0 and out.token_ids:
             self.t_first = time.perf_counter()
             self.placement.ttft_ms = (self.t_first - self.t0) * 1e3
+            self.span.add_event("kvrelay.first_token")
             self.prefiller.pending_prefill_tokens -= self.pending
             self.pending = 0
         self.n_out += len(out.token_ids)

@@ -48,12 +48,15 @@ class Caller:
     """Which front end it came through: grpc, http or jobs (for the audit log)."""
     credential: str = ""
     """What it signed in with: "token", "certificate <identity>" or "anonymous" (for the audit log)."""
+    traceparent: str = ""
+    """The W3C traceparent the client sent (its span becomes the parent of the request's trace); "" = none."""
 
     @classmethod
     def with_timeout(cls, tenant: str, timeout_s: float | None, priority: Priority = Priority.INTERACTIVE,
-                     api: str = "grpc", credential: str = "") -> Caller:
+                     api: str = "grpc", credential: str = "", traceparent: str = "") -> Caller:
         """A caller whose deadline is ``timeout_s`` from now (None: none)."""
-        return cls(tenant, None if timeout_s is None else time.monotonic() + timeout_s, priority, api, credential)
+        return cls(tenant, None if timeout_s is None else time.monotonic() + timeout_s, priority, api, credential,
+                   traceparent[:128])
 
     def time_remaining(self) -> float | None:
         """Seconds to the deadline (never negative); None without one."""
@@ -85,6 +88,12 @@ class Request:
     """Where it may be processed; None = anywhere."""
     requested_jurisdictions: frozenset[str] | None = None
     """What the request itself asked for, before the tenant's policy narrowed it."""
+    chat: bool = False
+    """It came as chat messages (else a prompt or token ids)."""
+    arrived: float = 0.0
+    """``time.perf_counter()`` when the router took it (before tokenizing); 0 = unknown."""
+    tokenized_s: float = 0.0
+    """Seconds spent validating and tokenizing it."""
 
 
 def prompt_bytes(req: ipb.GenerateRequest) -> int:

@@ -58,6 +58,7 @@ CREATE TABLE IF NOT EXISTS seen (
     worker TEXT NOT NULL, incarnation TEXT NOT NULL, tenant TEXT NOT NULL, link TEXT NOT NULL,
     {", ".join(f"{f} INTEGER NOT NULL" for f in FIELDS)}, updated REAL NOT NULL,
     PRIMARY KEY (worker, incarnation, tenant, link));
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
 _ADD_ROW = (f"INSERT INTO usage (minute, tenant, site, link, role, worker, {', '.join(FIELDS)}) "
             f"VALUES ({', '.join('?' * (6 + len(FIELDS)))}) "
@@ -249,6 +250,22 @@ class UsageLedger:
                     self._dirty.update(tuple(s[:4]) for s in seen)
                 return False
             return True
+
+    # -- the router's own durable counters (retries, migrations) --------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """Every durable counter's value (router/observe.py keeps retries and migrations here)."""
+        with self._db_lock:
+            return dict(self.db.execute("SELECT name, value FROM counters").fetchall())
+
+    def add_counter(self, name: str, n: int) -> None:
+        """Adds ``n`` to counter ``name`` at once (one small committed write: these are rare
+        events whose count must survive a router crash)."""
+        try:
+            with self._db_lock, self.db:
+                self.db.execute("INSERT INTO counters (name, value) VALUES (?, ?) ON CONFLICT (name) "
+                                "DO UPDATE SET value = value + excluded.value", (name, n))
+        except sqlite3.Error as exc:
+            log.warning("usage ledger: could not count %s: %s", name, exc)
 
     # -- queries --------------------------------------------------------------------------------------------------
     def query(self, since_unix: float = 0.0, by: Iterable[str] = (), tenant: str = "") -> UsageReport:

@@ -482,6 +482,68 @@ class TLSSection:
             raise FieldError("key" if self.key is None else "cert", "cert and key go together")
 
 
+class TraceExport(StrEnum):
+    """Where a process's spans go (``telemetry.traces``)."""
+
+    NONE = "none"
+    """Not traced (a client's ``traceparent`` still reaches the workers)."""
+    OTLP = "otlp"
+    """OTLP over gRPC to a collector at ``telemetry.endpoint``."""
+    FILE = "file"
+    """One JSONL file per process (``telemetry.file``), which ``kvrelay trace`` reads."""
+
+
+@dataclass(slots=True)
+class TelemetrySection:
+    """Traces (OpenTelemetry) and metrics (Prometheus) of every process."""
+
+    traces: TraceExport = TraceExport.NONE
+    """none | otlp | file."""
+    endpoint: str | None = None
+    """OTLP collector, ``https://host:4317`` (TLS) or ``http://`` to a loopback
+    address only (spans name tenants, sites and workers)."""
+    ca_file: str | None = None
+    """CA bundle that signs an ``https://`` collector's certificate (None: the system's roots)."""
+    file: str = "kvrelay-traces/{process}.jsonl"
+    """The JSONL file of each process; ``{process}`` becomes ``router`` or the
+    worker (``toronto-decode-0``). Relative paths are from the process's directory."""
+    sample_ratio: float = 1.0
+    """Share of requests traced, in [0, 1]; a client's sampled ``traceparent`` is always followed."""
+    metrics_host: str = "127.0.0.1"
+    """Where every process serves /metrics. A non-loopback address needs
+    ``metrics_exposed: true``: the exposition is plaintext HTTP without credentials."""
+    metrics_exposed: bool = False
+    """Allow a non-loopback ``metrics_host`` (behind a network policy that admits only the scraper)."""
+    router_metrics_port: int | None = 0
+    """The router's /metrics port; 0 = any free port, null = no metrics."""
+    worker_metrics_port: int | None = 0
+    """Each worker's /metrics port (0 = any free port, advertised when it registers; null = none)."""
+    prometheus_targets: str | None = None
+    """A Prometheus ``file_sd`` JSON file the router keeps up to date with every
+    process's /metrics address (labels: role, site, worker); None = not written."""
+
+    def __post_init__(self) -> None:
+        self.traces = _enum(TraceExport, self.traces, "traces", f"must be {_one_of(TraceExport)}")
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise FieldError("sample_ratio", f"must be in [0, 1], got {self.sample_ratio}")
+        if self.traces is TraceExport.OTLP:
+            _check_collector(self.endpoint)
+        if not self.file or (self.traces is TraceExport.FILE and "{process}" not in self.file):
+            raise FieldError("file", "must contain {process} (each process writes its own file)")
+        if not is_loopback(self.metrics_host) and not self.metrics_exposed:
+            raise FieldError("metrics_host", f"{self.metrics_host} is not a loopback address; /metrics is "
+                             "plaintext without credentials: set metrics_exposed: true behind a network policy")
+
+
+def _check_collector(endpoint: str | None) -> None:
+    m = re.fullmatch(r"(https?)://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})/?", endpoint or "")
+    if m is None:
+        raise FieldError("endpoint", f"traces: otlp needs endpoint: https://host:port (or http:// to loopback), "
+                         f"got {endpoint!r}")
+    if m.group(1) == "http" and not is_loopback(m.group(2).strip("[]")):
+        raise FieldError("endpoint", f"{endpoint} would send spans in plaintext off this host: use https://")
+
+
 @dataclass(slots=True)
 class ClusterConfig:
     model: ModelSection = field(default_factory=ModelSection)
@@ -497,6 +559,7 @@ class ClusterConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     auth: AuthSection = field(default_factory=AuthSection)
     tls: TLSSection = field(default_factory=TLSSection)
+    telemetry: TelemetrySection = field(default_factory=TelemetrySection)
     tenants: list[TenantSection] = field(default_factory=list)
     """Who may call the Inference and Jobs APIs (gRPC and HTTP), one entry per
     tenant with its credential and policy (runtime/tenants.py). Empty: nobody
@@ -555,7 +618,7 @@ def _check_known(raw: dict, fields: dict, where: str) -> None:
 _NESTED = {"ModelSection": ModelSection, "RouterSection": RouterSection, "HttpSection": HttpSection,
            "ApiSection": ApiSection, "PoolSection": PoolSection,
            "LinkSection": LinkSection, "AuthSection": AuthSection, "WorkerSection": WorkerSection,
-           "KVSection": KVSection, "TLSSection": TLSSection, "CacheConfig": CacheConfig,
+           "KVSection": KVSection, "TLSSection": TLSSection, "TelemetrySection": TelemetrySection, "CacheConfig": CacheConfig,
            "SchedulerConfig": SchedulerConfig}
 
 _LISTS = {"list[SiteSection]": (SiteSection, False), "list[LinkSection]": (LinkSection, True),
@@ -568,7 +631,7 @@ _RENAMED = {"encrypt": "replaced by protection: aead | integrity; every link is 
             "clients": "moved to the top-level tenants: [{name, token_sha256, ...policy}]"}
 """Fields that no longer exist, and what replaced them."""
 
-_STRING_LIKE = {"TenantPriority", "DType", "PlacementPolicy", "KVTransport", "Transport | None", "Protection", "Protection | None"}
+_STRING_LIKE = {"TraceExport", "TenantPriority", "DType", "PlacementPolicy", "KVTransport", "Transport | None", "Protection", "Protection | None"}
 """Annotations of fields that YAML spells as strings (the sections check the value)."""
 
 _DAY_S = 86_400
@@ -631,6 +694,9 @@ FIELD_MAX: dict[tuple[str, str], int] = {
     ("TenantSection", "max_context"): _TOKENS,
     ("TenantSection", "job_retention_days"): 36_500,
     ("TenantSection", "audit_retention_days"): 36_500,
+    # telemetry
+    ("TelemetrySection", "router_metrics_port"): 65_535,
+    ("TelemetrySection", "worker_metrics_port"): 65_535,
     # tls: ten years
     ("TLSSection", "cert_days"): 3_650,
     # cache (engine.config.CacheConfig): 4 TiB of KV

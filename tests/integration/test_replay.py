@@ -4,17 +4,33 @@ public Azure and Mooncake traces (benchmarks/data)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from cli.main import main
+from tests.integration.conftest import CLUSTER_YAML, running_cluster, wait_until
 from tests.unit.test_replay_parts import AZURE, MOONCAKE
 
 pytestmark = pytest.mark.model
 
 
+@pytest.fixture(scope="module")
+def span_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("spans")
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm_path, span_dir):
+    """The shared test cluster, tracing every request to span files (this module's only cluster)."""
+    raw = {**CLUSTER_YAML, "telemetry": {"traces": "file", "file": str(span_dir / "{process}.jsonl")}}
+    with running_cluster(raw, smollm_path) as lc:
+        yield lc
+
+
 @pytest.mark.parametrize("trace,scale,limit", [(AZURE, 0.1, 40), (MOONCAKE, 0.01, 40)])
-def test_replay_reports_every_request(cluster, tmp_path, trace, scale, limit, capsys, as_cluster_user):
+def test_replay_reports_every_request(cluster, span_dir, tmp_path, trace, scale, limit, capsys,
+                                      as_cluster_user):
     out = tmp_path / "report"
     rc = main(["bench", "replay", "--trace", str(trace), *as_cluster_user, "--limit", str(limit),
                "--speedup", "5", "--length-scale", str(scale), "--slo-ttft", "30", "--slo-tpot", "5",
@@ -29,6 +45,14 @@ def test_replay_reports_every_request(cluster, tmp_path, trace, scale, limit, ca
     for r, t in zip(report["requests"], report["meta"]["trace_slice"]):  # forced output lengths
         assert len(r["token_times"]) == max(1, round(t["output_tokens"] * scale))
         assert r["input_tokens"] == max(1, round(t["input_tokens"] * scale))
+        assert re.fullmatch(r"[0-9a-f]{32}", r["trace_id"]), r["trace_id"]
+    assert len({r["trace_id"] for r in report["requests"]}) == limit
+    slowest = max(report["requests"], key=lambda r: r["end_s"] - r["sent_s"])["trace_id"]
+    router_spans = span_dir / "router.jsonl"
+    assert wait_until(lambda: router_spans.is_file() and slowest in router_spans.read_text(), 15)  # batched
+    capsys.readouterr()
+    assert main(["trace", slowest, "--dir", str(span_dir)]) == 0  # an outlier's trace opens
+    assert capsys.readouterr().out.startswith(f"trace {slowest}:")
     assert {"local/prefill/0", "local/decode/0"} <= set(report["per_worker"])
     assert sum(row["kv_bytes"] for row in report["per_link"].values()) > 0
     md = (out / "report.md").read_text()

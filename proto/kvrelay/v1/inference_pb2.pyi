@@ -93,7 +93,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("prefill_worker", "decode_worker", "prefill_site", "decode_site", "colocated", "transport", "kv_bytes", "ttft_ms", "estimated_ttft_ms", "policy", "prefill_cached_blocks", "decode_cached_blocks", "link", "kv_transfer_ms", "prefill_ms", "retries", "migrations")
+    __slots__ = ("prefill_worker", "decode_worker", "prefill_site", "decode_site", "colocated", "transport", "kv_bytes", "ttft_ms", "estimated_ttft_ms", "policy", "prefill_cached_blocks", "decode_cached_blocks", "link", "kv_transfer_ms", "prefill_ms", "retries", "migrations", "trace_id")
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SITE_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class Placement(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     RETRIES_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     prefill_worker: str
     decode_worker: str
     prefill_site: str
@@ -128,7 +129,8 @@ class Placement(_message.Message):
     prefill_ms: float
     retries: int
     migrations: int
-    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_site: _Optional[str] = ..., decode_site: _Optional[str] = ..., colocated: _Optional[bool] = ..., transport: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., estimated_ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., prefill_cached_blocks: _Optional[int] = ..., decode_cached_blocks: _Optional[int] = ..., link: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., retries: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
+    trace_id: str
+    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_site: _Optional[str] = ..., decode_site: _Optional[str] = ..., colocated: _Optional[bool] = ..., transport: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., estimated_ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., prefill_cached_blocks: _Optional[int] = ..., decode_cached_blocks: _Optional[int] = ..., link: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., retries: _Optional[int] = ..., migrations: _Optional[int] = ..., trace_id: _Optional[str] = ...) -> None: ...
 
 class Finish(_message.Message):
     __slots__ = ("reason", "usage", "placement")

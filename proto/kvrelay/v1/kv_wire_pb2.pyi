@@ -109,14 +109,16 @@ class KVBlocks(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., src_blocks: _Optional[_Iterable[int]] = ..., pulled_tags: _Optional[bytes] = ...) -> None: ...
 
 class KVDone(_message.Message):
-    __slots__ = ("transfer_id", "first_token_id", "first_logprob")
+    __slots__ = ("transfer_id", "first_token_id", "first_logprob", "traceparent")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     first_token_id: int
     first_logprob: float
-    def __init__(self, transfer_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, transfer_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class KVDoneAck(_message.Message):
     __slots__ = ("transfer_id", "ok", "reason")

@@ -18,7 +18,7 @@ ROLE_PREFILL: Role
 ROLE_DECODE: Role
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "site", "address", "kv_endpoint", "transport", "model", "layout_hash", "block_size", "num_blocks", "num_layers", "kv_block_bytes", "device")
+    __slots__ = ("worker_id", "role", "site", "address", "kv_endpoint", "transport", "model", "layout_hash", "block_size", "num_blocks", "num_layers", "kv_block_bytes", "device", "metrics_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class WorkerInfo(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     site: str
@@ -45,7 +46,8 @@ class WorkerInfo(_message.Message):
     num_layers: int
     kv_block_bytes: int
     device: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., site: _Optional[str] = ..., address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., model: _Optional[str] = ..., layout_hash: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., site: _Optional[str] = ..., address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., transport: _Optional[str] = ..., model: _Optional[str] = ..., layout_hash: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., device: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("worker_id", "running", "waiting", "free_blocks", "total_blocks", "prefill_tokens_total", "decode_tokens_total", "kv_bytes_received", "kv_bytes_sent", "reservations", "prefix_hit_blocks", "prefix_query_blocks", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_step_ms", "incarnation", "usage")
@@ -208,7 +210,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., draining: _Optional[bool] = ..., inflight: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class LinkStatus(_message.Message):
-    __slots__ = ("name", "rtt_ms", "gbps", "transport", "protection", "up", "down_reason", "changed_s_ago")
+    __slots__ = ("name", "rtt_ms", "gbps", "transport", "protection", "up", "down_reason", "changed_s_ago", "kv_bytes_per_s")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
     GBPS_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +219,7 @@ class LinkStatus(_message.Message):
     UP_FIELD_NUMBER: _ClassVar[int]
     DOWN_REASON_FIELD_NUMBER: _ClassVar[int]
     CHANGED_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     rtt_ms: float
     gbps: float
@@ -225,17 +228,38 @@ class LinkStatus(_message.Message):
     up: bool
     down_reason: str
     changed_s_ago: float
-    def __init__(self, name: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., gbps: _Optional[float] = ..., transport: _Optional[str] = ..., protection: _Optional[str] = ..., up: _Optional[bool] = ..., down_reason: _Optional[str] = ..., changed_s_ago: _Optional[float] = ...) -> None: ...
+    kv_bytes_per_s: float
+    def __init__(self, name: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., gbps: _Optional[float] = ..., transport: _Optional[str] = ..., protection: _Optional[str] = ..., up: _Optional[bool] = ..., down_reason: _Optional[str] = ..., changed_s_ago: _Optional[float] = ..., kv_bytes_per_s: _Optional[float] = ...) -> None: ...
+
+class LatencySummary(_message.Message):
+    __slots__ = ("window_s", "requests", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms")
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P90_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P90_MS_FIELD_NUMBER: _ClassVar[int]
+    window_s: float
+    requests: int
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    itl_p50_ms: float
+    itl_p90_ms: float
+    def __init__(self, window_s: _Optional[float] = ..., requests: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p90_ms: _Optional[float] = ..., itl_p50_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers", "links", "policy")
+    __slots__ = ("workers", "links", "policy", "latency", "router_metrics_address")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     links: _containers.RepeatedCompositeFieldContainer[LinkStatus]
     policy: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., policy: _Optional[str] = ...) -> None: ...
+    latency: LatencySummary
+    router_metrics_address: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., router_metrics_address: _Optional[str] = ...) -> None: ...
 
 class WorkRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "salt", "tenant", "batch")
