@@ -17,6 +17,7 @@ import grpc
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 
+from benchmarks import telemetry_bench
 from benchmarks.engine_bench import format_result, run_engine_bench, to_json
 from benchmarks.kv_bench import format_kv, kv_json, run_kv_bench
 from benchmarks.kv_wan import add_wan
@@ -129,6 +130,19 @@ def cmd_bench_tls(args: argparse.Namespace) -> int:
     print(format_tls(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res.to_dict(), indent=2) + "\n")
+    return 0
+
+
+def cmd_bench_telemetry(args: argparse.Namespace) -> int:
+    """Tracing at sample ratio 1.0 against telemetry off: TTFT and decode tokens/s."""
+    if args.requests < 2:
+        raise SystemExit("kvrelay bench telemetry: --requests must be >= 2")
+    cfg = telemetry_bench.TelemetryConfig(requests=args.requests, seed=args.seed)
+    report = telemetry_bench.run_telemetry_bench(str(resolve_model(args.model, args.cache_dir)), cfg)
+    print(telemetry_bench.format_telemetry(report))
+    if args.json:
+        out = report | {"command": "kvrelay bench telemetry " + " ".join(sys.argv[3:])}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 
@@ -369,6 +383,12 @@ def _add_bench_parsers(bench) -> None:
     bp.set_defaults(func=cmd_bench_placement)
     _add_replay_parser(bench)
     bench_hardening.add_parsers(bench)
+    bte = bench.add_parser("telemetry", help="TTFT and decode tokens/s with every request traced vs telemetry off")
+    bte.add_argument("--requests", type=int, default=24, help="measured requests per cluster (after 2 warm-up)")
+    bte.add_argument("--seed", type=int, default=0)
+    bte.add_argument("--model", help="checkpoint folder (default: the embedded model)")
+    bte.add_argument("--json", help="also write the report to this file")
+    bte.set_defaults(func=cmd_bench_telemetry)
 
     bt = bench.add_parser("tls", help="TTFT and gRPC round trip with TLS against the same build with TLS off")
     bt.add_argument("--config", help="cluster of both runs (default: the embedded default)")

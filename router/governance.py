@@ -95,6 +95,26 @@ def _section(value) -> object:
     return {k: str(v) if hasattr(v, "value") else v for k, v in dataclasses.asdict(value).items()}
 
 
+def telemetry_facts(cfg: ClusterConfig) -> dict:
+    """Where traces and metrics go and what they hold (``telemetry``)."""
+    t = cfg.telemetry
+    dest = {"none": None, "otlp": t.endpoint, "file": t.file}[t.traces.value]
+    return {"traces": t.traces.value, "trace_destination": dest, "sample_ratio": t.sample_ratio,
+            "span_content": "tenant, request id, sites, workers, link, transport, token counts and timings; "
+                            "never prompt or output text",
+            "metrics": "off" if t.router_metrics_port is None and t.worker_metrics_port is None else
+                       f"/metrics on {t.metrics_host}" + (" (exposed beyond loopback)" if t.metrics_exposed else ""),
+            "metrics_content": "per tenant request counts, token counts and latency histograms; per link KV "
+                               "bytes and failures; per worker engine state; no request ids"}
+
+
+def _telemetry_text(f: dict) -> str:
+    traces = ("not traced" if f["traces"] == "none" else
+              f"traced ({f['traces']} to {f['trace_destination']}, sample ratio {f['sample_ratio']:g}; spans hold "
+              f"{f['span_content']})")
+    return f"requests are {traces}; metrics: {f['metrics']} ({f['metrics_content']})"
+
+
 def _section_text(value) -> str:
     """A section from :func:`_section` in a sentence."""
     if isinstance(value, dict):
@@ -461,8 +481,7 @@ def identity(d: Deployment, t: TenantSection, r: Reach) -> dict:
 def responsibility(d: Deployment, t: TenantSection, r: Reach) -> dict:
     """(7) Who can act on monitoring, incidents, upgrades and capacity, and what kvrelay watches itself."""
     cfg, rs = d.cfg, d.cfg.router
-    telemetry = _section(getattr(cfg, "telemetry", None))
-    facts = {"operators": _operators(cfg), "telemetry": telemetry or "none configured",
+    facts = {"operators": _operators(cfg), "telemetry": telemetry_facts(cfg),
              "health_checks": {"heartbeat_interval_s": rs.heartbeat_interval_s, "worker_timeout_s": rs.worker_timeout_s,
                                "link_probe_timeout_s": rs.link_probe_timeout_s},
              "operator_actions_logged_to": rs.audit_log, "operator_actions_logged": [*AUDITED_ACTIONS, "refused credentials"],
@@ -474,7 +493,7 @@ def responsibility(d: Deployment, t: TenantSection, r: Reach) -> dict:
     logged = (f"are written to the audit log ({rs.audit_log})" if rs.audit_log else
               "are not audited (router.audit_log is not set)")
     text = (f"Operators ({_operators_text(cfg)}) scale, drain and plan the pools; their "
-            f"{_names(AUDITED_ACTIONS)} calls, and calls refused for their credentials, {logged}. Telemetry (traces, metrics): {_section_text(facts['telemetry'])}; the "
+            f"{_names(AUDITED_ACTIONS)} calls, and calls refused for their credentials, {logged}. Telemetry: {_telemetry_text(facts['telemetry'])}; the "
             f"router marks a worker unhealthy after {rs.worker_timeout_s:g} s without a heartbeat and a link down when "
             f"a probe takes over {rs.link_probe_timeout_s:g} s. Capacity: {sizes}; `kvrelay plan` recommends sizes "
             f"for a time to first token of {rs.slo_ttft_s:g} s and {rs.slo_tpot_s:g} s per output token, applied "
@@ -528,7 +547,7 @@ def deployment_facts(d: Deployment) -> dict:
             "files": _files(d),
             "sites": [{"site": s.name, "jurisdiction": s.jurisdiction,
                        "pools": [p.facts() for p in d.pools if p.site == s.name]} for s in d.cfg.sites],
-            "operators": _operators(d.cfg), "telemetry": _section(getattr(d.cfg, "telemetry", None)),
+            "operators": _operators(d.cfg), "telemetry": telemetry_facts(d.cfg),
             "workers": [dataclasses.asdict(w) for w in d.state.workers]}
 
 

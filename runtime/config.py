@@ -697,6 +697,7 @@ FIELD_MAX: dict[tuple[str, str], int] = {
     # telemetry
     ("TelemetrySection", "router_metrics_port"): 65_535,
     ("TelemetrySection", "worker_metrics_port"): 65_535,
+    ("TelemetrySection", "sample_ratio"): 1,
     # tls: ten years
     ("TLSSection", "cert_days"): 3_650,
     # cache (engine.config.CacheConfig): 4 TiB of KV

@@ -31,6 +31,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+disable_created_metrics()  # no ``_created`` series: process-wide, and kvrelay's processes want none
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 """Seconds (TTFT, request latency, queue time), as vLLM's."""
@@ -181,9 +182,7 @@ class MetricsServer:
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> MetricsServer | None:
-    """The process's /metrics server (None when ``port`` is None: metrics off).
-    Counters are exposed without ``_created`` series (process-wide)."""
-    disable_created_metrics()
+    """The process's /metrics server (None when ``port`` is None: metrics off)."""
     return None if port is None else MetricsServer(registry, host, port)
 
 

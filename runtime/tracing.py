@@ -100,10 +100,11 @@ def metadata_for(span: Span | None) -> tuple[tuple[str, str], ...]:
 
 
 def trace_id_of(span: Span | None) -> str:
-    """``span``'s trace id in hex, "" unless it is recorded (sampled)."""
-    if span is None or not span.is_recording():
+    """``span``'s trace id in hex, "" unless it is sampled (exported)."""
+    ctx = span.get_span_context() if span is not None else None
+    if ctx is None or not ctx.is_valid or not ctx.trace_flags.sampled:
         return ""
-    return format(span.get_span_context().trace_id, "032x")
+    return format(ctx.trace_id, "032x")
 
 
 def within(span: Span | None) -> Context | None:

@@ -192,7 +192,8 @@ def test_operators_identity_and_what_is_not_recorded():
     assert ident["sign_in"] == {"token": True, "client_certificate": True, "anonymous": False}
     assert ident["policy"]["requests_per_minute"] == 60 and ident["federated_identity"] == "not configured"
     resp = _answer(doc, "uni-on", Question.RESPONSIBILITY)
-    assert resp["facts"]["telemetry"] == "none configured" and resp["facts"]["incident_response"] == NOT_RECORDED
+    assert resp["facts"]["telemetry"]["traces"] == "none" and resp["facts"]["incident_response"] == NOT_RECORDED
+    assert "not traced" in resp["answer"]
 
     def anonymous(raw):
         raw["auth"]["allow_anonymous"] = True
@@ -204,20 +205,13 @@ def test_operators_identity_and_what_is_not_recorded():
     assert "TLS is off" in _answer(doc, "anonymous", Question.IDENTITY)["answer"]
 
 
-def test_a_telemetry_section_would_be_reported():
-    @dataclasses.dataclass(slots=True)
-    class Telemetry:
-        otlp_endpoint: str = "https://collector.example:4317"
-
-    @dataclasses.dataclass(slots=True)
-    class WithTelemetry(ClusterConfig):
-        telemetry: Telemetry = dataclasses.field(default_factory=Telemetry)
-
-    base = parse_config(copy.deepcopy(BASE))
-    cfg = WithTelemetry(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ClusterConfig)})
-    resp = _answer(statement(cfg, STATE), "uni-on", Question.RESPONSIBILITY)
-    assert resp["facts"]["telemetry"] == {"otlp_endpoint": "https://collector.example:4317"}
-    assert "collector.example" in resp["answer"]
+def test_the_telemetry_section_is_reported():
+    raw = copy.deepcopy(BASE)
+    raw["telemetry"] = {"traces": "otlp", "endpoint": "https://collector.example:4317", "sample_ratio": 0.25}
+    resp = _answer(statement(parse_config(raw), STATE), "uni-on", Question.RESPONSIBILITY)
+    facts = resp["facts"]["telemetry"]
+    assert facts["traces"] == "otlp" and facts["trace_destination"] == "https://collector.example:4317"
+    assert "collector.example" in resp["answer"] and "never prompt or output text" in resp["answer"]
 
 
 def test_markdown_has_all_eight_questions_per_tenant():
