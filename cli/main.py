@@ -245,6 +245,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if cluster.http_address:
             scheme = "https" if cfg.tls.enabled else "http"
             print(f"kvrelay: OpenAI-compatible HTTP API on {scheme}://{cluster.http_address}/v1", flush=True)
+        if cluster.metrics_address:
+            print(f"kvrelay: Prometheus metrics on http://{cluster.metrics_address}/metrics "
+                  "(workers' in kvrelay status)", flush=True)
         if cfg.tls.enabled:
             print(f"kvrelay: TLS by the CA in {cfg.tls.ca}; tenant token of this machine's user in "
                   f"{args.cache_dir / CLIENT_TOKEN} (the kvrelay commands find both)", flush=True)

@@ -139,7 +139,7 @@ class EngineCollector(Collector):
                  "those looked up", st.prefix_cache_hit_ratio),
                 ("kvrelay_num_requests_running", "Sequences in the running batch", st.running),
                 ("kvrelay_num_requests_waiting", "Sequences waiting for the engine", st.waiting),
-                ("kvrelay_prefill_tokens_per_second", "Recent prompt throughput of the engine",
+                ("kvrelay_prefill_tokens_per_second", "Prompt tokens per second of prefill compute, since start",
                  st.prefill_tokens_per_second)):
             g = GaugeMetricFamily(name, doc, labels=names)
             g.add_metric(values, float(value))
