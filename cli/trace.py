@@ -28,6 +28,14 @@ _LEFT = 22
 """Width of the offset and duration columns, their gaps included."""
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (terminal escapes from a span file) shown as ``?``."""
+    return _CONTROL.sub("?", text)
+
+
 def span_files(folder: Path | None, files: Sequence[Path] | None) -> list[Path]:
     """The files to read: ``files`` as given, else every ``*.jsonl`` in ``folder``."""
     if files:
@@ -209,7 +217,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         print(json.dumps(json_spans(mine), indent=2))
         return 0
     width = shutil.get_terminal_size((100, 24)).columns
-    print("\n".join(waterfall(mine, width, _fill())))
+    print("\n".join(printable(line) for line in waterfall(mine, width, _fill())))
     return 0
 
 

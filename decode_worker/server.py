@@ -117,7 +117,14 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
 
     @staticmethod
     def _generated(gen: Span, out, first: bool) -> None:
-        """Marks the first token and the finish on the generate span."""
+        """Marks the first token and the finish on the generate span (never raises)."""
+        try:
+            DecodeService._mark(gen, out, first)
+        except Exception:  # telemetry must not fail the request
+            log.exception("decode span events failed")
+
+    @staticmethod
+    def _mark(gen: Span, out, first: bool) -> None:
         if first:
             gen.add_event("first_token")
         if out.finished:
@@ -137,8 +144,14 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         return res
 
     def _received(self, recv: _Receive, res=None, error: str | None = None) -> None:
-        """The transfer's span and metrics: bytes and time on success, the reason on failure."""
+        """The transfer's span and metrics: bytes and time on success, the reason on failure (never raises)."""
         recv.open = False
+        try:
+            self._record_transfer(recv, res, error)
+        except Exception:  # telemetry must not fail the request
+            log.exception("KV transfer telemetry failed")
+
+    def _record_transfer(self, recv: _Receive, res, error: str | None) -> None:
         transport = str(self.receiver.name)
         if self.tel.transfers is not None:
             if res is not None:

@@ -188,6 +188,9 @@ class RouterCore:
             self._audit(record.record(exc))
             self.telemetry.refused(caller, exc)
             raise
+        except asyncio.CancelledError as exc:  # the caller left while it was tokenized
+            self.telemetry.refused(caller, exc)
+            raise
         req.arrived, req.tokenized_s = t0, time.perf_counter() - t0
         req.chat = msg.WhichOneof("input") == "messages"
         return req
@@ -244,8 +247,8 @@ class RouterCore:
         finally:
             if grant is not None:
                 self.quotas.release(grant, len(req.work.prompt_token_ids) + record.completion)
-            obs.finish(error)
             self._audit(record.record(error))
+            obs.finish(error)
 
     async def _generate(self, req: Request, caller: Caller,
                         obs: RequestObservation) -> AsyncIterator[ipb.GenerateResponse]:

@@ -103,7 +103,8 @@ def build_core(cfg: ClusterConfig, args: argparse.Namespace, tls: TLSMaterial | 
     tok = Tokenizer(args.model_path)
     limits = ModelLimits(name=args.model_name or model_cfg.name, max_model_len=max_len,
                          vocab_size=model_cfg.vocab_size, chat=tok.has_chat_template)
-    tracing = Tracing(cfg.telemetry, "kvrelay-router", "router", {"kvrelay.site": cfg.router.site or ""})
+    tracing = Tracing(cfg.telemetry, "kvrelay-router", "router", {"kvrelay.site": cfg.router.site or ""},
+                      follow_remote=False)  # a client's sampled flag does not force tracing
     core = RouterCore(cfg, tok, limits, dialer=Dialer(tls), salt_key=salt_key, tracing=tracing)
     core.audit = audit_log(cfg)
     return core
@@ -123,7 +124,7 @@ async def run(args: argparse.Namespace) -> None:
     tls = router_tls(cfg)
     core = build_core(cfg, args, tls, os.environ.get("KVRELAY_KV_SECRET", ""))
     metrics = serve_metrics(core.telemetry.registry, cfg.telemetry.metrics_host, cfg.telemetry.router_metrics_port)
-    core.metrics_address = metrics.address if metrics is not None else ""
+    core.metrics_address = metrics.advertised(cfg.router.host) if metrics is not None else ""
     auth = CallAuth(core, tls)
     api = cfg.router.api
     # the public listener takes small messages and a bounded number of calls; the internal one, workers' sizes

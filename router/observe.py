@@ -11,7 +11,10 @@ survive a router restart."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+import logging
 import os
 import time
 from collections import deque
@@ -20,7 +23,7 @@ from pathlib import Path
 
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -31,8 +34,12 @@ from runtime.metrics import Mode, RouterMetrics, TokenKind
 from runtime.topology import Role
 from runtime.tracing import NO_TRACING, Tracing, remote_parent, trace_id_of, within
 
+log = logging.getLogger(__name__)
+
 WINDOW_S = 60.0
 """What ``kvrelay status`` calls recent."""
+WINDOW_MAX = 100_000
+"""Most samples a window keeps (the newest): bounds the router's memory at any rate."""
 RETRIES, MIGRATIONS = "retries", "migrations"
 """The durable counters' names in the usage database."""
 TARGETS_REFRESH_S = 2.0
@@ -45,10 +52,13 @@ class RecentWindow:
 
     def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s, self.clock = window_s, clock
-        self._items: deque[tuple[float, float]] = deque()
+        self._items: deque[tuple[float, float]] = deque(maxlen=WINDOW_MAX)
 
-    def add(self, value: float) -> None:
-        self._items.append((self.clock(), value))
+    def add(self, value: float, n: int = 1) -> None:
+        """``n`` samples of ``value``."""
+        now = self.clock()
+        self._items.extend((now, value) for _ in range(min(n, WINDOW_MAX)))
+        self._trim()
 
     def _trim(self) -> None:
         cutoff = self.clock() - self.window_s
@@ -72,16 +82,20 @@ class LinkRates:
 
     def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s, self.clock = window_s, clock
-        self._items: deque[tuple[float, str, int]] = deque()
+        self._items: deque[tuple[float, str, int]] = deque(maxlen=WINDOW_MAX)
 
     def add(self, link: str, nbytes: int) -> None:
         if link and nbytes:
             self._items.append((self.clock(), link, nbytes))
+            self._trim()
 
-    def per_s(self) -> dict[str, float]:
+    def _trim(self) -> None:
         cutoff = self.clock() - self.window_s
         while self._items and self._items[0][0] < cutoff:
             self._items.popleft()
+
+    def per_s(self) -> dict[str, float]:
+        self._trim()
         out: dict[str, float] = {}
         for _, link, n in self._items:
             out[link] = out.get(link, 0.0) + n / self.window_s
@@ -99,6 +113,16 @@ class LinkCollector(Collector):
         for name, up in self.links():
             g.add_metric([name], 1.0 if up else 0.0)
         yield g
+
+
+def outcome_of(error: BaseException | None) -> str:
+    """``kvrelay_requests_total{outcome}``: ok, the error kind the caller was told,
+    cancelled (the caller left) or internal (a bug)."""
+    if error is None:
+        return "ok"
+    if isinstance(error, RouterError):
+        return error.kind.value
+    return "cancelled" if isinstance(error, (asyncio.CancelledError, GeneratorExit)) else "internal"
 
 
 class RouterTelemetry:
@@ -126,15 +150,22 @@ class RouterTelemetry:
     def observe(self, req: Request, caller: Caller, model: str) -> RequestObservation:
         return RequestObservation(self, req, caller, model)
 
-    def refused(self, caller: Caller, error: RouterError) -> None:
-        """A request refused before it was admitted (quota, validation)."""
-        self.metrics.requests.labels(caller.tenant, error.kind.value).inc()
+    def refused(self, caller: Caller, error: BaseException) -> None:
+        """A request that ended before it was admitted (quota, validation, or its caller left)."""
+        try:
+            self.metrics.requests.labels(caller.tenant, outcome_of(error)).inc()
+        except Exception:
+            log.exception("telemetry: refused failed")
 
     def count(self, name: str) -> None:
-        """One retry or migration, in the metric and the usage database."""
+        """One retry or migration, in the metric and (on a thread: the event loop
+        never waits on the disk) the usage database."""
         (self.metrics.retries if name == RETRIES else self.metrics.migrations).inc()
         if self.durable is not None:
-            self.durable.add_counter(name, 1)
+            try:
+                asyncio.get_running_loop().run_in_executor(None, self.durable.add_counter, name, 1)
+            except RuntimeError:  # no event loop (tools, tests)
+                self.durable.add_counter(name, 1)
 
     def latency(self) -> wpb.LatencySummary:
         """The last minute's TTFT and inter-token latency, for ``kvrelay status``."""
@@ -144,8 +175,23 @@ class RouterTelemetry:
                                   itl_p90_ms=self.itl.quantile(0.9) * 1e3)
 
 
+def _never_raises(default=None):
+    """Telemetry must not fail a request: an exception in the method is logged and ``default`` returned."""
+    def wrap(method):
+        @functools.wraps(method)
+        def safe(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception:
+                log.exception("telemetry: %s failed", method.__name__)
+                return default
+        return safe
+    return wrap
+
+
 class RequestObservation:
-    """One request's spans and measurements, from its arrival to its last message."""
+    """One request's spans and measurements, from its arrival to its last message.
+    No method raises (see ``_never_raises``)."""
 
     def __init__(self, tel: RouterTelemetry, req: Request, caller: Caller, model: str) -> None:
         self.tel, self.caller = tel, caller
@@ -160,6 +206,8 @@ class RequestObservation:
         if req.tokenized_s:
             tel.tracing.start("kvrelay.tokenize", within(self.root), start_ns=wall0).end(
                 wall0 + int(req.tokenized_s * 1e9))
+        self.t_admitted = self.t0 + req.tokenized_s
+        """When it was admitted (tokenized): its queue time starts."""
         self.admission: Span | None = None
         self.attempt: Span | None = None
         self.placed_once = False
@@ -171,21 +219,24 @@ class RequestObservation:
     def trace_id(self) -> str:
         return trace_id_of(self.root)
 
+    @_never_raises()
     def waiting(self) -> None:
         """The request found no room: its admission wait starts (once)."""
         if self.admission is None:
             self.admission = self.tel.tracing.start("kvrelay.admission", within(self.root))
 
+    @_never_raises(INVALID_SPAN)
     def placed(self, pl, link: str, placed_ns: tuple[int, int]) -> Span:
         """An attempt on placement ``pl`` (router/placement.py) begins; returns its span
         (the workers' spans are its children). ``placed_ns``: when ``place`` ran (unix ns)."""
         if self.admission is not None:
             self.admission.end()
             self.admission = None
+        self._end_attempt("the decode worker had no room; placed again")  # an attempt refused before it began
         mode = Mode.COLOCATED if pl.prefill is None else Mode.DISAGGREGATED
         if not self.placed_once:
             self.placed_once = True
-            self.tel.metrics.queue.labels(self.caller.tenant).observe(time.perf_counter() - self.t0)
+            self.tel.metrics.queue.labels(self.caller.tenant).observe(time.perf_counter() - self.t_admitted)
         self.tel.metrics.placements.labels(pl.policy, mode.value).inc()
         self.decode_site = pl.decode.site
         prefill = pl.prefill or pl.decode
@@ -200,6 +251,7 @@ class RequestObservation:
         self.attempt = tr.start("kvrelay.attempt", within(self.root), attributes=attrs)
         return self.attempt
 
+    @_never_raises()
     def attempt_failed(self, stage: Role, worker_id: str, why: str) -> None:
         """The attempt failed on a worker; the next one retries (prefill) or migrates (decode)."""
         name = RETRIES if stage is Role.PREFILL else MIGRATIONS
@@ -214,6 +266,7 @@ class RequestObservation:
             self.attempt.end()
             self.attempt = None
 
+    @_never_raises()
     def message(self, out: ipb.GenerateResponse) -> None:
         """A message on its way to the client: TTFT at the first token, then each
         inter-token gap; the last one gets the trace id in its placement."""
@@ -235,14 +288,15 @@ class RequestObservation:
             itl = self.tel.metrics.itl.labels(*labels)
             for _ in range(n):
                 itl.observe(gap)
-            self.tel.itl.add(gap)
+            self.tel.itl.add(gap, n)
         self.t_last = now
         self.n_out += len(out.token_ids)
 
+    @_never_raises()
     def finish(self, error: BaseException | None) -> None:
         """The request's end: its outcome and latency; every span ends."""
         m, tenant = self.tel.metrics, self.caller.tenant
-        outcome = "ok" if error is None else error.kind.value if isinstance(error, RouterError) else "cancelled"
+        outcome = outcome_of(error)
         m.requests.labels(tenant, outcome).inc()
         m.e2e.labels(tenant, self.decode_site).observe(time.perf_counter() - self.t0)
         self._end_attempt(None if error is None else str(error))

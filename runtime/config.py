@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import math
 import re
 import reprlib
+import string
 import sys
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -507,6 +509,9 @@ class TelemetrySection:
     file: str = "kvrelay-traces/{process}.jsonl"
     """The JSONL file of each process; ``{process}`` becomes ``router`` or the
     worker (``toronto-decode-0``). Relative paths are from the process's directory."""
+    file_max_bytes: int = 256 << 20
+    """A process's trace file is moved to ``<name>.1.jsonl`` (replacing the one
+    before) when it reaches this size, so spans never fill the disk."""
     sample_ratio: float = 1.0
     """Share of requests traced, in [0, 1]; a client's sampled ``traceparent`` is always followed."""
     metrics_host: str = "127.0.0.1"
@@ -517,7 +522,8 @@ class TelemetrySection:
     router_metrics_port: int | None = 0
     """The router's /metrics port; 0 = any free port, null = no metrics."""
     worker_metrics_port: int | None = 0
-    """Each worker's /metrics port (0 = any free port, advertised when it registers; null = none)."""
+    """Each worker's /metrics port (0 = any free port, advertised when it registers; null = none).
+    A fixed port suits one worker per host or pod (Kubernetes), not several."""
     prometheus_targets: str | None = None
     """A Prometheus ``file_sd`` JSON file the router keeps up to date with every
     process's /metrics address (labels: role, site, worker); None = not written."""
@@ -528,11 +534,26 @@ class TelemetrySection:
             raise FieldError("sample_ratio", f"must be in [0, 1], got {self.sample_ratio}")
         if self.traces is TraceExport.OTLP:
             _check_collector(self.endpoint)
-        if not self.file or (self.traces is TraceExport.FILE and "{process}" not in self.file):
-            raise FieldError("file", "must contain {process} (each process writes its own file)")
+        _check_file_template(self.file)
+        for name in ("router_metrics_port", "worker_metrics_port"):
+            port = getattr(self, name)
+            if port is not None and port < 0:
+                raise FieldError(name, f"must be a port in [0, 65535] or null, got {port}")
+        if self.file_max_bytes < 1 << 20:
+            raise FieldError("file_max_bytes", f"must be at least 1 MiB, got {self.file_max_bytes}")
         if not is_loopback(self.metrics_host) and not self.metrics_exposed:
             raise FieldError("metrics_host", f"{self.metrics_host} is not a loopback address; /metrics is "
                              "plaintext without credentials: set metrics_exposed: true behind a network policy")
+
+
+def _check_file_template(template: str) -> None:
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as exc:
+        raise FieldError("file", f"{template!r} is not a valid template ({exc})") from None
+    if fields != {"process"}:
+        raise FieldError("file", f"must contain {{process}} (each process writes its own file) and no other "
+                         f"{{field}}, got {template!r}")
 
 
 def _check_collector(endpoint: str | None) -> None:
@@ -540,6 +561,8 @@ def _check_collector(endpoint: str | None) -> None:
     if m is None:
         raise FieldError("endpoint", f"traces: otlp needs endpoint: https://host:port (or http:// to loopback), "
                          f"got {endpoint!r}")
+    if not 0 < int(m.group(3)) <= 65_535:
+        raise FieldError("endpoint", f"port {m.group(3)} of {endpoint} is not in [1, 65535]")
     if m.group(1) == "http" and not is_loopback(m.group(2).strip("[]")):
         raise FieldError("endpoint", f"{endpoint} would send spans in plaintext off this host: use https://")
 
@@ -698,6 +721,7 @@ FIELD_MAX: dict[tuple[str, str], int] = {
     ("TelemetrySection", "router_metrics_port"): 65_535,
     ("TelemetrySection", "worker_metrics_port"): 65_535,
     ("TelemetrySection", "sample_ratio"): 1,
+    ("TelemetrySection", "file_max_bytes"): 1 << 40,
     # tls: ten years
     ("TLSSection", "cert_days"): 3_650,
     # cache (engine.config.CacheConfig): 4 TiB of KV
@@ -789,8 +813,14 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` is a loopback address (127.0.0.0/8, ::1, localhost)."""
-    return host in LOOPBACK or host.startswith("127.")
+    """Whether ``host`` is a loopback address (127.0.0.0/8, ::1) or ``localhost``;
+    a name such as ``127.example.net`` is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_loopback(cfg: ClusterConfig) -> None:

@@ -17,6 +17,7 @@ which the router keeps in its usage database (router/observe.py)."""
 from __future__ import annotations
 
 import enum
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -159,6 +160,10 @@ class TransferMetrics:
 
 
 # -- the endpoint ---------------------------------------------------------------------------------------------------
+WILDCARDS = ("0.0.0.0", "::", "")
+"""Bind addresses that mean every interface (not an address to scrape)."""
+
+
 class MetricsServer:
     """``/metrics`` of one registry over HTTP, in a thread of its own."""
 
@@ -170,8 +175,16 @@ class MetricsServer:
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return self.advertised(self.host)
+
+    def advertised(self, host: str) -> str:
+        """host:port for others to scrape: ``host`` replaces a wildcard bind address
+        (and when ``host`` is one too, this machine's name)."""
+        if self.host not in WILDCARDS:
+            host = self.host
+        elif host in WILDCARDS:
+            host = socket.getfqdn()
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     def close(self) -> None:
         with self._lock:

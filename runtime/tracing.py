@@ -146,23 +146,34 @@ def span_record(span: ReadableSpan) -> dict:
 
 
 class JsonlSpanExporter(SpanExporter):
-    """Appends each finished span as one JSON line to a file (0600; a folder it makes, 0700)."""
+    """Appends each finished span as one JSON line to a file (0600; a folder it
+    makes, 0700). At ``max_bytes`` the file becomes ``<name>.1.jsonl`` (the one
+    before is replaced) and a new one starts."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        if not self.path.parent.exists():
-            self.path.parent.mkdir(parents=True, mode=0o700)
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._file = os.fdopen(fd, "a", encoding="utf-8")
+    def __init__(self, path: str | Path, max_bytes: int = 256 << 20) -> None:
+        self.path, self.max_bytes = Path(path), max_bytes
+        self.path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)  # workers may start at once
         self._lock = threading.Lock()
+        self._file = self._open()
+
+    def _open(self):
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        return os.fdopen(fd, "a", encoding="utf-8")
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lines = "".join(json.dumps(span_record(s), separators=(",", ":")) + "\n" for s in spans)
         with self._lock:
             if self._file.closed:
                 return SpanExportResult.FAILURE
-            self._file.write(lines)
-            self._file.flush()
+            try:
+                if self._file.tell() + len(lines) > self.max_bytes:
+                    self._file.close()
+                    os.replace(self.path, self.path.with_suffix(".1.jsonl"))
+                    self._file = self._open()
+                self._file.write(lines)
+                self._file.flush()
+            except OSError:
+                return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
@@ -173,19 +184,43 @@ class JsonlSpanExporter(SpanExporter):
         return True
 
 
+_FIELDS = {"trace_id": str, "span_id": str, "name": str, "start_unix_nano": int, "end_unix_nano": (int, type(None)),
+           "parent_span_id": (str, type(None)), "attributes": dict, "events": list, "links": list}
+"""The fields of a span record and their types (anything else in a file is refused)."""
+
+
+def _check_record(rec) -> str | None:
+    """What is wrong with a span record (None: nothing)."""
+    if not isinstance(rec, dict):
+        return "not an object"
+    for key, kind in _FIELDS.items():
+        if key in rec and not isinstance(rec[key], kind) or isinstance(rec.get(key), bool):
+            return f"field {key!r} has the wrong type"
+    missing = [k for k in ("trace_id", "span_id", "name", "start_unix_nano") if k not in rec]
+    if missing:
+        return f"it lacks {', '.join(missing)}"
+    if any(not isinstance(e, dict) or not isinstance(e.get("time_unix_nano", 0), int) for e in rec.get("events", [])):
+        return "an event is not an object with an integer time_unix_nano"
+    return None
+
+
 def read_spans(paths: Iterable[str | Path]) -> list[dict]:
     """Every span in the JSONL files ``paths`` (a torn last line, from a process
-    killed mid-write, is skipped; any other bad line raises ValueError naming it)."""
+    killed mid-write, is skipped; any other bad line or record raises ValueError naming it)."""
     spans = []
     for path in paths:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
         for i, line in enumerate(lines):
             try:
-                spans.append(json.loads(line))
+                rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 if i == len(lines) - 1:
                     break
                 raise ValueError(f"{path}:{i + 1}: not a span record ({exc.msg})") from None
+            problem = _check_record(rec)
+            if problem is not None:
+                raise ValueError(f"{path}:{i + 1}: not a span record ({problem})")
+            spans.append(rec)
     return spans
 
 
@@ -204,9 +239,12 @@ class Tracing:
     With ``traces: none`` it is a no-op tracer (spans cost nothing and record nothing)."""
 
     def __init__(self, section: TelemetrySection, service: str, process: str,
-                 attributes: Mapping[str, str] | None = None) -> None:
+                 attributes: Mapping[str, str] | None = None, follow_remote: bool = True) -> None:
         """``service``: ``kvrelay-router``, ``kvrelay-prefill`` or ``kvrelay-decode``;
-        ``process``: this process's name in file names (``router``, ``toronto-decode-0``)."""
+        ``process``: this process's name in file names (``router``, ``toronto-decode-0``).
+        ``follow_remote``: a remote parent's sampled flag decides (workers: their
+        parent is the router); False (the router, whose remote parents are clients):
+        ``sample_ratio`` decides on the trace id, whatever flag a client sent."""
         self.section = section
         self.provider: TracerProvider | None = None
         self.file: Path | None = None
@@ -214,11 +252,13 @@ class Tracing:
             self.tracer: trace.Tracer = trace.NoOpTracer()
             return
         resource = Resource({"service.name": service, "service.instance.id": process, **(attributes or {})})
-        self.provider = TracerProvider(resource=resource,
-                                       sampler=ParentBased(TraceIdRatioBased(section.sample_ratio)))
+        ratio = TraceIdRatioBased(section.sample_ratio)
+        sampler = ParentBased(ratio) if follow_remote else ParentBased(
+            ratio, remote_parent_sampled=ratio, remote_parent_not_sampled=ratio)
+        self.provider = TracerProvider(resource=resource, sampler=sampler)
         if section.traces is TraceExport.FILE:
             self.file = Path(section.file.format(process=process))
-            exporter: SpanExporter = JsonlSpanExporter(self.file)
+            exporter: SpanExporter = JsonlSpanExporter(self.file, section.file_max_bytes)
         else:
             exporter = _otlp_exporter(section)
         self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MS))

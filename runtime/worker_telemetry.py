@@ -13,6 +13,7 @@ and ``finish``)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from runtime.metrics import (
 )
 from runtime.topology import Role
 from runtime.tracing import NO_TRACING, Tracing, process_name, within
+
+log = logging.getLogger(__name__)
 
 
 def engine_state(engine: LLMEngine) -> EngineState:
@@ -68,8 +71,15 @@ class ChunkSpans:
             self._prompts.pop(request_id, None)
 
     def on_step(self, step: StepUsage) -> None:
+        """Runs on the engine thread, inside its step: it never raises (a failure is logged)."""
         if not self._prompts:
             return
+        try:
+            self._spans(step)
+        except Exception:  # telemetry must not stop the engine
+            log.exception("prefill chunk spans failed")
+
+    def _spans(self, step: StepUsage) -> None:
         start = step.end_unix_ns - step.ns
         for rid, (_, n) in zip(step.request_ids, step.tokens):
             with self._lock:
@@ -108,10 +118,7 @@ class WorkerTelemetry:
         labels = {"worker": self.worker_id, "site": self.site, "role": str(self.role)}
         self.registry.register(EngineCollector(lambda: engine_state(engine), labels))
         self.server = serve_metrics(self.registry, self.host, self.section.worker_metrics_port)
-        if self.server is None:
-            return ""
-        host = advertise if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"[{host}]:{self.server.port}" if ":" in host else f"{host}:{self.server.port}"
+        return self.server.advertised(advertise) if self.server is not None else ""
 
     def close(self) -> None:
         if self.server is not None:

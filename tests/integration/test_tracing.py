@@ -166,11 +166,11 @@ def test_a_migrated_request_shows_both_attempts_in_one_trace(traced):
     killed = None
     with lc.channel() as ch:
         call = igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
-            prompt=PROMPT, max_tokens=40, ignore_eos=True, request_id="trace-migrated"), timeout=180)
+            prompt=PROMPT, max_tokens=64, ignore_eos=True, request_id="trace-migrated"), timeout=300)
         msgs = []
         for msg in call:
             msgs.append(msg)
-            if killed is None and sum(len(m.token_ids) for m in msgs) >= 6:
+            if killed is None and sum(len(m.token_ids) for m in msgs) >= 4:  # 60 tokens left: seconds
                 busy = [w for w, s in workers(lc).items() if s.info.role == 2 and s.inflight > 0]
                 killed = busy[0]
                 child = next(c for c in lc.children if c.name == killed)

@@ -43,6 +43,12 @@ GOOD = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     ({"metrics_host": "0.0.0.0"}, "telemetry.metrics_host: 0.0.0.0 is not a loopback address"),
     ({"router_metrics_port": 70000}, "telemetry.router_metrics_port: must be <= 65535"),
     ({"prometheus": True}, "telemetry: unknown field(s) prometheus"),
+    ({"traces": "otlp", "endpoint": "http://127.evil.example:4317"}, "would send spans in plaintext off this host"),
+    ({"metrics_host": "127.attacker.net"}, "is not a loopback address"),
+    ({"traces": "file", "file": "x/{process}-{pid}.jsonl"}, "and no other {field}"),
+    ({"file": "x/{process.jsonl"}, "telemetry.file: 'x/{process.jsonl' is not a valid template"),
+    ({"router_metrics_port": -5}, "telemetry.router_metrics_port: must be a port in [0, 65535] or null"),
+    ({"traces": "otlp", "endpoint": "https://c:99999"}, "is not in [1, 65535]"),
 ])
 def test_the_telemetry_section_refuses_what_cannot_work(telemetry, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -136,3 +142,29 @@ def test_every_router_metric_is_named_in_the_list():
     for name in names:
         assert any(m.startswith(name) for m in METRIC_NAMES), name
     assert 'kvrelay_link_up{link="b-c"} 0.0' in text
+
+
+def test_the_router_samples_by_its_own_ratio_whatever_flag_a_client_sends(tmp_path):
+    """A client cannot force tracing (filling the files) nor switch it off; workers follow the router."""
+    off = TelemetrySection(traces=TraceExport.FILE, file=str(tmp_path / "{process}.jsonl"), sample_ratio=0.0)
+    on = TelemetrySection(traces=TraceExport.FILE, file=str(tmp_path / "{process}.jsonl"), sample_ratio=1.0)
+    router_off, router_on = Tracing(off, "r", "a", follow_remote=False), Tracing(on, "r", "b", follow_remote=False)
+    unsampled = GOOD[:-2] + "00"
+    assert trace_id_of(router_off.start("kvrelay.request", remote_parent(GOOD))) == ""
+    assert trace_id_of(router_on.start("kvrelay.request", remote_parent(unsampled))) == GOOD[3:35]
+    for t in (router_off, router_on):
+        t.shutdown()
+
+
+def test_a_trace_file_is_rotated_at_its_size_limit(tmp_path):
+    path = tmp_path / "p.jsonl"
+    tr = Tracing(TelemetrySection(traces=TraceExport.FILE, file=str(tmp_path / "{process}.jsonl"),
+                                  file_max_bytes=1 << 20), "svc", "p")
+    exporter = tr.provider._active_span_processor._span_processors[0].span_exporter
+    exporter.max_bytes = 4096  # the section's floor is 1 MiB; a small limit keeps the test fast
+    for i in range(60):
+        tr.start("kvrelay.request", attributes={"kvrelay.request_id": f"r{i}"}).end()
+        tr.flush()
+    tr.shutdown()
+    assert path.stat().st_size <= 4096 and (tmp_path / "p.1.jsonl").stat().st_size <= 4096
+    assert len(read_spans([tmp_path / "p.1.jsonl", path])) < 60  # the oldest were dropped

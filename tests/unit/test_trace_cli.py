@@ -160,3 +160,23 @@ def test_a_run_of_same_named_events_is_one_line():
     run = next(ln for ln in lines if "×30" in ln)
     assert run[22:].split()[0] == "|" * len(run[22:].split()[0]) and len(run[22:].split()[0]) > 1  # a range
     assert len(json_spans([send])[0]["events"]) == 32  # --json keeps every event
+
+
+def test_hostile_span_files_are_refused_or_shown_harmlessly(tmp_path, capsys):
+    """A record of the wrong shape is refused naming its line; terminal escapes in names are not printed."""
+    from cli.main import main as kvrelay_main
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "x.jsonl").write_text('{"trace_id": "a", "span_id": [1], "name": "n", "start_unix_nano": 1}\n'
+                                 '{"trace_id": "a", "span_id": "b", "name": "n", "start_unix_nano": 1}\n')
+    assert kvrelay_main(["trace", "whatever", "--dir", str(bad)]) == 2
+    assert "x.jsonl:1" in capsys.readouterr().err
+    esc = tmp_path / "esc"
+    esc.mkdir()
+    rec = {"trace_id": "1" * 32, "span_id": "2" * 16, "parent_span_id": None, "name": "evil\x1b[2Jname",
+           "start_unix_nano": 1, "end_unix_nano": 2, "attributes": {"kvrelay.request_id": "r"}, "events": [],
+           "links": []}
+    (esc / "y.jsonl").write_text(json.dumps(rec) + "\n")
+    assert kvrelay_main(["trace", "r", "--dir", str(esc)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "evil?[2Jname" in out
