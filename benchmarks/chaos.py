@@ -23,12 +23,14 @@ import random
 import statistics
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.metrics import RequestRecord
 from launch import cities
@@ -186,6 +188,23 @@ def compare(base: list[RequestRecord], chaos: list[RequestRecord], faults: list[
     }
 
 
+def router_counters(metrics_address: str, timeout_s: float = 5.0) -> dict[str, int] | None:
+    """The router's own retry and migration counters from its /metrics (kept across
+    its restarts in the usage database, unlike the placements of requests in flight
+    when it was killed); None when it serves no metrics or cannot be read."""
+    if not metrics_address:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=timeout_s) as resp:
+            text = resp.read().decode("utf-8")
+    except OSError as exc:
+        log.warning("the router's metrics at %s could not be read: %s", metrics_address, exc)
+        return None
+    values = {f.name: f.samples[0].value for f in text_string_to_metric_families(text)
+              if f.name in ("kvrelay_retries", "kvrelay_migrations") and f.samples}
+    return {"retries": int(values.get("kvrelay_retries", 0)), "migrations": int(values.get("kvrelay_migrations", 0))}
+
+
 def comparison_markdown(c: dict) -> str:
     def d(x: dict) -> str:
         if not x.get("count"):
@@ -201,6 +220,8 @@ def comparison_markdown(c: dict) -> str:
         f"- router retries (prefill side): {c['router_retries']}; stream migrations: {c['migrations']}; "
         f"client retries (router restarts): {c['client_retries']}; requests that needed any: "
         f"{c['recomputed_requests']}",
+        *([f"- the router's own counters (exact across its restarts): retries {c['router_counters']['retries']}, "
+           f"migrations {c['router_counters']['migrations']}"] if c.get("router_counters") else []),
         f"- mean TTFT: fault-free {c['ttft_s_mean']['baseline']:.3f} s, chaos {c['ttft_s_mean']['chaos']:.3f} s",
         f"- added end-to-end latency, all requests: {d(c['added_e2e_s_all'])}",
         f"- added end-to-end latency, requests that needed recovery: {d(c['added_e2e_s_affected'])}",

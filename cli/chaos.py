@@ -11,7 +11,13 @@ import asyncio
 import json
 from pathlib import Path
 
-from benchmarks.chaos import Chaos, ChaosConfig, compare, comparison_markdown
+from benchmarks.chaos import (
+    Chaos,
+    ChaosConfig,
+    compare,
+    comparison_markdown,
+    router_counters,
+)
 from benchmarks.replay import build_report, replay, write_report
 from cli.common import replay_config, replay_prompts, run_meta
 from launch.local import LocalCluster
@@ -31,7 +37,7 @@ def run_chaos(args: argparse.Namespace, reqs, cfg, model_path: Path, cities) -> 
     for name in ("baseline", "chaos"):
         cluster = LocalCluster(cfg, model_path, cities=cities)
         address = cluster.start()
-        chaos = None
+        chaos = counters = None
         try:
             if prompts is None:
                 got = replay_prompts(args, reqs, address, cluster.client_dialer)
@@ -44,12 +50,14 @@ def run_chaos(args: argparse.Namespace, reqs, cfg, model_path: Path, cities) -> 
                 chaos.start()
             records, samples = asyncio.run(replay(address, prompts, rcfg, cluster.client_dialer,
                                                   cluster.operator_dialer))
+            counters = router_counters(cluster.metrics_address)
         finally:
             faults = chaos.stop() if chaos is not None else []
             cluster.stop()
         write_report(build_report(records, samples, rcfg, run), out / name)
-        runs[name] = (records, faults)
-    result = compare(runs["baseline"][0], *runs["chaos"])
+        runs[name] = (records, faults, counters)
+    result = compare(runs["baseline"][0], *runs["chaos"][:2])
+    result["router_counters"] = runs["chaos"][2]
     result["chaos"] = {"rate_per_min": ccfg.rate_per_min, "seed": ccfg.seed, "link_down_s": ccfg.link_down_s,
                        "wan_emulation": cities is not None}
     (out / "chaos.json").write_text(json.dumps(result, indent=2))

@@ -29,6 +29,9 @@ def test_chaos_replay_loses_nothing_and_changes_no_output(tmp_path, smollm_path,
     assert result["requests"] == 24 and result["lost"] == [] and result["outputs_differ"] == []
     assert result["faults"] >= 3, result["fault_log"]
     assert set(result["faults_by_kind"]) <= {"kill_prefill", "kill_decode", "restart_router"}  # no links here
+    # the router's own counters, kept across its restarts, saw at least what the finished placements report
+    counters = result["router_counters"]
+    assert counters["retries"] >= result["router_retries"] and counters["migrations"] >= result["migrations"]
     base = json.loads((out / "baseline" / "report.json").read_text())
     assert all(r["token_ids"] and len(r["token_ids"]) == r["max_tokens"] for r in base["requests"])
     assert "Chaos replay against the fault-free run" in capsys.readouterr().out
