@@ -534,6 +534,11 @@ class TelemetrySection:
             raise FieldError("sample_ratio", f"must be in [0, 1], got {self.sample_ratio}")
         if self.traces is TraceExport.OTLP:
             _check_collector(self.endpoint)
+        elif self.endpoint is not None or self.ca_file is not None:
+            raise FieldError("endpoint" if self.endpoint is not None else "ca_file",
+                             f"is only used with traces: otlp (traces is {self.traces.value})")
+        if self.ca_file is not None and (self.endpoint or "").startswith("http://"):
+            raise FieldError("ca_file", "is only used with an https:// endpoint")
         _check_file_template(self.file)
         for name in ("router_metrics_port", "worker_metrics_port"):
             port = getattr(self, name)

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import pytest
 from kvrelay.v1 import inference_pb2 as ipb
-from kvrelay.v1 import inference_pb2_grpc as igrpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import (
@@ -193,12 +192,6 @@ def cluster(smollm_path, targets_file):
     with running_cluster(raw, smollm_path) as lc:
         assert wait_until(lambda: sum(w.healthy for w in workers(lc).values()) == 2, 60)
         yield lc
-
-
-@pytest.fixture(scope="module")
-def stub(cluster):
-    with cluster.channel() as ch:
-        yield igrpc.InferenceStub(ch)
 
 
 @pytest.fixture(scope="module")

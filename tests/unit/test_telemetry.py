@@ -49,6 +49,10 @@ GOOD = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     ({"file": "x/{process.jsonl"}, "telemetry.file: 'x/{process.jsonl' is not a valid template"),
     ({"router_metrics_port": -5}, "telemetry.router_metrics_port: must be a port in [0, 65535] or null"),
     ({"traces": "otlp", "endpoint": "https://c:99999"}, "is not in [1, 65535]"),
+    ({"traces": "file", "endpoint": "https://c:4317"}, "telemetry.endpoint: is only used with traces: otlp"),
+    ({"ca_file": "/etc/ca.pem"}, "telemetry.ca_file: is only used with traces: otlp"),
+    ({"traces": "otlp", "endpoint": "http://127.0.0.1:4317", "ca_file": "/etc/ca.pem"},
+     "telemetry.ca_file: is only used with an https:// endpoint"),
 ])
 def test_the_telemetry_section_refuses_what_cannot_work(telemetry, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
