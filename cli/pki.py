@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import re
 import sys
 from pathlib import Path
 
@@ -91,6 +92,13 @@ def _copy_ca(ca: CA, out: Path) -> str:
     return f"{path} (already there)"
 
 
+def _stem(value: str) -> str:
+    """``--stem``: a plain file name (no folder, not hidden)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", value):
+        raise argparse.ArgumentTypeError(f"{value!r} must be a plain file name (letters, digits, _ . -)")
+    return value
+
+
 def cmd_pki_issue(args: argparse.Namespace) -> int:
     """Issues a certificate and key for one component into ``args.out``; exit 2 for bad input."""
     try:
@@ -100,7 +108,7 @@ def cmd_pki_issue(args: argparse.Namespace) -> int:
     except PKIError as exc:
         return _error(str(exc))
     out: Path = args.out
-    stem = f"{identity.role}-{identity.site}-{identity.name}"
+    stem = args.stem or f"{identity.role}-{identity.site}-{identity.name}"
     cert_path, key_path = out / f"{stem}.pem", out / f"{stem}.key"
     write_private(key_path, key_pem)
     write_private(cert_path, cert_pem)
@@ -179,6 +187,8 @@ def add_parsers(sub) -> None:
     iss.add_argument("--site", required=True, help="site name (lowercase letters, digits, - or _)")
     iss.add_argument("--name", required=True, help="component name, e.g. 1 (a worker), or the tenant's name")
     iss.add_argument("--out", required=True, type=Path, help="folder for <role>-<site>-<name>.pem/.key")
+    iss.add_argument("--stem", type=_stem, help="name the files STEM.pem and STEM.key instead "
+                     "(a pod's init container: one path in the config for every pod)")
     iss.add_argument("--ca-dir", type=Path, help="the CA folder made by kvrelay pki init")
     iss.add_argument("--ca", type=Path, help="CA certificate (instead of --ca-dir)")
     iss.add_argument("--ca-key", type=Path, help="CA key (instead of --ca-dir)")

@@ -26,6 +26,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def external_scaling_hint(request: apb.ScaleRequest) -> str:
+    """Why Scale is refused under ``router.scaling: external``, and what to change instead."""
+    return (f"pool sizes are set by the orchestrator here (router.scaling: external), not by the router: "
+            f"scale {request.site}/{request.role} with the Helm chart (sites[].{request.role}.replicas of "
+            f"site {request.site}, then helm upgrade) or kubectl scale deployment of that pool; "
+            "the router takes every worker that registers")
+
+
 class AdminService(agrpc.AdminServicer):
     def __init__(self, core: RouterCore, auth: CallAuth) -> None:
         self.auth = auth
@@ -52,6 +60,10 @@ class AdminService(agrpc.AdminServicer):
         problem = self.pools.check_pool(request.site, request.role)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if self.pools.external:
+            self._audit(who, "scale", site=request.site, role=request.role, replicas=request.replicas,
+                        outcome="refused: router.scaling is external")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, external_scaling_hint(request))
         limit = self.pools.limits[(request.site, request.role)]
         if not 0 <= request.replicas <= limit:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

@@ -30,6 +30,7 @@ from router.peer import CallAuth
 from router.requests import ModelLimits
 from router.retention import RetentionSweeper
 from runtime.config import ClusterConfig, load_config
+from runtime.health import HealthChecks, serve_health
 from runtime.kvsecret import pem_from_env, read_secret
 from runtime.lifetime import die_with_parent
 from runtime.metrics import serve_metrics
@@ -156,9 +157,13 @@ async def run(args: argparse.Namespace) -> None:
         ready += f" http={host}:{http_port}"
     if metrics is not None:
         ready += f" metrics={metrics.address}"
-    print(ready, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    health = serve_health(cfg.health.host, cfg.health.router_port,
+                          HealthChecks(loop, lambda: None, lambda: "stopping" if stop.is_set() else None))
+    if health is not None:
+        ready += f" health={cfg.health.host}:{health.port}"
+    print(ready, flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     sweeping = asyncio.create_task(retention.run(stop))
@@ -174,18 +179,24 @@ async def run(args: argparse.Namespace) -> None:
     core.tokenizers.shutdown(wait=False, cancel_futures=True)
     await core.registry.close()
     close_files(core, metrics)
+    if health is not None:
+        health.close()
     private.cleanup()
 
 
-def main(argv: list[str] | None = None) -> int:
-    die_with_parent()
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="router")
     p.add_argument("--config")
     p.add_argument("--model-path", required=True)
     p.add_argument("--model-name", help="name clients use (default: the checkpoint folder's name)")
     p.add_argument("--jobs-db", help="SQLite file for batch jobs (overrides router.jobs_db)")
     p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     asyncio.run(run(args))

@@ -6,7 +6,13 @@ has that many. Scale-down is the router's choice of the least busy workers:
 it places nothing more on them, and tells them over their heartbeat to leave
 once the requests it has on them are finished (``drained``), or when
 ``router.drain_timeout_s`` has passed. The Admin API (router/admin.py) and
-the planner's figures read and change it."""
+the planner's figures read and change it.
+
+With ``router.scaling: external`` an orchestrator (Kubernetes) owns pool
+sizes: every worker that registers is kept, none is drained for a pool's
+size (the orchestrator would only start it again), a pool's desired size is
+the number of its workers that are not draining, and :meth:`scale` is
+refused (router/admin.py says what to change instead)."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from kvrelay.v1 import admin_pb2 as apb
 
 from router.planner import PoolFigures, RequestWindow, p90
 from router.registry import WorkerRecord, WorkerRegistry
-from runtime.config import ClusterConfig
+from runtime.config import ClusterConfig, ScalingOwner
 from runtime.topology import Role
 
 log = logging.getLogger(__name__)
@@ -40,16 +46,24 @@ class PoolManager:
                 self.minimum[(s.name, role)] = pool.min_replicas
         self.window = RequestWindow(cfg.router.planner_window_s)
         """Recently finished requests: the planner's figures."""
+        self.external = cfg.router.scaling is ScalingOwner.EXTERNAL
+        """An orchestrator sets pool sizes (router.scaling: external)."""
 
     def _members(self, site: str, role: str) -> list[WorkerRecord]:
         return [w for w in self.registry.workers.values()
                 if w.info.site == site and w.info.role == Role(role).proto]
 
+    def wanted(self, site: str, role: str) -> int:
+        """The pool's desired size: the router's, or (scaling: external) what the orchestrator runs."""
+        if self.external:
+            return sum(not w.draining for w in self._members(site, role))
+        return self.desired[(site, role)]
+
     def status(self, site: str, role: str) -> apb.PoolStatus:
         members = self._members(site, role)
         active = [w for w in members if not w.draining and self.registry.healthy(w)]
         return apb.PoolStatus(
-            site=site, role=role, desired=self.desired[(site, role)], active=len(active),
+            site=site, role=role, desired=self.wanted(site, role), active=len(active),
             draining=sum(w.draining for w in members),
             unhealthy=sum(not w.draining and not self.registry.healthy(w) for w in members),
             workers=sorted(w.info.worker_id for w in active))
@@ -67,7 +81,10 @@ class PoolManager:
         return self.status(site, role), self.trim(site, role)
 
     def trim(self, site: str, role: str) -> list[str]:
-        """Drains the least busy active workers of a pool above its desired size."""
+        """Drains the least busy active workers of a pool above its desired size
+        (never with scaling: external)."""
+        if self.external:
+            return []
         active = [w for w in self._members(site, role) if not w.draining and self.registry.healthy(w)]
         excess = len(active) - self.desired[(site, role)]
         if excess <= 0:
@@ -88,7 +105,8 @@ class PoolManager:
         w = self.registry.workers[worker_id]
         key = (w.info.site, Role.of(w.info.role))
         if not w.draining:
-            self.desired[key] = max(0, self.desired[key] - 1)
+            if not self.external:  # else the orchestrator starts a replacement: a graceful restart
+                self.desired[key] = max(0, self.desired[key] - 1)
             self.start_drain(w)
         return self.status(*key)
 
@@ -100,7 +118,8 @@ class PoolManager:
         served = self.window.trim(time.monotonic())
         span = max(1.0, min(self.window.window_s, time.monotonic() - served[0].at)) if served else 1.0
         out = []
-        for (site, role), desired in self.desired.items():
+        for site, role in self.desired:
+            desired = self.wanted(site, role)
             members = [w for w in self._members(site, role) if not w.draining and self.registry.healthy(w)]
             f = PoolFigures(site, role, desired, len(members), self.minimum[(site, role)],
                             self.limits[(site, role)])

