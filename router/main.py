@@ -120,6 +120,12 @@ def close_files(core: RouterCore, metrics) -> None:
     core.telemetry.tracing.shutdown()
 
 
+def router_health(cfg: ClusterConfig, loop: asyncio.AbstractEventLoop, stop: asyncio.Event):
+    """The router's probes (health.router_port): live while its loop answers, ready until it stops."""
+    return serve_health(cfg.health.host, cfg.health.router_port,
+                        HealthChecks(loop, lambda: None, lambda: "stopping" if stop.is_set() else None))
+
+
 async def run(args: argparse.Namespace) -> None:
     cfg = load_config(args.config)
     tls = router_tls(cfg)
@@ -159,11 +165,8 @@ async def run(args: argparse.Namespace) -> None:
         ready += f" metrics={metrics.address}"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    health = serve_health(cfg.health.host, cfg.health.router_port,
-                          HealthChecks(loop, lambda: None, lambda: "stopping" if stop.is_set() else None))
-    if health is not None:
-        ready += f" health={cfg.health.host}:{health.port}"
-    print(ready, flush=True)
+    health = router_health(cfg, loop, stop)
+    print(ready + (f" health={cfg.health.host}:{health.port}" if health is not None else ""), flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     sweeping = asyncio.create_task(retention.run(stop))
