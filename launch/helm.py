@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "install-helm":
         print(install_helm(args.dir))
         return 0
-    if args.cmd == "generate" and not args.check:  # the schema first: rendering validates against it
+    if not args.check:  # the schema first: rendering validates against it
         SCHEMA.write_text(schema_text())
     stale = []
     for path, text in _generated().items():

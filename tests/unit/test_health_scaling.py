@@ -5,11 +5,7 @@ orchestrator (router.scaling: external), and workers named after their pods."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 from kvrelay.v1 import worker_pb2 as wpb
@@ -21,14 +17,11 @@ from runtime.config import ConfigError, ScalingOwner, parse_config
 from runtime.health import HealthChecks, serve_health
 from runtime.topology import Role
 from runtime.worker import WorkerStatus, parse_args
+from tests.probes import probe
 
 
 def _get(port: int, path: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.load(exc)
+    return probe(port, path, timeout_s=30.0)
 
 
 def test_probes_answer_live_ready_and_a_stuck_loop():
@@ -46,12 +39,11 @@ def test_probes_answer_live_ready_and_a_stuck_loop():
             engine["problem"] = "the engine thread died"
             got.append(await asyncio.to_thread(_get, server.port, "/livez"))
             got.append(await asyncio.to_thread(_get, server.port, "/metrics"))
-            # the loop blocked (no await) while a probe asks: not live
+            # the loop blocked (no await) until the probe has answered: not live
             out = []
             t = threading.Thread(target=lambda: out.append(_get(server.port, "/livez")))
             t.start()
-            time.sleep(3.0)
-            t.join(10)
+            t.join(60)  # blocks this loop while the probe waits for it
             got.append(out[0])
             return got
         finally:
