@@ -2,7 +2,9 @@
 every container's command line exactly as rendered (init containers first),
 with the rendered ConfigMap as the config, and only what a kubelet supplies
 replaced (mount paths by folders here, $(POD_NAME) and $(POD_IP), the
-Service name by 127.0.0.1, each pod's fixed ports by free ones). The CA is
+Service name by 127.0.0.1, each pod's fixed ports by free ones; and the
+policy round_robin, so the KV crosses between the pods whatever their
+measured speeds). The CA is
 made as the chart's README says (kvrelay pki init). Checks: each pod's
 certificate comes from its init container; the probes answer; a tenant's
 request is served through the router's Service name; `kvrelay scale` is
@@ -80,7 +82,11 @@ class Pods:
         cm = next(d for d in self.docs if d["kind"] == "ConfigMap")
         cfg = yaml.safe_load(self.remap(cm["data"]["cluster.yaml"], pod))
         cfg["router"] |= {"port": self.router_ports["grpc"], "internal_port": self.router_ports["internal"],
-                          "http_port": self.router_ports["http"]}
+                          "http_port": self.router_ports["http"],
+                          # cost_model may rightly prefill a short prompt on an idle decode pod when the two
+                          # pods' measured speeds differ (they do on a busy machine); round_robin always
+                          # sends it through the prefill pod, so the KV crosses between pods every time
+                          "policy": "round_robin"}
         cfg["health"] |= {"router_port": health, "worker_port": health}
         cfg["telemetry"] |= {"router_metrics_port": metrics, "worker_metrics_port": metrics}
         (self.root / pod / "config").mkdir(parents=True)
