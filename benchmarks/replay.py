@@ -258,8 +258,8 @@ async def replay(address: str, reqs: list[ScaledRequest], cfg: ReplayConfig, cli
     return records, samples
 
 
-def build_report(records: list[RequestRecord], samples: dict[str, WorkerSamples], cfg: ReplayConfig,
-                 meta: dict) -> dict:
+def worker_rows(samples: dict[str, WorkerSamples]) -> dict[str, dict]:
+    """The report's per-worker rows from sampled loads."""
     workers = {}
     for wid, s in sorted(samples.items()):
         row = {"site": s.site, "role": s.role, "busy_fraction": s.busy / max(1, s.samples),
@@ -272,7 +272,19 @@ def build_report(records: list[RequestRecord], samples: dict[str, WorkerSamples]
             queries = s.last.prefix_query_blocks - s.first.prefix_query_blocks
             row["prefix_hit_rate"] = hits / queries if queries else 0.0
         workers[wid] = row
-    summary = summarize(records, cfg.slo_ttft_s, cfg.slo_tpot_s) | overload_summary(records)
+    return workers
+
+
+def build_report(records: list[RequestRecord], samples: dict[str, WorkerSamples], cfg: ReplayConfig,
+                 meta: dict) -> dict:
+    return assemble_report(records, worker_rows(samples), cfg.slo_ttft_s, cfg.slo_tpot_s, meta)
+
+
+def assemble_report(records: list[RequestRecord], workers: dict[str, dict], slo_ttft_s: float | None,
+                    slo_tpot_s: float | None, meta: dict) -> dict:
+    """report.json's content (a live replay's and a simulation's alike): meta,
+    summary, per link, per site, per worker, every request."""
+    summary = summarize(records, slo_ttft_s, slo_tpot_s) | overload_summary(records)
     return {"meta": meta, "summary": summary,
             "per_link": per_link(records), "per_site": per_site(records), "per_worker": workers,
             "requests": [asdict(r) for r in records]}
@@ -314,7 +326,8 @@ def _overload_lines(s: dict) -> list[str]:
 
 def report_markdown(report: dict) -> str:
     m, s = report["meta"], report["summary"]
-    lines = [f"# Replay of {m['trace']} ({m['format']})", "",
+    what = "Simulation" if m.get("simulated") else "Replay"
+    lines = [f"# {what} of {m['trace']} ({m['format']})", "",
              f"{s['requests']} requests (first {m['limit'] or 'all'} of the trace), speed-up {m['speedup']}x, "
              f"length scale {m['length_scale']}{' (scaled: ' + m['scale_reason'] + ')' if m['scale_reason'] else ''}, "
              f"policy {m.get('policy', '?')}, {m['started']}"
@@ -341,11 +354,10 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(report: dict, out: Path) -> None:
-    """report.json, report.md and the PNG plots in ``out``."""
-
+def write_report(report: dict, out: Path, plots: bool = True) -> None:
+    """report.json, report.md and (unless ``plots`` is False) the PNG plots in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    plots = write_plots(report, out)
+    plots = write_plots(report, out) if plots else []
     md = report_markdown(report) + "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
     (out / "report.md").write_text(md)

@@ -32,6 +32,7 @@ from cli import cities as cli_cities
 from cli import governance as cli_governance
 from cli import jobs as cli_jobs
 from cli import pki as cli_pki
+from cli import sim as cli_sim
 from cli import trace as cli_trace
 from cli import usage as cli_usage
 from cli.chaos import run_chaos
@@ -307,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_governance.add_parsers(sub)
     cli_audit.add_parsers(sub)
     cli_trace.add_parsers(sub)
+    cli_sim.add_parsers(sub)
     _add_bench_parsers(bench)
     cli_cities.add_parsers(sub, bench)
     _add_generate_local_parser(sub)

@@ -28,26 +28,42 @@ class KVEvents:
 
 
 class FreeBlockQueue:
-    """Free blocks in eviction order (front = next to reuse)."""
+    """Free blocks in eviction order (front = next to reuse).
 
-    __slots__ = ("_q",)
+    Blocks never handed out are the range ``[fresh, end)`` ahead of every
+    recycled block (which is where a queue filled with all ids in order
+    would have them), so a pool's memory grows with the blocks it has used,
+    not with its size: a simulator can hold thousands of large pools."""
 
-    def __init__(self, block_ids: Iterable[BlockId]) -> None:
-        self._q: OrderedDict[BlockId, None] = OrderedDict((b, None) for b in block_ids)
+    __slots__ = ("_q", "_fresh", "_end")
+
+    def __init__(self, num_blocks: int) -> None:
+        self._q: OrderedDict[BlockId, None] = OrderedDict()
+        self._fresh = 0
+        self._end = num_blocks
 
     def __len__(self) -> int:
-        return len(self._q)
+        return len(self._q) + self._end - self._fresh
 
     def __contains__(self, block_id: BlockId) -> bool:
-        return block_id in self._q
+        return block_id in self._q or self._fresh <= block_id < self._end
+
+    @property
+    def used(self) -> int:
+        """Blocks ever handed out (ids below this)."""
+        return self._fresh
 
     def pop_front(self) -> BlockId:
+        if self._fresh < self._end:
+            self._fresh += 1
+            return self._fresh - 1
         return self._q.popitem(last=False)[0]
 
     def push_back(self, block_id: BlockId) -> None:
         self._q[block_id] = None
 
     def remove(self, block_id: BlockId) -> None:
+        """Takes a recycled block out of the queue (one never handed out has no hash to be found by)."""
         del self._q[block_id]
 
 
@@ -94,8 +110,9 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self._ref = [0] * num_blocks
-        self._free = FreeBlockQueue(range(num_blocks))
+        self._ref: list[int] = []
+        """Reference count of each block handed out so far (grows with FreeBlockQueue.used)."""
+        self._free = FreeBlockQueue(num_blocks)
         self._cached = BlockHashMap()
         self._events = KVEvents()
         self.prefix_hits = 0
@@ -114,7 +131,7 @@ class BlockPool:
         return len(self._cached)
 
     def ref_count(self, block_id: BlockId) -> int:
-        return self._ref[block_id]
+        return self._ref[block_id] if block_id < len(self._ref) else 0
 
     def num_cached_prefix(self, hashes: Sequence[BlockHash]) -> int:
         """Leading blocks of ``hashes`` present in the cache (no references taken)."""
@@ -152,6 +169,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             b = self._free.pop_front()
+            if b == len(self._ref):
+                self._ref.append(0)
             evicted = self._cached.pop_block(b)
             if evicted is not None:
                 self._events.removed.append(evicted)
@@ -168,7 +187,7 @@ class BlockPool:
         """Drops one reference per block. Pass a request's blocks in order:
         they are queued tail first, so a prefix outlives its suffix."""
         for b in reversed(list(block_ids)):
-            if self._ref[b] <= 0:
+            if b >= len(self._ref) or self._ref[b] <= 0:
                 raise RuntimeError(f"block {b} freed more often than taken")
             self._ref[b] -= 1
             if self._ref[b] == 0:

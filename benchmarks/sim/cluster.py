@@ -1,0 +1,336 @@
+"""A simulated kvrelay deployment: the router's admission and its real
+``place()`` (router/placement.py) and prefix index (router/prefix_index.py)
+over the simulated workers' exact state, KV transfers as flows on links,
+and failures with the router's recovery.
+
+One request's life, as in DESIGN.md's request path:
+
+1. it arrives; after ``router_s`` (authentication, hashing, the decision)
+   the router places it, or queues it while every eligible worker is full
+   (for at most ``router.admission_wait_s``), or fails it;
+2. disaggregated: the decode worker reserves blocks (one RPC, ``rpc_s``),
+   the prefill worker computes the prompt in its batches and streams each
+   chunk's KV as its layers finish; the first token travels with the last
+   layer (one-way link latency after the last byte);
+3. the decode worker decodes in its batches; each token reaches the client
+   ``rpc_s`` after its step;
+4. a worker dying re-places its requests (a decode worker's migrate with the
+   tokens already sent, prefilled again); a failed transfer is placed again
+   without that prefill worker; a link down is avoided from then on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from benchmarks.metrics import RequestRecord
+from benchmarks.sim.clock import Clock
+from benchmarks.sim.network import Flow, SimLink
+from benchmarks.sim.profile import Profile
+from benchmarks.sim.workload import SimArrival
+from benchmarks.sim.worker import HashChain, Hooks, SimSequence, SimWorker, new_sequence
+from engine.blocks import blocks_for
+from engine.scheduler import SchedulerOutput
+from router.placement import ClusterView, LinkView, PlacementError, PlacementRequest, WorkerView, make_policy, place
+from router.prefix_index import PrefixIndex
+from runtime.config import ClusterConfig
+from runtime.topology import LOCAL_LINK, Role, link_name
+
+LAYER_PIECES = 8
+"""A chunk's KV is handed to the link in this many pieces over its step (layer-wise streaming)."""
+
+
+@dataclass(slots=True)
+class Failure:
+    """A worker or a link going down at ``at_s`` (a link comes back after ``for_s``, when given)."""
+
+    kind: str
+    """"worker" or "link"."""
+    target: str
+    """Worker id, or link name "a-b"."""
+    at_s: float
+    for_s: float | None = None
+
+
+@dataclass(slots=True)
+class SimConfig:
+    seed: int = 0
+    router_s: float = 0.002
+    """Router time per request before its placement: TLS, auth, hashing, the decision."""
+    rpc_s: float = 0.0005
+    """One internal RPC or streamed message on the local network."""
+    failures: list[Failure] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    arrival: SimArrival
+    chain: HashChain
+    record: RequestRecord
+    rid: str
+    exclude: set[str] = field(default_factory=set)
+    colocated_only: bool = False
+    p: SimWorker | None = None
+    d: SimWorker | None = None
+    p_seq: SimSequence | None = None
+    d_seq: SimSequence | None = None
+    flow: Flow | None = None
+    kv_bytes: int = 0
+    transfer_s: float = 0.0
+    queued_at: float | None = None
+    retries: int = 0
+    migrations: int = 0
+    est_ttft_s: float = 0.0
+    link: str = ""
+
+    @property
+    def sent_tokens(self) -> int:
+        return len(self.record.token_times)
+
+
+class SimCluster:
+    def __init__(self, cfg: ClusterConfig, profile: Profile, sim: SimConfig) -> None:
+        self.cfg, self.profile, self.sim = cfg, profile, sim
+        self.clock = Clock()
+        self.index = PrefixIndex()
+        self.policy = make_policy(cfg.router.policy, sim.seed)
+        bs = cfg.cache.block_size
+        self.block_size = bs
+        self.kv_block_bytes = profile.model.kv_bytes_per_token(profile.dtype) * bs
+        self.num_blocks = self._num_blocks()
+        self.links: dict[frozenset, SimLink] = {}
+        self.local: dict[str, SimLink] = {}
+        self.view = self._view()
+        self.workers: dict[str, SimWorker] = {}
+        hooks = Hooks(self._step_started, self._token, lambda w: self._pump(),
+                      lambda w, stored, removed: self.index.apply(w.wid, stored, removed))
+        for site in cfg.sites:
+            self.local[site.name] = SimLink(self.clock, self.view.local_link)
+            for role, pool in ((Role.PREFILL, site.prefill), (Role.DECODE, site.decode)):
+                for i in range(pool.replicas):
+                    v = WorkerView(f"{site.name}/{role.value}/{i}", role, site.name,
+                                   max_inflight=cfg.router.max_inflight_per_worker, free_blocks=self.num_blocks,
+                                   tenants=frozenset(pool.tenants))
+                    self.workers[v.worker_id] = SimWorker(v, self.clock, profile, self.num_blocks, bs,
+                                                          cfg.scheduler, hooks)
+                    self.view.workers.append(v)
+        self.active: dict[str, SimRequest] = {}
+        self.waiting: deque[SimRequest] = deque()
+        self.records: list[RequestRecord] = []
+
+    def _num_blocks(self) -> int:
+        tokens = self.profile.kv_capacity_tokens()
+        if tokens is not None:
+            return max(2, tokens // self.block_size)
+        cache = self.cfg.cache
+        return cache.num_blocks or max(2, int(cache.memory_gib * 2**30) // self.kv_block_bytes)
+
+    def _view(self) -> ClusterView:
+        cfg, r = self.cfg, self.cfg.router
+        links = {}
+        for ln in cfg.links:
+            a, b = ln.between
+            lv = LinkView(ln.rtt_ms, ln.gbps, name=link_name(a, b))
+            links[frozenset((a, b))] = lv
+            self.links[frozenset((a, b))] = SimLink(self.clock, lv)
+        local = LinkView(cfg.local_link.rtt_ms, cfg.local_link.gbps, name=LOCAL_LINK)
+        return ClusterView([], {s.name: s.jurisdiction for s in cfg.sites}, links, local,
+                           block_size=self.block_size, kv_block_bytes=self.kv_block_bytes,
+                           num_layers=self.profile.model.num_layers,
+                           default_prefill_tokens_per_s=r.default_prefill_tokens_per_s,
+                           colocate_below_tokens=r.colocate_below_tokens, herd_tolerance=r.herd_tolerance,
+                           max_prefill_queue_s=r.kv_lease_s / 2)
+
+    def link_between(self, a: str, b: str) -> SimLink:
+        return self.local[a] if a == b else self.links[frozenset((a, b))]
+
+    # -- running ---------------------------------------------------------
+    def run(self, arrivals: list[SimArrival]) -> list[RequestRecord]:
+        for a in arrivals:
+            rec = RequestRecord(a.index, a.arrival_s, a.arrival_s, a.prompt_tokens, a.max_tokens)
+            self.records.append(rec)
+            req = SimRequest(a, a.chain(self.block_size), rec, f"sim-{a.index}")
+            self.clock.at(a.arrival_s + self.sim.router_s, self._place, req)
+        for f in self.sim.failures:
+            self.clock.at(f.at_s, self._fail, f)
+        self.clock.run()
+        for rec in self.records:
+            if rec.end_s is None and rec.error is None:
+                rec.error = "unfinished: the simulation ended with the request still in flight"
+        return self.records
+
+    def _fail_request(self, req: SimRequest, why: str) -> None:
+        req.record.error = why
+        self.active.pop(req.rid, None)
+
+    def _place(self, req: SimRequest) -> None:
+        a = req.arrival
+        prompt = a.prompt_tokens + req.sent_tokens
+        hashes = req.chain.upto(prompt // self.block_size)
+        preq = PlacementRequest(prompt, self.index.leading_blocks(hashes), exclude=frozenset(req.exclude),
+                                colocated_only=req.colocated_only)
+        try:
+            pl = place(preq, self.view, self.policy)
+        except PlacementError as exc:
+            if exc.full and req.queued_at is None:
+                self._queue(req)
+            elif not exc.full:
+                if req.queued_at is not None:
+                    self.waiting.remove(req)
+                    req.queued_at = None
+                self._fail_request(req, f"{'UNAVAILABLE' if exc.absent else 'RESOURCE_EXHAUSTED'}: {exc.message}")
+            return
+        d = self.workers[pl.decode.worker_id]
+        p = self.workers[pl.prefill.worker_id] if pl.prefill is not None else None
+        req.est_ttft_s = pl.est_ttft_s
+        if not self._start(req, p, d, prompt):
+            if req.queued_at is None:
+                self._queue(req)
+            return
+        if req.queued_at is not None:
+            self.waiting.remove(req)
+            req.queued_at = None
+
+    def _queue(self, req: SimRequest) -> None:
+        req.queued_at = self.clock.now
+        self.waiting.append(req)
+        self.clock.after(self.cfg.router.admission_wait_s, self._expire, req, req.queued_at)
+
+    def _expire(self, req: SimRequest, queued_at: float) -> None:
+        if req.queued_at == queued_at:
+            self.waiting.remove(req)
+            self._fail_request(req, "RESOURCE_EXHAUSTED: no room within router.admission_wait_s")
+
+    def _pump(self) -> None:
+        """Tries the waiting requests in order until one still finds no room."""
+        while self.waiting:
+            head = self.waiting[0]
+            self._place(head)
+            if self.waiting and self.waiting[0] is head:
+                return
+
+    def _start(self, req: SimRequest, p: SimWorker | None, d: SimWorker, prompt: int) -> bool:
+        """Starts an attempt on (p, d); False when d has no room for the prompt after all."""
+        a = req.arrival
+        max_tokens = a.max_tokens - req.sent_tokens
+        d_seq = new_sequence(req.rid, prompt, max_tokens, req.chain)
+        req.p, req.d, req.d_seq, req.p_seq, req.flow = p, d, d_seq, None, None
+        self.active[req.rid] = req
+        d.view.inflight += 1
+        if p is None:
+            req.link, req.kv_bytes = "", 0
+            d.add(d_seq)
+            return True
+        hit = d.reserve(d_seq)
+        if hit is None:
+            d.view.inflight -= 1
+            self.active.pop(req.rid, None)
+            return False
+        p.view.inflight += 1
+        link = self.link_between(p.view.site, d.view.site)
+        req.link = link.name
+        req.kv_bytes = (blocks_for(prompt, self.block_size) - hit) * self.kv_block_bytes
+        req.flow = link.open(lambda ok, req=req, flow_of=d_seq: self._landed(req, flow_of, ok))
+        req.p_seq = new_sequence(req.rid, prompt, 1, req.chain)
+        # the reservation's answer and the prefill call: two RPCs before P queues the prompt
+        self.clock.after(2 * self.sim.rpc_s, self._prefill, req, req.p_seq)
+        return True
+
+    def _prefill(self, req: SimRequest, p_seq: SimSequence) -> None:
+        if req.p_seq is p_seq and req.p is not None and req.p.alive:
+            req.p.add(p_seq)
+
+    def _step_started(self, w: SimWorker, out: SchedulerOutput, dur: float) -> None:
+        """A prefill worker's step: each chunk's KV goes to its link as its layers finish."""
+        if w.view.role is not Role.PREFILL:
+            return
+        for e in out.prefill:
+            req = self.active.get(e.seq.request_id)
+            if req is None or req.flow is None or req.p_seq is not e.seq:
+                continue
+            share = req.kv_bytes * e.num_new_tokens / max(1, e.seq.num_prompt_tokens - e.seq.num_cached_tokens)
+            for k in range(LAYER_PIECES):
+                self.clock.after(dur * (k + 1) / LAYER_PIECES, req.flow.link.add, req.flow, share / LAYER_PIECES)
+
+    def _token(self, w: SimWorker, seq: SimSequence, last: bool) -> None:
+        req = self.active.get(seq.request_id)
+        if req is None:
+            return
+        if w.view.role is Role.PREFILL:
+            if req.p_seq is seq and req.flow is not None:
+                req.transfer_s = self.clock.now  # what the prefill worker reports: its wait after the prefill
+                req.flow.link.close(req.flow)
+            return
+        if req.d_seq is not seq:
+            return
+        rec = req.record
+        rec.token_times.append(self.clock.now + self.sim.rpc_s)
+        if last:
+            rec.end_s = rec.token_times[-1]
+            rec.cached_tokens = (req.p_seq or seq).num_cached_tokens
+            rec.placement = self._placement(req)
+            w.view.inflight -= 1
+            self.active.pop(req.rid, None)
+            self._pump()
+
+    def _landed(self, req: SimRequest, d_seq: SimSequence, ok: bool) -> None:
+        """The flow of ``d_seq``'s prompt ended: all of it arrived (ok) or its link failed."""
+        if req.d_seq is not d_seq or self.active.get(req.rid) is not req:
+            return
+        p, d = req.p, req.d
+        if p is not None and p.alive:
+            p.view.inflight -= 1
+            p.release(req.p_seq)
+        req.transfer_s = self.clock.now - req.transfer_s
+        if ok:
+            d.commit(d_seq)
+            return
+        req.retries += 1
+        d.view.inflight -= 1
+        d.release(d_seq)
+        req.exclude.add(p.view.worker_id)
+        self.active.pop(req.rid, None)
+        self._place(req)
+
+    def _placement(self, req: SimRequest) -> dict:
+        p, d = req.p, req.d
+        return {"prefill_site": (p or d).view.site, "decode_site": d.view.site,
+                "prefill_worker": (p or d).view.worker_id, "decode_worker": d.view.worker_id,
+                "colocated": p is None, "link": req.link if p is not None else "",
+                "transport": "" if p is None else "sim", "kv_bytes": req.kv_bytes if p is not None else 0,
+                "kv_transfer_ms": req.transfer_s * 1e3 if p is not None else 0.0,
+                "estimated_ttft_ms": req.est_ttft_s * 1e3, "router_ttft_ms": 0.0,
+                "retries": req.retries, "migrations": req.migrations}
+
+    # -- failures --------------------------------------------------------
+    def _fail(self, f: Failure) -> None:
+        if f.kind == "worker":
+            self._worker_down(self.workers[f.target])
+        else:
+            link = next(ln for ln in self.links.values() if ln.name == f.target)
+            link.view.up = False
+            link.fail_all()
+            if f.for_s is not None:
+                self.clock.after(f.for_s, setattr, link.view, "up", True)
+
+    def _worker_down(self, w: SimWorker) -> None:
+        w.die()
+        self.index.remove_worker(w.wid)
+        for req in [r for r in self.active.values() if w in (r.p, r.d)]:
+            p, d = req.p, req.d
+            if req.flow is not None and not req.flow.over:
+                req.flow.link.cancel(req.flow)
+            if p is not None and p is not w:
+                p.view.inflight -= 1
+                p.release(req.p_seq)
+            if d is not w:
+                d.view.inflight -= 1
+                d.release(req.d_seq)
+            if d is w:
+                req.migrations += 1
+            else:
+                req.retries += 1
+            req.exclude.add(w.wid)
+            self.active.pop(req.rid, None)
+            self._place(req)

@@ -1,0 +1,185 @@
+"""``kvrelay profile``: times a real engine's steps over a grid of
+(prompt tokens, decode batch, context) and fits a MeasuredProfile.
+
+Every point is the median of ``repeats`` timed steps. Decode batches share
+one prompt (the prefix cache computes it once), so a batch of 32 at 512
+tokens of context costs one prefill, while every sequence still attends its
+whole context. The fit minimises the relative error (rows weighted by
+1 / time) with non-negative coefficients.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import os
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+from benchmarks.kv_bench import machine
+from benchmarks.sim.profile import MeasuredProfile, ModelSpec, attention_pairs
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine, StepUsage
+from engine.scheduler import SchedulerOutput
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ProfileGrid:
+    """What ``kvrelay profile`` times."""
+
+    prompts: tuple[int, ...] = (16, 64, 128, 256, 512, 1024)
+    """Prompt lengths prefilled in one step."""
+    chunks: tuple[tuple[int, int], ...] = ((512, 512), (1024, 256))
+    """(context already computed, chunk): a later chunk of a long prompt."""
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    contexts: tuple[int, ...] = (64, 512)
+    """Decode batch x context grid."""
+    mixed: tuple[tuple[int, int, int], ...] = ((8, 256, 128), (16, 128, 256))
+    """(decode batch, context, prompt tokens) in one step."""
+    repeats: int = 3
+
+
+@dataclass(slots=True)
+class Point:
+    prefill: int
+    decode: int
+    attended: int
+    seconds: float
+
+
+class _Timer:
+    """What each engine step computed (recorded when it is scheduled) and how long it took (the step hook)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.steps: list[StepUsage] = []
+        self.work: list[tuple[int, int, int]] = []
+        engine.step_hook = self.steps.append
+        schedule = engine.scheduler.schedule
+
+        def recording() -> SchedulerOutput:
+            out = schedule()
+            if out:
+                pts = Point(0, 0, 0, 0.0)
+                for e in out.entries:
+                    pts.attended += attention_pairs(e.seq.num_computed_tokens, e.num_new_tokens)
+                    if e.seq.num_computed_tokens >= e.seq.num_prompt_tokens:
+                        pts.decode += 1
+                    else:
+                        pts.prefill += e.num_new_tokens
+                self.work.append(pts)
+            return out
+        engine.scheduler.schedule = recording
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.work.clear()
+
+    def points(self) -> list[Point]:
+        return [Point(w.prefill, w.decode, w.attended, s.ns / 1e9) for w, s in zip(self.work, self.steps)]
+
+
+class Profiler:
+    def __init__(self, model_path: str, dtype: str = "float32", threads: int | None = 1) -> None:
+        self.threads = threads
+        self.engine = LLMEngine(EngineConfig(model_path, dtype, cache=CacheConfig(num_blocks=4096),
+                                             scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64),
+                                             num_threads=threads))
+        self.timer = _Timer(self.engine)
+        self._ids = itertools.count()
+        self.vocab = self.engine.model_config.vocab_size
+
+    def _prompt(self, n: int, seed: int) -> list[int]:
+        """``n`` token ids; prompts of different (n, seed) share no block."""
+        rng = random.Random(f"{n}-{seed}")
+        return [rng.randrange(5, self.vocab - 5) for _ in range(n)]
+
+    def _add(self, reqs: list[tuple[list[int], int]]) -> None:
+        for prompt, max_tokens in reqs:
+            rid = f"p{next(self._ids)}"
+            self.engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+    def _run(self, reqs: list[tuple[list[int], int]], budget: int = 4096, prime: list[int] | None = None,
+             later: tuple[int, list[tuple[list[int], int]]] | None = None) -> list[Point]:
+        """Runs requests (prompt, max_tokens) to the end; every step's point.
+        ``prime``: a prompt computed first, so the requests find it in the prefix
+        cache; ``later``: (after how many steps, requests) added mid-run."""
+        if prime is not None:
+            self._run([(prime, 1)])
+        self.engine.scheduler.cfg.max_num_batched_tokens = budget
+        self._add(reqs)
+        self.timer.clear()
+        while self.engine.has_unfinished():
+            if later is not None and len(self.timer.steps) == later[0]:
+                self._add(later[1])
+            self.engine.step()
+        return self.timer.points()
+
+    def _median(self, make, pick) -> list[Point]:
+        """The median time of ``repeats`` runs of ``make()``, for the steps ``pick`` selects."""
+        runs = [pick(self._run(*make(k))) for k in range(self.grid.repeats)]
+        out = []
+        for pts in zip(*runs):
+            out.append(Point(pts[0].prefill, pts[0].decode, pts[0].attended,
+                             statistics.median(p.seconds for p in pts)))
+        return out
+
+    def measure(self, grid: ProfileGrid) -> list[Point]:
+        self.grid = grid
+        self._run([(self._prompt(64, 1), 4)])  # warm-up
+        pts: list[Point] = []
+        for n in grid.prompts:
+            pts += self._median(lambda k: ([(self._prompt(n, 100 + k), 1)],), lambda ps: ps[:1])
+        for ctx, chunk in grid.chunks:  # budget ctx: the second step is the chunk after ctx tokens
+            pts += self._median(lambda k: ([(self._prompt(ctx + chunk, 200 + k), 1)], ctx), lambda ps: ps[1:2])
+        for b, ctx in itertools.product(grid.batches, grid.contexts):
+            pts += self._median(lambda k: ([(self._prompt(ctx, 300 + k), 6)] * b, 4096, self._prompt(ctx, 300 + k)),
+                                lambda ps: [p for p in ps if p.prefill == 0][1:4])
+        for b, ctx, n in grid.mixed:  # the prompt arrives once the batch decodes
+            pts += self._median(lambda k: ([(self._prompt(ctx, 400 + k), 8)] * b, 4096, self._prompt(ctx, 400 + k),
+                                           (2, [(self._prompt(n, 500 + k), 1)])),
+                                lambda ps: [p for p in ps if p.prefill and p.decode][:1])
+        return pts
+
+    def profile(self, grid: ProfileGrid, name: str) -> MeasuredProfile:
+        pts = self.measure(grid)
+        c, err = fit(pts)
+        cfg = self.engine.model_config
+        params = param_count(cfg)
+        spec = ModelSpec(name, float(params), cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim,
+                         cfg.max_position_embeddings)
+        return MeasuredProfile(spec, self.engine.cfg.dtype, *c,
+                               source=f"measured by kvrelay profile on {machine().get('cpu', 'this CPU')}, "
+                                      f"{self.threads or os.cpu_count()} torch thread(s), {self.engine.cfg.dtype}",
+                               machine=machine() | {"threads": self.threads},
+                               fit={"points": len(pts), "median_rel_error": err,
+                                    "rows": [[p.prefill, p.decode, p.attended, p.seconds] for p in pts]})
+
+
+def param_count(cfg) -> int:
+    """Parameters of a Llama-family model from its config (embeddings, layers, head)."""
+    q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+    layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size + 2 * h
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    return cfg.vocab_size * h + cfg.num_layers * layer + h + head
+
+
+def fit(pts: list[Point]) -> tuple[list[float], float]:
+    """Non-negative coefficients (c0, prefill, decode, attend) minimising the
+    relative error; and the median relative error of the fit."""
+    x = np.array([[1.0, p.prefill, p.decode, p.attended] for p in pts])
+    y = np.array([p.seconds for p in pts])
+    w = 1.0 / y
+    active = list(range(4))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (coef >= 0).all() or len(active) == 1:
+            break
+        active.pop(int(np.argmin(coef)))
+    full = [0.0] * 4
+    for i, c in zip(active, coef):
+        full[i] = max(0.0, float(c))
+    pred = x @ np.array(full)
+    return full, float(np.median(np.abs(pred - y) / y))
