@@ -1,0 +1,240 @@
+"""The capacity simulator (benchmarks/sim): its links, its request path
+against hand-computed times, failures and recovery, determinism, profiles,
+and the capacity planner's minimality."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.sim.clock import Clock
+from benchmarks.sim.cluster import Failure, SimConfig
+from benchmarks.sim.network import SimLink
+from benchmarks.sim.planner import PlanGoal, Planner, deployment
+from benchmarks.sim.profile import ProfileError, attention_pairs, load_profile
+from benchmarks.sim.profiler import Point, fit
+from benchmarks.sim.run import Objectives, simulate
+from benchmarks.sim.workload import SimArrival, arrivals
+from benchmarks.traces import SAMPLE_AZURE, SAMPLE_MOONCAKE, load_trace
+from router.placement import LinkView
+from runtime.config import parse_config
+
+H100 = "h100:llama-3.1-8b"
+
+
+def one_site(prefill: int, decode: int, **router) -> dict:
+    return {"router": {"policy": "least_loaded", "colocate_below_tokens": 0, **router},
+            "sites": [{"name": "a", "prefill": {"replicas": prefill}, "decode": {"replicas": decode}}],
+            "local_link": {"rtt_ms": 0.5, "gbps": 100}}
+
+
+def run(cfg: dict, arr: list[SimArrival], profile=H100, **sim) -> dict:
+    return simulate(parse_config(cfg), load_profile(profile) if isinstance(profile, str) else profile, arr,
+                    SimConfig(**sim), Objectives(1.0, 0.05), {})
+
+
+def request(prompt: int, out: int, at: float = 0.0, index: int = 0) -> SimArrival:
+    return SimArrival(index, at, prompt, out, [], 512)
+
+
+# ------------------------------------------------------------------ links
+def _link(gbps: float = 8.0, rtt_ms: float = 2.0) -> tuple[Clock, SimLink]:
+    clock = Clock()
+    return clock, SimLink(clock, LinkView(rtt_ms, gbps, name="x"))
+
+
+def test_flows_share_a_link_equally_and_arrive_half_an_rtt_later():
+    clock, link = _link()  # 1 GB/s
+    done = {}
+    for name in ("f", "g"):
+        flow = link.open(lambda ok, name=name: done.setdefault(name, (clock.now, ok)))
+        clock.at(0.0, link.add, flow, 1e8)
+        clock.at(0.0, link.close, flow)
+    clock.run()
+    assert done["f"] == pytest.approx((0.201, True)) and done["g"] == pytest.approx((0.201, True))
+
+
+def test_bytes_streamed_as_they_are_produced_hide_behind_the_compute():
+    clock, link = _link()
+    done = {}
+    flow = link.open(lambda ok: done.setdefault("t", clock.now))
+    for k in range(8):  # 80 MB produced over 0.8 s: the link (1 GB/s) keeps up
+        clock.at(0.1 * (k + 1), link.add, flow, 1e7)
+    clock.at(0.8, link.close, flow)
+    clock.run()
+    assert done["t"] == pytest.approx(0.8 + 0.01 + 0.001)  # only the last piece is exposed
+
+
+def test_a_link_going_down_fails_its_flows():
+    clock, link = _link()
+    done = {}
+    flow = link.open(lambda ok: done.setdefault("ok", ok))
+    clock.at(0.0, link.add, flow, 1e9)
+    clock.at(0.1, link.fail_all)
+    clock.run()
+    assert done == {"ok": False}
+
+
+# ------------------------------------------------------- the request path
+def test_a_colocated_request_takes_the_profiles_step_times():
+    prof = load_profile(H100)
+    rep = run(one_site(0, 1), [request(1000, 4)], prof, router_s=0.002, rpc_s=0.0005)
+    r = rep["requests"][0]
+    prefill = prof.step_s(1000, 0, attention_pairs(0, 1000), 1000)
+    assert r["token_times"][0] - r["sent_s"] == pytest.approx(0.002 + prefill + 0.0005)
+    steps = [prof.step_s(0, 1, attention_pairs(1000 + k, 1), 1001 + k) for k in range(3)]
+    gaps = [b - a for a, b in zip(r["token_times"], r["token_times"][1:])]
+    assert gaps == pytest.approx(steps)
+    assert r["placement"]["colocated"] and rep["summary"]["completed"] == 1
+
+
+def test_a_disaggregated_request_pays_the_exposed_transfer_and_half_an_rtt():
+    prof = load_profile(H100)
+    rep = run(one_site(1, 1), [request(1000, 2)], prof, router_s=0.002, rpc_s=0.0005)
+    r = rep["requests"][0]
+    kv = (1000 // 16 + 1) * 16 * prof.model.kv_bytes_per_token(prof.dtype)  # every block, none cached
+    prefill = prof.step_s(1000, 0, attention_pairs(0, 1000), 1000)
+    exposed = kv / 8 / (100e9 / 8)  # the last of 8 layer-wise pieces; the link keeps up with the rest
+    want = 0.002 + 2 * 0.0005 + prefill + exposed + 0.0005 / 2 + 0.0005
+    assert r["token_times"][0] - r["sent_s"] == pytest.approx(want, rel=1e-6)
+    assert not r["placement"]["colocated"] and r["placement"]["kv_bytes"] == kv
+    assert rep["per_worker"]["a/prefill/0"]["prefill_tokens"] == 1000
+
+
+def test_shared_prefixes_are_found_by_the_routers_index_and_the_engines_cache():
+    reqs = load_trace(SAMPLE_MOONCAKE, limit=130)  # the first reuse is request 49's
+    rep = run(one_site(1, 2, policy="cost_model"), arrivals(reqs, scale=0.25))
+    assert rep["summary"]["failed"] == 0
+    reused = sum(len(set(r.hash_ids) & {h for q in reqs[:i] for h in q.hash_ids}) for i, r in enumerate(reqs))
+    assert reused and rep["summary"]["prefix_cached_prompt_fraction"] > 0.5 * reused / sum(len(r.hash_ids) for r in reqs)
+    assert any(r["placement"]["kv_bytes"] < (r["input_tokens"] // 16) * 16 * 131072
+               for r in rep["requests"] if not r["placement"]["colocated"])
+
+
+def test_overload_queues_then_sheds_after_the_admission_wait():
+    arr = [request(2000, 50, at=0.0, index=i) for i in range(6)]
+    rep = run(one_site(0, 1, max_inflight_per_worker=2, admission_wait_s=0.3), arr)
+    errors = [r["error"] for r in rep["requests"]]
+    assert errors.count(None) >= 2 and any(e and e.startswith("RESOURCE_EXHAUSTED") for e in errors)
+
+
+# --------------------------------------------------------------- failures
+def test_a_decode_worker_dying_mid_stream_migrates_without_losing_tokens():
+    arr = [request(800, 200, at=0.01 * i, index=i) for i in range(4)]
+    rep = run(one_site(1, 2), arr, failures=[Failure("worker", "a/decode/0", 0.5)])
+    assert rep["summary"]["failed"] == 0
+    assert all(len(r["token_times"]) == 200 for r in rep["requests"])
+    moved = [r for r in rep["requests"] if r["placement"]["migrations"]]
+    assert moved and all(r["placement"]["decode_worker"] == "a/decode/1" for r in moved)
+
+
+def test_a_link_down_is_avoided_and_used_again_once_up():
+    cfg = {"router": {"policy": "least_loaded", "colocate_below_tokens": 0},  # disaggregates whenever it can
+           "sites": [{"name": "a", "prefill": {"replicas": 1}, "decode": {"replicas": 0}},
+                     {"name": "b", "prefill": {"replicas": 0}, "decode": {"replicas": 1}}],
+           "links": [{"between": ["a", "b"], "rtt_ms": 10, "gbps": 400}]}
+    arr = [request(2000, 2, at=float(i), index=i) for i in range(5)]
+    rep = run(cfg, arr, failures=[Failure("link", "a-b", 0.5, for_s=2.0)])
+    assert rep["summary"]["failed"] == 0
+    placed = [r["placement"]["colocated"] for r in rep["requests"]]
+    assert placed == [False, True, True, False, False]
+
+
+def test_a_worker_named_by_a_failure_must_exist(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "cli", "sim", "--trace", str(SAMPLE_AZURE), "--profile", H100,
+                          "--fail", "worker:local/decode/7@1", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 2 and "local/decode/7" in out.stderr and "local/decode/0" in out.stderr
+
+
+# ------------------------------------------------------------ determinism
+def _sim_json(tmp: Path, seed: int, hashseed: str) -> dict:
+    out = tmp / f"{seed}-{hashseed}"
+    subprocess.run([sys.executable, "-m", "cli", "sim", "--trace", str(SAMPLE_MOONCAKE), "--limit", "60",
+                    "--length-scale", "0.25", "--profile", "a100:llama-3.1-8b", "--config", "examples/two-sites.yaml",
+                    "--seed", str(seed), "--no-plots", "--out", str(out)],
+                   check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": hashseed},
+                   cwd=Path(__file__).resolve().parents[2])
+    rep = json.loads((out / "report.json").read_text())
+    for volatile in ("wall_s", "started"):
+        rep["meta"].pop(volatile)
+    return rep
+
+
+def test_the_same_seed_gives_the_same_report(tmp_path):
+    a, b = _sim_json(tmp_path, 3, "1"), _sim_json(tmp_path, 3, "2")
+    assert a == b
+
+
+# --------------------------------------------------------------- profiles
+def test_profiles_name_their_source_and_refuse_what_cannot_run():
+    h = load_profile("h200:llama-3.1-70b:fp8")
+    assert "H200 datasheet" in h.source and h.kv_capacity_tokens() > 100_000
+    assert load_profile("b200:llama-3.1-8b").step_s(0, 1, 1000, 1000) < load_profile(H100).step_s(0, 1, 1000, 1000)
+    for spec, words in (("a100:llama-3.1-8b:fp8", "FP8"), ("a100:llama-3.1-70b", "does not fit"),
+                        ("tpu:llama-3.1-8b", "h100"), ("h100:llama-3.1-8b:int4", "dtype")):
+        with pytest.raises(ProfileError, match=words):
+            load_profile(spec)
+
+
+def test_a_measured_profile_file_is_checked(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"kind": "measured", "model": {"name": "m", "params": 1e8, "num_layers": 2,
+                                                           "hidden_size": 64, "num_kv_heads": 1, "head_dim": 64},
+                             "dtype": "float32", "c0": 0.001, "c_prefill": -1, "c_decode": 0, "c_attend": 0}))
+    with pytest.raises(ProfileError, match="c_prefill"):
+        load_profile(str(f))
+
+
+def test_the_fit_recovers_known_coefficients():
+    c = (0.004, 2e-4, 1e-3, 3e-9)
+    pts = [Point(p, d, a, c[0] + c[1] * p + c[2] * d + c[3] * a)
+           for p, d, a in ((16, 0, 136), (512, 0, 131328), (0, 8, 4000), (0, 32, 40000), (128, 8, 20000),
+                           (1024, 0, 524800), (0, 1, 64))]
+    got, err = fit(pts)
+    assert got == pytest.approx(list(c), rel=1e-6) and err < 1e-9
+
+
+# ---------------------------------------------------------------- planner
+def test_the_planners_recommendation_meets_the_target_and_is_minimal():
+    """On the shipped Azure code slice: what it recommends meets the
+    attainment in simulation, and every deployment with one worker fewer misses."""
+    base = parse_config(_two_sites())
+    arr = arrivals(load_trace(SAMPLE_AZURE, limit=120), speedup=4.0)
+    prof = load_profile("a100:llama-3.1-8b")
+    goal = PlanGoal(slo_ttft_s=1.0, slo_tpot_s=0.06, attainment=0.9)
+
+    def sim(cfg):
+        return simulate(cfg, prof, arr, SimConfig(), Objectives(goal.slo_ttft_s, goal.slo_tpot_s), {})
+
+    plan = Planner(base, goal, sim).plan()
+    best = plan.best
+    assert best is not None and best.attainment >= goal.attainment and best.workers >= 2
+    assert sim(deployment(base, best.pools, best.shape))["summary"]["slo_attainment"] >= goal.attainment
+    removals = 0
+    for i, (site, p, d) in enumerate(best.pools):
+        for k, n in ((1, p), (2, d)):
+            if n:
+                row = [site, p, d]
+                row[k] -= 1
+                smaller = best.pools[:i] + (tuple(row),) + best.pools[i + 1:]
+                got = sim(deployment(base, smaller, best.shape))["summary"]["slo_attainment"]
+                assert got < goal.attainment, (smaller, got)
+                removals += 1
+    assert removals == len([n for _, p, d in best.pools for n in (p, d) if n])
+    assert plan.reason and plan.smaller
+
+
+def _two_sites() -> dict:
+    return {"router": {"policy": "cost_model"},
+            "sites": [{"name": "a", "jurisdiction": "X", "prefill": {"replicas": 1, "max_replicas": 6},
+                       "decode": {"replicas": 1, "max_replicas": 6}},
+                      {"name": "b", "jurisdiction": "X", "prefill": {"replicas": 1, "max_replicas": 6},
+                       "decode": {"replicas": 1, "max_replicas": 6}}],
+            "links": [{"between": ["a", "b"], "rtt_ms": 12, "gbps": 100}],
+            "local_link": {"rtt_ms": 0.2, "gbps": 200}}
+
