@@ -41,16 +41,16 @@ import random
 from dataclasses import dataclass, field
 
 from engine.blocks import blocks_for
+from router.cost_model import DISAGG_OVERHEAD_S, Eligible, choose_cost_model, eligible_rows
+from router.views import ClusterView, LinkView, WorkerView
 from runtime.config import PlacementPolicy
 from runtime.topology import Role
 
+__all__ = ["ClusterView", "LinkView", "WorkerView", "POLICIES", "Placement", "PlacementError", "PlacementFailure",
+           "PlacementRequest", "Wait", "estimate", "make_policy", "place"]
+
 POLICIES = tuple(PlacementPolicy)
 """Every policy's name."""
-DISAGG_OVERHEAD_S = 0.002
-"""Extra RPCs of a disaggregated request (reservation, prefill call), measured
-on loopback at ~1-3 ms; charged to every disaggregated candidate."""
-
-
 class PlacementFailure(enum.StrEnum):
     """Why no placement is possible."""
 
@@ -98,76 +98,6 @@ class PlacementError(Exception):
 
 
 @dataclass(slots=True)
-class WorkerView:
-    """What placement knows about one worker (from registration and heartbeats)."""
-
-    worker_id: str
-    role: Role
-    site: str
-    healthy: bool = True
-    draining: bool = False
-    inflight: int = 0
-    """Requests the router has on this worker now."""
-    max_inflight: int = 64
-    queued_prefill_tokens: int = 0
-    running: int = 0
-    waiting: int = 0
-    free_blocks: int = 1 << 30
-    prefill_tokens_per_s: float = 0.0
-    """Measured; 0 = not yet (the view's default applies)."""
-    decode_step_s: float = 0.0
-    tenants: frozenset[str] = frozenset()
-    """Its pool is dedicated to these tenants; empty: shared by every tenant."""
-
-    def serves(self, tenant: str) -> bool:
-        """Its pool takes ``tenant``'s requests."""
-        return not self.tenants or tenant in self.tenants
-
-    @property
-    def load(self) -> int:
-        return self.inflight + self.waiting
-
-
-@dataclass(slots=True)
-class LinkView:
-    rtt_ms: float
-    gbps: float
-    up: bool = True
-    name: str = ""
-    """e.g. "toronto-montreal"; "" within a site."""
-
-
-@dataclass(slots=True)
-class ClusterView:
-    """A snapshot of the cluster for one decision."""
-
-    workers: list[WorkerView]
-    jurisdiction: dict[str, str]
-    """Site -> jurisdiction."""
-    links: dict[frozenset, LinkView] = field(default_factory=dict)
-    """Between two sites, keyed by frozenset({a, b})."""
-    local_link: LinkView = field(default_factory=lambda: LinkView(0.2, 10.0))
-    block_size: int = 16
-    kv_block_bytes: int = 0
-    """Bytes of one block's KV over all layers (K and V)."""
-    num_layers: int = 1
-    default_prefill_tokens_per_s: float = 1000.0
-    colocate_below_tokens: int = 32
-    herd_tolerance: float = 0.05
-    max_prefill_queue_s: float = float("inf")
-    """A prefill worker with more queued work than this takes no new prompt: the
-    decode worker's reservation would outlive its lease while the prompt waits."""
-
-    def link(self, a: str, b: str) -> LinkView | None:
-        """The usable link between sites ``a`` and ``b`` (None: none, or down)."""
-        link = self.local_link if a == b else self.links.get(frozenset((a, b)))
-        return link if link is not None and link.up else None
-
-    def throughput(self, w: WorkerView) -> float:
-        return w.prefill_tokens_per_s or self.default_prefill_tokens_per_s
-
-
-@dataclass(slots=True)
 class PlacementRequest:
     prompt_tokens: int
     cached_blocks: dict[str, int] = field(default_factory=dict)
@@ -207,7 +137,8 @@ class Placement:
 
 # ------------------------------------------------------------ constraints
 def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView], list[WorkerView]]:
-    """Prefill and decode workers the request may use, or PlacementError."""
+    """Prefill and decode workers the request may use, or PlacementError (one
+    worker at a time: it names why nothing is eligible; ``eligible_rows`` decides)."""
     allowed = req.allowed_jurisdictions
     prefills, decodes, any_decode, any_allowed_decode = [], [], False, False
     need = blocks_for(req.prompt_tokens + 1, view.block_size)
@@ -265,8 +196,10 @@ class Policy:
         self._turn = itertools.count()
 
     def place(self, req: PlacementRequest, view: ClusterView) -> Placement:
-        prefills, decodes = _eligible(req, view)
-        placement = self.choose(req, view, prefills, decodes)
+        rows = eligible_rows(req, view)
+        if not len(rows.decode):
+            _eligible(req, view)  # raises the PlacementError that says why
+        placement = self.choose_rows(req, view, rows)
         placement.policy = self.name
         placement.cached_blocks_decode = req.cached_blocks.get(placement.decode.worker_id, 0)
         if placement.prefill is not None:
@@ -279,6 +212,11 @@ class Policy:
                                  f"the request's deadline ({req.deadline_s:.3f} s left)",
                                  retry_after_s=placement.est_ttft_s - req.deadline_s)
         return placement
+
+    def choose_rows(self, req: PlacementRequest, view: ClusterView, rows: Eligible) -> Placement:
+        """Chooses among the eligible rows (by default on WorkerView objects, in view order)."""
+        ws = view.table.workers
+        return self.choose(req, view, [ws[i] for i in rows.prefill], [ws[i] for i in rows.decode])
 
     def choose(self, req: PlacementRequest, view: ClusterView, prefills: list[WorkerView],
                decodes: list[WorkerView]) -> Placement:
@@ -369,54 +307,15 @@ def estimate(req: PlacementRequest, view: ClusterView, p: WorkerView | None, d: 
 
 
 class CostModel(Policy):
+    """The lowest estimated TTFT over every pair and colocated candidate,
+    scored as numpy vectors over the view's columns (router/cost_model.py)."""
+
     name = "cost_model"
 
-    def choose(self, req, view, prefills, decodes):
-        # cost(P, D) = A(P) + exposed(site(P) -> D) + admission(D). The best P of
-        # a site is the same for every D, and exposed() depends on D only through
-        # its site and cached blocks: the best disaggregated cost is computed once
-        # per (D's site, D's cached blocks), then each D costs O(1).
-        cached = req.cached_blocks
-        by_site: dict[str, list[tuple[float, WorkerView]]] = {}
-        for p in prefills:
-            by_site.setdefault(p.site, []).append((_compute_s(req, view, p), p))
-        best_of_site = {s: min(c for c, _ in ps) for s, ps in by_site.items()}
-        disagg: dict[tuple[str, int], tuple[float, str | None]] = {}
-
-        def best_disaggregated(d_site: str, d_cached: int) -> tuple[float, str | None]:
-            best = (float("inf"), None)
-            for site, a in best_of_site.items():
-                link = view.link(site, d_site)
-                if link is not None:
-                    cost = a + _exposed_s(req, view, link, a, d_cached) + DISAGG_OVERHEAD_S
-                    if cost < best[0]:
-                        best = (cost, site)
-            disagg[(d_site, d_cached)] = best
-            return best
-
-        disaggregate = bool(best_of_site) and not self._short(req, view)
-        cands: list[tuple[float, WorkerView, str | None]] = []
-        best = float("inf")
-        for d in decodes:
-            d_cached = cached.get(d.worker_id, 0)
-            admit = _admission_s(d)
-            cost = _colocated_s(req, view, d)
-            cands.append((cost, d, None))
-            best = min(best, cost)
-            if disaggregate:
-                cost, site = disagg.get((d.site, d_cached)) or best_disaggregated(d.site, d_cached)
-                if site is not None:
-                    cands.append((cost + admit, d, site))
-                    best = min(best, cost + admit)
-        near = _most_cached([c for c in cands if c[0] <= best * (1 + view.herd_tolerance) + 1e-4],
-                            lambda c: cached.get(c[1].worker_id, 0))
-        _, d, site = near[self.rng.randrange(len(near))]
-        if site is None:
-            return Placement(d, None)
-        a_best = best_of_site[site]
-        ps = _most_cached([p for c, p in by_site[site] if c <= a_best * (1 + view.herd_tolerance) + 1e-4],
-                          lambda p: cached.get(p.worker_id, 0))
-        return Placement(d, ps[self.rng.randrange(len(ps))])
+    def choose_rows(self, req, view, rows):
+        d, p = choose_cost_model(req, view, rows, self.rng, not self._short(req, view))
+        ws = view.table.workers
+        return Placement(ws[d], None if p is None else ws[p])
 
 
 def _most_cached(items: list, cached_of) -> list:

@@ -101,20 +101,17 @@ class SimCluster:
         self.num_blocks = self._num_blocks()
         self.links: dict[frozenset, SimLink] = {}
         self.local: dict[str, SimLink] = {}
-        self.view = self._view()
-        self.workers: dict[str, SimWorker] = {}
+        views = [WorkerView(f"{site.name}/{role.value}/{i}", role, site.name,
+                            max_inflight=cfg.router.max_inflight_per_worker, free_blocks=self.num_blocks,
+                            tenants=frozenset(pool.tenants))
+                 for site in cfg.sites for role, pool in ((Role.PREFILL, site.prefill), (Role.DECODE, site.decode))
+                 for i in range(pool.replicas)]
+        self.view = self._view(views)
         hooks = Hooks(self._step_started, self._token, lambda w: self._pump(),
                       lambda w, stored, removed: self.index.apply(w.wid, stored, removed))
-        for site in cfg.sites:
-            self.local[site.name] = SimLink(self.clock, self.view.local_link)
-            for role, pool in ((Role.PREFILL, site.prefill), (Role.DECODE, site.decode)):
-                for i in range(pool.replicas):
-                    v = WorkerView(f"{site.name}/{role.value}/{i}", role, site.name,
-                                   max_inflight=cfg.router.max_inflight_per_worker, free_blocks=self.num_blocks,
-                                   tenants=frozenset(pool.tenants))
-                    self.workers[v.worker_id] = SimWorker(v, self.clock, profile, self.num_blocks, bs,
-                                                          cfg.scheduler, hooks)
-                    self.view.workers.append(v)
+        self.local = {site.name: SimLink(self.clock, self.view.local_link) for site in cfg.sites}
+        self.workers: dict[str, SimWorker] = {
+            v.worker_id: SimWorker(v, self.clock, profile, self.num_blocks, bs, cfg.scheduler, hooks) for v in views}
         self.active: dict[str, SimRequest] = {}
         self.waiting: deque[SimRequest] = deque()
         self.records: list[RequestRecord] = []
@@ -126,7 +123,7 @@ class SimCluster:
         cache = self.cfg.cache
         return cache.num_blocks or max(2, int(cache.memory_gib * 2**30) // self.kv_block_bytes)
 
-    def _view(self) -> ClusterView:
+    def _view(self, workers: list[WorkerView]) -> ClusterView:
         cfg, r = self.cfg, self.cfg.router
         links = {}
         for ln in cfg.links:
@@ -135,7 +132,7 @@ class SimCluster:
             links[frozenset((a, b))] = lv
             self.links[frozenset((a, b))] = SimLink(self.clock, lv)
         local = LinkView(cfg.local_link.rtt_ms, cfg.local_link.gbps, name=LOCAL_LINK)
-        return ClusterView([], {s.name: s.jurisdiction for s in cfg.sites}, links, local,
+        return ClusterView(workers, {s.name: s.jurisdiction for s in cfg.sites}, links, local,
                            block_size=self.block_size, kv_block_bytes=self.kv_block_bytes,
                            num_layers=self.profile.model.num_layers,
                            default_prefill_tokens_per_s=r.default_prefill_tokens_per_s,
