@@ -48,6 +48,11 @@ class ReplayConfig:
     ``retry-after-ms`` hint) is sent again, each time after the advised wait,
     while its deadline leaves room for the wait; its latency still counts
     from the first send. One refused for good counts as shed."""
+    warmup: int = 0
+    """Requests sent one at a time before the replay (prompts as long as the
+    trace's first ones, other tokens, 4 output tokens each) and left out of the
+    report: the workers' first steps and KV connections are not part of the
+    workload, and the trace's prompts are not cached by them."""
 
 
 @dataclass(slots=True)
@@ -226,6 +231,19 @@ async def _sample(reg, stop: asyncio.Event, interval: float, out: dict[str, Work
             pass
 
 
+async def _warm_up(stub, reqs: list[ScaledRequest], cfg: ReplayConfig) -> None:
+    """Sends prompts as long as ``reqs``' (their tokens reversed, so nothing of the
+    trace gets cached), 4 tokens each, one after the other; their outcome is not recorded."""
+    for sr in reqs:
+        req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=sr.prompt[::-1]), max_tokens=min(4, sr.max_tokens),
+                                  ignore_eos=True, request_id=f"warmup-{sr.trace.index}")
+        try:
+            async for _ in stub.Generate(req, timeout=cfg.request_timeout_s):
+                pass
+        except grpc.aio.AioRpcError as exc:
+            print(f"replay: warm-up request {sr.trace.index} failed: {exc.code().name}", file=sys.stderr)
+
+
 async def replay(address: str, reqs: list[ScaledRequest], cfg: ReplayConfig, client: Dialer,
                  operator: Dialer) -> tuple[list[ReplayRecord], dict]:
     """Runs the replay; returns a record per request and per-worker samples.
@@ -238,6 +256,7 @@ async def replay(address: str, reqs: list[ScaledRequest], cfg: ReplayConfig, cli
     opts = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000))
     async with client.aio(address, options=opts) as ch, operator.aio(address, options=opts) as och:
         stub, reg = igrpc.InferenceStub(ch), wgrpc.RegistryStub(och)
+        await _warm_up(stub, reqs[:cfg.warmup], cfg)
         stop = asyncio.Event()
         sampler = asyncio.create_task(_sample(reg, stop, cfg.sample_interval_s, samples))
         t0 = time.perf_counter()

@@ -149,7 +149,7 @@ def replay_config(args: argparse.Namespace):
     """The replay settings given on the command line."""
 
     return ReplayConfig(speedup=args.speedup, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, warmup=getattr(args, "warmup", 0))
 
 
 def replay_prompts(args: argparse.Namespace, reqs, address: str, client: Dialer) -> tuple[list, dict] | int:

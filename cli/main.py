@@ -149,8 +149,10 @@ def cmd_bench_telemetry(args: argparse.Namespace) -> int:
 
 def cmd_bench_replay(args: argparse.Namespace) -> int:
 
-    if args.speedup <= 0 or any(x is not None and x <= 0 for x in (args.length_scale, args.output_scale)):
-        print("kvrelay: --speedup, --length-scale and --output-scale must be positive", file=sys.stderr)
+    if args.speedup <= 0 or any(x is not None and x <= 0 for x in (args.length_scale, args.output_scale)) \
+            or args.warmup < 0:
+        print("kvrelay: --speedup, --length-scale and --output-scale must be positive, --warmup >= 0",
+              file=sys.stderr)
         return 2
     try:
         reqs = load_trace(args.trace, args.format, args.limit)
@@ -417,6 +419,8 @@ def _add_replay_parser(bench) -> None:
     br.add_argument("--slo-ttft", type=float, help="TTFT objective in seconds (for goodput)")
     br.add_argument("--slo-tpot", type=float, help="TPOT objective in seconds (for goodput)")
     br.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
+    br.add_argument("--warmup", type=int, default=0,
+                    help="send the first N prompts (4 tokens each) one at a time before the replay; not reported")
     br.add_argument("--no-progress", action="store_true")
     br.add_argument("--out", required=True, help="directory for report.json and report.md")
     cities_flag(br)

@@ -88,19 +88,20 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    if args.threads is not None and args.threads < 1:
-        print("kvrelay: --threads must be at least 1", file=sys.stderr)
+    if args.threads < 1 or args.sharing < 1 or args.repeats < 1:
+        print("kvrelay: --threads, --sharing and --repeats must be at least 1", file=sys.stderr)
         return 2
     grid = ProfileGrid(repeats=args.repeats)
     if args.quick:
         grid = ProfileGrid(prompts=(16, 128, 512), chunks=((512, 256),), batches=(1, 4, 16), contexts=(64, 512),
                            mixed=((8, 256, 128),), repeats=args.repeats)
     path = resolve_model(args.model, args.cache_dir)
-    prof = Profiler(str(path), args.dtype, args.threads).profile(grid, args.name or Path(path).name)
+    prof = Profiler(str(path), args.dtype, args.threads).profile(grid, args.name or Path(path).name, args.sharing)
     prof.save(Path(args.out))
     print(f"profile of {prof.model.name} ({prof.dtype}, {args.threads or 'default'} thread(s)) -> {args.out}")
     print(f"  step = {prof.c0 * 1e3:.2f} ms + {prof.c_prefill * 1e6:.1f} us/prompt token + "
-          f"{prof.c_decode * 1e6:.1f} us/decoded sequence + {prof.c_attend * 1e9:.2f} ns/attention pair")
+          f"{prof.c_decode * 1e6:.1f} us/decoded sequence + {prof.c_attend * 1e9:.2f} ns/prompt attention pair + "
+          f"{prof.c_context * 1e6:.2f} us/decode context token")
     print(f"  fit: {prof.fit['points']} points, median relative error {prof.fit['median_rel_error']:.1%}")
     return 0
 
@@ -137,6 +138,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--name", help="model name recorded in the profile (default: the folder's name)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=1, help="torch threads, as each worker uses (default: 1)")
+    p.add_argument("--sharing", type=int, default=1,
+                   help="engines on the machine while measuring (this one + N-1 neighbours running a worker's load), "
+                        "as many as the deployment runs workers here")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median counts)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (tests)")
     p.add_argument("--out", required=True, help="profile file to write (JSON)")

@@ -2,12 +2,14 @@
 
 A step computes ``prefill_tokens`` prompt tokens (chunks of one or more
 prompts) and one token for each of ``decode_seqs`` running sequences;
-``attended`` counts (query, key) pairs of attention in the step and
-``kv_read`` the KV tokens it reads. Two kinds of profile give its time:
+``prefill_pairs`` counts the (query, key) pairs of the chunks' attention and
+``decode_context`` the KV tokens the decoding sequences attend to. Two kinds
+of profile give its time:
 
 - ``MeasuredProfile``: a linear fit of steps timed on a real engine
-  (``kvrelay profile``), ``t = c0 + c1 x prefill_tokens + c2 x decode_seqs
-  + c3 x attended``, with the machine and settings it was measured under;
+  (``kvrelay profile``), ``t = c0 + c_prefill x prefill_tokens + c_decode x
+  decode_seqs + c_attend x prefill_pairs + c_context x decode_context``,
+  with the machine and settings it was measured under;
 - ``AnalyticProfile``: a data-centre GPU from its datasheet (peak dense
   FLOPS, HBM bandwidth, memory) running a named model, with stated
   efficiencies: ``t = max(FLOPs / (peak x compute_eff), bytes / (bandwidth
@@ -94,7 +96,7 @@ class Profile(Protocol):
     dtype: str
     model: ModelSpec
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, attended: int, kv_read: int) -> float:
+    def step_s(self, prefill_tokens: int, decode_seqs: int, prefill_pairs: int, decode_context: int) -> float:
         """Seconds one engine step takes."""
 
     def kv_capacity_tokens(self) -> int | None:
@@ -117,15 +119,18 @@ class MeasuredProfile:
     c_decode: float
     """Seconds per decoded sequence."""
     c_attend: float
-    """Seconds per (query, key) attention pair."""
+    """Seconds per (query, key) attention pair of a prompt chunk."""
+    c_context: float
+    """Seconds per KV token a decoding sequence attends to (read from the paged cache)."""
     source: str = ""
     machine: dict = field(default_factory=dict)
     """CPU model and flags, threads: where it was measured."""
     fit: dict = field(default_factory=dict)
     """Points and relative error of the fit."""
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, attended: int, kv_read: int) -> float:
-        return self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_seqs + self.c_attend * attended
+    def step_s(self, prefill_tokens: int, decode_seqs: int, prefill_pairs: int, decode_context: int) -> float:
+        return (self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_seqs
+                + self.c_attend * prefill_pairs + self.c_context * decode_context)
 
     def kv_capacity_tokens(self) -> int | None:
         return None
@@ -166,11 +171,12 @@ class AnalyticProfile:
     def _weight_bytes(self) -> float:
         return self.model.params * DTYPE_BYTES[self.dtype]
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, attended: int, kv_read: int) -> float:
+    def step_s(self, prefill_tokens: int, decode_seqs: int, prefill_pairs: int, decode_context: int) -> float:
         m = self.model
-        flops = 2 * m.params * (prefill_tokens + decode_seqs) + 4 * m.num_layers * m.hidden_size * attended
+        flops = (2 * m.params * (prefill_tokens + decode_seqs)
+                 + 4 * m.num_layers * m.hidden_size * (prefill_pairs + decode_context))
         peak = (self.gpu.fp8_tflops if self.dtype == "fp8" else self.gpu.bf16_tflops) * 1e12
-        moved = self._weight_bytes() + kv_read * m.kv_bytes_per_token(self.dtype)
+        moved = self._weight_bytes() + (prefill_tokens + decode_context) * m.kv_bytes_per_token(self.dtype)
         return max(flops / (peak * self.compute_eff), moved / (self.gpu.hbm_tbps * 1e12 * self.memory_eff)) \
             + self.step_overhead_s
 
@@ -189,13 +195,14 @@ def _measured_from(raw: dict, where: str) -> MeasuredProfile:
     try:
         model = ModelSpec(**raw["model"])
         prof = MeasuredProfile(model, raw["dtype"], float(raw["c0"]), float(raw["c_prefill"]),
-                               float(raw["c_decode"]), float(raw["c_attend"]), raw.get("source", ""),
+                               float(raw["c_decode"]), float(raw["c_attend"]), float(raw["c_context"]),
+                               raw.get("source", ""),
                                raw.get("machine", {}), raw.get("fit", {}))
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"{where}: not a measured profile ({type(exc).__name__}: {exc})") from None
     if prof.dtype not in DTYPE_BYTES:
         raise ProfileError(f"{where}: dtype {prof.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
-    bad = [k for k in ("c0", "c_prefill", "c_decode", "c_attend")
+    bad = [k for k in ("c0", "c_prefill", "c_decode", "c_attend", "c_context")
            if not math.isfinite(getattr(prof, k)) or getattr(prof, k) < 0]
     if bad:
         raise ProfileError(f"{where}: {bad[0]} must be a finite number >= 0")

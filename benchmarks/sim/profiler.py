@@ -11,9 +11,12 @@ whole context. The fit minimises the relative error (rows weighted by
 from __future__ import annotations
 
 import itertools
-import random
 import os
+import random
 import statistics
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +49,10 @@ class ProfileGrid:
 class Point:
     prefill: int
     decode: int
-    attended: int
+    pairs: int
+    """Attention pairs of the prompt chunks."""
+    context: int
+    """KV tokens the decoding sequences attend to."""
     seconds: float
 
 
@@ -62,13 +68,15 @@ class _Timer:
         def recording() -> SchedulerOutput:
             out = schedule()
             if out:
-                pts = Point(0, 0, 0, 0.0)
+                pts = Point(0, 0, 0, 0, 0.0)
                 for e in out.entries:
-                    pts.attended += attention_pairs(e.seq.num_computed_tokens, e.num_new_tokens)
-                    if e.seq.num_computed_tokens >= e.seq.num_prompt_tokens:
+                    start = e.seq.num_computed_tokens
+                    if start >= e.seq.num_prompt_tokens:
                         pts.decode += 1
+                        pts.context += start + 1
                     else:
                         pts.prefill += e.num_new_tokens
+                        pts.pairs += attention_pairs(start, e.num_new_tokens)
                 self.work.append(pts)
             return out
         engine.scheduler.schedule = recording
@@ -78,7 +86,7 @@ class _Timer:
         self.work.clear()
 
     def points(self) -> list[Point]:
-        return [Point(w.prefill, w.decode, w.attended, s.ns / 1e9) for w, s in zip(self.work, self.steps)]
+        return [Point(w.prefill, w.decode, w.pairs, w.context, s.ns / 1e9) for w, s in zip(self.work, self.steps)]
 
 
 class Profiler:
@@ -122,7 +130,7 @@ class Profiler:
         runs = [pick(self._run(*make(k))) for k in range(self.grid.repeats)]
         out = []
         for pts in zip(*runs):
-            out.append(Point(pts[0].prefill, pts[0].decode, pts[0].attended,
+            out.append(Point(pts[0].prefill, pts[0].decode, pts[0].pairs, pts[0].context,
                              statistics.median(p.seconds for p in pts)))
         return out
 
@@ -143,8 +151,21 @@ class Profiler:
                                 lambda ps: [p for p in ps if p.prefill and p.decode][:1])
         return pts
 
-    def profile(self, grid: ProfileGrid, name: str) -> MeasuredProfile:
-        pts = self.measure(grid)
+    def profile(self, grid: ProfileGrid, name: str, sharing: int = 1) -> MeasuredProfile:
+        """Measures and fits; with ``sharing`` > 1, while ``sharing - 1`` other
+        engines (processes like it) run a mixed load beside it, as the other
+        workers of a deployment on the same machine do."""
+        neighbours = [subprocess.Popen([sys.executable, "-m", "benchmarks.sim.profiler", str(self.engine.cfg.model_path),
+                                        self.engine.cfg.dtype, str(self.threads or 0)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                      for _ in range(sharing - 1)]
+        try:
+            time.sleep(5.0 if neighbours else 0.0)  # their model loads first
+            pts = self.measure(grid)
+        finally:
+            for n in neighbours:
+                n.kill()
+                n.wait(10)
         c, err = fit(pts)
         cfg = self.engine.model_config
         params = param_count(cfg)
@@ -152,10 +173,11 @@ class Profiler:
                          cfg.max_position_embeddings)
         return MeasuredProfile(spec, self.engine.cfg.dtype, *c,
                                source=f"measured by kvrelay profile on {machine().get('cpu', 'this CPU')}, "
-                                      f"{self.threads or os.cpu_count()} torch thread(s), {self.engine.cfg.dtype}",
-                               machine=machine() | {"threads": self.threads},
+                                      f"{self.threads or os.cpu_count()} torch thread(s), {self.engine.cfg.dtype}, "
+                                      f"{sharing} engine(s) on the machine",
+                               machine=machine() | {"threads": self.threads, "sharing": sharing},
                                fit={"points": len(pts), "median_rel_error": err,
-                                    "rows": [[p.prefill, p.decode, p.attended, p.seconds] for p in pts]})
+                                    "rows": [[p.prefill, p.decode, p.pairs, p.context, p.seconds] for p in pts]})
 
 
 def param_count(cfg) -> int:
@@ -167,19 +189,37 @@ def param_count(cfg) -> int:
 
 
 def fit(pts: list[Point]) -> tuple[list[float], float]:
-    """Non-negative coefficients (c0, prefill, decode, attend) minimising the
-    relative error; and the median relative error of the fit."""
-    x = np.array([[1.0, p.prefill, p.decode, p.attended] for p in pts])
+    """Non-negative coefficients (c0, prefill, decode, attend, context)
+    minimising the relative error; and the median relative error of the fit."""
+    x = np.array([[1.0, p.prefill, p.decode, p.pairs, p.context] for p in pts])
     y = np.array([p.seconds for p in pts])
     w = 1.0 / y
-    active = list(range(4))
+    active = list(range(5))
     while True:
         coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
         if (coef >= 0).all() or len(active) == 1:
             break
         active.pop(int(np.argmin(coef)))
-    full = [0.0] * 4
+    full = [0.0] * 5
     for i, c in zip(active, coef):
         full[i] = max(0.0, float(c))
     pred = x @ np.array(full)
     return full, float(np.median(np.abs(pred - y) / y))
+
+
+LOAD_DEADLINE_S = 1800.0
+"""A neighbour engine stops by itself after this long (the profiler kills it sooner)."""
+
+
+def _neighbour(model_path: str, dtype: str, threads: int) -> None:
+    """A neighbour's load: prompts and decode batches, as a worker runs them, until killed (or the deadline)."""
+    prof = Profiler(model_path, dtype, threads or None)
+    end = time.monotonic() + LOAD_DEADLINE_S
+    k = 0
+    while time.monotonic() < end:
+        k += 1
+        prof._run([(prof._prompt(256, 900 + k), 16)] * 4 + [(prof._prompt(128, 950 + k), 1)])
+
+
+if __name__ == "__main__":
+    _neighbour(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -172,16 +172,16 @@ class SimWorker:
         out = self.sched.schedule()
         if not out:
             return  # the head waits for blocks; a release kicks again
-        prefill = decode = attended = kv_read = 0
+        prefill = decode = pairs = context = 0
         for e in out.entries:
             start = e.seq.num_computed_tokens
-            attended += attention_pairs(start, e.num_new_tokens)
-            kv_read += start + e.num_new_tokens
             if start >= e.seq.num_prompt_tokens:
                 decode += 1
+                context += start + 1
             else:
                 prefill += e.num_new_tokens
-        dur = self.profile.step_s(prefill, decode, attended, kv_read)
+                pairs += attention_pairs(start, e.num_new_tokens)
+        dur = self.profile.step_s(prefill, decode, pairs, context)
         self.busy = True
         self._account(prefill, decode, dur)
         self.hooks.step_started(self, out, dur)

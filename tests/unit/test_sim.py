@@ -85,9 +85,9 @@ def test_a_colocated_request_takes_the_profiles_step_times():
     prof = load_profile(H100)
     rep = run(one_site(0, 1), [request(1000, 4)], prof, router_s=0.002, rpc_s=0.0005)
     r = rep["requests"][0]
-    prefill = prof.step_s(1000, 0, attention_pairs(0, 1000), 1000)
+    prefill = prof.step_s(1000, 0, attention_pairs(0, 1000), 0)
     assert r["token_times"][0] - r["sent_s"] == pytest.approx(0.002 + prefill + 0.0005)
-    steps = [prof.step_s(0, 1, attention_pairs(1000 + k, 1), 1001 + k) for k in range(3)]
+    steps = [prof.step_s(0, 1, 0, 1001 + k) for k in range(3)]
     gaps = [b - a for a, b in zip(r["token_times"], r["token_times"][1:])]
     assert gaps == pytest.approx(steps)
     assert r["placement"]["colocated"] and rep["summary"]["completed"] == 1
@@ -98,7 +98,7 @@ def test_a_disaggregated_request_pays_the_exposed_transfer_and_half_an_rtt():
     rep = run(one_site(1, 1), [request(1000, 2)], prof, router_s=0.002, rpc_s=0.0005)
     r = rep["requests"][0]
     kv = (1000 // 16 + 1) * 16 * prof.model.kv_bytes_per_token(prof.dtype)  # every block, none cached
-    prefill = prof.step_s(1000, 0, attention_pairs(0, 1000), 1000)
+    prefill = prof.step_s(1000, 0, attention_pairs(0, 1000), 0)
     exposed = kv / 8 / (100e9 / 8)  # the last of 8 layer-wise pieces; the link keeps up with the rest
     want = 0.002 + 2 * 0.0005 + prefill + exposed + 0.0005 / 2 + 0.0005
     assert r["token_times"][0] - r["sent_s"] == pytest.approx(want, rel=1e-6)
@@ -174,7 +174,7 @@ def test_the_same_seed_gives_the_same_report(tmp_path):
 def test_profiles_name_their_source_and_refuse_what_cannot_run():
     h = load_profile("h200:llama-3.1-70b:fp8")
     assert "H200 datasheet" in h.source and h.kv_capacity_tokens() > 100_000
-    assert load_profile("b200:llama-3.1-8b").step_s(0, 1, 1000, 1000) < load_profile(H100).step_s(0, 1, 1000, 1000)
+    assert load_profile("b200:llama-3.1-8b").step_s(0, 1, 0, 1000) < load_profile(H100).step_s(0, 1, 0, 1000)
     for spec, words in (("a100:llama-3.1-8b:fp8", "FP8"), ("a100:llama-3.1-70b", "does not fit"),
                         ("tpu:llama-3.1-8b", "h100"), ("h100:llama-3.1-8b:int4", "dtype")):
         with pytest.raises(ProfileError, match=words):
@@ -185,16 +185,17 @@ def test_a_measured_profile_file_is_checked(tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps({"kind": "measured", "model": {"name": "m", "params": 1e8, "num_layers": 2,
                                                            "hidden_size": 64, "num_kv_heads": 1, "head_dim": 64},
-                             "dtype": "float32", "c0": 0.001, "c_prefill": -1, "c_decode": 0, "c_attend": 0}))
+                             "dtype": "float32", "c0": 0.001, "c_prefill": -1, "c_decode": 0, "c_attend": 0,
+                             "c_context": 0}))
     with pytest.raises(ProfileError, match="c_prefill"):
         load_profile(str(f))
 
 
 def test_the_fit_recovers_known_coefficients():
-    c = (0.004, 2e-4, 1e-3, 3e-9)
-    pts = [Point(p, d, a, c[0] + c[1] * p + c[2] * d + c[3] * a)
-           for p, d, a in ((16, 0, 136), (512, 0, 131328), (0, 8, 4000), (0, 32, 40000), (128, 8, 20000),
-                           (1024, 0, 524800), (0, 1, 64))]
+    c = (0.004, 2e-4, 1e-3, 3e-9, 2e-5)
+    pts = [Point(p, d, a, x, c[0] + c[1] * p + c[2] * d + c[3] * a + c[4] * x)
+           for p, d, a, x in ((16, 0, 136, 0), (512, 0, 131328, 0), (0, 8, 0, 4000), (0, 32, 0, 40000),
+                              (128, 8, 8256, 2000), (1024, 0, 524800, 0), (0, 1, 0, 64), (256, 0, 295040, 0))]
     got, err = fit(pts)
     assert got == pytest.approx(list(c), rel=1e-6) and err < 1e-9
 
