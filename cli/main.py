@@ -19,7 +19,7 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 from benchmarks import telemetry_bench
 from benchmarks.engine_bench import format_result, run_engine_bench, to_json
-from benchmarks.kv_bench import format_kv, kv_json, run_kv_bench
+from benchmarks.kv_bench import format_kv, kv_json, machine, run_kv_bench
 from benchmarks.kv_wan import add_wan
 from benchmarks.placement_bench import format_placement, run_placement_bench
 from benchmarks.tls_bench import format_tls, run_tls_bench
@@ -118,8 +118,23 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_placement(args: argparse.Namespace) -> int:
-
-    print(format_placement(run_placement_bench(args.workers, args.sites, args.prompt_tokens, args.decisions)))
+    try:
+        sizes = [int(n) for n in args.workers.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 2 or args.sites < 1 or args.decisions < 1 or args.prompt_tokens < 16:
+        print("kvrelay: --workers takes comma-separated counts >= 2 (e.g. 1000,10000); --sites and --decisions "
+              ">= 1, --prompt-tokens >= 16", file=sys.stderr)
+        return 2
+    results = []
+    for n in sizes:
+        res = run_placement_bench(n, args.sites, args.prompt_tokens, args.decisions)
+        print(format_placement(res) + "\n")
+        results.append(res.to_json())
+    if args.json:
+        out = {"command": "kvrelay bench placement " + " ".join(sys.argv[3:]), "machine": machine(),
+               "results": results}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 
@@ -383,10 +398,11 @@ def _add_bench_parsers(bench) -> None:
     bk.set_defaults(func=cmd_bench_kv)
 
     bp = bench.add_parser("placement", help="placement decision and prefix-index lookup time")
-    bp.add_argument("--workers", type=int, default=1000)
+    bp.add_argument("--workers", default="1000", help="worker counts, comma-separated (e.g. 1000,10000)")
     bp.add_argument("--sites", type=int, default=10)
     bp.add_argument("--prompt-tokens", type=int, default=8192)
     bp.add_argument("--decisions", type=int, default=500)
+    bp.add_argument("--json", help="also write p50/p99 of hashing, lookup, place and their sum to this file")
     bp.set_defaults(func=cmd_bench_placement)
     _add_replay_parser(bench)
     bench_hardening.add_parsers(bench)

@@ -146,6 +146,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", required=True, help="profile file to write (JSON)")
     p.set_defaults(func=cmd_profile)
     add_plan_parser(sub)
+    add_report_parser(sub)
 
 
 def _plan_text(plan: Plan, goal: PlanGoal) -> str:
@@ -229,3 +230,41 @@ def add_plan_parser(sub) -> None:
     c.add_argument("--sites", help="comma-separated sites that may get workers (default: every site)")
     c.add_argument("--out", help="directory for plan.md, plan.json and cost_goodput.png")
     c.set_defaults(func=cmd_plan_capacity)
+
+
+COMPARED = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency"))
+
+
+def compare_reports(base: dict, other: dict) -> list[tuple[str, str, float, float, float]]:
+    """(metric, percentile, base value, other value, relative error of other) for the latency percentiles."""
+    rows = []
+    for key, name in COMPARED:
+        a, b = base["summary"][key], other["summary"][key]
+        for q in ("p50", "p90", "p99"):
+            if q in a and q in b and a[q]:
+                rows.append((name, q, a[q], b[q], (b[q] - a[q]) / a[q]))
+    return rows
+
+
+def cmd_report_compare(args: argparse.Namespace) -> int:
+    try:
+        base, other = (json.loads(Path(p).read_text()) for p in (args.base, args.other))
+        rows = compare_reports(base, other)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        print(f"kvrelay: not two report.json files of bench replay or sim ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 2
+    print(f"| metric (ms) | {args.base} | {args.other} | error |\n|---|---|---|---|")
+    for name, q, a, b, err in rows:
+        print(f"| {name} {q} | {a:.1f} | {b:.1f} | {err:+.1%} |")
+    return 0
+
+
+def add_report_parser(sub) -> None:
+    rep = sub.add_parser("report", help="work with report.json files").add_subparsers(dest="report_command",
+                                                                                     required=True)
+    c = rep.add_parser("compare", help="latency percentiles of two reports (a live replay and a simulation) side "
+                                       "by side, with the second's relative error")
+    c.add_argument("base", help="report.json taken as the reference (e.g. the live replay)")
+    c.add_argument("other", help="report.json compared with it (e.g. the simulation)")
+    c.set_defaults(func=cmd_report_compare)

@@ -239,3 +239,45 @@ def _two_sites() -> dict:
             "links": [{"between": ["a", "b"], "rtt_ms": 12, "gbps": 100}],
             "local_link": {"rtt_ms": 0.2, "gbps": 200}}
 
+
+
+# -------------------------------------------------------------------- CLI
+def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=600,
+                          cwd=cwd or Path(__file__).resolve().parents[2])
+
+
+def test_plan_capacity_writes_its_recommendation_and_reason(tmp_path):
+    got = _cli("plan", "capacity", "--trace", str(SAMPLE_AZURE), "--limit", "60", "--profile", "a100:llama-3.1-8b",
+               "--slo-ttft", "1", "--slo-tpot", "0.06", "--out", str(tmp_path))
+    assert got.returncode == 0, got.stderr
+    assert "Recommendation:" in got.stdout and "bound" in got.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["best"]["attainment"] >= 0.9 and (tmp_path / "cost_goodput.png").stat().st_size > 1000
+    bad = _cli("plan", "capacity", "--trace", str(SAMPLE_AZURE), "--profile", H100, "--slo-ttft", "1",
+               "--slo-tpot", "0.05", "--sites", "atlantis")
+    assert bad.returncode == 2 and "atlantis" in bad.stderr
+
+
+def test_report_compare_gives_the_relative_error_of_each_percentile(tmp_path):
+    a = _sim_json(tmp_path, 1, "0")
+    b = json.loads(json.dumps(a))
+    b["summary"]["ttft_ms"]["p50"] = a["summary"]["ttft_ms"]["p50"] * 1.25
+    for name, rep in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(rep))
+    got = _cli("report", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert got.returncode == 0 and "| TTFT p50 |" in got.stdout and "+25.0%" in got.stdout
+    assert _cli("report", "compare", str(tmp_path / "a.json"), str(tmp_path / "nope.json")).returncode == 2
+
+
+def test_bench_placement_json_has_its_stable_fields(tmp_path):
+    got = _cli("bench", "placement", "--workers", "40,80", "--decisions", "30", "--prompt-tokens", "512",
+               "--json", str(tmp_path / "p.json"))
+    assert got.returncode == 0, got.stderr
+    res = json.loads((tmp_path / "p.json").read_text())["results"]
+    assert [r["workers"] for r in res] == [40, 80]
+    for r in res:
+        for k in ("hashing", "lookup", "place", "decision"):
+            assert 0 < r[f"{k}_p50_us"] <= r[f"{k}_p99_us"]
+        assert r["decision_p50_us"] >= r["place_p50_us"]
+    assert _cli("bench", "placement", "--workers", "ten").returncode == 2
