@@ -93,7 +93,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         return 2
     grid = ProfileGrid(repeats=args.repeats)
     if args.quick:
-        grid = ProfileGrid(prompts=(16, 128, 512), chunks=((512, 256),), batches=(1, 4, 16), contexts=(64, 512),
+        grid = ProfileGrid(prompts=(16, 128, 512), chunks=((512, 256),), batches=(1, 8), contexts=(64, 512),
                            mixed=((8, 256, 128),), repeats=args.repeats)
     path = resolve_model(args.model, args.cache_dir)
     prof = Profiler(str(path), args.dtype, args.threads).profile(grid, args.name or Path(path).name, args.sharing)

@@ -16,6 +16,8 @@ BlockHash = int
 """64-bit block hash (fits a protobuf fixed64)."""
 
 _ROOT = b"kvrelay-block-v1"
+_BASE = hashlib.blake2b(digest_size=8, person=b"kvrelay-blk")
+"""The initial state every block hash starts from (copied, never updated)."""
 
 
 def hash_block(parent: BlockHash | None, tokens: Sequence[int], salt: str = "") -> BlockHash:
@@ -37,14 +39,26 @@ def hash_block(parent: BlockHash | None, tokens: Sequence[int], salt: str = "") 
 
 def hash_blocks(tokens: Sequence[int], block_size: int, salt: str = "",
                 parent: BlockHash | None = None, start_block: int = 0) -> list[BlockHash]:
-    """Hashes of every full block of ``tokens`` from block ``start_block`` on.
+    """Hashes of every full block of ``tokens`` from block ``start_block`` on
+    (each equal to ``hash_block`` of that block and its parent).
 
     ``parent`` must be the hash of block ``start_block - 1`` when
     ``start_block > 0`` (so callers extend a chain without rehashing it).
+    The token array is packed once and each block hashed in one call.
     """
-    out: list[BlockHash] = []
     n_full = len(tokens) // block_size
-    for i in range(start_block, n_full):
-        parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size], salt)
-        out.append(parent)
+    if n_full <= start_block:
+        return []
+    salt_bytes = salt.encode()
+    salt_part = len(salt_bytes).to_bytes(4, "little") + salt_bytes
+    width = block_size * 8
+    data = memoryview(array("q", tokens[start_block * block_size:n_full * block_size]).tobytes())
+    prev = _ROOT if parent is None else parent.to_bytes(8, "little")
+    base, join, from_bytes = _BASE.copy, b"".join, int.from_bytes  # copying a keyed state beats building one
+    out: list[BlockHash] = []
+    for off in range(0, len(data), width):
+        h = base()
+        h.update(join((prev, salt_part, data[off:off + width])))
+        prev = h.digest()
+        out.append(from_bytes(prev, "little"))
     return out

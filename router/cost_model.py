@@ -92,10 +92,12 @@ def _disaggregated(req, view: ClusterView, a_site: np.ndarray, p_sites: np.ndarr
     """For each decode row (its site, its cached blocks): the best disaggregated
     cost over the prefill sites (in their first-seen order: the first of equal
     costs wins) and that site (-1: none linked)."""
-    pairs, inverse = np.unique(np.stack([d_site, d_cached]), axis=1, return_inverse=True)
+    span = int(d_cached.max()) + 1 if len(d_cached) else 1
+    keys, inverse = np.unique(d_site * span + d_cached, return_inverse=True)  # one int per (site, cached) pair
+    pair_site, pair_cached = keys // span, keys % span
     gbps, rtt = _link_matrix(view, view.table.sites)
-    g, r = gbps[np.ix_(p_sites, pairs[0])], rtt[np.ix_(p_sites, pairs[0])]
-    blocks = np.maximum(0, blocks_for(req.prompt_tokens, view.block_size) - pairs[1])
+    g, r = gbps[np.ix_(p_sites, pair_site)], rtt[np.ix_(p_sites, pair_site)]
+    blocks = np.maximum(0, blocks_for(req.prompt_tokens, view.block_size) - pair_cached)
     with np.errstate(invalid="ignore"):
         transfer = blocks * view.kv_block_bytes * 8 / (g * 1e9)
         a = a_site[:, None]

@@ -23,7 +23,7 @@ import pytest
 pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "benchmarks" / "data" / "mooncake_synthetic_head200.jsonl"
-SLICE = ["--trace", str(TRACE), "--limit", "20", "--length-scale", "0.02", "--output-scale", "0.1",
+SLICE = ["--trace", str(TRACE), "--limit", "16", "--length-scale", "0.02", "--output-scale", "0.1",
          "--speedup", "0.12"]
 BOUND = 0.40
 

@@ -1,0 +1,55 @@
+"""The bitmask prefix index answers exactly as the earlier set-based one
+(kept as tests/unit/prefix_index_reference.py) under random stores,
+removals, snapshots and workers leaving and coming back."""
+
+from __future__ import annotations
+
+import random
+
+from router.prefix_index import PrefixIndex
+from tests.unit.prefix_index_reference import PrefixIndex as Reference
+
+
+def test_leading_blocks_match_the_previous_index():
+    rng = random.Random(5)
+    chains = [[rng.getrandbits(64) for _ in range(40)] for _ in range(6)]
+    new, old = PrefixIndex(), Reference()
+    workers = [f"s/decode/{i}" for i in range(70)]
+    checked = 0
+    for step in range(3000):
+        w = rng.choice(workers)
+        op = rng.random()
+        if op < 0.05:
+            new.remove_worker(w)
+            old.remove_worker(w)
+        else:
+            chain = rng.choice(chains)
+            stored = chain[:rng.randrange(0, 40)] + rng.sample(chain, 3)  # prefixes, and stray blocks
+            removed = rng.sample(chain, rng.randrange(0, 4))
+            snap = op > 0.97
+            new.apply(w, stored, removed, snap)
+            old.apply(w, stored, removed, snap)
+        if step % 10 == 0:
+            for chain in chains:
+                q = chain[:rng.randrange(0, 41)]
+                assert new.leading_blocks(q) == old.leading_blocks(q), step
+                checked += bool(old.leading_blocks(q))
+        assert new.blocks_of(w) == old.blocks_of(w)
+    assert checked > 500
+
+
+def test_hash_blocks_equals_the_chain_of_hash_block():
+    from engine.hashing import hash_block, hash_blocks
+
+    rng = random.Random(9)
+    for _ in range(50):
+        bs = rng.choice([1, 4, 16])
+        toks = [rng.randrange(0, 1 << 17) for _ in range(rng.randrange(0, 300))]
+        salt = rng.choice(["", "tenant-a", "é"])
+        want, parent = [], None
+        for i in range(len(toks) // bs):
+            parent = hash_block(parent, toks[i * bs:(i + 1) * bs], salt)
+            want.append(parent)
+        assert hash_blocks(toks, bs, salt) == want
+        k = rng.randrange(0, len(want) + 1)
+        assert hash_blocks(toks, bs, salt, want[k - 1] if k else None, k) == want[k:]
