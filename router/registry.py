@@ -31,19 +31,60 @@ class WorkerRecord:
     last_seen: float
     channel: grpc.aio.Channel
     stub: object
-    draining: bool = False
-    inflight: int = 0
-    """Requests the router has on this worker now (exact, unlike heartbeats)."""
+    _draining: bool = False
+    _inflight: int = 0
     synced: bool = False
     """The prefix index holds this worker's cache (a snapshot arrived)."""
-    pending_prefill_tokens: int = 0
-    """Prompt tokens the router sent here whose first token has not come back."""
+    _pending: int = 0
     registered_at: float = 0.0
     answered_at: float = 0.0
     """When the router last answered this worker's heartbeat (or registration):
     the probes in its next heartbeat started after this."""
     drain_since: float = 0.0
     """When draining started (monotonic); the worker leaves by drain_timeout_s after it."""
+    row: WorkerView | None = None
+    """Its row in the registry's placement view (written through on every change)."""
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        if self.row is not None:
+            self.row.draining = value
+
+    @property
+    def inflight(self) -> int:
+        """Requests the router has on this worker now (exact, unlike heartbeats)."""
+        return self._inflight
+
+    @inflight.setter
+    def inflight(self, value: int) -> None:
+        self._inflight = value
+        if self.row is not None:
+            self.row.inflight = value
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens the router sent here whose first token has not come back."""
+        return self._pending
+
+    @pending_prefill_tokens.setter
+    def pending_prefill_tokens(self, value: int) -> None:
+        self._pending = value
+        if self.row is not None:
+            self.row.queued_prefill_tokens = max(self.load.queued_prefill_tokens, value)
+
+    def sync_load(self) -> None:
+        """Writes the last heartbeat's load into its view row."""
+        if self.row is not None:
+            load, r = self.load, self.row
+            r.queued_prefill_tokens = max(load.queued_prefill_tokens, self._pending)
+            r.running, r.waiting = load.running, load.waiting
+            r.free_blocks = load.free_blocks if load.total_blocks else (self.info.num_blocks or 1 << 30)
+            r.prefill_tokens_per_s, r.decode_step_s = load.prefill_tokens_per_s, load.decode_step_ms / 1e3
 
 
 @dataclass(slots=True)
@@ -93,6 +134,8 @@ class WorkerRegistry:
         ll = cfg.local_link
         self.local_link = LinkView(ll.rtt_ms, ll.gbps, True, LOCAL_LINK)
         self.link_health = {key: LinkHealth() for key in self.links}
+        self._view: ClusterView | None = None
+        """The placement view (router/views.py), rebuilt only when the set of workers changes."""
         self._beats = 0
         self._probe_pool: tuple[float, dict[str, list[WorkerRecord]]] = (-1e9, {})
         """Healthy workers per site, sorted, as probe targets (rebuilt at most every half interval:
@@ -141,6 +184,7 @@ class WorkerRegistry:
         if rec is None:
             return wpb.HeartbeatResponse(known=False)
         rec.load = req.load
+        rec.sync_load()
         rec.last_seen = time.monotonic()
         self._observe_usage(rec, req.load)
         ev = req.kv_events
@@ -228,26 +272,37 @@ class WorkerRegistry:
                 if w.info.role == role.proto and not w.draining and self.healthy(w)]
 
     def view(self) -> ClusterView:
-        """A snapshot for one placement decision."""
+        """The snapshot placement decides on: one view kept across decisions
+        (rebuilt when workers come or go), its rows written as loads, requests
+        in flight and draining change; health is refreshed here (by the clock)."""
+        recs = list(self.workers.values())
+        if self._view is None or len(self._view.workers) != len(recs) or \
+                any(rec.row is not w for rec, w in zip(recs, self._view.workers)):
+            self._view = self._build_view(recs)
+        now = time.monotonic()
+        self._view.table.cols.healthy[:] = [now - rec.last_seen <= self.timeout_s for rec in recs]
+        return self._view
+
+    def _build_view(self, recs: list[WorkerRecord]) -> ClusterView:
         r = self.cfg.router
         workers = []
         kv_block_bytes, num_layers = 0, 1
-        for rec in self.workers.values():
-            info, load = rec.info, rec.load
+        for rec in recs:
+            info = rec.info
             if info.kv_block_bytes:
                 kv_block_bytes, num_layers = info.kv_block_bytes, max(1, info.num_layers)
-            workers.append(WorkerView(
-                info.worker_id, Role.of(info.role), info.site, self.healthy(rec), rec.draining,
-                rec.inflight, r.max_inflight_per_worker,
-                max(load.queued_prefill_tokens, rec.pending_prefill_tokens), load.running, load.waiting,
-                load.free_blocks if load.total_blocks else (info.num_blocks or 1 << 30),
-                load.prefill_tokens_per_s, load.decode_step_ms / 1e3,
-                self.dedicated.get((info.site, Role.of(info.role)), frozenset())))
-        return ClusterView(workers, self.jurisdiction, self.links, self.local_link,
+            workers.append(WorkerView(info.worker_id, Role.of(info.role), info.site, True, rec.draining,
+                                      rec.inflight, r.max_inflight_per_worker,
+                                      tenants=self.dedicated.get((info.site, Role.of(info.role)), frozenset())))
+        view = ClusterView(workers, self.jurisdiction, self.links, self.local_link,
                            block_size=self.cfg.cache.block_size, kv_block_bytes=kv_block_bytes,
                            num_layers=num_layers, default_prefill_tokens_per_s=r.default_prefill_tokens_per_s,
                            colocate_below_tokens=r.colocate_below_tokens, herd_tolerance=r.herd_tolerance,
                            max_prefill_queue_s=r.kv_lease_s / 2)
+        for rec, w in zip(recs, workers):
+            rec.row = w
+            rec.sync_load()
+        return view
 
     def _observe_usage(self, rec: WorkerRecord, load: wpb.WorkerLoad) -> None:
         self.usage.observe(rec.info.worker_id, rec.info.site, Role.of(rec.info.role).value, load)
