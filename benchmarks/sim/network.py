@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from benchmarks.sim.clock import Clock
 from router.placement import LinkView
 
-EPS_BYTES = 1e-3
+DRAINED_S = 1e-9
+"""A flow with less than this many seconds of the link's rate left is drained
+(so the clock always moves: far below this, now + delay == now in floating point)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -37,6 +39,7 @@ class SimLink:
     def __init__(self, clock: Clock, view: LinkView) -> None:
         self.clock, self.view = clock, view
         self.bytes_per_s = view.gbps * 1e9 / 8
+        self.eps = self.bytes_per_s * DRAINED_S
         self.active: list[Flow] = []
         self.flows: dict[Flow, None] = {}
         """Open flows, in the order they opened (an ordered set: runs are deterministic)."""
@@ -73,7 +76,7 @@ class SimLink:
             return
         self._advance()
         flow.ready += nbytes
-        if flow not in self.active and flow.ready > EPS_BYTES:
+        if flow not in self.active and flow.ready > self.eps:
             self.active.append(flow)
         self._settle()
 
@@ -87,7 +90,7 @@ class SimLink:
 
     def _settle(self) -> None:
         """Retires drained flows, then schedules the next one to drain."""
-        for f in [f for f in self.active if f.ready <= EPS_BYTES]:
+        for f in [f for f in self.active if f.ready <= self.eps]:
             self.active.remove(f)
         for f in [f for f in self.flows if f.closed and f not in self.active]:
             self._finish(f, True, self.view.rtt_ms / 2e3)

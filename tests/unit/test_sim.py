@@ -281,3 +281,15 @@ def test_bench_placement_json_has_its_stable_fields(tmp_path):
             assert 0 < r[f"{k}_p50_us"] <= r[f"{k}_p99_us"]
         assert r["decision_p50_us"] >= r["place_p50_us"]
     assert _cli("bench", "placement", "--workers", "ten").returncode == 2
+
+
+def test_a_few_bytes_late_in_a_long_run_still_drain():
+    """Far into a run a flow's last byte may take less time than the clock can
+    represent; the link retires it instead of rescheduling itself forever."""
+    clock, link = _link(gbps=400.0)
+    done = {}
+    flow = link.open(lambda ok: done.setdefault("t", clock.now))
+    clock.at(3600.0, link.add, flow, 1.3e-3)
+    clock.at(3600.0, link.close, flow)
+    clock.run(until=3601.0)
+    assert done and clock.events < 10
