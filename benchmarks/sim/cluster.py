@@ -41,6 +41,10 @@ LAYER_PIECES = 8
 """A chunk's KV is handed to the link in this many pieces over its step (layer-wise streaming)."""
 
 
+class SimInputError(ValueError):
+    """The simulation was asked for something the deployment lacks; the message names it."""
+
+
 @dataclass(slots=True)
 class Failure:
     """A worker or a link going down at ``at_s`` (a link comes back after ``for_s``, when given)."""
@@ -112,6 +116,9 @@ class SimCluster:
         self.local = {site.name: SimLink(self.clock, self.view.local_link) for site in cfg.sites}
         self.workers: dict[str, SimWorker] = {
             v.worker_id: SimWorker(v, self.clock, profile, self.num_blocks, bs, cfg.scheduler, hooks) for v in views}
+        self._check(sim.failures)
+        self.capacity_tokens = min(profile.model.max_context, self.num_blocks * bs)
+        """The longest prompt + output a worker takes (the live engine refuses longer ones)."""
         self.active: dict[str, SimRequest] = {}
         self.waiting: deque[SimRequest] = deque()
         self.records: list[RequestRecord] = []
@@ -139,6 +146,17 @@ class SimCluster:
                            colocate_below_tokens=r.colocate_below_tokens, herd_tolerance=r.herd_tolerance,
                            max_prefill_queue_s=r.kv_lease_s / 2)
 
+    def _check(self, failures: list[Failure]) -> None:
+        """Every failure names a worker or link of this deployment (SimInputError otherwise)."""
+        links = {ln.name for ln in self.links.values()}
+        for f in failures:
+            known = self.workers if f.kind == "worker" else links if f.kind == "link" else None
+            if known is None:
+                raise SimInputError(f"failure kind {f.kind!r}: expected worker or link")
+            if f.target not in known:
+                raise SimInputError(f"--fail {f.kind}:{f.target}: no such {f.kind} in the config (known: "
+                                 f"{', '.join(sorted(known)) or 'none'})")
+
     def link_between(self, a: str, b: str) -> SimLink:
         return self.local[a] if a == b else self.links[frozenset((a, b))]
 
@@ -147,6 +165,10 @@ class SimCluster:
         for a in arrivals:
             rec = RequestRecord(a.index, a.arrival_s, a.arrival_s, a.prompt_tokens, a.max_tokens)
             self.records.append(rec)
+            if a.prompt_tokens + a.max_tokens > self.capacity_tokens:
+                rec.error = (f"INVALID_ARGUMENT: prompt + max_tokens ({a.prompt_tokens + a.max_tokens} tokens) "
+                             f"exceeds a worker's context or KV cache ({self.capacity_tokens} tokens)")
+                continue
             req = SimRequest(a, a.chain(self.block_size), rec, f"sim-{a.index}")
             self.clock.at(a.arrival_s + self.sim.router_s, self._place, req)
         for f in self.sim.failures:
@@ -305,7 +327,7 @@ class SimCluster:
         if f.kind == "worker":
             self._worker_down(self.workers[f.target])
         else:
-            link = next(ln for ln in self.links.values() if ln.name == f.target)
+            link = next(ln for ln in self.links.values() if ln.name == f.target)  # checked in __init__
             link.view.up = False
             link.fail_all()
             if f.for_s is not None:

@@ -25,7 +25,8 @@ from engine.sequence import Sequence, SequenceStatus
 from router.placement import WorkerView
 from runtime.topology import Role
 
-_MASK = (1 << 64) - 1
+HASH_MASK = (1 << 64) - 1
+"""Block hashes are 64-bit, as the engine's."""
 
 
 class HashChain:
@@ -39,7 +40,7 @@ class HashChain:
     def upto(self, n: int) -> list[int]:
         hs = self.hashes
         while len(hs) < n:
-            hs.append(hash((hs[-1] if hs else 0, self.uid, len(hs))) & _MASK)
+            hs.append(hash((hs[-1] if hs else 0, self.uid, len(hs))) & HASH_MASK)
         return hs[:n]
 
 

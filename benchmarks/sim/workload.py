@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.sim.worker import HashChain, _MASK
+from benchmarks.sim.worker import HASH_MASK, HashChain
 from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, scale_lengths
 
 
@@ -29,11 +29,11 @@ class SimArrival:
         for j in range(self.prompt_tokens // block_size):
             start, end = j * block_size, (j + 1) * block_size - 1
             k0, k1 = start // tb, end // tb
-            if self.hash_ids and k1 < len(self.hash_ids) and end < len(self.hash_ids) * tb:
+            if k1 < len(self.hash_ids):
                 key = (prev, self.hash_ids[k0], self.hash_ids[k1], start - k0 * tb)
             else:
                 key = (prev, -1 - self.index, j)  # unique to this prompt
-            prev = hash(key) & _MASK
+            prev = hash(key) & HASH_MASK
             hashes.append(prev)
         return HashChain(self.index, hashes)
 

@@ -293,3 +293,11 @@ def test_a_few_bytes_late_in_a_long_run_still_drain():
     clock.at(3600.0, link.close, flow)
     clock.run(until=3601.0)
     assert done and clock.events < 10
+
+
+def test_a_request_longer_than_a_worker_holds_is_refused_not_queued():
+    prof = load_profile(H100)
+    rep = run(one_site(1, 1), [request(200_000, 10), request(1000, 2, index=1)], prof)
+    first, second = rep["requests"]
+    assert first["error"].startswith("INVALID_ARGUMENT") and "131072" in first["error"]
+    assert second["error"] is None and len(second["token_times"]) == 2
