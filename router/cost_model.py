@@ -12,6 +12,7 @@ site is one S x K matrix; each decode worker then costs O(1) vector work.
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -47,10 +48,11 @@ def eligible_rows(req, view: ClusterView) -> Eligible:
     t = view.table
     c = t.cols
     cached = np.zeros(len(c), np.int64)
-    for wid, n in req.cached_blocks.items():
-        r = t.row.get(wid)
-        if r is not None:
-            cached[r] = n
+    if req.cached_blocks:  # rows of the holders (-1: not in this view), looked up at C speed
+        n = len(req.cached_blocks)
+        rows = np.fromiter(map(t.row.get, req.cached_blocks.keys(), itertools.repeat(-1)), np.int64, n)
+        depth = np.fromiter(req.cached_blocks.values(), np.int64, n)
+        cached[rows[rows >= 0]] = depth[rows >= 0]
     ok = c.healthy & ~c.draining
     for wid in req.exclude:
         r = t.row.get(wid)
