@@ -13,6 +13,7 @@ refused saying what to change."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import socket
@@ -43,9 +44,20 @@ DEADLINE_S = 180.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: the pods bind theirs seconds after
+    this choice (init containers run first), and an outgoing connection of any process
+    may take a free ephemeral port meanwhile, but never one below the range."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 class Pods:
