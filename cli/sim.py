@@ -196,8 +196,12 @@ def cmd_plan_capacity(args: argparse.Namespace) -> int:
         return 2
     goal = PlanGoal(args.slo_ttft, args.slo_tpot, args.attainment, sites)
     sim = SimConfig(seed=args.seed, router_s=args.router_ms / 1e3, rpc_s=args.rpc_ms / 1e3)
-    plan = Planner(cfg, goal, lambda c: simulate(c, profile, arr, sim, Objectives(goal.slo_ttft_s, goal.slo_tpot_s),
-                                                 {})).plan()
+    try:
+        plan = Planner(cfg, goal, lambda c: simulate(c, profile, arr, sim,
+                                                     Objectives(goal.slo_ttft_s, goal.slo_tpot_s), {})).plan()
+    except SimInputError as exc:
+        print(f"kvrelay: {exc}", file=sys.stderr)
+        return 2
     text = _plan_text(plan, goal)
     print(text)
     if args.out:

@@ -318,13 +318,6 @@ class CostModel(Policy):
         return Placement(ws[d], None if p is None else ws[p])
 
 
-def _most_cached(items: list, cached_of) -> list:
-    """Among near-equal candidates, those holding the most of the prompt
-    (less to move, and blocks reused rather than newly filled)."""
-    top = max(cached_of(x) for x in items)
-    return [x for x in items if cached_of(x) == top]
-
-
 def make_policy(name: str, seed: int | None = None) -> Policy:
     """The policy called ``name`` (one of POLICIES)."""
     classes = {c.name: c for c in (RoundRobin, LeastLoaded, PrefixAware, CostModel)}

@@ -147,12 +147,21 @@ class SimCluster:
                            max_prefill_queue_s=r.kv_lease_s / 2)
 
     def _check(self, failures: list[Failure]) -> None:
-        """Every failure names a worker or link of this deployment (SimInputError otherwise)."""
+        """No dedicated pools (not simulated), and every failure names a worker or
+        link of this deployment (SimInputError otherwise)."""
+        dedicated = [f"{s.name}.{role}" for s in self.cfg.sites for role in ("prefill", "decode")
+                     if getattr(s, role).tenants]
+        if dedicated:
+            raise SimInputError(f"dedicated pools ({', '.join(dedicated)}: tenants) are not simulated: every "
+                                "simulated request is one anonymous tenant's; remove their tenants lists")
         links = {ln.name for ln in self.links.values()}
         for f in failures:
             known = self.workers if f.kind == "worker" else links if f.kind == "link" else None
             if known is None:
                 raise SimInputError(f"failure kind {f.kind!r}: expected worker or link")
+            if f.kind == "worker" and f.for_s is not None:
+                raise SimInputError(f"--fail worker:{f.target}: a worker that fails does not come back "
+                                    "(+SECONDS is for links)")
             if f.target not in known:
                 raise SimInputError(f"--fail {f.kind}:{f.target}: no such {f.kind} in the config (known: "
                                  f"{', '.join(sorted(known)) or 'none'})")

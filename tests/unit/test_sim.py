@@ -301,3 +301,15 @@ def test_a_request_longer_than_a_worker_holds_is_refused_not_queued():
     first, second = rep["requests"]
     assert first["error"].startswith("INVALID_ARGUMENT") and "131072" in first["error"]
     assert second["error"] is None and len(second["token_times"]) == 2
+
+
+def test_what_the_simulator_does_not_model_is_refused():
+    from benchmarks.sim.cluster import SimInputError
+
+    dedicated = one_site(1, 1)
+    dedicated["tenants"] = [{"name": "lab", "token_sha256": "0" * 64}]
+    dedicated["sites"][0]["decode"]["tenants"] = ["lab"]
+    with pytest.raises(SimInputError, match="a.decode"):
+        run(dedicated, [request(100, 2)])
+    with pytest.raises(SimInputError, match="does not come back"):
+        run(one_site(1, 1), [request(100, 2)], failures=[Failure("worker", "a/decode/0", 1.0, for_s=5.0)])
