@@ -1,23 +1,50 @@
 """Chained block hashes, shared by the engine's prefix cache and the router's
 prefix index: ``h_i = H(h_{i-1}, tokens_i, salt)``.
 
-Only full blocks are hashed. The salt isolates tenants (two different salts
-never produce the same chain) and can carry anything else that must not be
-shared, e.g. a model identity.
+Only full blocks are hashed. ``H`` is blake2b (8-byte digest) keyed by a
+digest of the salt, over the parent's 8 bytes and the block's token ids as
+little-endian 32-bit words. The salt isolates tenants (a keyed hash: without
+the key nobody can predict or collide another domain's chain) and can carry
+anything else that must not be shared, e.g. a model identity.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import sys
 from array import array
 from collections.abc import Sequence
+
+import numpy as np
 
 BlockHash = int
 """64-bit block hash (fits a protobuf fixed64)."""
 
-_ROOT = b"kvrelay-block-v1"
-_BASE = hashlib.blake2b(digest_size=8, person=b"kvrelay-blk")
-"""The initial state every block hash starts from (copied, never updated)."""
+_ROOT = b"kvrelay\x00"
+"""The parent of the first block (8 bytes, as every parent)."""
+_TOKEN_BYTES = 4
+"""Token ids are hashed as little-endian 32-bit words (the same bytes on every host)."""
+if array("I").itemsize != 4:  # a C unsigned int is 32 bits on every platform kvrelay runs on
+    raise ImportError("engine.hashing packs token ids as C unsigned ints and needs them 32 bits wide")
+
+
+@functools.lru_cache(maxsize=4096)
+def _keyed(salt: str) -> "hashlib._Hash":
+    """The blake2b state every block of ``salt``'s domain starts from (copied,
+    never updated): keyed by a digest of the salt, so the salt costs nothing per block."""
+    key = hashlib.blake2b(salt.encode(), digest_size=32, person=b"kvrelay-salt").digest()
+    return hashlib.blake2b(digest_size=8, key=key, person=b"kvrelay-blk")
+
+
+def _packed(tokens: Sequence[int]) -> bytes:
+    try:
+        packed = array("I", tokens)  # the fastest way from a list of ints to words
+    except OverflowError as exc:
+        raise ValueError(f"a token id is outside 0..2**32-1: {exc}") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def hash_block(parent: BlockHash | None, tokens: Sequence[int], salt: str = "") -> BlockHash:
@@ -28,12 +55,9 @@ def hash_block(parent: BlockHash | None, tokens: Sequence[int], salt: str = "") 
         tokens: the block's token ids (exactly ``block_size`` of them).
         salt: isolation domain (tenant); part of every block's hash.
     """
-    h = hashlib.blake2b(digest_size=8, person=b"kvrelay-blk")
+    h = _keyed(salt).copy()
     h.update(_ROOT if parent is None else parent.to_bytes(8, "little"))
-    salt_bytes = salt.encode()
-    h.update(len(salt_bytes).to_bytes(4, "little"))
-    h.update(salt_bytes)
-    h.update(array("q", tokens).tobytes())
+    h.update(_packed(tokens))
     return int.from_bytes(h.digest(), "little")
 
 
@@ -44,21 +68,22 @@ def hash_blocks(tokens: Sequence[int], block_size: int, salt: str = "",
 
     ``parent`` must be the hash of block ``start_block - 1`` when
     ``start_block > 0`` (so callers extend a chain without rehashing it).
-    The token array is packed once and each block hashed in one call.
+    The token array is packed once; each block costs one copy of the keyed
+    state, one update and one digest (about 0.3-0.5 us here).
     """
     n_full = len(tokens) // block_size
     if n_full <= start_block:
         return []
-    salt_bytes = salt.encode()
-    salt_part = len(salt_bytes).to_bytes(4, "little") + salt_bytes
-    width = block_size * 8
-    data = memoryview(array("q", tokens[start_block * block_size:n_full * block_size]).tobytes())
+    data = _packed(tokens[start_block * block_size:n_full * block_size])
+    width = block_size * _TOKEN_BYTES
     prev = _ROOT if parent is None else parent.to_bytes(8, "little")
-    base, join, from_bytes = _BASE.copy, b"".join, int.from_bytes  # copying a keyed state beats building one
-    out: list[BlockHash] = []
+    base = _keyed(salt).copy
+    out: list[bytes] = []
+    keep = out.append
     for off in range(0, len(data), width):
         h = base()
-        h.update(join((prev, salt_part, data[off:off + width])))
+        h.update(prev)
+        h.update(data[off:off + width])
         prev = h.digest()
-        out.append(from_bytes(prev, "little"))
-    return out
+        keep(prev)
+    return np.frombuffer(b"".join(out), "<u8").tolist()

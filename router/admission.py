@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 
 PUMP_S = 0.1
 """Longest time between two tries of the waiting tickets (room also frees up without an event: heartbeats)."""
+PUMP_BUDGET_S = 0.002
+"""Longest a pass over the waiting tickets holds the event loop: past it the
+pass lets the loop run and carries on from where it stopped on the loop's next turn."""
 
 
 @dataclass(slots=True)
@@ -57,6 +61,8 @@ class Ticket:
     future: asyncio.Future
     interactive: bool
     last_error: PlacementError | None = None
+    queued: bool = True
+    """Still waiting (False once withdrawn)."""
 
 
 @dataclass(slots=True)
@@ -68,6 +74,9 @@ class FairQueue:
     waiting: list[Ticket] = field(default_factory=list)
     _arrivals: itertools.count = field(default_factory=itertools.count)
     _timer: asyncio.TimerHandle | None = None
+    _rest: asyncio.Handle | None = None
+    """The rest of a pass cut short, or a new pass asked for meanwhile (one at a time)."""
+    _again: bool = False
 
     @property
     def interactive_waiting(self) -> int:
@@ -90,17 +99,31 @@ class FairQueue:
 
     def withdraw(self, t: Ticket) -> None:
         """The request stopped waiting (its deadline or admission wait passed, or its caller left)."""
+        t.queued = False
         if t in self.waiting:
             self.waiting.remove(t)
 
     def pump(self) -> None:
-        """Tries the waiting tickets in order; each one placed leaves the queue with its placement."""
-        full: set = set()
-        for t in list(self.waiting):
+        """Tries the waiting tickets in order; each one placed leaves the queue
+        with its placement. A long pass is cut into turns of PUMP_BUDGET_S (one
+        pass at a time: a pump asked for meanwhile starts a new pass after it)."""
+        if self._rest is not None:
+            self._again = True
+            return
+        self._sweep(list(self.waiting), set())
+
+    def _sweep(self, todo: list[Ticket], full: set) -> None:
+        self._rest = None
+        deadline = time.perf_counter() + PUMP_BUDGET_S
+        for k, t in enumerate(todo):
+            if time.perf_counter() > deadline:
+                self._rest = asyncio.get_running_loop().call_soon(self._sweep, todo[k:], full)
+                return
             if t.future.done():
-                self.waiting.remove(t)
+                if t in self.waiting:
+                    self.waiting.remove(t)
                 continue
-            if t.constraints in full:
+            if t.constraints in full or not t.queued:
                 continue
             try:
                 placed = t.try_place()
@@ -120,7 +143,14 @@ class FairQueue:
             self.waiting.remove(t)
             self.vtime = max(self.vtime, t.start)
             t.future.set_result(placed)
+        if self._again:
+            self._again = False
+            self._rest = asyncio.get_running_loop().call_soon(self.pump_anew)
         self._schedule()
+
+    def pump_anew(self) -> None:
+        self._rest = None
+        self.pump()
 
     def _schedule(self) -> None:
         if self._timer is not None:

@@ -171,7 +171,18 @@ class RouterCore:
         req.work.batch = caller.priority is Priority.BATCH  # engines admit it after waiting interactive ones
         req.allowed_jurisdictions = self.tenants.jurisdictions(caller.tenant, req.allowed_jurisdictions)
         self.tenants.check_context(caller.tenant, len(req.work.prompt_token_ids), req.work.max_tokens)
+        req.block_hashes = hash_blocks(req.work.prompt_token_ids, self.cfg.cache.block_size, req.work.salt)
         return req
+
+    def _block_hashes(self, req: Request, work: wpb.WorkRequest) -> list[int]:
+        """The block hashes of an attempt's prompt: the request's own, extended
+        over the tokens already sent when a migration re-prefills them."""
+        bs, have = self.cfg.cache.block_size, req.block_hashes
+        if have is None:
+            return hash_blocks(work.prompt_token_ids, bs, work.salt)
+        if len(work.prompt_token_ids) // bs <= len(have):
+            return have
+        return have + hash_blocks(work.prompt_token_ids, bs, work.salt, have[-1] if have else None, len(have))
 
     async def admit(self, msg: ipb.GenerateRequest, caller: Caller) -> Request:
         """:meth:`prepare` in the tokenizer threads, so a long prompt holds up no one
@@ -259,7 +270,7 @@ class RouterCore:
             if work is None:  # every token was sent before the decode worker failed
                 yield run.finish_without_worker(req.client_id)
                 return
-            hashes = hash_blocks(work.prompt_token_ids, self.cfg.cache.block_size, work.salt)
+            hashes = self._block_hashes(req, work)
             try:
                 async for msg in self._placed(req, work, hashes, run, caller, admission, obs):
                     yield run.passed(msg)

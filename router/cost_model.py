@@ -12,7 +12,6 @@ site is one S x K matrix; each decode worker then costs O(1) vector work.
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import dataclass
 
@@ -47,12 +46,7 @@ def eligible_rows(req, view: ClusterView) -> Eligible:
     jurisdiction, room, the prefill queue's bound, free blocks at the decode worker."""
     t = view.table
     c = t.cols
-    cached = np.zeros(len(c), np.int64)
-    if req.cached_blocks:  # rows of the holders (-1: not in this view), looked up at C speed
-        n = len(req.cached_blocks)
-        rows = np.fromiter(map(t.row.get, req.cached_blocks.keys(), itertools.repeat(-1)), np.int64, n)
-        depth = np.fromiter(req.cached_blocks.values(), np.int64, n)
-        cached[rows[rows >= 0]] = depth[rows >= 0]
+    cached = t.cached(req.cached_blocks)
     ok = c.healthy & ~c.draining
     for wid in req.exclude:
         r = t.row.get(wid)
@@ -72,21 +66,20 @@ def eligible_rows(req, view: ClusterView) -> Eligible:
     return Eligible(np.flatnonzero(t.prefill & ok & queue_ok), decode, cached)
 
 
-def _link_matrix(view: ClusterView, sites: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(Gbit/s, RTT ms) between every two sites; NaN where no usable link."""
-    code = {s: i for i, s in enumerate(sites)}
-    n = len(sites)
-    gbps, rtt = np.full((n, n), np.nan), np.full((n, n), np.nan)
-    if view.local_link.up:
-        np.fill_diagonal(gbps, view.local_link.gbps)
-        np.fill_diagonal(rtt, view.local_link.rtt_ms)
-    for key, link in view.links.items():
-        if link.up and len(key) == 2:
-            a, b = (code.get(s) for s in key)
-            if a is not None and b is not None:
-                gbps[a, b] = gbps[b, a] = link.gbps
-                rtt[a, b] = rtt[b, a] = link.rtt_ms
-    return gbps, rtt
+def _pairs(d_site: np.ndarray, d_cached: np.ndarray, n_sites: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct (site, cached blocks) pairs of the decode rows, in
+    ascending (site, cached) order, and each row's pair: a dense table when
+    the pairs' space is small (no sort), else ``np.unique``."""
+    span = int(d_cached.max()) + 1 if len(d_cached) else 1
+    key = d_site * span + d_cached
+    if n_sites * span <= 4 * len(key) + 64:
+        present = np.zeros(n_sites * span, np.bool_)
+        present[key] = True
+        keys = np.flatnonzero(present)
+        inverse = (np.cumsum(present) - 1)[key]
+    else:
+        keys, inverse = np.unique(key, return_inverse=True)
+    return keys // span, keys % span, inverse.ravel()
 
 
 def _disaggregated(req, view: ClusterView, a_site: np.ndarray, p_sites: np.ndarray, d_site: np.ndarray,
@@ -94,10 +87,8 @@ def _disaggregated(req, view: ClusterView, a_site: np.ndarray, p_sites: np.ndarr
     """For each decode row (its site, its cached blocks): the best disaggregated
     cost over the prefill sites (in their first-seen order: the first of equal
     costs wins) and that site (-1: none linked)."""
-    span = int(d_cached.max()) + 1 if len(d_cached) else 1
-    keys, inverse = np.unique(d_site * span + d_cached, return_inverse=True)  # one int per (site, cached) pair
-    pair_site, pair_cached = keys // span, keys % span
-    gbps, rtt = _link_matrix(view, view.table.sites)
+    pair_site, pair_cached, inverse = _pairs(d_site, d_cached, len(view.table.sites))
+    gbps, rtt = view.link_matrix()
     g, r = gbps[np.ix_(p_sites, pair_site)], rtt[np.ix_(p_sites, pair_site)]
     blocks = np.maximum(0, blocks_for(req.prompt_tokens, view.block_size) - pair_cached)
     with np.errstate(invalid="ignore"):
@@ -108,7 +99,7 @@ def _disaggregated(req, view: ClusterView, a_site: np.ndarray, p_sites: np.ndarr
     best = np.argmin(cost, axis=0)
     best_cost = cost[best, np.arange(cost.shape[1])]
     site = np.where(np.isfinite(best_cost), p_sites[best], -1)
-    return best_cost[inverse.ravel()], site[inverse.ravel()]
+    return best_cost[inverse], site[inverse]
 
 
 def _near(costs: np.ndarray, best: float, herd: float) -> np.ndarray:
@@ -137,8 +128,10 @@ def choose_cost_model(req, view: ClusterView, rows: Eligible, rng: random.Random
         site_of = view.table.site[p]
         a_best = np.full(len(view.table.sites), np.inf)
         np.minimum.at(a_best, site_of, a)
-        _, first = np.unique(site_of, return_index=True)
-        p_sites = site_of[np.sort(first)]
+        first = np.full(len(a_best), len(site_of))
+        np.minimum.at(first, site_of, np.arange(len(site_of)))
+        seen = np.flatnonzero(first < len(site_of))
+        p_sites = seen[np.argsort(first[seen], kind="stable")]  # in first-seen order
         cost, dis_site = _disaggregated(req, view, a_best[p_sites], p_sites, view.table.site[d], rows.cached[d])
         dis = cost + admit
     best = min(colocated.min(), dis.min())

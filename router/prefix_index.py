@@ -14,7 +14,47 @@ the prompt are touched one by one (each once).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+class PrefixMatch(Mapping[str, int]):
+    """One lookup's answer: worker id -> leading blocks of the prompt it holds
+    (workers holding none are absent). Kept as the index's bit positions and
+    their depths (numpy); the worker ids are named only when asked for."""
+
+    __slots__ = ("bits", "depth", "ids", "_named")
+
+    def __init__(self, bits: np.ndarray, depth: np.ndarray, ids: list[str | None]) -> None:
+        self.bits, self.depth = bits, depth
+        """Bit positions of the holders, and how many leading blocks each holds."""
+        self.ids = ids
+        """Bit -> worker id, as the index had them (never changed in place after)."""
+        self._named: dict[str, int] | None = None
+
+    def _dict(self) -> dict[str, int]:
+        if self._named is None:
+            ids = self.ids
+            self._named = {ids[b]: d for b, d in zip(self.bits.tolist(), self.depth.tolist())}
+        return self._named
+
+    def __getitem__(self, worker_id: str) -> int:
+        return self._dict()[worker_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return len(self.bits)
+
+    def __bool__(self) -> bool:
+        return len(self.bits) > 0
+
+    def __repr__(self) -> str:
+        return f"PrefixMatch({self._dict()!r})"
+
+
+EMPTY_MATCH = PrefixMatch(np.zeros(0, np.int64), np.zeros(0, np.int64), [])
 
 
 class PrefixIndex:
@@ -23,21 +63,23 @@ class PrefixIndex:
         """Block hash -> bitmask of the workers holding it."""
         self._by_worker: dict[str, set[int]] = {}
         self._bit: dict[str, int] = {}
-        self._ids: list[str | None] = []
-        """Bit -> worker id (None: free)."""
+        self.ids: list[str | None] = []
+        """Bit -> worker id (None: free). Replaced, not changed in place, when a
+        bit is freed or reused, so a PrefixMatch's copy stays right."""
         self._free: list[int] = []
 
     def _bit_of(self, worker_id: str) -> int:
         bit = self._bit.get(worker_id)
         if bit is None:
-            bit = self._free.pop() if self._free else len(self._ids)
-            if bit == len(self._ids):
-                self._ids.append(worker_id)
+            if self._free:
+                bit = self._free.pop()
+                self.ids = self.ids.copy()
+                self.ids[bit] = worker_id
             else:
-                self._ids[bit] = worker_id
+                bit = len(self.ids)
+                self.ids.append(worker_id)  # earlier matches never name a bit this new
             self._bit[worker_id] = bit
         return bit
-
     def apply(self, worker_id: str, stored: Iterable[int], removed: Iterable[int], snapshot: bool = False) -> None:
         """Applies a worker's changes; a snapshot replaces what it held."""
         if snapshot:
@@ -70,30 +112,25 @@ class PrefixIndex:
                 self._holders[h] = left
             else:
                 del self._holders[h]
-        self._ids[bit] = None
+        self.ids = self.ids.copy()
+        self.ids[bit] = None
         self._free.append(bit)
 
     def blocks_of(self, worker_id: str) -> int:
         return len(self._by_worker.get(worker_id, ()))
 
-    def _name(self, bits: int, depth: int, counts: dict[str, int]) -> None:
-        """Records ``depth`` for every worker whose bit is set in ``bits``."""
-        ids = self._ids
-        while bits:
-            low = bits & -bits
-            counts[ids[low.bit_length() - 1]] = depth
-            bits ^= low
-
-    def leading_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
+    def leading_blocks(self, hashes: Sequence[int]) -> PrefixMatch:
         """Worker id -> number of leading blocks of ``hashes`` it holds
-        (workers holding none are absent)."""
-        counts: dict[str, int] = {}
+        (workers holding none are absent): one AND per block, and each
+        worker that drops out along the prompt is touched once."""
         if not hashes:
-            return counts
+            return EMPTY_MATCH
         holders = self._holders
         alive = holders.get(hashes[0], 0)
         if not alive:
-            return counts
+            return EMPTY_MATCH
+        bits: list[int] = []
+        depth: list[int] = []
         i = len(hashes)
         for j in range(1, len(hashes)):
             held = holders.get(hashes[j], 0)
@@ -102,9 +139,19 @@ class PrefixIndex:
                 break
             gone = alive & ~held
             if gone:
-                self._name(gone, j, counts)
+                _name(gone, j, bits, depth)
                 alive &= held
                 if not alive:
-                    return counts
-        self._name(alive, i, counts)
-        return counts
+                    break
+        _name(alive, i, bits, depth)
+        return PrefixMatch(np.array(bits, np.int64), np.array(depth, np.int64), self.ids)
+
+
+def _name(mask: int, depth: int, bits: list[int], depths: list[int]) -> None:
+    """Appends the position of every bit set in ``mask``, with ``depth``."""
+    n = len(bits)
+    while mask:
+        low = mask & -mask
+        bits.append(low.bit_length() - 1)
+        mask ^= low
+    depths.extend([depth] * (len(bits) - n))

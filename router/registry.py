@@ -11,6 +11,7 @@ import zlib
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 class WorkerRecord:
     info: wpb.WorkerInfo
     load: wpb.WorkerLoad
-    last_seen: float
+    _last_seen: float
     channel: grpc.aio.Channel
     stub: object
     _draining: bool = False
@@ -44,6 +45,17 @@ class WorkerRecord:
     """When draining started (monotonic); the worker leaves by drain_timeout_s after it."""
     row: WorkerView | None = None
     """Its row in the registry's placement view (written through on every change)."""
+
+    @property
+    def last_seen(self) -> float:
+        """When it last heartbeated (monotonic); its view row's health clock."""
+        return self._last_seen
+
+    @last_seen.setter
+    def last_seen(self, value: float) -> None:
+        self._last_seen = value
+        if self.row is not None:
+            self.row.heard_at = value
 
     @property
     def draining(self) -> bool:
@@ -85,6 +97,7 @@ class WorkerRecord:
             r.running, r.waiting = load.running, load.waiting
             r.free_blocks = load.free_blocks if load.total_blocks else (self.info.num_blocks or 1 << 30)
             r.prefill_tokens_per_s, r.decode_step_s = load.prefill_tokens_per_s, load.decode_step_ms / 1e3
+            r.heard_at = self._last_seen
 
 
 @dataclass(slots=True)
@@ -135,6 +148,9 @@ class WorkerRegistry:
         self.local_link = LinkView(ll.rtt_ms, ll.gbps, True, LOCAL_LINK)
         self.link_health = {key: LinkHealth() for key in self.links}
         self._view: ClusterView | None = None
+        self._members = 0
+        """Bumped whenever a worker comes or goes (the view is rebuilt then)."""
+        self._view_members = -1
         """The placement view (router/views.py), rebuilt only when the set of workers changes."""
         self._beats = 0
         self._probe_pool: tuple[float, dict[str, list[WorkerRecord]]] = (-1e9, {})
@@ -156,6 +172,7 @@ class WorkerRegistry:
         """Records a worker (replacing a silent record of the same id); the
         channel to it accepts only the certificate of exactly this worker."""
         old = self.workers.pop(info.worker_id, None)
+        self._members += 1
         if old is not None:
             await old.channel.close()
         self.index.remove_worker(info.worker_id)
@@ -166,6 +183,7 @@ class WorkerRegistry:
         now = time.monotonic()
         self.workers[info.worker_id] = WorkerRecord(info, wpb.WorkerLoad(worker_id=info.worker_id),
                                                     now, channel, stub, registered_at=now, answered_at=now)
+        self._members += 1
 
     async def deregister(self, worker_id: str, load: wpb.WorkerLoad | None = None) -> bool:
         """Forgets a worker that is leaving, after taking its final ``load``
@@ -173,6 +191,7 @@ class WorkerRegistry:
         rec = self.workers.pop(worker_id, None)
         if rec is None:
             return False
+        self._members += 1
         if load is not None and load.worker_id in ("", worker_id):
             self._observe_usage(rec, load)
         self.index.remove_worker(worker_id)
@@ -274,13 +293,13 @@ class WorkerRegistry:
     def view(self) -> ClusterView:
         """The snapshot placement decides on: one view kept across decisions
         (rebuilt when workers come or go), its rows written as loads, requests
-        in flight and draining change; health is refreshed here (by the clock)."""
-        recs = list(self.workers.values())
-        if self._view is None or len(self._view.workers) != len(recs) or \
-                any(rec.row is not w for rec, w in zip(recs, self._view.workers)):
-            self._view = self._build_view(recs)
-        now = time.monotonic()
-        self._view.table.cols.healthy[:] = [now - rec.last_seen <= self.timeout_s for rec in recs]
+        in flight, heartbeats and draining change; health is refreshed here
+        from the heartbeat clock column (one vector operation)."""
+        if self._view is None or self._view_members != self._members:
+            self._view = self._build_view(list(self.workers.values()))
+            self._view_members = self._members
+        cols = self._view.table.cols
+        np.less_equal(time.monotonic() - cols.heard_at, self.timeout_s, out=cols.healthy)
         return self._view
 
     def _build_view(self, recs: list[WorkerRecord]) -> ClusterView:

@@ -94,6 +94,9 @@ class Request:
     """``time.perf_counter()`` when the router took it (before tokenizing); 0 = unknown."""
     tokenized_s: float = 0.0
     """Seconds spent validating and tokenizing it."""
+    block_hashes: list[int] | None = None
+    """The prompt's block hashes in its tenant's domain (computed with the
+    tokens, off the event loop); None = not computed."""
 
 
 def prompt_bytes(req: ipb.GenerateRequest) -> int:

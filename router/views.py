@@ -11,17 +11,19 @@ keeps the view (the simulator, the registry) updates rows in place.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from router.prefix_index import PrefixMatch
 from runtime.topology import Role
 
 _COLUMNS: dict[str, tuple[type, object]] = {
     "healthy": (bool, np.bool_), "draining": (bool, np.bool_), "inflight": (int, np.int64),
     "max_inflight": (int, np.int64), "queued_prefill_tokens": (int, np.int64), "running": (int, np.int64),
     "waiting": (int, np.int64), "free_blocks": (int, np.int64), "prefill_tokens_per_s": (float, np.float64),
-    "decode_step_s": (float, np.float64)}
+    "decode_step_s": (float, np.float64), "heard_at": (float, np.float64)}
 """Column name -> (Python type read back, numpy dtype)."""
 
 
@@ -70,6 +72,8 @@ class WorkerView:
     prefill_tokens_per_s = _Column()
     """Measured; 0 = not yet (the view's default applies)."""
     decode_step_s = _Column()
+    heard_at = _Column()
+    """Monotonic time of its last heartbeat (the registry's health clock; 0 = unused)."""
 
     def __init__(self, worker_id: str, role: Role, site: str, healthy: bool = True, draining: bool = False,
                  inflight: int = 0, max_inflight: int = 64, queued_prefill_tokens: int = 0, running: int = 0,
@@ -97,13 +101,32 @@ class WorkerView:
         return f"WorkerView({self.worker_id!r}, {self.role!s}, {self.site!r}, inflight={self.inflight})"
 
 
-@dataclass(slots=True)
 class LinkView:
-    rtt_ms: float
-    gbps: float
-    up: bool = True
-    name: str = ""
-    """e.g. "toronto-montreal"; "" within a site."""
+    """A link between two sites as placement sees it. Any change to a link
+    (it goes down or up) bumps ``LinkView.epoch``, so views can cache what
+    they derive from their links."""
+
+    __slots__ = ("rtt_ms", "gbps", "up", "name")
+    epoch = 0
+    """Changes whenever any LinkView is built or changed."""
+
+    def __init__(self, rtt_ms: float, gbps: float, up: bool = True, name: str = "") -> None:
+        self.rtt_ms, self.gbps, self.up = rtt_ms, gbps, up
+        self.name = name
+        """e.g. "toronto-montreal"; "" within a site."""
+
+    def __setattr__(self, attr: str, value) -> None:
+        object.__setattr__(self, attr, value)
+        LinkView.epoch += 1
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, LinkView) and (self.rtt_ms, self.gbps, self.up, self.name) == \
+            (other.rtt_ms, other.gbps, other.up, other.name)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"LinkView(rtt_ms={self.rtt_ms}, gbps={self.gbps}, up={self.up}, name={self.name!r})"
 
 
 @dataclass(slots=True)
@@ -128,9 +151,19 @@ class ClusterView:
     decode worker's reservation would outlive its lease while the prompt waits."""
     table: Table = field(init=False)
     """The workers' columns and static codes (built from ``workers``)."""
+    _links_at: tuple = field(init=False, default=(), repr=False)
+    _links_cached: tuple = field(init=False, default=(), repr=False)
 
     def __post_init__(self) -> None:
         self.table = Table(self.workers)
+
+    def link_matrix(self) -> tuple[np.ndarray, np.ndarray]:
+        """(Gbit/s, RTT ms) between every two of the table's sites (in its site
+        order); NaN where no usable link. Rebuilt only when a link changed."""
+        at = (LinkView.epoch, len(self.links))
+        if self._links_at != at:
+            self._links_cached, self._links_at = _link_matrix(self, self.table.sites), at
+        return self._links_cached
 
     def link(self, a: str, b: str) -> LinkView | None:
         """The usable link between sites ``a`` and ``b`` (None: none, or down)."""
@@ -139,6 +172,22 @@ class ClusterView:
 
     def throughput(self, w: WorkerView) -> float:
         return w.prefill_tokens_per_s or self.default_prefill_tokens_per_s
+
+
+def _link_matrix(view: ClusterView, sites: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    code = {s: i for i, s in enumerate(sites)}
+    n = len(sites)
+    gbps, rtt = np.full((n, n), np.nan), np.full((n, n), np.nan)
+    if view.local_link.up:
+        np.fill_diagonal(gbps, view.local_link.gbps)
+        np.fill_diagonal(rtt, view.local_link.rtt_ms)
+    for key, link in view.links.items():
+        if link.up and len(key) == 2:
+            a, b = (code.get(s) for s in key)
+            if a is not None and b is not None:
+                gbps[a, b] = gbps[b, a] = link.gbps
+                rtt[a, b] = rtt[b, a] = link.rtt_ms
+    return gbps, rtt
 
 
 class Table:
@@ -166,6 +215,31 @@ class Table:
         self.sites = list(site_code)
         self.workers = workers
         self._serves: dict[str, np.ndarray] = {}
+        self._bits_of: list | None = None
+        self._bit_row = np.zeros(0, np.int64)
+
+    def cached(self, match: Mapping[str, int]) -> np.ndarray:
+        """Leading prompt blocks each row holds, from a prefix-index answer
+        (a PrefixMatch is mapped by its bit positions, without naming anyone)."""
+        out = np.zeros(len(self.workers), np.int64)
+        if not match:
+            return out
+        if isinstance(match, PrefixMatch):
+            rows, depth = self._rows_of_bits(match.ids)[match.bits], match.depth
+        else:
+            rows = np.fromiter((self.row.get(w, -1) for w in match), np.int64, len(match))
+            depth = np.fromiter(match.values(), np.int64, len(match))
+        known = rows >= 0
+        out[rows[known]] = depth[known]
+        return out
+
+    def _rows_of_bits(self, ids: list[str | None]) -> np.ndarray:
+        """Index bit -> row (-1: not in this view), rebuilt when the index's
+        bits change (it replaces its id list then, or appends to it)."""
+        if self._bits_of is not ids or len(self._bit_row) != len(ids):
+            self._bit_row = np.fromiter((self.row.get(w, -1) for w in ids), np.int64, len(ids))
+            self._bits_of = ids
+        return self._bit_row
 
     def serves(self, tenant: str) -> np.ndarray:
         """Rows whose pool takes ``tenant``'s requests."""

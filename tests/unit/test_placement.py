@@ -280,6 +280,46 @@ def test_registry_applies_cache_events_only_after_a_snapshot():
     asyncio.run(scenario())
 
 
+def test_the_registry_view_follows_workers_coming_going_and_falling_silent():
+    """The registry keeps one view: rebuilt when a worker registers or leaves
+    (also while another registration is half done), health read from the
+    heartbeat clock in one vector operation, a suspected worker unhealthy
+    until it heartbeats again."""
+    import asyncio
+
+    from kvrelay.v1 import worker_pb2 as wpb
+
+    from router.registry import WorkerRegistry
+    from runtime.config import parse_config
+
+    def info(i: int) -> wpb.WorkerInfo:
+        return wpb.WorkerInfo(worker_id=f"local/decode/{i}", role=wpb.ROLE_DECODE, site="local",
+                              address="127.0.0.1:1", num_blocks=100)
+
+    async def scenario():
+        reg = WorkerRegistry(parse_config({}))
+        await reg.register(info(0))
+        first = reg.view()
+        assert [w.worker_id for w in first.workers] == ["local/decode/0"] and reg.view() is first
+        await reg.register(info(1))
+        assert [w.worker_id for w in reg.view().workers] == ["local/decode/0", "local/decode/1"]
+        reg.suspect("local/decode/1")
+        assert [w.healthy for w in reg.view().workers] == [True, False]
+        reg.heartbeat(wpb.HeartbeatRequest(load=wpb.WorkerLoad(worker_id="local/decode/1", total_blocks=100,
+                                                               free_blocks=40)))
+        view = reg.view()
+        assert [w.healthy for w in view.workers] == [True, True] and view.workers[1].free_blocks == 40
+        reg.workers["local/decode/0"].last_seen -= reg.timeout_s + 1  # silent past the timeout
+        assert [w.healthy for w in reg.view().workers] == [False, True]
+        await reg.deregister("local/decode/0")
+        assert [w.worker_id for w in reg.view().workers] == ["local/decode/1"]
+        await reg.register(info(1))  # the same worker again: a fresh record, a fresh row
+        assert reg.view().workers[0] is reg.workers["local/decode/1"].row
+        await reg.close()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_prefill_worker_with_a_queue_beyond_the_bound_takes_no_prompt(policy):
     # p-busy has 40 s of work queued (> 15 s): a reservation at D would outlive its lease

@@ -87,3 +87,20 @@ def test_place_chooses_as_the_previous_implementation(policy):
             errors += got_old[0] == "error"
             choices += got_old[0] != "error"
     assert choices > 500 and errors > 50  # both paths were exercised
+
+
+def test_decode_pairs_are_np_unique_in_both_regimes():
+    """cost_model groups decode rows by (site, cached blocks): a dense table
+    when that space is small, np.unique otherwise; both give np.unique's answer."""
+    import numpy as np
+
+    from router.cost_model import _pairs
+
+    rng = np.random.default_rng(3)
+    for n, sites, deepest in ((5000, 10, 300), (50, 10, 2000), (1, 1, 0), (300, 100, 40)):
+        site, cached = rng.integers(0, sites, n), rng.integers(0, deepest + 1, n)
+        span = int(cached.max()) + 1
+        keys, inverse = np.unique(site * span + cached, return_inverse=True)
+        got_site, got_cached, got_inverse = _pairs(site, cached, sites)
+        assert got_site.tolist() == (keys // span).tolist() and got_cached.tolist() == (keys % span).tolist()
+        assert got_inverse.tolist() == inverse.ravel().tolist()

@@ -53,3 +53,32 @@ def test_hash_blocks_equals_the_chain_of_hash_block():
         assert hash_blocks(toks, bs, salt) == want
         k = rng.randrange(0, len(want) + 1)
         assert hash_blocks(toks, bs, salt, want[k - 1] if k else None, k) == want[k:]
+
+
+def test_a_match_keeps_its_names_and_maps_to_view_rows_as_a_dict_would():
+    """A PrefixMatch is read by bit position; it must name the workers the
+    index had when it answered, even after a bit is freed and reused, and a
+    view must read the same depths from it as from the equivalent dict."""
+    from router.views import ClusterView, WorkerView
+
+    rng = random.Random(11)
+    chain = [rng.getrandbits(64) for _ in range(30)]
+    ix, ref = PrefixIndex(), Reference()
+    names = [f"s/decode/{i}" for i in range(200)]
+    for w in names:
+        held = chain[:rng.randrange(1, 31)]
+        ix.apply(w, held, [])
+        ref.apply(w, held, [])
+    before = ix.leading_blocks(chain)
+    frozen = dict(before)
+    assert len(frozen) == 200 and frozen == ref.leading_blocks(chain)
+    ix.remove_worker(names[7])
+    ix.apply("s/decode/new", chain, [])  # takes the freed bit
+    assert dict(before) == frozen and "s/decode/new" not in before
+    after = ix.leading_blocks(chain)
+    assert after["s/decode/new"] == 30 and names[7] not in after
+    rows = [WorkerView(w, "decode", "s") for w in rng.sample(names, 120) + ["s/decode/new", "elsewhere"]]
+    table = ClusterView(rows, {"s": "CA"}).table
+    for match in (before, after, ix.leading_blocks(chain[:5]), ix.leading_blocks([1, 2])):
+        assert table.cached(match).tolist() == table.cached(dict(match)).tolist()
+        assert table.cached(match).tolist() == [match.get(w.worker_id, 0) for w in rows]

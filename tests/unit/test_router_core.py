@@ -142,3 +142,27 @@ def test_roles_and_links():
     assert topo.required_protection("a", "b") == "integrity" and topo.required_protection("a", "a") == "aead"
     assert topo.required_protection("b", None) == "aead"
     assert topo.transport(ab, "nixl") == "tcp" and topo.transport(cfg.local_link, "nixl") == "nixl"
+
+
+def test_prepare_hashes_the_prompt_and_a_migration_extends_the_chain(tok):
+    """The prompt's block hashes are made with its tokens (in the tokenizer
+    threads), in the tenant's domain; a migrated attempt, whose prompt also
+    carries the tokens already sent, hashes only the blocks those add."""
+    from engine.hashing import hash_blocks
+
+    async def go():
+        core = _core(tok)
+        req = core.prepare(ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=list(range(1, 41))), max_tokens=60),
+                           Caller("lab-a"))
+        bs = core.cfg.cache.block_size
+        work = req.work
+        assert req.block_hashes == hash_blocks(list(work.prompt_token_ids), bs, work.salt) and work.salt
+        assert core._block_hashes(req, work) is req.block_hashes
+        moved = type(work)()
+        moved.CopyFrom(work)
+        moved.prompt_token_ids.extend(range(100, 100 + 2 * bs))
+        assert core._block_hashes(req, moved) == hash_blocks(list(moved.prompt_token_ids), bs, work.salt)
+        await core.registry.close()
+        return len(req.block_hashes)
+
+    assert asyncio.run(go()) == 40 // parse_config({}).cache.block_size

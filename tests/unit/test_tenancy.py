@@ -6,6 +6,7 @@ placement, and the fair queue's order under contention."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -35,6 +36,36 @@ SITES = [{"name": "montreal", "jurisdiction": "CA-QC"}, {"name": "toronto", "jur
 
 def _cfg(tenants, sites=SITES):
     return parse_config({"sites": sites, "tenants": tenants})
+
+
+def test_a_long_pass_over_the_queue_lets_the_event_loop_run():
+    """Each try here takes 1 ms: a pass over 40 waiting tickets stops after
+    PUMP_BUDGET_S, lets the loop run, and carries on where it stopped, in order."""
+    def slow(slots: Slots, name: str):
+        inner = slots.placer(name)
+
+        def try_place():
+            until = time.perf_counter() + 0.001 * (slots.free > 0)  # a try that finds room takes 1 ms
+            while time.perf_counter() < until:
+                pass
+            return inner()
+        return try_place
+
+    async def go():
+        q, slots = FairQueue(), Slots()
+        tickets = [q.ticket("a", 1, True, 1.0, 1, f"site{i}", slow(slots, f"t{i}")) for i in range(40)]
+        slots.free = 40
+        q.pump()
+        in_one_turn = sum(t.future.done() for t in tickets)
+        turns = 0
+        while not all(t.future.done() for t in tickets) and turns < 1000:
+            await asyncio.sleep(0)
+            turns += 1
+        return in_one_turn, turns, slots.served
+
+    in_one_turn, turns, served = asyncio.run(go())
+    assert 1 <= in_one_turn < 10 and turns > 3
+    assert served == [f"t{i}" for i in range(40)]
 
 
 @pytest.mark.parametrize("tenants, sites, message", [
@@ -254,6 +285,36 @@ def test_requests_that_gave_up_waiting_leave_their_tenant_no_debt():
         return slots.served
 
     assert asyncio.run(go()) == ["b0", "a", "b1", "b2"]
+
+
+def test_a_long_pass_over_the_queue_lets_the_event_loop_run():
+    """Each try here takes 1 ms: a pass over 40 waiting tickets stops after
+    PUMP_BUDGET_S, lets the loop run, and carries on where it stopped, in order."""
+    def slow(slots: Slots, name: str):
+        inner = slots.placer(name)
+
+        def try_place():
+            until = time.perf_counter() + 0.001 * (slots.free > 0)  # a try that finds room takes 1 ms
+            while time.perf_counter() < until:
+                pass
+            return inner()
+        return try_place
+
+    async def go():
+        q, slots = FairQueue(), Slots()
+        tickets = [q.ticket("a", 1, True, 1.0, 1, f"site{i}", slow(slots, f"t{i}")) for i in range(40)]
+        slots.free = 40
+        q.pump()
+        in_one_turn = sum(t.future.done() for t in tickets)
+        turns = 0
+        while not all(t.future.done() for t in tickets) and turns < 1000:
+            await asyncio.sleep(0)
+            turns += 1
+        return in_one_turn, turns, slots.served
+
+    in_one_turn, turns, served = asyncio.run(go())
+    assert 1 <= in_one_turn < 10 and turns > 3
+    assert served == [f"t{i}" for i in range(40)]
 
 
 @pytest.mark.parametrize("tenants, sites, message", [
