@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,9 +39,10 @@ log = logging.getLogger(__name__)
 
 PUMP_S = 0.1
 """Longest time between two tries of the waiting tickets (room also frees up without an event: heartbeats)."""
-PUMP_BUDGET_S = 0.002
-"""Longest a pass over the waiting tickets holds the event loop: past it the
-pass lets the loop run and carries on from where it stopped on the loop's next turn."""
+PUMP_TRIES = 8
+"""Most placements a pass over the waiting tickets tries in one turn of the
+event loop (a decision takes ~0.1-1 ms: a turn holds the loop a few ms at
+most); then it lets the loop run and carries on where it stopped."""
 
 
 @dataclass(slots=True)
@@ -105,7 +105,7 @@ class FairQueue:
 
     def pump(self) -> None:
         """Tries the waiting tickets in order; each one placed leaves the queue
-        with its placement. A long pass is cut into turns of PUMP_BUDGET_S (one
+        with its placement. A long pass is cut into turns of PUMP_TRIES tries (one
         pass at a time: a pump asked for meanwhile starts a new pass after it)."""
         if self._rest is not None:
             self._again = True
@@ -114,9 +114,9 @@ class FairQueue:
 
     def _sweep(self, todo: list[Ticket], full: set) -> None:
         self._rest = None
-        deadline = time.perf_counter() + PUMP_BUDGET_S
+        tries = 0
         for k, t in enumerate(todo):
-            if time.perf_counter() > deadline:
+            if tries == PUMP_TRIES:
                 self._rest = asyncio.get_running_loop().call_soon(self._sweep, todo[k:], full)
                 return
             if t.future.done():
@@ -125,6 +125,7 @@ class FairQueue:
                 continue
             if t.constraints in full or not t.queued:
                 continue
+            tries += 1
             try:
                 placed = t.try_place()
             except PlacementError as exc:
