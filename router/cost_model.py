@@ -68,18 +68,21 @@ def eligible_rows(req, view: ClusterView) -> Eligible:
 
 def _pairs(d_site: np.ndarray, d_cached: np.ndarray, n_sites: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The distinct (site, cached blocks) pairs of the decode rows, in
-    ascending (site, cached) order, and each row's pair: a dense table when
-    the pairs' space is small (no sort), else ``np.unique``."""
+    ascending (site, cached) order (as ``np.unique`` would give them), and
+    each row's pair: dense tables over the sites and the distinct depths, no sort."""
     span = int(d_cached.max()) + 1 if len(d_cached) else 1
-    key = d_site * span + d_cached
-    if n_sites * span <= 4 * len(key) + 64:
-        present = np.zeros(n_sites * span, np.bool_)
-        present[key] = True
-        keys = np.flatnonzero(present)
-        inverse = (np.cumsum(present) - 1)[key]
-    else:
-        keys, inverse = np.unique(key, return_inverse=True)
-    return keys // span, keys % span, inverse.ravel()
+    seen = np.zeros(span, np.bool_)
+    seen[d_cached] = True
+    depths = np.flatnonzero(seen)
+    code = np.zeros(span, np.int64)
+    code[depths] = np.arange(len(depths))
+    key = d_site * len(depths) + code[d_cached]
+    present = np.zeros(n_sites * len(depths), np.bool_)
+    present[key] = True
+    keys = np.flatnonzero(present)
+    slot = np.zeros(len(present), np.int64)
+    slot[keys] = np.arange(len(keys))
+    return keys // len(depths), depths[keys % len(depths)], slot[key]
 
 
 def _disaggregated(req, view: ClusterView, a_site: np.ndarray, p_sites: np.ndarray, d_site: np.ndarray,

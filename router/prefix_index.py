@@ -21,25 +21,41 @@ import numpy as np
 class PrefixMatch(Mapping[str, int]):
     """One lookup's answer: worker id -> leading blocks of the prompt it holds
     (workers holding none are absent). Kept as the index's bit positions and
-    their depths (numpy); the worker ids are named only when asked for."""
+    their depths (numpy): one worker's depth is read by its bit, and the
+    whole answer is named only when iterated."""
 
-    __slots__ = ("bits", "depth", "ids", "_named")
+    __slots__ = ("bits", "depth", "ids", "_bit_of", "_by_bit", "_named")
 
-    def __init__(self, bits: np.ndarray, depth: np.ndarray, ids: list[str | None]) -> None:
+    def __init__(self, bits: np.ndarray, depth: np.ndarray, ids: list[str | None],
+                 bit_of: Mapping[str, int]) -> None:
         self.bits, self.depth = bits, depth
         """Bit positions of the holders, and how many leading blocks each holds."""
         self.ids = ids
         """Bit -> worker id, as the index had them (never changed in place after)."""
+        self._bit_of = bit_of
+        """The index's worker id -> bit (live: checked against ``ids``)."""
+        self._by_bit: np.ndarray | None = None
         self._named: dict[str, int] | None = None
+
+    def __getitem__(self, worker_id: str) -> int:
+        if self._named is not None:
+            return self._named[worker_id]
+        bit = self._bit_of.get(worker_id)
+        if bit is None or bit >= len(self.ids) or self.ids[bit] != worker_id:
+            return self._dict()[worker_id]  # the index has moved on since: name the whole answer
+        if self._by_bit is None:
+            self._by_bit = np.zeros(len(self.ids), np.int64)
+            self._by_bit[self.bits] = self.depth
+        depth = int(self._by_bit[bit])
+        if not depth:
+            raise KeyError(worker_id)
+        return depth
 
     def _dict(self) -> dict[str, int]:
         if self._named is None:
             ids = self.ids
             self._named = {ids[b]: d for b, d in zip(self.bits.tolist(), self.depth.tolist())}
         return self._named
-
-    def __getitem__(self, worker_id: str) -> int:
-        return self._dict()[worker_id]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._dict())
@@ -54,7 +70,7 @@ class PrefixMatch(Mapping[str, int]):
         return f"PrefixMatch({self._dict()!r})"
 
 
-EMPTY_MATCH = PrefixMatch(np.zeros(0, np.int64), np.zeros(0, np.int64), [])
+EMPTY_MATCH = PrefixMatch(np.zeros(0, np.int64), np.zeros(0, np.int64), [], {})
 
 
 class PrefixIndex:
@@ -144,7 +160,7 @@ class PrefixIndex:
                 if not alive:
                     break
         _name(alive, i, bits, depth)
-        return PrefixMatch(np.array(bits, np.int64), np.array(depth, np.int64), self.ids)
+        return PrefixMatch(np.array(bits, np.int64), np.array(depth, np.int64), self.ids, self._bit)
 
 
 def _name(mask: int, depth: int, bits: list[int], depths: list[int]) -> None:
