@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build). On a CUDA host: make TORCH=torch test
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test bench-engine clean prometheus helm helm-examples
+.PHONY: install run test test-slow bench-engine clean prometheus helm helm-examples
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,11 @@ run: install
 test: install prometheus helm
 	$(BIN)/kvrelay model prepare
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# The tests CI leaves out (marked slow: each has a bounded sibling in `make test`)
+test-slow: install prometheus helm
+	$(BIN)/kvrelay model prepare
+	$(BIN)/python -m pytest -q -m slow tests
 
 # Debian's Prometheus server and promtool, for the metrics tests (as root; else they are skipped)
 prometheus:

@@ -38,7 +38,7 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_serve_generate_status_and_clean_stop(smollm_path, stop_signal):
     env = {**os.environ, "KVRELAY_CACHE_DIR": str(smollm_path.parent.parent)}
     serve = subprocess.Popen([*KVRELAY, "serve", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

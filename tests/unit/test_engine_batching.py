@@ -35,6 +35,7 @@ def test_batch_and_preemption_invariance_tiny(tiny_checkpoints, make_engine):
 
 
 @pytest.mark.model
+@pytest.mark.slow  # ~60 s; CI runs the same invariance on the tiny model (above)
 def test_batch_and_preemption_invariance_smollm(smollm_path, make_engine):
     eng = make_engine(smollm_path, num_blocks=512)
     texts = ["What is the capital of France?", "Name a colour.", "Count from one to five.",
