@@ -18,20 +18,23 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+
 class PrefixMatch(Mapping[str, int]):
     """One lookup's answer: worker id -> leading blocks of the prompt it holds
     (workers holding none are absent). Kept as the index's bit positions and
     their depths (numpy): one worker's depth is read by its bit, and the
     whole answer is named only when iterated."""
 
-    __slots__ = ("bits", "depth", "ids", "_bit_of", "_by_bit", "_named")
+    __slots__ = ("bits", "depth", "ids", "_known", "_bit_of", "_by_bit", "_named")
 
     def __init__(self, bits: np.ndarray, depth: np.ndarray, ids: list[str | None],
                  bit_of: Mapping[str, int]) -> None:
         self.bits, self.depth = bits, depth
         """Bit positions of the holders, and how many leading blocks each holds."""
         self.ids = ids
-        """Bit -> worker id, as the index had them (never changed in place after)."""
+        """Bit -> worker id, as the index had them (only appended to after)."""
+        self._known = len(ids)
+        """Bits at or past this were given to workers that joined after the answer."""
         self._bit_of = bit_of
         """The index's worker id -> bit (live: checked against ``ids``)."""
         self._by_bit: np.ndarray | None = None
@@ -43,8 +46,10 @@ class PrefixMatch(Mapping[str, int]):
         bit = self._bit_of.get(worker_id)
         if bit is None or bit >= len(self.ids) or self.ids[bit] != worker_id:
             return self._dict()[worker_id]  # the index has moved on since: name the whole answer
+        if bit >= self._known:
+            raise KeyError(worker_id)  # it joined after the answer: it holds nothing in it
         if self._by_bit is None:
-            self._by_bit = np.zeros(len(self.ids), np.int64)
+            self._by_bit = np.zeros(self._known, np.int64)
             self._by_bit[self.bits] = self.depth
         depth = int(self._by_bit[bit])
         if not depth:

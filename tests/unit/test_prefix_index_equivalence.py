@@ -77,6 +77,9 @@ def test_a_match_keeps_its_names_and_maps_to_view_rows_as_a_dict_would():
     assert dict(before) == frozen and "s/decode/new" not in before
     after = ix.leading_blocks(chain)
     assert after["s/decode/new"] == 30 and names[7] not in after
+    assert after.get(names[3], 0) == frozen[names[3]]  # read by bit
+    ix.apply("s/decode/late", chain, [])  # joins after the answer (a new bit at the end)
+    assert after.get("s/decode/late", 0) == 0 and "s/decode/late" not in dict(after)
     rows = [WorkerView(w, "decode", "s") for w in rng.sample(names, 120) + ["s/decode/new", "elsewhere"]]
     table = ClusterView(rows, {"s": "CA"}).table
     for match in (before, after, ix.leading_blocks(chain[:5]), ix.leading_blocks([1, 2])):
