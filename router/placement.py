@@ -40,6 +40,8 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.blocks import blocks_for
 from router.cost_model import DISAGG_OVERHEAD_S, Eligible, choose_cost_model, eligible_rows
 from router.views import ClusterView, LinkView, WorkerView
@@ -180,10 +182,6 @@ def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView
     return prefills, decodes
 
 
-def _linked(prefills: list[WorkerView], d: WorkerView, view: ClusterView) -> list[WorkerView]:
-    return [p for p in prefills if view.link(p.site, d.site) is not None]
-
-
 # ---------------------------------------------------------------- policies
 class Policy:
     """Chooses among eligible workers. Stateless apart from a turn counter
@@ -214,60 +212,76 @@ class Policy:
         return placement
 
     def choose_rows(self, req: PlacementRequest, view: ClusterView, rows: Eligible) -> Placement:
-        """Chooses among the eligible rows (by default on WorkerView objects, in view order)."""
-        ws = view.table.workers
-        return self.choose(req, view, [ws[i] for i in rows.prefill], [ws[i] for i in rows.decode])
-
-    def choose(self, req: PlacementRequest, view: ClusterView, prefills: list[WorkerView],
-               decodes: list[WorkerView]) -> Placement:
+        """Chooses among the eligible rows (view order; at least one decode row)."""
         raise NotImplementedError
 
     def _short(self, req: PlacementRequest, view: ClusterView) -> bool:
         return req.prompt_tokens < view.colocate_below_tokens
 
 
+def _linked_rows(view: ClusterView, prefill: np.ndarray, d: int) -> np.ndarray:
+    """The prefill rows (in view order) with a usable link to decode row ``d``'s site."""
+    gbps, _ = view.link_matrix()
+    site = view.table.site
+    return prefill[~np.isnan(gbps[site[prefill], site[d]])]
+
+
 class RoundRobin(Policy):
     name = "round_robin"
 
-    def choose(self, req, view, prefills, decodes):
+    def choose_rows(self, req, view, rows):
+        """Decode and prefill workers in turn, in worker-id order."""
         turn = next(self._turn)
-        d = sorted(decodes, key=lambda w: w.worker_id)[turn % len(decodes)]
-        linked = sorted(_linked(prefills, d, view), key=lambda w: w.worker_id)
-        if not linked or self._short(req, view):
-            return Placement(d, None)
-        return Placement(d, linked[turn % len(linked)])
+        by_name = view.table.by_name
+        d_ok = np.zeros(len(by_name), np.bool_)
+        d_ok[rows.decode] = True
+        decodes = by_name[d_ok[by_name]]
+        d = int(decodes[turn % len(decodes)])
+        linked = _linked_rows(view, rows.prefill, d)
+        ws = view.table.workers
+        if not len(linked) or self._short(req, view):
+            return Placement(ws[d], None)
+        p_ok = np.zeros(len(by_name), np.bool_)
+        p_ok[linked] = True
+        linked = by_name[p_ok[by_name]]
+        return Placement(ws[d], ws[int(linked[turn % len(linked)])])
 
 
 class LeastLoaded(Policy):
     name = "least_loaded"
 
-    def _least(self, workers: list[WorkerView]) -> WorkerView:
-        best = min(w.load for w in workers)
-        tied = [w for w in workers if w.load == best]
-        return tied[next(self._turn) % len(tied)]
+    def _least(self, view: ClusterView, rows: np.ndarray) -> int:
+        """The least loaded row (requests in flight and waiting); ties in turn."""
+        c = view.table.cols
+        load = c.inflight[rows] + c.waiting[rows]
+        tied = rows[load == load.min()]
+        return int(tied[next(self._turn) % len(tied)])
 
-    def choose(self, req, view, prefills, decodes):
-        d = self._least(decodes)
-        linked = _linked(prefills, d, view)
-        if not linked or self._short(req, view):
-            return Placement(d, None)
-        return Placement(d, self._least(linked))
+    def choose_rows(self, req, view, rows):
+        ws = view.table.workers
+        d = self._least(view, rows.decode)
+        linked = _linked_rows(view, rows.prefill, d)
+        if not len(linked) or self._short(req, view):
+            return Placement(ws[d], None)
+        return Placement(ws[d], ws[self._least(view, linked)])
 
 
 class PrefixAware(LeastLoaded):
     name = "prefix_aware"
 
-    def _best(self, workers: list[WorkerView], cached: dict[str, int]) -> WorkerView:
-        top = max(cached.get(w.worker_id, 0) for w in workers)
-        return self._least([w for w in workers if cached.get(w.worker_id, 0) == top])
+    def _best(self, view: ClusterView, rows: np.ndarray, cached: np.ndarray) -> int:
+        """Among the rows holding the most of the prompt, the least loaded."""
+        held = cached[rows]
+        return self._least(view, rows[held == held.max()])
 
-    def choose(self, req, view, prefills, decodes):
-        d = self._best(decodes, req.cached_blocks)
-        linked = _linked(prefills, d, view)
-        whole = req.cached_blocks.get(d.worker_id, 0) >= req.prompt_tokens // view.block_size
-        if not linked or whole or self._short(req, view):
-            return Placement(d, None)
-        return Placement(d, self._best(linked, req.cached_blocks))
+    def choose_rows(self, req, view, rows):
+        ws = view.table.workers
+        d = self._best(view, rows.decode, rows.cached)
+        linked = _linked_rows(view, rows.prefill, d)
+        whole = rows.cached[d] >= req.prompt_tokens // view.block_size
+        if not len(linked) or whole or self._short(req, view):
+            return Placement(ws[d], None)
+        return Placement(ws[d], ws[self._best(view, linked, rows.cached)])
 
 
 def _compute_s(req: PlacementRequest, view: ClusterView, w: WorkerView) -> float:

@@ -214,6 +214,8 @@ class Table:
             self.row[w.worker_id] = i
         self.sites = list(site_code)
         self.workers = workers
+        self.by_name = np.array(sorted(range(n), key=lambda i: workers[i].worker_id), np.int64)
+        """Rows in worker-id order."""
         self._serves: dict[str, np.ndarray] = {}
         self._bits_of: list | None = None
         self._bit_row = np.zeros(0, np.int64)
