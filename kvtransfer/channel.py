@@ -190,6 +190,9 @@ class SendStream:
     def _send_blocks(self, h: ChannelSendHandle, item: tuple, views: list[memoryview], nbytes: int) -> None:
         _, _, layer, src, first, num_layers = item
         tamper, h.corrupt = h.corrupt, False  # fault injection: what arrives must be refused
+        # counted before the frame leaves: the receiver may acknowledge the whole transfer (on
+        # another stream's reader thread) before this thread runs again after the send
+        h.add_bytes(nbytes)
         if self.shared:  # the receiver pulls: block ids and a MAC of each run it pulls
             dest = list(h.target.block_ids[first:first + len(src)])
             mem = self.pool.mem
@@ -205,7 +208,6 @@ class SendStream:
             frame = pb.KVBlocks(transfer_id=h.transfer_id, layer=layer, num_layers=num_layers, first=first,
                                 count=len(src), payload_bytes=nbytes)
             self.session.writer.send(pb.KVFrame(blocks=frame), views, tamper, len(src) * self.pool.mem.block_bytes)
-        h.add_bytes(nbytes)
 
     def _read_loop(self, sock: socket.socket, session: Session) -> None:
         try:
