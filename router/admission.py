@@ -146,10 +146,10 @@ class FairQueue:
             t.future.set_result(placed)
         if self._again:
             self._again = False
-            self._rest = asyncio.get_running_loop().call_soon(self.pump_anew)
+            self._rest = asyncio.get_running_loop().call_soon(self._pump_anew)
         self._schedule()
 
-    def pump_anew(self) -> None:
+    def _pump_anew(self) -> None:
         self._rest = None
         self.pump()
 

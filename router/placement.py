@@ -226,24 +226,26 @@ def _linked_rows(view: ClusterView, prefill: np.ndarray, d: int) -> np.ndarray:
     return prefill[~np.isnan(gbps[site[prefill], site[d]])]
 
 
+def _by_name(view: ClusterView, rows: np.ndarray) -> np.ndarray:
+    """``rows`` in worker-id order (a filter of the table's static order: no sort)."""
+    keep = np.zeros(len(view.table.by_name), np.bool_)
+    keep[rows] = True
+    return view.table.by_name[keep[view.table.by_name]]
+
+
 class RoundRobin(Policy):
     name = "round_robin"
 
     def choose_rows(self, req, view, rows):
         """Decode and prefill workers in turn, in worker-id order."""
         turn = next(self._turn)
-        by_name = view.table.by_name
-        d_ok = np.zeros(len(by_name), np.bool_)
-        d_ok[rows.decode] = True
-        decodes = by_name[d_ok[by_name]]
+        decodes = _by_name(view, rows.decode)
         d = int(decodes[turn % len(decodes)])
         linked = _linked_rows(view, rows.prefill, d)
         ws = view.table.workers
         if not len(linked) or self._short(req, view):
             return Placement(ws[d], None)
-        p_ok = np.zeros(len(by_name), np.bool_)
-        p_ok[linked] = True
-        linked = by_name[p_ok[by_name]]
+        linked = _by_name(view, linked)
         return Placement(ws[d], ws[int(linked[turn % len(linked)])])
 
 
