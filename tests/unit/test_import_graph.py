@@ -130,3 +130,14 @@ def test_the_checks_catch_a_cycle_and_a_forbidden_import(tmp_path: Path):
 @pytest.mark.parametrize("pkg", sorted(p for p in LAYER if p != "kvrelay"))
 def test_every_layer_exists(pkg: str):
     assert (PACKAGES[pkg] / "__init__.py").is_file()
+
+
+def test_the_router_process_does_not_load_torch():
+    """The router tokenizes, hashes and places; it runs no model. Loading torch
+    would cost it ~180 MB and ~1 s at every start (measured: 257 -> 77 MB)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, router.main; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    res = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", (res.stdout, res.stderr)
