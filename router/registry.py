@@ -25,6 +25,25 @@ from runtime.topology import LOCAL_LINK, Role, link_name
 
 log = logging.getLogger(__name__)
 
+
+class _Mirrored:
+    """A WorkerRecord attribute kept in ``slot`` and written through to its
+    view row's ``column`` (when it has a row)."""
+
+    __slots__ = ("slot", "column")
+
+    def __init__(self, slot: str, column: str) -> None:
+        self.slot, self.column = slot, column
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj, value) -> None:
+        setattr(obj, self.slot, value)
+        if obj.row is not None:
+            setattr(obj.row, self.column, value)
+
+
 @dataclass(slots=True)
 class WorkerRecord:
     info: wpb.WorkerInfo
@@ -46,37 +65,11 @@ class WorkerRecord:
     row: WorkerView | None = None
     """Its row in the registry's placement view (written through on every change)."""
 
-    @property
-    def last_seen(self) -> float:
-        """When it last heartbeated (monotonic); its view row's health clock."""
-        return self._last_seen
-
-    @last_seen.setter
-    def last_seen(self, value: float) -> None:
-        self._last_seen = value
-        if self.row is not None:
-            self.row.heard_at = value
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
-    @draining.setter
-    def draining(self, value: bool) -> None:
-        self._draining = value
-        if self.row is not None:
-            self.row.draining = value
-
-    @property
-    def inflight(self) -> int:
-        """Requests the router has on this worker now (exact, unlike heartbeats)."""
-        return self._inflight
-
-    @inflight.setter
-    def inflight(self, value: int) -> None:
-        self._inflight = value
-        if self.row is not None:
-            self.row.inflight = value
+    last_seen = _Mirrored("_last_seen", "heard_at")
+    """When it last heartbeated (monotonic); its view row's health clock."""
+    draining = _Mirrored("_draining", "draining")
+    inflight = _Mirrored("_inflight", "inflight")
+    """Requests the router has on this worker now (exact, unlike heartbeats)."""
 
     @property
     def pending_prefill_tokens(self) -> int:
