@@ -69,7 +69,8 @@ def eligible_rows(req, view: ClusterView) -> Eligible:
 def _pairs(d_site: np.ndarray, d_cached: np.ndarray, n_sites: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The distinct (site, cached blocks) pairs of the decode rows, in
     ascending (site, cached) order (as ``np.unique`` would give them), and
-    each row's pair: dense tables over the sites and the distinct depths, no sort."""
+    each row's pair: dense tables over the sites and the distinct depths, no sort
+    (``d_cached`` has at least one row: placement has a decode candidate)."""
     span = int(d_cached.max()) + 1 if len(d_cached) else 1
     seen = np.zeros(span, np.bool_)
     seen[d_cached] = True
