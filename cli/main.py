@@ -1,5 +1,5 @@
 """The ``kvrelay`` command line: model, bench, serve, generate here; operator
-commands in cli_admin.py, the WAN emulation's in cli_cities.py. Arguments
+commands in cli/admin.py, the WAN emulation's in cli/cities.py. Arguments
 and environment are read in these modules only; everything below them
 receives typed values."""
 

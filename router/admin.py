@@ -12,7 +12,7 @@ import grpc
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 
-from router.audit import AuditError
+from router.audit import RecordKind
 from router.errors import RouterError
 from router.governance import UnknownTenant, deployment_state, statement
 from router.peer import STATUS, CallAuth, authorization
@@ -43,10 +43,7 @@ class AdminService(agrpc.AdminServicer):
     def _audit(self, who: str, action: str, **fields) -> None:
         """One audit record of an operator action (router/audit.py; none when there is no audit log)."""
         if self.core.audit is not None:
-            try:
-                self.core.audit.append("operator", {"operator": who, "action": action, **fields})
-            except (AuditError, ValueError):
-                log.exception("the audit log could not be written")
+            self.core.audit.append(RecordKind.OPERATOR, {"operator": who, "action": action, **fields})
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> str:
         try:

@@ -117,6 +117,8 @@ class RecordKind(StrEnum):
     RETENTION = "retention"
     RECOVERY = "recovery"
     """The log's own repair: a torn last line moved aside, records dropped by a full writer queue."""
+    REFUSAL = "refusal"
+    """A call refused before it had a tenant (missing or wrong credentials), rate-limited."""
 
 
 class AuditError(Exception):
@@ -445,7 +447,7 @@ class AuditLog:
             fd, self._fd = self._fd, None
             os.close(fd)
 
-    def append_durable(self, kind: str, fields: dict, timeout_s: float = 10.0) -> dict:
+    def append_durable(self, kind: RecordKind, fields: dict, timeout_s: float = 10.0) -> dict:
         """:meth:`append`, on disk when it returns (fsync whatever ``fsync`` says)."""
         record = self.append(kind, fields)
         self.sync()
@@ -492,28 +494,31 @@ class AuditLog:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def append(self, kind: str, fields: dict) -> dict:
+    def append(self, kind: RecordKind, fields: dict) -> dict:
         """Writes one record (``kind`` and ``fields`` after seq, time, kind,
-        prev) as one line; returns it. Thread-safe. ValueError if ``fields``
-        holds a reserved name or a value JSON cannot hold; AuditError if the
-        write fails, whatever the reason (the file is left as it was)."""
+        prev) as one line; returns it. Thread-safe. ValueError if ``kind`` is
+        not a :class:`RecordKind` (a record no ``--kind`` query could find),
+        ``fields`` holds a reserved name or a value JSON cannot hold; AuditError
+        if the write fails, whatever the reason (the file is left as it was)."""
+        if not isinstance(kind, RecordKind):
+            raise ValueError(f"audit record kind {kind!r} is not a RecordKind")
         clash = RESERVED & fields.keys()
         if clash:
             raise ValueError(f"audit record fields {sorted(clash)} are written by the log itself")
         with self._lock:
             return self._append_locked(kind, fields)
 
-    def _next(self, kind: str, fields: dict) -> tuple[dict, bytes, float]:
+    def _next(self, kind: RecordKind, fields: dict) -> tuple[dict, bytes, float]:
         """The next record, its line and its Unix time (never before the last record's)."""
         t = max(self.clock(), self._last_t)
-        record = {"seq": self._seq + 1, "time": iso_time(t), "kind": str(kind), "prev": self._head, **fields}
+        record = {"seq": self._seq + 1, "time": iso_time(t), "kind": kind.value, "prev": self._head, **fields}
         try:
             raw = dumps(record)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"audit record {kind!r} is not JSON: {exc}") from None
         return record, raw, t
 
-    def _append_locked(self, kind: str, fields: dict) -> dict:
+    def _append_locked(self, kind: RecordKind, fields: dict) -> dict:
         record, raw, t = self._next(kind, fields)
         self._write(raw + b"\n")
         self._seq, self._head, self._last_t = record["seq"], hashlib.sha256(raw).hexdigest(), t

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from router.audit import AuditError, AuditLog, RecordKind, SweepResult
@@ -43,6 +44,20 @@ class _Done:
         self.error: Exception | None = None
 
 
+@dataclass(slots=True)
+class _Item:
+    """One entry of the writer's queue: a record to write (``kind`` set), a flush
+    (``kind`` None, ``done`` set), and ``done`` set when its caller waits for the disk."""
+
+    kind: RecordKind | None
+    fields: dict
+    done: _Done | None = None
+
+
+_CLOSE = None
+"""The queue's last entry: write what came before, then stop."""
+
+
 class AuditWriter:
     """``append`` from any thread (never blocks on the disk); ``close`` writes what is queued."""
 
@@ -51,7 +66,7 @@ class AuditWriter:
         self.max_queued = max_queued
         self.dropped = 0
         """Records dropped so far because the queue was full."""
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._count_lock = threading.Lock()
         self._queued = 0
         self._unreported = 0
@@ -64,14 +79,16 @@ class AuditWriter:
     def path(self) -> Path:
         return self.log.path
 
-    def append(self, kind: str, fields: dict) -> None:
-        """Queues one record (see :meth:`AuditLog.append`); drops it if :attr:`max_queued` records wait."""
+    def append(self, kind: RecordKind, fields: dict) -> None:
+        """Queues one record (see :meth:`AuditLog.append`); drops it if :attr:`max_queued` records wait.
+        ValueError (at once, not in the thread) if ``kind`` is not a :class:`RecordKind`."""
+        _check_kind(kind)
         with self._count_lock:
             room = self._queued < self.max_queued
             self._queued += room
             tell = not room and self._drop()
         if room:
-            self._queue.put((str(kind), dict(fields), None))
+            self._queue.put(_Item(kind, dict(fields)))
         elif tell:
             log.error("audit queue full (%d records wait for the disk): %s record %s dropped (%d dropped so far)",
                       self.max_queued, kind, _what(fields), self.dropped)
@@ -86,12 +103,13 @@ class AuditWriter:
         self._drop_logged = now
         return True
 
-    def append_durable(self, kind: str, fields: dict, timeout_s: float = 10.0) -> None:
+    def append_durable(self, kind: RecordKind, fields: dict, timeout_s: float = 10.0) -> None:
         """Writes one record and returns once it is on disk (for a deletion, which
         must not happen unrecorded); AuditError when it is not within ``timeout_s``
         (ValueError for a record the log refuses)."""
+        _check_kind(kind)
         done = _Done()
-        self._queue.put((str(kind), dict(fields), done))
+        self._queue.put(_Item(kind, dict(fields), done))
         if not done.event.wait(timeout_s):
             raise AuditError(self.path, f"the {kind} record was not written within {timeout_s:.0f} s")
         if done.error is not None:
@@ -112,7 +130,7 @@ class AuditWriter:
             if last:
                 return
 
-    def _take(self) -> list:
+    def _take(self) -> list[_Item | None]:
         """The next batch (waiting for its first item); what it takes no longer counts as queued."""
         batch = [self._queue.get()]
         while len(batch) < MAX_BATCH:
@@ -120,12 +138,12 @@ class AuditWriter:
                 batch.append(self._queue.get_nowait())
             except queue.Empty:
                 break
-        taken = sum(1 for item in batch if item is not None and item[2] is None)
+        taken = sum(1 for item in batch if item is not None and item.done is None)
         with self._count_lock:
             self._queued -= taken
         return batch
 
-    def _write_batch(self, batch: list) -> bool:
+    def _write_batch(self, batch: list[_Item | None]) -> bool:
         """Writes the batch's records (then one for records dropped), syncs,
         tells the waiters; whether it held the closing signal."""
         waiting, last = [], False
@@ -133,11 +151,10 @@ class AuditWriter:
             if item is None:
                 last = True
                 continue
-            kind, fields, done = item
-            error = self._write(kind, fields) if kind else None
-            if done is not None:
-                done.error = error
-                waiting.append(done)
+            error = self._write(item.kind, item.fields) if item.kind is not None else None
+            if item.done is not None:
+                item.done.error = error
+                waiting.append(item.done)
         self._report_dropped()
         error = self._sync()
         for done in waiting:
@@ -163,7 +180,7 @@ class AuditWriter:
             return AuditError(self.path, f"cannot sync: {exc!r}")
         return None
 
-    def _write(self, kind: str, fields: dict) -> Exception | None:
+    def _write(self, kind: RecordKind, fields: dict) -> Exception | None:
         """Writes one record; the error (logged) if it was not written."""
         try:
             self.log.append(kind, fields)
@@ -178,12 +195,12 @@ class AuditWriter:
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Waits (at most ``timeout_s``) until every record queued so far is on disk."""
         done = _Done()
-        self._queue.put(("", {}, done))
+        self._queue.put(_Item(None, {}, done))
         return done.event.wait(timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Writes what is queued, then closes the log."""
-        self._queue.put(None)
+        self._queue.put(_CLOSE)
         self._thread.join(timeout_s)
         self.log.close()
 
@@ -193,13 +210,18 @@ def _what(fields: dict) -> str:
     return str(fields.get("request_id") or fields.get("action") or fields.get("job") or "")
 
 
-def _release(batch: list, error: Exception) -> bool:
+def _release(batch: list[_Item | None], error: Exception) -> bool:
     """Tells the batch's waiters not yet told that it failed; whether it held the closing signal."""
     last = False
     for item in batch:
         if item is None:
             last = True
-        elif item[2] is not None and not item[2].event.is_set():
-            item[2].error = item[2].error or error
-            item[2].event.set()
+        elif item.done is not None and not item.done.event.is_set():
+            item.done.error = item.done.error or error
+            item.done.event.set()
     return last
+
+
+def _check_kind(kind: RecordKind) -> None:
+    if not isinstance(kind, RecordKind):
+        raise ValueError(f"audit record kind {kind!r} is not a RecordKind")

@@ -29,7 +29,8 @@ from kvrelay.v1 import worker_pb2 as wpb
 from engine.hashing import hash_blocks
 from engine.tokenizer import Tokenizer
 from router.admission import FairQueue
-from router.audit import AuditError
+from router.audit import RecordKind
+from router.audit_writer import AuditWriter
 from router.auth import TenantSalts
 from router.errors import ErrorKind, RouterError
 from router.observe import RequestObservation, RouterTelemetry
@@ -42,7 +43,7 @@ from router.placement import (
     place,
 )
 from router.pools import PoolManager
-from router.quotas import Quotas
+from router.quotas import Quotas, TokenBucket
 from router.recovery import Failover, Recovery
 from router.registry import WorkerRegistry
 from router.relay import Relay, placement_proto
@@ -74,16 +75,15 @@ class RateLimit:
     """At most ``per_s`` events a second (a burst of five seconds' worth); counts the ones it drops."""
 
     def __init__(self, per_s: float) -> None:
-        self.per_s, self.level, self.at, self.dropped = per_s, per_s * 5, time.monotonic(), 0
+        self.bucket = TokenBucket(per_s * 5, per_s, per_s * 5, time.monotonic())
+        self.dropped = 0
 
     def allow(self) -> int | None:
         """None: drop this one; else the number dropped since the last one allowed."""
-        now = time.monotonic()
-        self.level, self.at = min(self.per_s * 5, self.level + (now - self.at) * self.per_s), now
-        if self.level < 1:
+        if self.bucket.wait_s(1, time.monotonic()) > 0:
             self.dropped += 1
             return None
-        self.level -= 1
+        self.bucket.take(1)
         dropped, self.dropped = self.dropped, 0
         return dropped
 
@@ -126,10 +126,11 @@ class RouterCore:
 
     def __init__(self, cfg: ClusterConfig, tokenizer: Tokenizer, limits: ModelLimits,
                  policy_seed: int | None = None, dialer: Dialer = PLAINTEXT, salt_key: bytes | None = None,
-                 tracing: Tracing = NO_TRACING) -> None:
+                 tracing: Tracing = NO_TRACING, audit: AuditWriter | None = None) -> None:
         """``dialer``: how to reach workers (the router's certificate).
         ``salt_key``: keys tenants' prefix-cache salts (the KV secret; None:
-        a random key for this process's life). ``tracing``: the process's tracer."""
+        a random key for this process's life). ``tracing``: the process's tracer.
+        ``audit``: the audit log's writer (None: nothing is audited)."""
         self.cfg = cfg
         self.tok = tokenizer
         self.limits = limits
@@ -143,8 +144,8 @@ class RouterCore:
         self.pools = PoolManager(cfg, self.registry)
         self.policy = make_policy(cfg.router.policy, policy_seed)
         self._refusals = RateLimit(REFUSALS_PER_S)
-        self.audit = None
-        """The audit log (router/audit.py ``AuditLog``), set by router/main.py; None: no audit log."""
+        self.audit = audit
+        """The audit log's writer (router/audit_writer.py); None: no audit log."""
         self.telemetry = RouterTelemetry(tracing, durable=self.registry.usage, links=self._links)
         """Traces, metrics and the last minute's latency (router/observe.py)."""
         self.metrics_address = ""
@@ -212,12 +213,10 @@ class RouterCore:
         requested = frozenset(j[:32] for j in msg.allowed_jurisdictions[:MAX_JURISDICTIONS]) or None
         return RequestRecord(caller, (msg.model or self.limits.name)[:128], msg.request_id[:128], requested, logged)
 
-    def _audit(self, record: dict, kind: str = "request") -> None:
+    def _audit(self, record: dict, kind: RecordKind = RecordKind.REQUEST) -> None:
+        """Queues one record (the writer logs one it cannot write; serving goes on)."""
         if self.audit is not None:
-            try:
-                self.audit.append(kind, record)
-            except (AuditError, ValueError):
-                log.exception("the audit log could not be written")
+            self.audit.append(kind, record)
 
     def audit_refused(self, caller_api: str, error: RouterError, credential: str) -> None:
         """A call refused before it had a tenant (missing or wrong credentials), at most
@@ -225,7 +224,7 @@ class RouterCore:
         suppressed = self._refusals.allow()
         if suppressed is not None:
             self._audit({"api": caller_api, "credential": credential, "outcome": error.kind.value,
-                         "error": error.message[:300], "suppressed_before": suppressed}, "refusal")
+                         "error": error.message[:300], "suppressed_before": suppressed}, RecordKind.REFUSAL)
 
     def health(self) -> ipb.HealthResponse:
         p = len(self.registry.candidates(Role.PREFILL))

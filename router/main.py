@@ -106,9 +106,8 @@ def build_core(cfg: ClusterConfig, args: argparse.Namespace, tls: TLSMaterial | 
                          vocab_size=model_cfg.vocab_size, chat=tok.has_chat_template)
     tracing = Tracing(cfg.telemetry, "kvrelay-router", "router", {"kvrelay.site": cfg.router.site or ""},
                       follow_remote=False)  # a client's sampled flag does not force tracing
-    core = RouterCore(cfg, tok, limits, dialer=Dialer(tls), salt_key=salt_key, tracing=tracing)
-    core.audit = audit_log(cfg)
-    return core
+    return RouterCore(cfg, tok, limits, dialer=Dialer(tls), salt_key=salt_key, tracing=tracing,
+                      audit=audit_log(cfg))
 
 
 def close_files(core: RouterCore, metrics) -> None:

@@ -143,6 +143,10 @@ def _stop(body: dict, req: ipb.GenerateRequest) -> None:
         req.stop.extend(stop)
     elif stop is not None:
         raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+    ids = _get(body, "stop_token_ids", (list,), "a list of token ids", [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in ids):
+        raise ApiError(400, "'stop_token_ids' must be a list of non-negative 32-bit integers", param="stop_token_ids")
+    req.stop_token_ids.extend(ids)  # their count: the core checks it, as over gRPC
 
 
 def _extension(body: dict, req: ipb.GenerateRequest) -> None:

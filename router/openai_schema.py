@@ -29,12 +29,23 @@ NOT_IMPLEMENTED = {
     "metadata": "stored completions are not implemented", "user": "end-user ids are not recorded",
     "service_tier": "service tiers are not implemented", "reasoning_effort": "this model does not reason",
     "web_search_options": "web search is not implemented",
+    "repetition_penalty": "penalties are not implemented; only 1",
+    "min_p": "min_p sampling is not implemented; only 0",
+    "min_tokens": "a minimum output length is not implemented; only 0",
 }
 """OpenAI fields kvrelay knows and does not implement, with why; any value but the neutral one is refused."""
 
 NEUTRAL = {"response_format": ({"type": "text"},), "logit_bias": ({},), "presence_penalty": (0, 0.0),
-           "frequency_penalty": (0, 0.0), "tools": ([],), "tool_choice": ("none",), "store": (False,)}
-"""Values of not-implemented fields that ask for exactly what kvrelay does anyway (accepted)."""
+           "frequency_penalty": (0, 0.0), "tools": ([],), "tool_choice": ("none",), "store": (False,),
+           "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,)}
+"""Values of not-implemented fields that ask for exactly what kvrelay does anyway (accepted: real
+clients send them, e.g. ``vllm bench serve`` always sends ``repetition_penalty: 1.0``)."""
+
+
+def is_neutral(name: str, value: Any) -> bool:
+    """Whether ``value`` is None or one of ``name``'s neutral values, of the same JSON type
+    (``true`` is not ``1``, ``false`` is not ``0``)."""
+    return value is None or any(type(value) is type(n) and value == n for n in NEUTRAL.get(name, ()))
 
 _INT = {"type": "integer"}
 _NUM = {"type": "number"}
@@ -67,6 +78,8 @@ COMMON: dict[str, dict] = {
     "stream_options": _nullable({"type": "object", "additionalProperties": False,
                                  "properties": {"include_usage": _BOOL}}),
     "ignore_eos": _nullable(_BOOL),
+    "stop_token_ids": _nullable({"type": "array", "items": {**_INT, "minimum": 0, "maximum": (1 << 31) - 1},
+                                 "maxItems": 64, "description": "vLLM's extension: token ids that end the output"}),
     "kvrelay": _EXTENSION,
     **{name: {"description": f"accepted only as {NEUTRAL[name][0]!r}: {why}"}
        for name, why in NOT_IMPLEMENTED.items() if name in NEUTRAL},
@@ -111,8 +124,7 @@ def refuse_unknown(obj: dict, allowed: frozenset[str] | dict, where: str = "") -
     that is not in ``allowed`` (or is a not-implemented one with a non-neutral
     value); None when all are allowed."""
     for name, value in obj.items():
-        neutral = value is None or value in NEUTRAL.get(name, ())
-        if name in allowed and (name not in NOT_IMPLEMENTED or neutral):
+        if name in allowed and (name not in NOT_IMPLEMENTED or is_neutral(name, value)):
             continue
         path = f"{where}{name}"
         if name in NOT_IMPLEMENTED:

@@ -19,6 +19,7 @@ import time
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
+from router.audit import RecordKind
 from router.core import RouterCore
 from router.errors import ErrorKind, RouterError
 from router.peer import STATUS, CallAuth
@@ -92,7 +93,7 @@ class RegistryService(wgrpc.RegistryServicer):
             cert = self.auth.cert(context) if self.auth.tls is not None else None
         except RouterError as exc:
             cert = f"refused: {exc.message}"
-        self.core.audit.append("registration", {
+        self.core.audit.append(RecordKind.REGISTRATION, {
             "worker": info.worker_id[:200], "site": info.site[:64], "address": info.address[:200],
             "certificate": str(cert) if cert is not None else "none (TLS off)", "outcome": outcome})
 

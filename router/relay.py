@@ -52,9 +52,9 @@ WORKER_STATUS = {
 """A worker's final status -> what the request's caller is told (anything else: INTERNAL)."""
 
 WORKER_FULL_RETRY_S = 1.0
+"""Retry hint when the chosen decode worker turned out to have no room."""
 FIRST_TOP_LOGPROBS_WAIT_S = 10.0
 """Longest wait for P's answer (which carries the first token's top_logprobs) once D has the KV."""
-"""Retry hint when the chosen decode worker turned out to have no room."""
 
 
 def placement_proto(est_ttft_s: float, policy: str, cached_prefill: int, cached_decode: int,

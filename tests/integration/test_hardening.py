@@ -105,6 +105,13 @@ def test_fields_not_implemented_are_refused_by_name(cluster):
         ({"response_format": {"type": "json_object"}}, "'response_format' is not supported"),
         ({"logit_bias": {"42": 5}}, "'logit_bias' is not supported"),
         ({"presence_penalty": 0.5}, "'presence_penalty' is not supported"),
+        ({"repetition_penalty": 1.2}, "'repetition_penalty' is not supported"),
+        ({"repetition_penalty": True}, "'repetition_penalty' is not supported"),  # true is not 1
+        ({"min_p": 0.1}, "'min_p' is not supported"),
+        ({"min_tokens": 4}, "'min_tokens' is not supported"),
+        ({"min_tokens": False}, "'min_tokens' is not supported"),  # false is not 0
+        ({"stop_token_ids": [1, -2]}, "'stop_token_ids' must be a list of non-negative 32-bit integers"),
+        ({"stop_token_ids": 7}, "'stop_token_ids' must be a list of token ids"),
         ({"user": "alice"}, "'user' is not supported"),
         ({"frobnicate": True}, "unknown field 'frobnicate'"),
         ({"stream": True, "stream_options": {"include_usage": True, "extra": 1}},
@@ -126,7 +133,8 @@ def test_fields_not_implemented_are_refused_by_name(cluster):
     _assert_error(status, body, 400, "logprobs must be in [0, 5]")
     # the values that ask for what kvrelay does anyway are accepted
     neutral = {"response_format": {"type": "text"}, "tools": [], "logit_bias": {}, "presence_penalty": 0,
-               "frequency_penalty": 0.0, "tool_choice": None, "role": None}
+               "frequency_penalty": 0.0, "tool_choice": None, "role": None, "repetition_penalty": 1.0,
+               "min_p": 0, "min_tokens": 0, "stop_token_ids": []}
     neutral.pop("role")
     status, body = _post(cluster, CHAT, base | neutral)
     assert status == 200, body

@@ -234,6 +234,32 @@ def test_admission_refusal_is_429_with_retry_after(client, cluster):
         assert all(f.result().usage.completion_tokens == 200 for f in running)
 
 
+def test_a_request_shaped_as_vllm_bench_serve_sends_it_is_served(cluster):
+    """vLLM's own benchmark client (``vllm bench serve``, openai-completions backend)
+    posts exactly these fields, ``repetition_penalty: 1.0`` among them, over HTTPS
+    with a bearer token, and reads the last chunk of the stream for usage."""
+    body = {"model": MODEL, "prompt": RAW, "temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 5,
+            "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    with HTTP_CLIENT(verify=tls_context(cluster), timeout=120) as http, \
+            http.stream("POST", f"https://{cluster.http_address}/v1/completions", json=body,
+                        headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert events[-1]["usage"]["completion_tokens"] == 5  # ignore_eos: the whole length
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"])
+
+
+def test_stop_token_ids_end_the_output_at_the_first_one_sampled(client, stub):
+    ids, _, _ = grpc_tokens(stub, ipb.GenerateRequest(prompt=RAW, raw_prompt=True, max_tokens=8, ignore_eos=True))
+    third = ids[2]  # greedy: the same tokens again over HTTP, so the output ends where this one first appears
+    kw = {"model": MODEL, "prompt": RAW, "max_tokens": 8, "temperature": 0}
+    stopped = client.completions.create(**kw, extra_body={"ignore_eos": True, "stop_token_ids": [third]})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == ids.index(third) + 1
+
+
 def test_no_decode_worker_is_503_and_health_says_so(cluster):
     """Last in this module: the only decode worker is killed (the launcher does not replace it here)."""
     decode = next(c for c in cluster.children if c.name == "local/decode/0")

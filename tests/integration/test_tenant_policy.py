@@ -161,6 +161,19 @@ def test_the_audit_log_verifies_and_keeps_prompts_only_where_allowed(cluster, ca
     assert capsys.readouterr().out.startswith("ok")
 
 
+def test_a_call_with_a_wrong_token_is_found_by_audit_query_kind_refusal(cluster, capsys):
+    with cluster.dialer("not-a-token").sync(cluster.router_address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt="hi", max_tokens=1), timeout=30))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert wait_until(lambda: any(r["kind"] == "refusal" for r in _records(cluster)), 10)
+    capsys.readouterr()
+    assert kvrelay(["audit", "query", "--file", cluster.cfg.router.audit_log, "--kind", "refusal", "--json"]) == 0
+    found = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert found and all(r["kind"] == "refusal" for r in found)
+    assert any(r["api"] == "grpc" and r["credential"] == "token" and r["outcome"] == "unauthenticated" for r in found)
+
+
 def test_verify_names_an_edited_a_deleted_and_an_inserted_record_of_the_real_log(cluster, tmp_path, capsys):
     for _ in range(4):
         generate(cluster, "lab-x")

@@ -241,6 +241,9 @@ def test_reserved_fields_and_values_json_cannot_hold_are_refused(tmp_path):
             log.append(RecordKind.REQUEST, bad)
     with pytest.raises(ValueError, match="not JSON"):
         log.append(RecordKind.REQUEST, {"x": float("nan")})
+    for kind in ("refusal", "request", "nonsense"):  # a plain string: no `--kind` query could rely on it
+        with pytest.raises(ValueError, match="is not a RecordKind"):
+            log.append(kind, {"tenant": "a"})  # type: ignore[arg-type]
     log.append(RecordKind.REQUEST, {"tenant": "a", "text": "line\nbreak \u2028 é"})
     log.close()
     assert verify(tmp_path / "a.jsonl").records == 1  # nothing half-written by the refusals
@@ -248,7 +251,7 @@ def test_reserved_fields_and_values_json_cannot_hold_are_refused(tmp_path):
 
 def test_appends_from_threads_keep_one_chain(tmp_path):
     log = AuditLog(tmp_path / "a.jsonl", fsync=False)
-    threads = [threading.Thread(target=lambda k=k: [log.append("request", {"tenant": f"t{k}", "i": i})
+    threads = [threading.Thread(target=lambda k=k: [log.append(RecordKind.REQUEST, {"tenant": f"t{k}", "i": i})
                                                     for i in range(50)]) for k in range(4)]
     for t in threads:
         t.start()
