@@ -12,7 +12,7 @@ from pathlib import Path
 from benchmarks.fairness import FairnessConfig, format_fairness, run_fairness_bench
 from benchmarks.fuzz import format_fuzz, run_fuzz_bench
 from benchmarks.overload import OverloadConfig, format_overload, run_overload_bench
-from cli.common import resolve_model
+from cli.local import resolve_model
 
 
 def cmd_bench_fuzz(args: argparse.Namespace) -> int:
@@ -52,28 +52,3 @@ def cmd_bench_fairness(args: argparse.Namespace) -> int:
         out = report.to_json() | {"command": "kvrelay bench fairness " + " ".join(sys.argv[3:])}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
-
-
-def add_parsers(bench) -> None:
-    """bench fuzz, bench overload and bench fairness."""
-    bfa = bench.add_parser("fairness", help="a tenant's interactive TTFT while another's batch job saturates")
-    bfa.add_argument("--interactive", type=int, default=12, help="interactive requests per phase")
-    bfa.add_argument("--job-requests", type=int, default=400, help="requests of the flooding batch job")
-    bfa.add_argument("--seed", type=int, default=0)
-    bfa.add_argument("--model", help="checkpoint folder (default: the embedded model)")
-    bfa.add_argument("--json", help="also write the report to this file")
-    bfa.set_defaults(func=cmd_bench_fairness)
-    bf = bench.add_parser("fuzz", help="fuzz the HTTP, gRPC and KV ports and the config loader; report leaks")
-    bf.add_argument("--minutes", type=float, default=5.0)
-    bf.add_argument("--seed", type=int, default=0)
-    bf.add_argument("--model", help="checkpoint folder (default: the embedded model)")
-    bf.add_argument("--json", help="also write the report to this file")
-    bf.set_defaults(func=cmd_bench_fuzz)
-    bo = bench.add_parser("overload", help="offer several times the sustainable rate: shed vs admitted, TTFT, memory")
-    bo.add_argument("--factor", type=float, default=5.0, help="offered rate in multiples of the sustainable one")
-    bo.add_argument("--seconds", type=float, default=60.0, help="length of the overload")
-    bo.add_argument("--capacity-seconds", type=float, default=30.0, help="length of the capacity measurement")
-    bo.add_argument("--seed", type=int, default=0)
-    bo.add_argument("--model", help="checkpoint folder (default: the embedded model)")
-    bo.add_argument("--json", help="also write the report to this file")
-    bo.set_defaults(func=cmd_bench_overload)

@@ -19,7 +19,7 @@ from benchmarks.chaos import (
     router_counters,
 )
 from benchmarks.replay import build_report, replay, write_report
-from cli.common import replay_config, replay_prompts, run_meta
+from cli.replay_run import replay_config, replay_prompts, run_meta
 from launch.local import LocalCluster
 
 CLIENT_RETRIES = 50

@@ -4,15 +4,11 @@ restore, bench cities, demo) and the --cities flag of serve and bench replay."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
-import tempfile
 from pathlib import Path
 
-from benchmarks import cities_bench as cb
-from benchmarks.replay import trace_slice
-from benchmarks.traces import SAMPLE_AZURE, build_prompts, load_trace
-from cli.common import VOCAB_RANGE, replay_config, resolve_model, run_replay, table
+from cli.common import table
+from cli.lazy import local
 from launch import cities
 from launch.cities import (
     DEFAULT_PREFIX,
@@ -25,45 +21,7 @@ from launch.cities import (
     load_state,
 )
 from launch.linkprobe import measure_link
-from launch.local import LocalCluster
 from runtime.config import load_config
-
-
-def cmd_bench_cities(args: argparse.Namespace) -> int:
-
-
-    if args.speedup <= 0 or args.length_scale <= 0 or args.limit < 1:
-        print("kvrelay: --speedup and --length-scale must be positive, --limit at least 1", file=sys.stderr)
-        return 2
-    args.trace = args.trace or SAMPLE_AZURE
-    try:
-        cities.check_privileges()
-        emulate = True
-    except cities.CitiesError as exc:
-        print(f"kvrelay: no WAN emulation ({exc}); the links exist only in placement's figures", file=sys.stderr)
-        emulate = False
-    example = cb.load_example()
-    chosen = [sc for sc in cb.scenarios(example) if not args.only or sc.name in args.only.split(",")]
-    if not chosen:
-        raise ValueError(f"--only {args.only!r} names no scenario "
-                         f"({', '.join(sc.name for sc in cb.scenarios(example))})")
-    reqs = load_trace(args.trace, args.format, args.limit)
-    prompts = build_prompts(reqs, args.length_scale, VOCAB_RANGE, seed=args.seed)
-    rcfg = replay_config(args)
-    model_path = resolve_model(example.get("model", {}).get("path"), args.cache_dir)
-    out = Path(args.out)
-    meta = {"trace": str(args.trace), "limit": args.limit, "speedup": args.speedup,
-            "length_scale": args.length_scale, "seed": args.seed, "wan_emulation": emulate,
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "trace_slice": trace_slice(reqs),
-            "scale_reason": f"--length-scale {args.length_scale:g}", "format": args.format or "auto"}
-    rows = []
-    for sc in chosen:
-        print(f"kvrelay: scenario {sc.name}: {sc.what}", flush=True)
-        report = cb.run_scenario(sc, model_path, prompts, rcfg, emulate, out, meta)
-        rows.append(cb.summary_row(sc.name, sc.what, report))
-    print(cb.write_summary(rows, out, meta))
-    return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
 def cmd_cities_up(args: argparse.Namespace) -> int:
@@ -136,46 +94,6 @@ def cmd_cities_cut(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    """Three cities (emulated WAN when root), a short trace slice, the summary."""
-
-
-    example = Path(__file__).resolve().parents[1] / "examples" / "three-cities.yaml"
-    if not example.exists():
-        raise ValueError(f"{example} is missing: run kvrelay demo from a source checkout")
-    cfg = load_config(example)
-    cfg.router.port = 0
-    out = Path(args.out or tempfile.mkdtemp(prefix="kvrelay-demo-"))
-    state_dir = Path(tempfile.mkdtemp(prefix="kvrelay-demo-state-"))
-    st = None
-    try:
-        cities.check_privileges()
-        st = cities.up(cfg, state_dir, subnet="10.215.0.0/16", prefix="kvdm")
-        print(f"kvrelay demo: Toronto, Montreal and Vancouver in their own namespaces, "
-              f"joined by emulated links ({', '.join(f'{lk.a}-{lk.b} {lk.rtt_ms:g} ms' for lk in st.links)})")
-    except cities.CitiesError as exc:
-        print(f"kvrelay demo: no WAN emulation ({exc}); the three cities share loopback and the links "
-              "exist only in placement's figures", file=sys.stderr)
-    try:
-        reqs = load_trace(SAMPLE_AZURE, "azure", args.requests)
-        cluster = LocalCluster(cfg, resolve_model(cfg.model.path, args.cache_dir), cities=st)
-        try:
-            address = cluster.start()
-            print(f"kvrelay demo: cluster up (router {address}); replaying {len(reqs)} requests of the Azure "
-                  f"code trace at 1/10 of their lengths", flush=True)
-            replay_args = argparse.Namespace(trace=SAMPLE_AZURE, format="azure", limit=args.requests,
-                                             speedup=1.0, length_scale=0.1, slo_ttft=args.slo_ttft,
-                                             slo_tpot=args.slo_tpot, seed=0, no_progress=False, out=out)
-            rc = run_replay(replay_args, reqs, address, cluster)
-        finally:
-            cluster.stop()
-    finally:
-        if st is not None:
-            cities.down(state_dir)
-    print(f"kvrelay demo: the full report (report.json, report.md, plots) is in {out}")
-    return rc
-
-
 def cities_flag(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--cities", action="store_true", help="run each site's workers in its namespace of the "
@@ -209,7 +127,7 @@ def add_parsers(sub, bench) -> None:
     bc.add_argument("--only", help="comma-separated scenario names")
     bc.add_argument("--no-progress", action="store_true")
     bc.add_argument("--out", required=True)
-    bc.set_defaults(func=cmd_bench_cities)
+    bc.set_defaults(func=local("cmd_bench_cities"))
 
     ci = sub.add_parser("cities", help="emulate the config's sites as cities joined by WAN links (root)")
     cis = ci.add_subparsers(dest="cities_command", required=True)
@@ -238,4 +156,4 @@ def add_parsers(sub, bench) -> None:
     dm.add_argument("--slo-ttft", type=float, default=10.0, help="TTFT objective, seconds")
     dm.add_argument("--slo-tpot", type=float, default=1.0, help="TPOT objective, seconds")
     dm.add_argument("--out", help="report directory (default: a new temporary one)")
-    dm.set_defaults(func=cmd_demo)
+    dm.set_defaults(func=local("cmd_demo"))

@@ -28,7 +28,7 @@ from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
 from cli.common import add_connect_flags, client_dialer, grpc_error, table
-from router.jobs import (
+from router.job_limits import (
     MAX_JOB_BYTES,
     MAX_JOB_REQUESTS,
     MAX_REQUEST_BYTES,

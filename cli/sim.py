@@ -15,11 +15,10 @@ from benchmarks.replay import trace_slice, write_report
 from benchmarks.sim.cluster import Failure, SimConfig, SimInputError
 from benchmarks.sim.planner import Plan, PlanGoal, Planner, Shape
 from benchmarks.sim.profile import ProfileError, load_profile
-from benchmarks.sim.profiler import ProfileGrid, Profiler
 from benchmarks.sim.run import Objectives, simulate
 from benchmarks.sim.workload import arrivals
 from benchmarks.traces import TraceError, load_trace
-from cli.common import resolve_model
+from cli.lazy import local
 from runtime.config import ConfigError, load_config
 
 _FAIL = re.compile(r"^(worker|link):(?P<target>[^@]+)@(?P<at>[0-9.]+)(\+(?P<for>[0-9.]+))?$")
@@ -81,25 +80,6 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_profile(args: argparse.Namespace) -> int:
-    if args.threads < 1 or args.sharing < 1 or args.repeats < 1:
-        print("kvrelay: --threads, --sharing and --repeats must be at least 1", file=sys.stderr)
-        return 2
-    grid = ProfileGrid(repeats=args.repeats)
-    if args.quick:
-        grid = ProfileGrid(prompts=(16, 128, 512), chunks=((512, 256),), batches=(1, 8), contexts=(64, 512),
-                           mixed=((8, 256, 128),), repeats=args.repeats)
-    path = resolve_model(args.model, args.cache_dir)
-    prof = Profiler(str(path), args.dtype, args.threads).profile(grid, args.name or Path(path).name, args.sharing)
-    prof.save(Path(args.out))
-    print(f"profile of {prof.model.name} ({prof.dtype}, {args.threads or 'default'} thread(s)) -> {args.out}")
-    print(f"  step = {prof.c0 * 1e3:.2f} ms + {prof.c_prefill * 1e6:.1f} us/prompt token + "
-          f"{prof.c_decode * 1e6:.1f} us/decoded sequence + {prof.c_attend * 1e9:.2f} ns/prompt attention pair + "
-          f"{prof.c_context * 1e6:.2f} us/decode context token")
-    print(f"  fit: {prof.fit['points']} points, median relative error {prof.fit['median_rel_error']:.1%}")
-    return 0
-
-
 def _add_trace_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="the deployment, as `kvrelay serve --config` (default: the embedded default)")
     p.add_argument("--trace", required=True, type=Path, help="Azure CSV or Mooncake JSONL trace")
@@ -138,7 +118,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median counts)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (tests)")
     p.add_argument("--out", required=True, help="profile file to write (JSON)")
-    p.set_defaults(func=cmd_profile)
+    p.set_defaults(func=local("cmd_profile"))
     add_plan_parser(sub)
     add_report_parser(sub)
 

@@ -21,6 +21,7 @@ from router.audit import AuditError, RecordKind
 from router.core import RouterCore
 from router.errors import ErrorKind, RouterError
 from router.grpc_api import STATUS, abort
+from router.job_limits import job_limit_error
 from router.jobs_store import JOB_CANCELLED, JOB_DONE, RESULT_PAGE, JobRow, JobStore
 from router.peer import CallAuth, authorization
 from router.quotas import QuotaExceeded
@@ -30,14 +31,6 @@ from runtime.topology import Role
 
 log = logging.getLogger(__name__)
 
-MAX_JOB_REQUESTS = 100_000
-"""Most requests in one job (non-blank lines of a job file)."""
-MAX_JOB_BYTES = 15 << 20
-"""Most bytes of a job: its requests serialized (at the CLI, also the job
-file), under the public listener's default message limit (router.api.max_message_bytes, 16 MiB)."""
-MAX_REQUEST_BYTES = 1 << 20
-"""Most bytes of one request of a job, serialized (at the CLI, also one line of the file)."""
-MAX_JOB_NAME_CHARS = 256
 POLL_S = 0.2
 """How often the runner looks for work and followers look for results."""
 
@@ -49,25 +42,6 @@ DELETE_WAIT_S = 10.0
 TRANSIENT = frozenset({ErrorKind.UNAVAILABLE, ErrorKind.OVERLOADED})
 """No worker could take the request now (none registered yet, all full): not its fault; it runs again later."""
 BACKOFF_S = 1.0
-
-
-def job_limit_error(name: str, requests: Sequence[ipb.GenerateRequest]) -> str | None:
-    """Why a job is over a limit (None: it is not); a message about one request
-    starts ``requests[i]: ``. The router refuses such a job, and the CLI before sending it."""
-    if len(requests) > MAX_JOB_REQUESTS:
-        return f"job has {len(requests)} requests; at most {MAX_JOB_REQUESTS}"
-    if len(name) > MAX_JOB_NAME_CHARS:
-        return f"job name has {len(name)} characters; at most {MAX_JOB_NAME_CHARS}"
-    total = 0
-    for i, r in enumerate(requests):
-        size = r.ByteSize()
-        if size > MAX_REQUEST_BYTES:
-            return (f"requests[{i}]: {size} bytes; at most {MAX_REQUEST_BYTES} ({MAX_REQUEST_BYTES >> 20} MiB) "
-                    "per request")
-        total += size
-    if total > MAX_JOB_BYTES:
-        return f"job is {total} bytes; at most {MAX_JOB_BYTES} ({MAX_JOB_BYTES >> 20} MiB)"
-    return None
 
 
 def _job_proto(row: JobRow) -> jpb.Job:

@@ -13,7 +13,7 @@ from kvrelay.v1 import inference_pb2 as ipb
 
 from cli.jobs import JobFileError, parse_job_file
 from cli.main import main
-from router.jobs import MAX_JOB_REQUESTS, MAX_REQUEST_BYTES, job_limit_error
+from router.job_limits import MAX_JOB_REQUESTS, MAX_REQUEST_BYTES, job_limit_error
 
 GOOD = '{"prompt": "ok", "max_tokens": 4}'
 

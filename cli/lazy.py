@@ -1,0 +1,27 @@
+"""Command functions imported when their command runs, so that the light
+commands (generate, status, job, usage, audit, the operators') start without
+torch or the engine: `kvrelay generate --help` does not pay for `kvrelay bench`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Lazy:
+    """``module:name``, a command function (``args -> exit code``) imported on its first call."""
+
+    module: str
+    name: str
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        func: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(self.module), self.name)
+        return func(args)
+
+
+def local(name: str) -> Lazy:
+    """A function of cli/local.py (the commands that run a model or a cluster here)."""
+    return Lazy("cli.local", name)

@@ -1,0 +1,350 @@
+"""The `kvrelay` commands that run a model or a cluster in this process:
+model, bench (engine, kv, placement, tls, telemetry, replay, cities), serve,
+generate-local, demo, sim profile. Heavy (torch, the engine): cli/main.py
+reaches these functions through cli/lazy.py, only when their command runs."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import cities_bench as cb
+from benchmarks import telemetry_bench
+from benchmarks.engine_bench import format_result, run_engine_bench, to_json
+from benchmarks.kv_bench import format_kv, kv_json, machine, run_kv_bench
+from benchmarks.kv_wan import add_wan
+from benchmarks.placement_bench import format_placement, run_placement_bench
+from benchmarks.replay import trace_slice
+from benchmarks.sim.profiler import ProfileGrid, Profiler
+from benchmarks.tls_bench import format_tls, run_tls_bench
+from benchmarks.traces import SAMPLE_AZURE, TraceError, build_prompts, load_trace
+from cli.chaos import run_chaos
+from cli.cities import cities_for
+from cli.common import write_secret
+from cli.replay_run import VOCAB_RANGE, replay_config, run_replay
+from engine.config import EngineConfig
+from engine.default_model import prepare_default_model
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.tiny import write_tiny_checkpoint
+from kvtransfer.protection import Protection
+from launch import cities
+from launch.cities import CitiesError, check_privileges
+from launch.credentials import (
+    CLIENT_TOKEN,
+    LOCAL_TENANT,
+    ensure_client_token,
+    ensure_local_ca,
+)
+from launch.local import LocalCluster
+from launch.ray_backend import RayBackend
+from router.auth import token_sha256
+from runtime.config import ClusterConfig, ConfigError, load_config
+from runtime.tenants import TenantSection
+
+
+def resolve_model(arg: str | None, cache_dir: Path) -> Path:
+    """``arg``'s folder, else the embedded default model (converted on first use)."""
+    return Path(arg) if arg else prepare_default_model(cache_dir)
+
+
+def cmd_model_prepare(args: argparse.Namespace) -> int:
+    print(prepare_default_model(args.cache_dir))
+    return 0
+
+
+def cmd_model_tiny(args: argparse.Namespace) -> int:
+    print(write_tiny_checkpoint(Path(args.out), args.arch, seed=args.seed))
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    path = resolve_model(args.model, args.cache_dir)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    for dtype in args.dtype.split(","):
+        r = run_engine_bench(path, dtype=dtype, threads=args.threads, batches=batches,
+                             new_tokens=args.new_tokens, repeat=args.repeat, with_hf=not args.no_reference)
+        print(format_result(r), flush=True)
+        if args.json:
+            Path(args.json).with_suffix(f".{dtype}.json").write_text(to_json(r))
+    return 0
+
+
+def cmd_bench_kv(args: argparse.Namespace) -> int:
+    streams = [int(s) for s in args.streams.split(",")]
+    if args.wan:
+        try:
+            check_privileges()  # before the loopback runs, not after them
+        except CitiesError as exc:
+            raise SystemExit(f"kvrelay bench kv --wan: {exc}") from None
+    modes = args.modes.split(",")
+    try:
+        modes = [Protection.parse(m) for m in modes]
+    except ValueError as exc:
+        raise SystemExit(f"kvrelay bench kv --modes: {exc}") from None
+    model = None if args.no_overlap else resolve_model(args.model, args.cache_dir)
+    res = run_kv_bench([int(m) for m in args.sizes.split(",")], streams, args.repeat, model, modes)
+    if args.wan:
+        add_wan(res)
+    print(format_kv(res))
+    if args.json:
+        command = "kvrelay bench kv " + " ".join(sys.argv[3:])
+        Path(args.json).write_text(json.dumps(kv_json(res, command), indent=1) + "\n")
+    return 0
+
+
+def cmd_bench_placement(args: argparse.Namespace) -> int:
+    try:
+        sizes = [int(n) for n in args.workers.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 2 or args.sites < 1 or args.decisions < 1 or args.prompt_tokens < 16:
+        print("kvrelay: --workers takes comma-separated counts >= 2 (e.g. 1000,10000); --sites and --decisions "
+              ">= 1, --prompt-tokens >= 16", file=sys.stderr)
+        return 2
+    results = []
+    for n in sizes:
+        res = run_placement_bench(n, args.sites, args.prompt_tokens, args.decisions)
+        print(format_placement(res) + "\n")
+        results.append(res.to_json())
+    if args.json:
+        out = {"command": "kvrelay bench placement " + " ".join(sys.argv[3:]), "machine": machine(),
+               "results": results}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+def cmd_bench_tls(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    res = run_tls_bench(cfg, resolve_model(cfg.model.path, args.cache_dir), args.prompt_tokens, args.requests,
+                        args.rtt_calls)
+    print(format_tls(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res.to_dict(), indent=2) + "\n")
+    return 0
+
+
+def cmd_bench_telemetry(args: argparse.Namespace) -> int:
+    """Tracing at sample ratio 1.0 against telemetry off: TTFT and decode tokens/s."""
+    if args.requests < 2:
+        raise SystemExit("kvrelay bench telemetry: --requests must be >= 2")
+    cfg = telemetry_bench.TelemetryConfig(requests=args.requests, seed=args.seed)
+    report = telemetry_bench.run_telemetry_bench(str(resolve_model(args.model, args.cache_dir)), cfg)
+    print(telemetry_bench.format_telemetry(report))
+    if args.json:
+        out = report | {"command": "kvrelay bench telemetry " + " ".join(sys.argv[3:])}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+def cmd_bench_replay(args: argparse.Namespace) -> int:
+    if args.speedup <= 0 or any(x is not None and x <= 0 for x in (args.length_scale, args.output_scale)) \
+            or args.warmup < 0:
+        print("kvrelay: --speedup, --length-scale and --output-scale must be positive, --warmup >= 0",
+              file=sys.stderr)
+        return 2
+    try:
+        reqs = load_trace(args.trace, args.format, args.limit)
+    except TraceError as exc:
+        print(f"kvrelay: {exc}", file=sys.stderr)
+        return 2
+    if args.chaos is not None and (args.router is not None or args.chaos <= 0):
+        print("kvrelay: --chaos needs a positive rate, and a cluster of its own (not --router)", file=sys.stderr)
+        return 2
+    if args.router is not None:
+        return run_replay(args, reqs, args.router, None)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"kvrelay: {exc}", file=sys.stderr)
+        return 2
+    cfg.router.port = 0
+    if args.chaos is not None:
+
+        return run_chaos(args, reqs, cfg, resolve_model(cfg.model.path, args.cache_dir), cities_for(args))
+    cluster = LocalCluster(cfg, resolve_model(cfg.model.path, args.cache_dir), cities=cities_for(args))
+    try:
+        return run_replay(args, reqs, cluster.start(), cluster)
+    finally:
+        cluster.stop()
+
+
+def cmd_generate_local(args: argparse.Namespace) -> int:
+    """Runs the engine in this process (no cluster) and streams the answer."""
+    path = resolve_model(args.model, args.cache_dir)
+    eng = LLMEngine(EngineConfig(model_path=path, dtype=args.dtype))
+    ids = eng.tokenizer.encode_prompt(args.prompt, raw=args.raw)
+    eng.add_request("cli", ids, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                               seed=args.seed))
+    while eng.has_unfinished():
+        for out in eng.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def local_defaults(cfg: ClusterConfig, cache_dir: Path) -> None:
+    """Zero setup: a config that names no CA uses the per-user one under the
+    cache folder, and one that lists no clients (and allows no anonymous
+    ones) gets the per-user client token there, as tenant ``local``; both are
+    made on first use and found by every other command."""
+    if cfg.tls.enabled and cfg.tls.ca is None:
+        cfg.tls.ca, cfg.tls.ca_key = (str(p) for p in ensure_local_ca(cache_dir))
+    if not cfg.tenants and not cfg.auth.allow_anonymous:
+        cfg.tenants.append(TenantSection(LOCAL_TENANT, token_sha256(ensure_client_token(cache_dir))))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Runs the cluster in the foreground until Ctrl-C / SIGTERM."""
+    cfg = load_config(args.config)
+    if args.port is not None:
+        cfg.router.port = args.port
+    local_defaults(cfg, args.cache_dir)
+    if cfg.router.jobs_db is None:  # batch jobs, the audit log and usage outlive this run
+        cfg.router.jobs_db = str(args.cache_dir / "jobs.sqlite")
+    if cfg.router.audit_log is None:
+        cfg.router.audit_log = str(args.cache_dir / "audit.jsonl")
+    if cfg.router.usage_db is None:
+        cfg.router.usage_db = str(args.cache_dir / "usage.sqlite")
+    model_path = resolve_model(cfg.model.path, args.cache_dir)
+    backend = None
+    if args.backend == "ray":
+        if args.cities:
+            raise ValueError("--cities runs workers in this machine's namespaces; it cannot be combined with "
+                             "--backend ray")
+
+        if args.ray_address and os.environ.get("RAY_USE_TLS", "0") not in ("1", "true"):
+            print("kvrelay: warning: Ray's TLS is off (RAY_USE_TLS): the launcher hands each worker on another "
+                  "node its certificate key and the KV secret through Ray's control channel, which then "
+                  "crosses the network in clear (README: Two Ray nodes)", file=sys.stderr)
+        backend = RayBackend([s.name for s in cfg.sites], args.ray_address)
+    cluster = LocalCluster(cfg, model_path, log_level=args.log_level, cities=cities_for(args), backend=backend)
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    try:
+        addr = cluster.start()
+        n = len(cluster.children) - 1
+        if cluster.operator_token:
+            write_secret(args.token_file, cluster.operator_token)
+            print(f"kvrelay: operator token for this run in {args.token_file} (kvrelay scale / drain read it)")
+        print(f"kvrelay: serving {model_path.name} on {addr} with {n} workers ({args.backend}) "
+              f"(try: kvrelay generate --router {addr} \"What is the capital of France?\")", flush=True)
+        if cluster.http_address:
+            scheme = "https" if cfg.tls.enabled else "http"
+            print(f"kvrelay: OpenAI-compatible HTTP API on {scheme}://{cluster.http_address}/v1", flush=True)
+        if cluster.metrics_address:
+            print(f"kvrelay: Prometheus metrics on http://{cluster.metrics_address}/metrics "
+                  "(workers' in kvrelay status)", flush=True)
+        if cfg.tls.enabled:
+            print(f"kvrelay: TLS by the CA in {cfg.tls.ca}; tenant token of this machine's user in "
+                  f"{args.cache_dir / CLIENT_TOKEN} (the kvrelay commands find both)", flush=True)
+        while not stop:
+            if any(c.name == "router" for c in cluster.dead_children()):
+                print("kvrelay: the router exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        cluster.stop()
+        print("kvrelay: stopped", flush=True)
+
+
+def cmd_bench_cities(args: argparse.Namespace) -> int:
+    if args.speedup <= 0 or args.length_scale <= 0 or args.limit < 1:
+        print("kvrelay: --speedup and --length-scale must be positive, --limit at least 1", file=sys.stderr)
+        return 2
+    args.trace = args.trace or SAMPLE_AZURE
+    try:
+        cities.check_privileges()
+        emulate = True
+    except cities.CitiesError as exc:
+        print(f"kvrelay: no WAN emulation ({exc}); the links exist only in placement's figures", file=sys.stderr)
+        emulate = False
+    example = cb.load_example()
+    chosen = [sc for sc in cb.scenarios(example) if not args.only or sc.name in args.only.split(",")]
+    if not chosen:
+        raise ValueError(f"--only {args.only!r} names no scenario "
+                         f"({', '.join(sc.name for sc in cb.scenarios(example))})")
+    reqs = load_trace(args.trace, args.format, args.limit)
+    prompts = build_prompts(reqs, args.length_scale, VOCAB_RANGE, seed=args.seed)
+    rcfg = replay_config(args)
+    model_path = resolve_model(example.get("model", {}).get("path"), args.cache_dir)
+    out = Path(args.out)
+    meta = {"trace": str(args.trace), "limit": args.limit, "speedup": args.speedup,
+            "length_scale": args.length_scale, "seed": args.seed, "wan_emulation": emulate,
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "trace_slice": trace_slice(reqs),
+            "scale_reason": f"--length-scale {args.length_scale:g}", "format": args.format or "auto"}
+    rows = []
+    for sc in chosen:
+        print(f"kvrelay: scenario {sc.name}: {sc.what}", flush=True)
+        report = cb.run_scenario(sc, model_path, prompts, rcfg, emulate, out, meta)
+        rows.append(cb.summary_row(sc.name, sc.what, report))
+    print(cb.write_summary(rows, out, meta))
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Three cities (emulated WAN when root), a short trace slice, the summary."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "three-cities.yaml"
+    if not example.exists():
+        raise ValueError(f"{example} is missing: run kvrelay demo from a source checkout")
+    cfg = load_config(example)
+    cfg.router.port = 0
+    out = Path(args.out or tempfile.mkdtemp(prefix="kvrelay-demo-"))
+    state_dir = Path(tempfile.mkdtemp(prefix="kvrelay-demo-state-"))
+    st = None
+    try:
+        cities.check_privileges()
+        st = cities.up(cfg, state_dir, subnet="10.215.0.0/16", prefix="kvdm")
+        print(f"kvrelay demo: Toronto, Montreal and Vancouver in their own namespaces, "
+              f"joined by emulated links ({', '.join(f'{lk.a}-{lk.b} {lk.rtt_ms:g} ms' for lk in st.links)})")
+    except cities.CitiesError as exc:
+        print(f"kvrelay demo: no WAN emulation ({exc}); the three cities share loopback and the links "
+              "exist only in placement's figures", file=sys.stderr)
+    try:
+        reqs = load_trace(SAMPLE_AZURE, "azure", args.requests)
+        cluster = LocalCluster(cfg, resolve_model(cfg.model.path, args.cache_dir), cities=st)
+        try:
+            address = cluster.start()
+            print(f"kvrelay demo: cluster up (router {address}); replaying {len(reqs)} requests of the Azure "
+                  f"code trace at 1/10 of their lengths", flush=True)
+            replay_args = argparse.Namespace(trace=SAMPLE_AZURE, format="azure", limit=args.requests,
+                                             speedup=1.0, length_scale=0.1, slo_ttft=args.slo_ttft,
+                                             slo_tpot=args.slo_tpot, seed=0, no_progress=False, out=out)
+            rc = run_replay(replay_args, reqs, address, cluster)
+        finally:
+            cluster.stop()
+    finally:
+        if st is not None:
+            cities.down(state_dir)
+    print(f"kvrelay demo: the full report (report.json, report.md, plots) is in {out}")
+    return rc
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    if args.threads < 1 or args.sharing < 1 or args.repeats < 1:
+        print("kvrelay: --threads, --sharing and --repeats must be at least 1", file=sys.stderr)
+        return 2
+    grid = ProfileGrid(repeats=args.repeats)
+    if args.quick:
+        grid = ProfileGrid(prompts=(16, 128, 512), chunks=((512, 256),), batches=(1, 8), contexts=(64, 512),
+                           mixed=((8, 256, 128),), repeats=args.repeats)
+    path = resolve_model(args.model, args.cache_dir)
+    prof = Profiler(str(path), args.dtype, args.threads).profile(grid, args.name or Path(path).name, args.sharing)
+    prof.save(Path(args.out))
+    print(f"profile of {prof.model.name} ({prof.dtype}, {args.threads or 'default'} thread(s)) -> {args.out}")
+    print(f"  step = {prof.c0 * 1e3:.2f} ms + {prof.c_prefill * 1e6:.1f} us/prompt token + "
+          f"{prof.c_decode * 1e6:.1f} us/decoded sequence + {prof.c_attend * 1e9:.2f} ns/prompt attention pair + "
+          f"{prof.c_context * 1e6:.2f} us/decode context token")
+    print(f"  fit: {prof.fit['points']} points, median relative error {prof.fit['median_rel_error']:.1%}")
+    return 0
