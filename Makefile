@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build). On a CUDA host: make TORCH=torch test
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test test-slow bench-engine clean prometheus helm helm-examples
+.PHONY: install run test lint test-slow bench-engine clean prometheus helm helm-examples
 
 install: $(VENV)/.installed
 
@@ -23,9 +23,13 @@ run: install
 	$(BIN)/kvrelay model prepare
 	$(BIN)/kvrelay serve $(if $(CONFIG),--config $(CONFIG))
 
-test: install prometheus helm
+test: install prometheus helm lint
 	$(BIN)/kvrelay model prepare
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15 tests
+
+# ruff over the whole tree (rules and their reasons in pyproject.toml); a finding fails make test
+lint: install
+	$(BIN)/ruff check .
 
 # The tests CI leaves out (marked slow: each has a bounded sibling in `make test`)
 test-slow: install prometheus helm

@@ -209,7 +209,8 @@ def comparison_markdown(c: dict) -> str:
     def d(x: dict) -> str:
         if not x.get("count"):
             return "n/a"
-        return f"mean {x['mean']:+.2f} s, p50 {x['p50']:+.2f}, p90 {x['p90']:+.2f}, max {x['max']:+.2f} (n={x['count']})"
+        return (f"mean {x['mean']:+.2f} s, p50 {x['p50']:+.2f}, p90 {x['p90']:+.2f}, max {x['max']:+.2f} "
+                f"(n={x['count']})")
 
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(c["faults_by_kind"].items())) or "none"
     lines = [

@@ -85,8 +85,8 @@ def bench_ours(eng: LLMEngine, prompt512: list[int], batches: list[int], new_tok
     for b in batches:
         prompts = _prompts(eng.tokenizer, b, 32)
         eng.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
-        total = _time(lambda: eng.generate(prompts, params), repeat)
-        first = _time(lambda: eng.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True)), repeat)
+        total = _time(lambda: eng.generate(prompts, params), repeat)  # noqa: B023 (called before the loop moves on)
+        first = _time(lambda: eng.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True)), repeat)  # noqa: B023 (called before the loop moves on)
         decode[b] = (b * new_tokens / total, b * (new_tokens - 1) / max(1e-9, total - first))
     return prefill, decode
 
@@ -107,7 +107,7 @@ def bench_hf(path: Path, dtype: torch.dtype, tokenizer, prompt512: list[int], ba
             mask = torch.ones_like(ids)
 
             def run():
-                model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,  # noqa: B023 (called before the loop moves on)
                                do_sample=False, pad_token_id=0)
             model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
             out[b] = b * new_tokens / _time(run, repeat)

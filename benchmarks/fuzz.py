@@ -177,7 +177,7 @@ def _drive(targets: list, seconds: float, seed: int, tallies: dict[str, Tally]) 
         for t in targets:
             try:
                 out = t.one(rngs[t.name])
-            except Exception as exc:  # noqa: BLE001 - a bug of the fuzzer's own is reported, not fatal
+            except Exception as exc:  # a bug of the fuzzer's own is reported, not fatal
                 out = Outcome("fuzzer error", f"the fuzzer itself raised {type(exc).__name__}: {exc}"[:300])
             tally = tallies.setdefault(t.name, Tally())
             tally.cases += 1

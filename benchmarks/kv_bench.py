@@ -331,7 +331,8 @@ def _peers(mib: int, repeat: int) -> dict:
     """The peers at one size: Mooncake's TCP READ, bare NIXL vs our NIXL path, memcpy."""
     n = max(1, round(mib * 2**20 / PER_BLOCK))
     nbytes = n * PER_BLOCK
-    out = {"peers_size_mib": round(nbytes / 2**20, 2), "memcpy_gbps": round(nbytes / min(memcpy(nbytes, repeat)) / 1e9, 2)}
+    out = {"peers_size_mib": round(nbytes / 2**20, 2),
+           "memcpy_gbps": round(nbytes / min(memcpy(nbytes, repeat)) / 1e9, 2)}
     if mooncake_available():
         out["mooncake_gbps"] = round(_gbps(nbytes, mooncake(nbytes, repeat)), 3)
     if nixl_available():

@@ -33,7 +33,8 @@ async def one(client, i, t0, out):
 
 async def main():
     tls = ssl.create_default_context(cafile=str(CACHE / "pki" / "ca.pem"))
-    client = openai.AsyncOpenAI(base_url="https://127.0.0.1:8000/v1", api_key=(CACHE / "client-token").read_text().strip(),
+    client = openai.AsyncOpenAI(base_url="https://127.0.0.1:8000/v1",
+                                api_key=(CACHE / "client-token").read_text().strip(),
                                 max_retries=0, http_client=HTTP_CLIENT(verify=tls))
     out = []
     t0 = time.perf_counter()

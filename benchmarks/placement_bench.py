@@ -64,7 +64,8 @@ def build(n_workers: int, n_sites: int, n_prompts: int, prompt_tokens: int, seed
     for i in range(n_workers):
         role = "prefill" if i % 2 == 0 else "decode"
         workers.append(WorkerView(
-            f"w{i}", role, sites[i % n_sites], inflight=rng.randrange(0, 8), queued_prefill_tokens=rng.randrange(0, 20000),
+            f"w{i}", role, sites[i % n_sites], inflight=rng.randrange(0, 8),
+            queued_prefill_tokens=rng.randrange(0, 20000),
             running=rng.randrange(0, 32), waiting=rng.randrange(0, 4), free_blocks=rng.randrange(600, 5000),
             prefill_tokens_per_s=rng.choice([2000.0, 8000.0, 30000.0]), decode_step_s=rng.uniform(0.01, 0.05)))
     links = {frozenset((a, b)): LinkView(rng.uniform(1, 80), rng.choice([1.0, 10.0, 100.0]))

@@ -227,7 +227,7 @@ async def _sample(reg, stop: asyncio.Event, interval: float, out: dict[str, Work
         try:
             await asyncio.wait_for(stop.wait(), interval)
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -261,10 +261,8 @@ async def replay(address: str, reqs: list[ScaledRequest], cfg: ReplayConfig, cli
         sampler = asyncio.create_task(_sample(reg, stop, cfg.sample_interval_s, samples))
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(_one(stub, sr, t0, cfg, rec)) for sr, rec in zip(reqs, records)]
-        done = 0
-        for fut in asyncio.as_completed(tasks):
+        for done, fut in enumerate(asyncio.as_completed(tasks), 1):
             await fut
-            done += 1
             if cfg.progress:
                 failed = sum(1 for r in records if r.error)
                 bar = "#" * (30 * done // len(tasks))
@@ -366,7 +364,8 @@ def report_markdown(report: dict) -> str:
     lines += ["| link | requests | KV MiB | transfer tail ms (sum) |", "|---|---|---|---|"]
     for name, row in report["per_link"].items():
         lines.append(f"| {name} | {row['requests']} | {row['kv_bytes'] / 2**20:.1f} | {row['transfer_ms']:.0f} |")
-    lines += ["", "| worker | site | role | busy | KV usage mean / max | prefix hit rate |", "|---|---|---|---|---|---|"]
+    lines += ["", "| worker | site | role | busy | KV usage mean / max | prefix hit rate |",
+              "|---|---|---|---|---|---|"]
     for wid, row in report["per_worker"].items():
         lines.append(f"| {wid} | {row['site']} | {row['role']} | {row['busy_fraction']:.0%} | "
                      f"{row['kv_usage_mean']:.0%} / {row['kv_usage_max']:.0%} | {row.get('prefix_hit_rate', 0):.0%} |")

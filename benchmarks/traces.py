@@ -80,7 +80,8 @@ def _azure(path: Path, limit: int | None) -> list[TraceRequest]:
                 head, _, frac = stamp.partition(".")
                 t = datetime.strptime(f"{head}.{(frac + '000000')[:6]}", "%Y-%m-%d %H:%M:%S.%f").timestamp()
             except (ValueError, AttributeError):
-                raise TraceError(f"{where}: TIMESTAMP {row.get('TIMESTAMP')!r} is not 'YYYY-MM-DD HH:MM:SS.f'") from None
+                raise TraceError(f"{where}: TIMESTAMP {row.get('TIMESTAMP')!r} is not "
+                                 "'YYYY-MM-DD HH:MM:SS.f'") from None
             t0 = t if t0 is None else t0
             out.append(TraceRequest(len(out), t - t0, _positive(row["ContextTokens"], "ContextTokens", where),
                                     _positive(row["GeneratedTokens"], "GeneratedTokens", where)))
@@ -115,7 +116,8 @@ def _mooncake(path: Path, limit: int | None) -> list[TraceRequest]:
             n_in = _positive(row["input_length"], "input_length", where)
             if ids and len(ids) != blocks_for(n_in, MOONCAKE_BLOCK_TOKENS):
                 raise TraceError(f"{where}: {len(ids)} hash_ids for {n_in} input tokens "
-                                 f"(expected {blocks_for(n_in, MOONCAKE_BLOCK_TOKENS)} blocks of {MOONCAKE_BLOCK_TOKENS})")
+                                 f"(expected {blocks_for(n_in, MOONCAKE_BLOCK_TOKENS)} blocks of "
+                                 f"{MOONCAKE_BLOCK_TOKENS})")
             t0 = ts if t0 is None else t0
             out.append(TraceRequest(len(out), (ts - t0) / 1e3, n_in,
                                     _positive(row["output_length"], "output_length", where), list(ids)))

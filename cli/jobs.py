@@ -13,6 +13,7 @@ and ``temperature``/``top_p``/``top_k``/``seed`` at the top level::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -176,9 +177,9 @@ def _check(req: ipb.GenerateRequest) -> None:
     if req.HasField("max_tokens") and req.max_tokens < 1:  # the router's rule and message
         raise _LineError(f"max_tokens must be >= 1, got {req.max_tokens}")
     for f in req.sampling.DESCRIPTOR.fields:
-        if f.type in (descriptor.FieldDescriptor.TYPE_FLOAT, descriptor.FieldDescriptor.TYPE_DOUBLE):
-            if not math.isfinite(getattr(req.sampling, f.name)):
-                raise _LineError(f"sampling.{f.name} must be a finite number")
+        if f.type in (descriptor.FieldDescriptor.TYPE_FLOAT, descriptor.FieldDescriptor.TYPE_DOUBLE) \
+                and not math.isfinite(getattr(req.sampling, f.name)):
+            raise _LineError(f"sampling.{f.name} must be a finite number")
 
 
 def parse_line(raw: bytes, max_line_bytes: int = MAX_REQUEST_BYTES) -> ipb.GenerateRequest:
@@ -301,21 +302,15 @@ def cmd_job_delete(args: argparse.Namespace) -> int:
 
 def cmd_job_results(args: argparse.Namespace) -> int:
     """Writes one JSON line per result (index, request_id, text, token_ids, finish, error)."""
-
-
-    out = open(args.out, "w") if args.out else sys.stdout
     ch, stub = _stub(args)
-    try:
-        with ch:
+    with open(args.out, "w") if args.out else contextlib.nullcontext(sys.stdout) as out, ch:
+        try:
             for r in stub.JobResults(jpb.JobResultsRequest(id=args.id, follow=args.follow), timeout=args.timeout):
                 out.write(json.dumps(json_format.MessageToDict(r, preserving_proto_field_name=True,
                                                                always_print_fields_with_no_presence=True)) + "\n")
                 out.flush()
-    except grpc.RpcError as exc:
-        return grpc_error(exc)
-    finally:
-        if args.out:
-            out.close()
+        except grpc.RpcError as exc:
+            return grpc_error(exc)
     return 0
 
 

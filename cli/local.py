@@ -281,7 +281,7 @@ def cmd_bench_cities(args: argparse.Namespace) -> int:
     out = Path(args.out)
     meta = {"trace": str(args.trace), "limit": args.limit, "speedup": args.speedup,
             "length_scale": args.length_scale, "seed": args.seed, "wan_emulation": emulate,
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "trace_slice": trace_slice(reqs),
             "scale_reason": f"--length-scale {args.length_scale:g}", "format": args.format or "auto"}
     rows = []

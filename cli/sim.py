@@ -54,7 +54,7 @@ def sim_inputs(args: argparse.Namespace):
             "scale_reason": f"--length-scale {scale:g} given" if args.length_scale else "",
             "seed": args.seed, "model": profile.model.name, "context_window": profile.model.max_context,
             "config": cfg.to_dict(), "trace_slice": trace_slice(reqs[:1000]),
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     return cfg, profile, arr, meta
 
 

@@ -35,7 +35,7 @@ class FreeBlockQueue:
     would have them), so a pool's memory grows with the blocks it has used,
     not with its size: a simulator can hold thousands of large pools."""
 
-    __slots__ = ("_q", "_fresh", "_end")
+    __slots__ = ("_end", "_fresh", "_q")
 
     def __init__(self, num_blocks: int) -> None:
         self._q: OrderedDict[BlockId, None] = OrderedDict()
@@ -70,7 +70,7 @@ class FreeBlockQueue:
 class BlockHashMap:
     """Block hash -> block id for cached full blocks, and the reverse."""
 
-    __slots__ = ("_by_hash", "_by_block")
+    __slots__ = ("_by_block", "_by_hash")
 
     def __init__(self) -> None:
         self._by_hash: dict[BlockHash, BlockId] = {}

@@ -33,7 +33,7 @@ class Checkpoint:
         for f in self.weight_files:
             try:
                 with safe_open(str(f), framework="pt", device="cpu") as st:
-                    for name in st.keys():
+                    for name in st.keys():  # noqa: SIM118 (safe_open is not iterable)
                         yield name, st.get_tensor(name)
             except SafetensorError as exc:
                 raise CheckpointError(f"{f}: unreadable safetensors file ({exc})") from None
@@ -102,7 +102,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
-                for name in st.keys():
+                for name in st.keys():  # noqa: SIM118 (safe_open is not iterable)
                     found[name] = tuple(st.get_slice(name).get_shape())
         except SafetensorError as exc:
             raise CheckpointError(f"{f}: unreadable or truncated safetensors file ({exc})") from None

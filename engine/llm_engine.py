@@ -280,9 +280,7 @@ class LLMEngine:
             seq.output_logprobs.append(logprob)
         detok = self._detok[seq.request_id]
         reason = None
-        if not params.ignore_eos and token in self.eos_token_ids:
-            reason = "stop"
-        elif token in params.stop_token_ids:
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
             reason = "stop"
         else:
             detok.add(token)
@@ -395,4 +393,4 @@ class CompletedRequest:
     num_cached_tokens: int = 0
 
 
-__all__ = ["LLMEngine", "RequestOutput", "CompletedRequest", "EngineStats", "StepUsage", "SequenceStatus"]
+__all__ = ["CompletedRequest", "EngineStats", "LLMEngine", "RequestOutput", "SequenceStatus", "StepUsage"]

@@ -12,19 +12,24 @@ import queue
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from kvrelay.v1 import kv_wire_pb2 as pb
 
 from engine.kv_cache import KVCache
-from kvtransfer.base import MemoryOffer, TransferResult, TransferState
+from kvtransfer.base import (
+    MemoryOffer,
+    SendHandle,
+    TransferResult,
+    TransferState,
+    TransferTarget,
+)
 from kvtransfer.config import TransferConfig
+from kvtransfer.handles import StateHandle
 from kvtransfer.handshake import SenderHello, Session, client_handshake
 from kvtransfer.memory import KVBytes, coalesce, paired_runs
 from kvtransfer.wire import ProtocolError, tune_socket
-
-if TYPE_CHECKING:
-    from kvtransfer.sender import ChannelSendHandle
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,43 @@ READER_GRACE_S = 1.0
 """How long a failed write waits for the ack thread to read the receiver's reason."""
 
 
+@dataclass(slots=True)
+class LayerRun:
+    """Layers ``[layer, layer + num_layers)`` of one transfer's blocks ``src``,
+    for the target's blocks from index ``first`` on (queued with one layer;
+    consecutive layers of the same blocks merge into one frame)."""
+
+    handle: ChannelSendHandle
+    layer: int
+    src: list[int]
+    first: int
+    num_layers: int = 1
+
+    def nbytes(self, block_bytes: int) -> int:
+        """Bytes of K and V the run carries."""
+        return self.num_layers * 2 * len(self.src) * block_bytes
+
+    def merges_with(self, later: LayerRun, block_bytes: int) -> bool:
+        """``later`` is the next layer of the same blocks of the same transfer,
+        and the merged frame fits MERGE_BYTES."""
+        return (later.handle is self.handle and later.src == self.src and later.first == self.first
+                and later.layer == self.layer + self.num_layers and later.num_layers == 1
+                and (self.num_layers + 1) * 2 * len(self.src) * block_bytes <= MERGE_BYTES)
+
+
+@dataclass(slots=True)
+class TransferDone:
+    """The end of one transfer: the first sampled token travels with it."""
+
+    handle: ChannelSendHandle
+    token: int
+    logprob: float
+
+
+SendItem = LayerRun | TransferDone
+"""What a stream's queue holds (None in the queue: the stream closes)."""
+
+
 class SendStream:
     """One authenticated connection to a peer. A writer thread merges queued
     layers into frames and seals them; a reader thread takes acknowledgements."""
@@ -47,7 +89,7 @@ class SendStream:
     def __init__(self, pool: PeerChannel, index: int) -> None:
         self.pool = pool
         self.index = index
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.q: queue.SimpleQueue[SendItem | None] = queue.SimpleQueue()
         self.queued = 0
         """Bytes queued on this stream and not sent yet."""
         self._qlock = threading.Lock()
@@ -60,7 +102,7 @@ class SendStream:
         self._reader: threading.Thread | None = None
         threading.Thread(target=self._write_loop, name=f"kv-send-{index}", daemon=True).start()
 
-    def put(self, item: tuple | None, nbytes: int = 0) -> None:
+    def put(self, item: SendItem | None, nbytes: int = 0) -> None:
         with self._qlock:
             self.queued += nbytes
         self.q.put(item)
@@ -110,12 +152,12 @@ class SendStream:
             except OSError:
                 pass
 
-    def _batches(self):
-        """Yields queued items, merging runs of "blocks" items of one transfer
-        for the same blocks and consecutive layers into one multi-layer item
-        of at most MERGE_BYTES (so a receiver that pulls overlaps pulling
-        one frame with checking the last)."""
-        layer_bytes = 2 * self.pool.mem.block_bytes
+    def _batches(self) -> Iterator[SendItem | None]:
+        """Yields queued items, merging the runs of one transfer for the same
+        blocks and consecutive layers into one multi-layer run of at most
+        MERGE_BYTES (so a receiver that pulls overlaps pulling one frame with
+        checking the last)."""
+        block_bytes = self.pool.mem.block_bytes
         while True:
             items = [self.q.get()]
             while True:
@@ -123,33 +165,29 @@ class SendStream:
                     items.append(self.q.get_nowait())
                 except queue.Empty:
                     break
-            merged: list = []
+            merged: list[SendItem | None] = []
             for it in items:
                 prev = merged[-1] if merged else None
-                if (it is not None and prev is not None and it[0] == prev[0] == "blocks" and it[1] is prev[1]
-                        and it[3] == prev[3] and it[4] == prev[4] and it[2] == prev[2] + prev[5]
-                        and (prev[5] + 1) * len(it[3]) * layer_bytes <= MERGE_BYTES):
-                    merged[-1] = (*prev[:5], prev[5] + 1)
+                if isinstance(it, LayerRun) and isinstance(prev, LayerRun) and prev.merges_with(it, block_bytes):
+                    prev.num_layers += 1
                 else:
-                    merged.append(it if it is None or it[0] != "blocks" else (*it, 1))
+                    merged.append(it)
             yield from merged
 
-    def _prepare(self, item: tuple) -> tuple | None:
-        """A merged item with its byte count and views into the KV tensor;
-        None (counted as sent) when its transfer already failed."""
+    def _prepare(self, item: SendItem) -> tuple[int, list[memoryview] | None] | None:
+        """An item's byte count and views into the KV tensor; None (counted
+        as sent) when its transfer already failed."""
         mem = self.pool.mem
-        h = item[1]
-        nbytes = item[5] * 2 * len(item[3]) * mem.block_bytes if item[0] == "blocks" else 0
-        if not h.enter():
+        nbytes = item.nbytes(mem.block_bytes) if isinstance(item, LayerRun) else 0
+        if not item.handle.enter():
             self._sent(nbytes)
             return None
         views = None
-        if item[0] == "blocks":
-            _, _, layer, src, _, num_layers = item
-            runs = coalesce(src)
-            views = [mem.run(lyr, kind, b, n) for lyr in range(layer, layer + num_layers)
+        if isinstance(item, LayerRun):
+            runs = coalesce(item.src)
+            views = [mem.run(lyr, kind, b, n) for lyr in range(item.layer, item.layer + item.num_layers)
                      for kind in (0, 1) for _, b, n in runs]
-        return item, nbytes, views
+        return nbytes, views
 
     def _write_loop(self) -> None:
         """Merges what is queued into frames and sends them (one thread: a
@@ -160,20 +198,19 @@ class SendStream:
             prepared = self._prepare(queued)
             if prepared is None:
                 continue
-            item, nbytes, views = prepared
-            h = item[1]
+            nbytes, views = prepared
+            h = queued.handle
             try:
                 if h.poll() is TransferState.FAILED:
                     continue
                 self.inflight.add(h.transfer_id)
                 if self.sock is None:
                     self._connect()
-                if item[0] == "blocks":
-                    self._send_blocks(h, item, views, nbytes)
+                if isinstance(queued, LayerRun):
+                    self._send_blocks(queued, views, nbytes)
                 else:
-                    _, _, token, logprob = item
                     self.session.writer.send(pb.KVFrame(done=pb.KVDone(
-                        transfer_id=h.transfer_id, first_token_id=token, first_logprob=logprob,
+                        transfer_id=h.transfer_id, first_token_id=queued.token, first_logprob=queued.logprob,
                         traceparent=h.target.traceparent[:64])))
             except ProtocolError as exc:
                 self._broken(f"handshake with {self.pool.endpoint} failed: {exc}")
@@ -187,8 +224,8 @@ class SendStream:
                 self._sent(nbytes)
         self._broken("sender closed")
 
-    def _send_blocks(self, h: ChannelSendHandle, item: tuple, views: list[memoryview], nbytes: int) -> None:
-        _, _, layer, src, first, num_layers = item
+    def _send_blocks(self, run: LayerRun, views: list[memoryview], nbytes: int) -> None:
+        h, layer, src, first, num_layers = run.handle, run.layer, run.src, run.first, run.num_layers
         tamper, h.corrupt = h.corrupt, False  # fault injection: what arrives must be refused
         # counted before the frame leaves: the receiver may acknowledge the whole transfer (on
         # another stream's reader thread) before this thread runs again after the send
@@ -268,3 +305,59 @@ class PeerChannel:
     def close(self) -> None:
         for s in self.streams:
             s.put(None)
+
+
+class ChannelSendHandle(StateHandle, SendHandle):
+    """One transfer's layers, queued on the streams of its channel."""
+
+    def __init__(self, pool: PeerChannel, target: TransferTarget) -> None:
+        super().__init__(target.transfer_id)
+        self.pool = pool
+        self.target = target
+        self.nbytes = 0
+        self.started = time.perf_counter()
+        self.first_token = 0
+        self.first_logprob = 0.0
+        self._busy = threading.Condition()
+        self._readers = 0
+        self._stream: SendStream | None = None
+        self.corrupt = False
+        """Fault injection: flip a byte of this transfer's first frame."""
+        self.advance(TransferState.WAITING)
+
+    def add_bytes(self, n: int) -> None:
+        with self._busy:
+            self.nbytes += n
+
+    def enter(self) -> bool:
+        """A stream thread starts an item; False when the transfer already failed."""
+        with self._busy:
+            if self.poll() is TransferState.FAILED:
+                return False
+            self._readers += 1
+            return True
+
+    def leave(self) -> None:
+        with self._busy:
+            self._readers -= 1
+            self._busy.notify_all()
+
+    def quiesce(self, timeout_s: float) -> bool:
+        with self._busy:
+            return self._busy.wait_for(lambda: self._readers == 0, timeout_s)
+
+    def send_layer(self, layer: int, src_blocks: list[int], first: int) -> None:
+        if not src_blocks:
+            return
+        if first + len(src_blocks) > len(self.target.block_ids):
+            self.fail(f"layer {layer}: blocks [{first}, {first + len(src_blocks)}) beyond the target's "
+                      f"{len(self.target.block_ids)}")
+            return
+        self.advance(TransferState.TRANSFERRING)
+        self._stream = self.pool.pick(self._stream)
+        run = LayerRun(self, layer, list(src_blocks), first)
+        self._stream.put(run, run.nbytes(self.pool.mem.block_bytes))
+
+    def finish(self, first_token_id: int, first_logprob: float) -> None:
+        self.first_token, self.first_logprob = first_token_id, first_logprob
+        (self._stream or self.pool.streams[0]).put(TransferDone(self, first_token_id, first_logprob))

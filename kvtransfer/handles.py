@@ -99,7 +99,7 @@ async def wait_async(handle: TransferHandle, timeout_s: float) -> TransferResult
     handle.add_done_callback(settled)
     try:
         await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         handle.fail(f"not complete within {timeout_s:.1f} s")
         if handle.poll() is not TransferState.DONE:
             raise TransferTimeout(handle.transfer_id, f"not complete within {timeout_s:.1f} s") from None

@@ -7,9 +7,10 @@ address from the sender's sealed offer, after both ends authenticated
 (kvtransfer/handshake.py), and each blocks frame names the sender's blocks
 and carries a MAC of each run; the receiver pulls them into the
 reservation it still holds, under the reservation's lock, then checks the
-MACs. Only on integrity links: the bytes cross the fabric unencrypted. We read rather than let the prefill worker WRITE because a
-one-sided write cannot know that the reservation was not freed (lease
-expired, request cancelled) and handed to another request in the meantime;
+MACs. Only on integrity links: the bytes cross the fabric unencrypted. We
+read rather than let the prefill worker WRITE because a one-sided write
+cannot know that the reservation was not freed (lease expired, request
+cancelled) and handed to another request in the meantime;
 with READ, the side that owns the memory decides. Metadata travels over our
 own channel (no NIXL listener thread).
 

@@ -250,13 +250,13 @@ class RecordReader(_Direction):
             if self.encrypt:
                 self._recv(self.sealed[:n + TAG], "mid-payload")
                 out = segs[0] if len(segs) == 1 else self.plain[:n]
-                self._open(seq, i, lambda o=out: self.aead.decrypt_into(_nonce(seq, i), self.sealed[:n + TAG],
+                self._open(seq, i, lambda o=out: self.aead.decrypt_into(_nonce(seq, i), self.sealed[:n + TAG],  # noqa: B023 (called before the loop moves on)
                                                                         None, o))
             else:
                 out = segs[0] if len(segs) == 1 else self.plain[:n]
                 self._recv(out, "mid-payload")
                 self._recv(self.sealed[:TAG], "mid-payload")
-                self._open(seq, i, lambda o=out: self.aead.decrypt(_nonce(seq, i), bytes(self.sealed[:TAG]), o))
+                self._open(seq, i, lambda o=out: self.aead.decrypt(_nonce(seq, i), bytes(self.sealed[:TAG]), o))  # noqa: B023 (called before the loop moves on)
             if len(segs) > 1:
                 pos = 0
                 for s in segs:
@@ -301,9 +301,9 @@ class RecordReader(_Direction):
             self._recv(self.sealed[:n + TAG], "mid-payload")
             sealed = self.sealed[:n + TAG]
             if self.encrypt:
-                self._open(seq, i, lambda: self.aead.decrypt_into(_nonce(seq, i), sealed, None, view))
+                self._open(seq, i, lambda: self.aead.decrypt_into(_nonce(seq, i), sealed, None, view))  # noqa: B023 (called before the loop moves on)
             else:
-                self._open(seq, i, lambda: self.aead.decrypt(_nonce(seq, i), bytes(sealed[n:]), sealed[:n]))
+                self._open(seq, i, lambda: self.aead.decrypt(_nonce(seq, i), bytes(sealed[n:]), sealed[:n]))  # noqa: B023 (called before the loop moves on)
 
     def _take_payload(self) -> tuple[int, int, int]:
         if self._payload is None:

@@ -1,6 +1,6 @@
 """The sender every transport builds on: ``ChannelSender`` opens transfers on
-channels (kvtransfer/channel.py) pooled per receiver and per link setting;
-``ChannelSendHandle`` queues a transfer's layers on the channel's streams.
+channels (kvtransfer/channel.py, where ``ChannelSendHandle`` queues a
+transfer's layers on the channel's streams) pooled per receiver and per link setting.
 A transport decides only what memory it offers receivers to pull from."""
 
 from __future__ import annotations
@@ -8,78 +8,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 
 from engine.kv_cache import KVCache
 from kvtransfer.base import (
     KVSender,
     MemoryOffer,
     SendHandle,
-    TransferState,
     TransferTarget,
 )
-from kvtransfer.channel import PeerChannel, SendStream
+from kvtransfer.channel import ChannelSendHandle, PeerChannel
 from kvtransfer.config import TransferConfig
-from kvtransfer.handles import StateHandle
 from kvtransfer.protection import Protection
 
 log = logging.getLogger(__name__)
-
-
-class ChannelSendHandle(StateHandle, SendHandle):
-    """One transfer's layers, queued on the streams of its channel."""
-
-    def __init__(self, pool: PeerChannel, target: TransferTarget) -> None:
-        super().__init__(target.transfer_id)
-        self.pool = pool
-        self.target = target
-        self.nbytes = 0
-        self.started = time.perf_counter()
-        self.first_token = 0
-        self.first_logprob = 0.0
-        self._busy = threading.Condition()
-        self._readers = 0
-        self._stream: SendStream | None = None
-        self.corrupt = False
-        """Fault injection: flip a byte of this transfer's first frame."""
-        self.advance(TransferState.WAITING)
-
-    def add_bytes(self, n: int) -> None:
-        with self._busy:
-            self.nbytes += n
-
-    def enter(self) -> bool:
-        """A stream thread starts an item; False when the transfer already failed."""
-        with self._busy:
-            if self.poll() is TransferState.FAILED:
-                return False
-            self._readers += 1
-            return True
-
-    def leave(self) -> None:
-        with self._busy:
-            self._readers -= 1
-            self._busy.notify_all()
-
-    def quiesce(self, timeout_s: float) -> bool:
-        with self._busy:
-            return self._busy.wait_for(lambda: self._readers == 0, timeout_s)
-
-    def send_layer(self, layer: int, src_blocks: list[int], first: int) -> None:
-        if not src_blocks:
-            return
-        if first + len(src_blocks) > len(self.target.block_ids):
-            self.fail(f"layer {layer}: blocks [{first}, {first + len(src_blocks)}) beyond the target's "
-                      f"{len(self.target.block_ids)}")
-            return
-        self.advance(TransferState.TRANSFERRING)
-        self._stream = self.pool.pick(self._stream)
-        self._stream.put(("blocks", self, layer, list(src_blocks), first),
-                         2 * len(src_blocks) * self.pool.mem.block_bytes)
-
-    def finish(self, first_token_id: int, first_logprob: float) -> None:
-        self.first_token, self.first_logprob = first_token_id, first_logprob
-        (self._stream or self.pool.streams[0]).put(("done", self, first_token_id, first_logprob))
 
 
 class ChannelSender(KVSender):

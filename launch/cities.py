@@ -230,7 +230,8 @@ def load_state(state_dir: Path = DEFAULT_STATE_DIR) -> CitiesState | None:
         st.sites = [SiteNet(**s) for s in raw["sites"]]
         st.links = [LinkNet(**lk) for lk in raw["links"]]
     except (ValueError, TypeError, KeyError) as exc:
-        raise CitiesError(f"{p}: unreadable emulation state ({exc}); remove it after checking `ip netns list`") from None
+        raise CitiesError(f"{p}: unreadable emulation state ({exc}); remove it after checking "
+                          "`ip netns list`") from None
     return st
 
 
@@ -270,7 +271,7 @@ def _start_delay_line(st: CitiesState, link: LinkNet, log_dir: Path) -> tuple[in
     i = [s.name for s in st.sites].index(link.a)
     j = [s.name for s in st.sites].index(link.b)
     tmp_a, tmp_b = f"{st.prefix}-t{i}x{j}", f"{st.prefix}-t{j}x{i}"
-    log = open(log_dir / f"link-{link.a}-{link.b}.log", "ab")
+    log = open(log_dir / f"link-{link.a}-{link.b}.log", "ab")  # noqa: SIM115 (the child's stderr; closed below)
     proc = subprocess.Popen([sys.executable, "-m", "launch.delayline", "--dev-a", tmp_a, "--dev-b", tmp_b,
                              "--delay-ms", str(link.rtt_ms / 2), "--mtu", str(WAN_MTU)],
                             stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,

@@ -87,7 +87,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         (and raises) if the transfer fails meanwhile, e.g. because the decode worker died."""
         async def run():
             out = None
-            async for out in self.aengine.generate(rid, prompt, params, salt, hold_blocks=True, account=key,
+            async for out in self.aengine.generate(rid, prompt, params, salt, hold_blocks=True, account=key,  # noqa: B007 (the last one is returned)
                                                    priority=int(batch)):
                 pass
             return out

@@ -17,9 +17,8 @@ ROOT = Path(__file__).resolve().parent
 
 
 def generate(out: Path) -> list[Path]:
-    from grpc_tools import protoc
-
     import grpc_tools
+    from grpc_tools import protoc
 
     protos = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kvrelay" / "v1").glob("*.proto"))
     include = str(Path(grpc_tools.__file__).parent / "_proto")

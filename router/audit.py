@@ -768,5 +768,19 @@ def _matches(record: dict, tenant: str | None, site: str | None, since: datetime
     return True
 
 
-__all__ = ["AuditError", "AuditLog", "GENESIS", "GENESIS_TEXT", "OTHER_TENANTS", "RecordKind", "SweepResult",
-           "VerifyResult", "head_path", "iso_time", "link_of", "parse_time", "query", "verify"]
+__all__ = [
+    "GENESIS",
+    "GENESIS_TEXT",
+    "OTHER_TENANTS",
+    "AuditError",
+    "AuditLog",
+    "RecordKind",
+    "SweepResult",
+    "VerifyResult",
+    "head_path",
+    "iso_time",
+    "link_of",
+    "parse_time",
+    "query",
+    "verify",
+]

@@ -37,7 +37,7 @@ DROP_LOG_S = 1.0
 class _Done:
     """Signals that one record (and those before it) reached the disk, or why not."""
 
-    __slots__ = ("event", "error")
+    __slots__ = ("error", "event")
 
     def __init__(self) -> None:
         self.event = threading.Event()

@@ -99,8 +99,8 @@ class AdmissionWait:
         self.loop = asyncio.get_running_loop()
         remaining = caller.time_remaining()
         now, left = self.loop.time(), float("inf") if remaining is None else remaining
-        self.until = {Wait.ROOM: now + min(r.admission_wait_s, left), Wait.WORKERS: now + min(r.unavailable_wait_s, left),
-                      Wait.NOTHING: 0.0}
+        self.until = {Wait.ROOM: now + min(r.admission_wait_s, left),
+                      Wait.WORKERS: now + min(r.unavailable_wait_s, left), Wait.NOTHING: 0.0}
         self.backoff = ADMISSION_BACKOFF_S[0]
 
     def allows(self, wait: Wait) -> bool:
@@ -344,7 +344,7 @@ class RouterCore:
                 raise ticket.last_error or PlacementError(PlacementFailure.CAPACITY, "no room", 1.0, Wait.ROOM)
             try:
                 await asyncio.wait_for(asyncio.shield(ticket.future), min(left, 1.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
         return ticket.future.result()
 

@@ -208,8 +208,9 @@ def pools_of(cfg: ClusterConfig, state: DeploymentState) -> list[Pool]:
         for role in Role:
             sec = getattr(s, role.value)
             live = [w for w in state.workers if w.site == s.name and w.role == role.value]
-            out.append(Pool(s.name, s.jurisdiction, role.value, state.desired.get((s.name, role.value), sec.replicas),
-                            sec.min_replicas, sec.max_replicas, sec.device or cfg.model.device, list(sec.tenants), live))
+            desired = state.desired.get((s.name, role.value), sec.replicas)
+            out.append(Pool(s.name, s.jurisdiction, role.value, desired, sec.min_replicas, sec.max_replicas,
+                            sec.device or cfg.model.device, list(sec.tenants), live))
     return out
 
 

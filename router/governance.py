@@ -124,8 +124,9 @@ def _section_text(value) -> str:
 
 def _router(d: Deployment) -> dict:
     r = d.cfg.router
-    return {"site": r.site, "jurisdiction": d.jurisdiction(r.site), "host": r.host, "loopback_only": is_loopback(r.host),
-            "port": r.port, "internal_port": r.internal_port, "http_port": r.http_port}
+    return {"site": r.site, "jurisdiction": d.jurisdiction(r.site), "host": r.host,
+            "loopback_only": is_loopback(r.host), "port": r.port, "internal_port": r.internal_port,
+            "http_port": r.http_port}
 
 
 def _router_where(d: Deployment) -> str:
@@ -464,7 +465,8 @@ def identity(d: Deployment, t: TenantSection, r: Reach) -> dict:
                 "TLS is off (plaintext, allowed on loopback addresses only)")
     quotas = [_QUOTA_WORDS[k].format(policy[k]) for k in _QUOTA_WORDS if policy[k]]
     quota_text = (f"quotas {_names(quotas)} (over a rate or concurrency quota an interactive request is refused "
-                  f"with a time to retry; a batch one waits, its owner's jobs paused until then)" if quotas else "no quotas")
+                  "with a time to retry; a batch one waits, its owner's jobs paused until then)"
+                  if quotas else "no quotas")
     links = _names((_link_text(lk) for lk in r.links), "none")
     federated_text = (_section_text(federated) if federated else
                       "not configured (tenants sign in with kvrelay's own tokens or cluster-CA certificates)")
@@ -484,7 +486,8 @@ def responsibility(d: Deployment, t: TenantSection, r: Reach) -> dict:
     facts = {"operators": _operators(cfg), "telemetry": telemetry_facts(cfg),
              "health_checks": {"heartbeat_interval_s": rs.heartbeat_interval_s, "worker_timeout_s": rs.worker_timeout_s,
                                "link_probe_timeout_s": rs.link_probe_timeout_s},
-             "operator_actions_logged_to": rs.audit_log, "operator_actions_logged": [*AUDITED_ACTIONS, "refused credentials"],
+             "operator_actions_logged_to": rs.audit_log,
+             "operator_actions_logged": [*AUDITED_ACTIONS, "refused credentials"],
              "capacity": [{k: p.facts()[k] for k in ("pool", "desired", "min_replicas", "max_replicas")}
                           for p in r.pools],
              "slo": {"ttft_s": rs.slo_ttft_s, "tpot_s": rs.slo_tpot_s}, "runtime_version": d.state.version,
@@ -493,7 +496,8 @@ def responsibility(d: Deployment, t: TenantSection, r: Reach) -> dict:
     logged = (f"are written to the audit log ({rs.audit_log})" if rs.audit_log else
               "are not audited (router.audit_log is not set)")
     text = (f"Operators ({_operators_text(cfg)}) scale, drain and plan the pools; their "
-            f"{_names(AUDITED_ACTIONS)} calls, and calls refused for their credentials, {logged}. Telemetry: {_telemetry_text(facts['telemetry'])}; the "
+            f"{_names(AUDITED_ACTIONS)} calls, and calls refused for their credentials, {logged}. "
+            f"Telemetry: {_telemetry_text(facts['telemetry'])}; the "
             f"router marks a worker unhealthy after {rs.worker_timeout_s:g} s without a heartbeat and a link down when "
             f"a probe takes over {rs.link_probe_timeout_s:g} s. Capacity: {sizes}; `kvrelay plan` recommends sizes "
             f"for a time to first token of {rs.slo_ttft_s:g} s and {rs.slo_tpot_s:g} s per output token, applied "

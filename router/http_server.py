@@ -119,7 +119,7 @@ class GuardedH11(H11Protocol):
         try:
             tls = await self.loop.start_tls(raw, self, self.tls, server_side=True,
                                             ssl_handshake_timeout=self.count.limits.header_timeout_s)
-        except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError, RuntimeError):
+        except (TimeoutError, OSError, ssl.SSLError, ConnectionError, RuntimeError):
             tls = None
         if tls is None or self.peer_host is None:  # failed, timed out, or the peer left meanwhile
             self.handshaking = False
@@ -244,7 +244,8 @@ async def serve_http(app, host: str, port: int, tls_files: tuple[str, str] | Non
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = GuardedServer(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http="h11", ws="none",
+    server = GuardedServer(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http="h11",
+                                          ws="none",
                                           timeout_graceful_shutdown=2, backlog=limits.max_connections, **ssl),
                            limits)
     task = asyncio.create_task(server.serve(sockets=[sock]))

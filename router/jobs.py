@@ -244,7 +244,7 @@ class JobService(jgrpc.JobsServicer):
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), POLL_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake.clear()
             if self.core.waiting_interactive > 0:

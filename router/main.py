@@ -74,7 +74,7 @@ async def _stopped(task: asyncio.Task, timeout_s: float, what: str) -> None:
     """Waits for ``task`` to end, at most ``timeout_s``: the rest of a shutdown matters more."""
     try:
         await asyncio.wait_for(task, timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         logging.getLogger(__name__).warning("%s did not stop within %.0f s; shutting down anyway", what, timeout_s)
 
 
@@ -92,7 +92,7 @@ async def keep_targets(core: RouterCore, path: str | None, stop: asyncio.Event) 
                 logging.getLogger(__name__).warning("could not write %s: %s", path, exc)
         try:
             await asyncio.wait_for(stop.wait(), TARGETS_REFRESH_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 

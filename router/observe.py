@@ -74,7 +74,7 @@ class RecentWindow:
         vals = sorted(self.values())
         if not vals:
             return 0.0
-        return vals[min(len(vals) - 1, max(0, int(round(q * (len(vals) - 1)))))]
+        return vals[min(len(vals) - 1, max(0, round(q * (len(vals) - 1))))]
 
 
 class LinkRates:
@@ -199,7 +199,8 @@ class RequestObservation:
         wall0 = time.time_ns() - int((time.perf_counter() - self.t0) * 1e9)
         self.root = tel.tracing.start("kvrelay.request", remote_parent(caller.traceparent), SpanKind.SERVER, {
             "gen_ai.operation.name": "chat" if req.chat else "text_completion", "gen_ai.request.model": model,
-            "gen_ai.request.max_tokens": req.work.max_tokens, "gen_ai.usage.input_tokens": len(req.work.prompt_token_ids),
+            "gen_ai.request.max_tokens": req.work.max_tokens,
+            "gen_ai.usage.input_tokens": len(req.work.prompt_token_ids),
             "kvrelay.tenant": caller.tenant, "kvrelay.request_id": req.client_id, "kvrelay.api": caller.api,
             "kvrelay.priority": "batch" if caller.priority is Priority.BATCH else "interactive",
             "kvrelay.jurisdictions": sorted(req.allowed_jurisdictions or ())}, start_ns=wall0)

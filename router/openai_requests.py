@@ -71,7 +71,7 @@ def _get(body: dict, name: str, types: tuple, what: str, default=None, where: st
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         raise ApiError(400, f"'{where}{name}' must be {what}, got {json.dumps(value)[:80]}", param=where + name)
     return value
 

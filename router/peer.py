@@ -60,7 +60,8 @@ class CallAuth:
         """The tenant calling, with the call's deadline; raises RouterError."""
         how, cert = authorization(context), self.cert(context)
         tenant = self.auth.tenant(how, cert)
-        return Caller.with_timeout(tenant, context.time_remaining(), priority, credential=self.auth.credential(how, cert),
+        return Caller.with_timeout(tenant, context.time_remaining(), priority,
+                                   credential=self.auth.credential(how, cert),
                                    traceparent=metadata_value(context, TRACEPARENT))
 
     def operator(self, context: grpc.aio.ServicerContext) -> str:

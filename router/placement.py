@@ -48,8 +48,20 @@ from router.views import ClusterView, LinkView, WorkerView
 from runtime.config import PlacementPolicy
 from runtime.topology import Role
 
-__all__ = ["ClusterView", "LinkView", "WorkerView", "POLICIES", "Placement", "PlacementError", "PlacementFailure",
-           "PlacementRequest", "Wait", "estimate", "make_policy", "place"]
+__all__ = [
+    "POLICIES",
+    "ClusterView",
+    "LinkView",
+    "Placement",
+    "PlacementError",
+    "PlacementFailure",
+    "PlacementRequest",
+    "Wait",
+    "WorkerView",
+    "estimate",
+    "make_policy",
+    "place",
+]
 
 POLICIES = tuple(PlacementPolicy)
 """Every policy's name."""

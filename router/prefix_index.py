@@ -25,7 +25,7 @@ class PrefixMatch(Mapping[str, int]):
     their depths (numpy): one worker's depth is read by its bit, and the
     whole answer is named only when iterated."""
 
-    __slots__ = ("bits", "depth", "ids", "_known", "_bit_of", "_by_bit", "_named")
+    __slots__ = ("_bit_of", "_by_bit", "_known", "_named", "bits", "depth", "ids")
 
     def __init__(self, bits: np.ndarray, depth: np.ndarray, ids: list[str | None],
                  bit_of: Mapping[str, int]) -> None:

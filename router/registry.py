@@ -30,7 +30,7 @@ class _Mirrored:
     """A WorkerRecord attribute kept in ``slot`` and written through to its
     view row's ``column`` (when it has a row)."""
 
-    __slots__ = ("slot", "column")
+    __slots__ = ("column", "slot")
 
     def __init__(self, slot: str, column: str) -> None:
         self.slot, self.column = slot, column

@@ -172,7 +172,7 @@ class Relay:
             return
         try:  # P answers right after D acknowledged the KV; shielded: the call itself stays ours to finish
             resp = await asyncio.wait_for(asyncio.shield(self.prefill), FIRST_TOP_LOGPROBS_WAIT_S)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
             log.warning("%s: the first token's top_logprobs are missing (%s)", self.client_id, type(exc).__name__)
             return
         out.top_logprobs[0].CopyFrom(resp.first_top_logprobs)

@@ -21,7 +21,7 @@ FINISH = {ipb.FINISH_REASON_STOP: "stop", ipb.FINISH_REASON_LENGTH: "length"}
 
 def iso(t: float) -> str:
     """``t`` (seconds since the epoch) as ISO-8601 UTC with milliseconds."""
-    return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def prompt_text(msg: ipb.GenerateRequest) -> str:

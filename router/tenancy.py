@@ -7,11 +7,11 @@ placement constraint (router/placement.py)."""
 from __future__ import annotations
 
 from router.errors import ErrorKind, RouterError
+from runtime.config import ClusterConfig
+from runtime.tenants import TenantSection
 
 ANONYMOUS = "anonymous"
 """The one tenant of callers without credentials (``auth.allow_anonymous``)."""
-from runtime.config import ClusterConfig
-from runtime.tenants import TenantSection
 
 
 def _shown(names: frozenset[str] | list[str]) -> str:

@@ -41,7 +41,7 @@ class Columns:
 class _Column:
     """A WorkerView attribute stored in its table's column."""
 
-    __slots__ = ("name", "kind")
+    __slots__ = ("kind", "name")
 
     def __set_name__(self, owner, name: str) -> None:
         self.name, self.kind = name, _COLUMNS[name][0]
@@ -58,7 +58,7 @@ class _Column:
 class WorkerView:
     """What placement knows about one worker (from registration and heartbeats)."""
 
-    __slots__ = ("worker_id", "role", "site", "tenants", "_cols", "_row")
+    __slots__ = ("_cols", "_row", "role", "site", "tenants", "worker_id")
 
     healthy = _Column()
     draining = _Column()
@@ -106,7 +106,7 @@ class LinkView:
     (it goes down or up) bumps ``LinkView.epoch``, so views can cache what
     they derive from their links."""
 
-    __slots__ = ("rtt_ms", "gbps", "up", "name")
+    __slots__ = ("gbps", "name", "rtt_ms", "up")
     epoch = 0
     """Changes whenever any LinkView is built or changed."""
 

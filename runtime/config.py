@@ -698,7 +698,8 @@ _RENAMED = {"encrypt": "replaced by protection: aead | integrity; every link is 
             "clients": "moved to the top-level tenants: [{name, token_sha256, ...policy}]"}
 """Fields that no longer exist, and what replaced them."""
 
-_STRING_LIKE = {"ScalingOwner", "TraceExport", "TenantPriority", "DType", "PlacementPolicy", "KVTransport", "Transport | None", "Protection", "Protection | None"}
+_STRING_LIKE = {"ScalingOwner", "TraceExport", "TenantPriority", "DType", "PlacementPolicy", "KVTransport",
+                "Transport | None", "Protection", "Protection | None"}
 """Annotations of fields that YAML spells as strings (the sections check the value)."""
 
 _DAY_S = 86_400

@@ -71,7 +71,7 @@ def _handler(checks: HealthChecks) -> type[BaseHTTPRequestHandler]:
         server_version = "kvrelay-health"
         sys_version = ""
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:  # http.server's name
             answer = checks.answer(self.path.split("?", 1)[0])
             if answer is None:
                 self._send(404, {"status": "not found", "paths": ["/livez", "/readyz"]})
@@ -89,7 +89,7 @@ def _handler(checks: HealthChecks) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
             self.close_connection = True
 
-        def log_message(self, format: str, *args) -> None:  # noqa: A002 (http.server's name)
+        def log_message(self, format: str, *args) -> None:  # http.server's name
             pass  # probes every few seconds: no log line each
 
     return Handler

@@ -139,7 +139,7 @@ class CA:
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:

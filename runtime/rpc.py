@@ -34,7 +34,8 @@ def create_server(interceptors=(), max_receive_bytes: int | None = None,
     options = dict(GRPC_OPTIONS)
     if max_receive_bytes is not None:
         options["grpc.max_receive_message_length"] = max_receive_bytes
-    return grpc.aio.server(options=list(options.items()), interceptors=tuple(interceptors), maximum_concurrent_rpcs=max_concurrent_rpcs)
+    return grpc.aio.server(options=list(options.items()), interceptors=tuple(interceptors),
+                           maximum_concurrent_rpcs=max_concurrent_rpcs)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSMaterial | None, mutual: bool = False) -> int:

@@ -194,7 +194,7 @@ def _check_record(rec) -> str | None:
     if not isinstance(rec, dict):
         return "not an object"
     for key, kind in _FIELDS.items():
-        if key in rec and not isinstance(rec[key], kind) or isinstance(rec.get(key), bool):
+        if (key in rec and not isinstance(rec[key], kind)) or isinstance(rec.get(key), bool):
             return f"field {key!r} has the wrong type"
     missing = [k for k in ("trace_id", "span_id", "name", "start_unix_nano") if k not in rec]
     if missing:

@@ -97,7 +97,7 @@ async def probe_site(target: wpb.ProbeTarget, timeout_s: float) -> wpb.LinkRepor
         writer.close()
     except ConnectionRefusedError:
         pass
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return wpb.LinkReport(site=target.site, reachable=False,
                               error=f"no answer from {target.address} within {timeout_s:g} s")
     except (OSError, ValueError) as exc:
@@ -213,7 +213,7 @@ async def register_and_heartbeat(router: str, dialer: Dialer, info: wpb.WorkerIn
                     log.debug("router %s unreachable: %s", router, exc.code())
                 try:
                     await asyncio.wait_for(stop.wait(), hb.interval)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             if hb.pending is not None:
@@ -320,7 +320,8 @@ class WorkerSetup:
         return Dialer(self.tls)
 
 
-def worker_tls(cfg: ClusterConfig, role: Role, site: str, index: int | str, pem: dict[str, bytes]) -> TLSMaterial | None:
+def worker_tls(cfg: ClusterConfig, role: Role, site: str, index: int | str,
+               pem: dict[str, bytes]) -> TLSMaterial | None:
     """This worker's TLS material; SystemExit unless its certificate names
     exactly this worker (``pem``: what the launcher handed over)."""
     try:

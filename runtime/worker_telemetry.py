@@ -102,7 +102,8 @@ class WorkerTelemetry:
         an existing tracer (None: one made from ``section``)."""
         self.section, self.role, self.worker_id, self.site = section, role, worker_id, site
         self.tracing = tracing or Tracing(section, f"kvrelay-{role}", process_name(worker_id),
-                                          {"kvrelay.site": site, "kvrelay.worker": worker_id, "kvrelay.role": str(role)})
+                                          {"kvrelay.site": site, "kvrelay.worker": worker_id,
+                                           "kvrelay.role": str(role)})
         self.registry = CollectorRegistry()
         self.transfers = TransferMetrics(self.registry) if role is Role.DECODE else None
         self.server: MetricsServer | None = None

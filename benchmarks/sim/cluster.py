@@ -28,8 +28,8 @@ from benchmarks.metrics import RequestRecord
 from benchmarks.sim.clock import Clock
 from benchmarks.sim.network import Flow, SimLink
 from benchmarks.sim.profile import Profile
-from benchmarks.sim.workload import SimArrival
 from benchmarks.sim.worker import HashChain, Hooks, SimSequence, SimWorker, new_sequence
+from benchmarks.sim.workload import SimArrival
 from engine.blocks import blocks_for
 from engine.scheduler import SchedulerOutput
 from router.placement import ClusterView, LinkView, PlacementError, PlacementRequest, WorkerView, make_policy, place

@@ -166,7 +166,8 @@ class AnalyticProfile:
             raise ProfileError(f"{self.model.name} in {self.dtype} ({self._weight_bytes() / 1e9:.0f} GB) does not fit "
                                f"one {self.gpu.name} ({self.gpu.memory_gb:g} GB at {self.memory_util:.0%})")
         self.source = self.source or (f"analytic: {self.gpu.source}; {self.compute_eff:.0%} of peak FLOPS, "
-                                      f"{self.memory_eff:.0%} of HBM bandwidth, {self.step_overhead_s * 1e3:g} ms per step")
+                                      f"{self.memory_eff:.0%} of HBM bandwidth, "
+                                      f"{self.step_overhead_s * 1e3:g} ms per step")
 
     def _weight_bytes(self) -> float:
         return self.model.params * DTYPE_BYTES[self.dtype]

@@ -25,8 +25,8 @@ from benchmarks.kv_bench import machine
 from benchmarks.sim.profile import MeasuredProfile, ModelSpec, attention_pairs
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine, StepUsage
-from engine.scheduler import SchedulerOutput
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -139,15 +139,15 @@ class Profiler:
         self._run([(self._prompt(64, 1), 4)])  # warm-up
         pts: list[Point] = []
         for n in grid.prompts:
-            pts += self._median(lambda k: ([(self._prompt(n, 100 + k), 1)],), lambda ps: ps[:1])
+            pts += self._median(lambda k: ([(self._prompt(n, 100 + k), 1)],), lambda ps: ps[:1])  # noqa: B023 (called before the loop moves on)
         for ctx, chunk in grid.chunks:  # budget ctx: the second step is the chunk after ctx tokens
-            pts += self._median(lambda k: ([(self._prompt(ctx + chunk, 200 + k), 1)], ctx), lambda ps: ps[1:2])
+            pts += self._median(lambda k: ([(self._prompt(ctx + chunk, 200 + k), 1)], ctx), lambda ps: ps[1:2])  # noqa: B023 (called before the loop moves on)
         for b, ctx in itertools.product(grid.batches, grid.contexts):
-            pts += self._median(lambda k: ([(self._prompt(ctx, 300 + k), 6)] * b, 4096, self._prompt(ctx, 300 + k)),
+            pts += self._median(lambda k: ([(self._prompt(ctx, 300 + k), 6)] * b, 4096, self._prompt(ctx, 300 + k)),  # noqa: B023 (called before the loop moves on)
                                 lambda ps: [p for p in ps if p.prefill == 0][1:4])
         for b, ctx, n in grid.mixed:  # the prompt arrives once the batch decodes
-            pts += self._median(lambda k: ([(self._prompt(ctx, 400 + k), 8)] * b, 4096, self._prompt(ctx, 400 + k),
-                                           (2, [(self._prompt(n, 500 + k), 1)])),
+            pts += self._median(lambda k: ([(self._prompt(ctx, 400 + k), 8)] * b, 4096, self._prompt(ctx, 400 + k),  # noqa: B023 (called before the loop moves on)
+                                           (2, [(self._prompt(n, 500 + k), 1)])),  # noqa: B023 (called before the loop moves on)
                                 lambda ps: [p for p in ps if p.prefill and p.decode][:1])
         return pts
 
@@ -155,8 +155,8 @@ class Profiler:
         """Measures and fits; with ``sharing`` > 1, while ``sharing - 1`` other
         engines (processes like it) run a mixed load beside it, as the other
         workers of a deployment on the same machine do."""
-        neighbours = [subprocess.Popen([sys.executable, "-m", "benchmarks.sim.profiler", str(self.engine.cfg.model_path),
-                                        self.engine.cfg.dtype, str(self.threads or 0)],
+        neighbours = [subprocess.Popen([sys.executable, "-m", "benchmarks.sim.profiler",
+                                        str(self.engine.cfg.model_path), self.engine.cfg.dtype, str(self.threads or 0)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                       for _ in range(sharing - 1)]
         try:

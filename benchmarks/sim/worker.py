@@ -11,7 +11,7 @@ reuse the trace describes (Mooncake hash_ids) without tokenising anything.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from benchmarks.sim.clock import Clock
 from benchmarks.sim.profile import Profile, attention_pairs
@@ -32,7 +32,7 @@ HASH_MASK = (1 << 64) - 1
 class HashChain:
     """A request's chained block hashes: the prompt's (given) then its output's."""
 
-    __slots__ = ("uid", "hashes")
+    __slots__ = ("hashes", "uid")
 
     def __init__(self, uid: int, prompt_hashes: list[int]) -> None:
         self.uid, self.hashes = uid, prompt_hashes

@@ -26,7 +26,7 @@ def can_pack(weight: torch.Tensor) -> bool:
 class Linear:
     """``y = x @ W^T + b`` for 2-D ``x``."""
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("bias", "packed", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True) -> None:
         self.weight = weight.contiguous()

@@ -84,7 +84,8 @@ BODIES = st.one_of(
     st.binary(max_size=512),
     JSON.map(json.dumps).map(str.encode),
     st.dictionaries(CHAT_KEYS, JSON, max_size=6).map(
-        lambda d: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | d).map(json.dumps).map(str.encode),
+        lambda d: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | d
+    ).map(json.dumps).map(str.encode),
 )
 
 

@@ -144,7 +144,7 @@ def test_grpc_refuses_unknown_roles_and_max_tokens_zero_as_http_does(cluster, st
     wizard = ipb.GenerateRequest(messages=ipb.ChatMessages(messages=[ipb.ChatMessage(role="wizard", content="x")]),
                                  max_tokens=2)
     zero = ipb.GenerateRequest(prompt="hi", max_tokens=0)
-    status, http_zero = _post(cluster, CHAT, {"model": MODEL, "messages": HI, "max_tokens": 0})
+    _status, http_zero = _post(cluster, CHAT, {"model": MODEL, "messages": HI, "max_tokens": 0})
     for req, words in [(wizard, "messages[0].role must be one of"), (zero, http_zero["error"]["message"])]:
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(req, timeout=30, metadata=AUTH))

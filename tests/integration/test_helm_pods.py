@@ -126,7 +126,7 @@ class Pods:
         for init in spec.get("initContainers", []):
             subprocess.run(self.argv(init, pod), check=True, capture_output=True, env=env, timeout=120)
         main = spec["containers"][0]
-        log = open(self.root / f"{pod}.log", "w")
+        log = open(self.root / f"{pod}.log", "w")  # noqa: SIM115 (the pod's output, as long as it runs)
         self.procs.append(subprocess.Popen(self.argv(main, pod), env=env, stdout=log, stderr=subprocess.STDOUT,
                                            cwd=self.root / pod / "tmp"))
         return health

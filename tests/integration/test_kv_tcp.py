@@ -131,7 +131,7 @@ def test_protected_transfer_integrity(dtype, data, streams, protection):
 
 def test_receiver_requiring_aead_refuses_an_integrity_only_sender():
     src, dst = make_cache(LAYOUT, 8, 1), make_cache(LAYOUT, 8, None)
-    h, rh, _ = transfer(src, dst, [0, 1], [2, 3], cfg=TransferConfig(secret=SECRET, streams=1, protection="integrity"),
+    h, _rh, _ = transfer(src, dst, [0, 1], [2, 3], cfg=TransferConfig(secret=SECRET, streams=1, protection="integrity"),
                         rx_cfg=TransferConfig(secret=SECRET), timeout=5)
     assert h.poll() is TransferState.FAILED and "requires aead protection" in h.failure().reason
     assert not dst.kv.any()

@@ -92,7 +92,7 @@ class Prometheus:
                                 "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "1s"}]}],
         }, indent=1))
         self.log_path = root / "prometheus.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (Prometheus's output, closed by stop())
         self.proc = subprocess.Popen(
             [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={root / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}"],

@@ -86,10 +86,9 @@ def test_restricted_request_is_served_only_in_its_jurisdiction(multisite):
 
 
 def test_unsatisfiable_jurisdiction_fails_with_failed_precondition(multisite):
-    with multisite.channel() as ch:
-        with pytest.raises(grpc.RpcError) as err:
-            list(igrpc.InferenceStub(ch).Generate(token_request(list(range(100, 200)),
-                                                                allowed_jurisdictions=["EU"]), timeout=30))
+    with multisite.channel() as ch, pytest.raises(grpc.RpcError) as err:
+        list(igrpc.InferenceStub(ch).Generate(token_request(list(range(100, 200)),
+                                                            allowed_jurisdictions=["EU"]), timeout=30))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "EU" in err.value.details()
 

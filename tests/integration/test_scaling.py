@@ -152,9 +152,11 @@ def small(smollm_path):
 
 @pytest.mark.parametrize("request_,code,match", [
     (apb.ScaleRequest(site="ottawa", role="decode", replicas=1), "INVALID_ARGUMENT", "unknown site 'ottawa'"),
-    (apb.ScaleRequest(site="montreal", role="decode", replicas=-1), "INVALID_ARGUMENT", r"replicas must be in \[0, 2\]"),
+    (apb.ScaleRequest(site="montreal", role="decode", replicas=-1), "INVALID_ARGUMENT",
+     r"replicas must be in \[0, 2\]"),
     (apb.ScaleRequest(site="montreal", role="decode", replicas=3), "INVALID_ARGUMENT", r"max_replicas"),
-    (apb.ScaleRequest(site="montreal", role="router", replicas=1), "INVALID_ARGUMENT", "role must be prefill or decode"),
+    (apb.ScaleRequest(site="montreal", role="router", replicas=1), "INVALID_ARGUMENT",
+     "role must be prefill or decode"),
 ])
 def test_scale_refuses_bad_requests(small, request_, code, match):
     with pytest.raises(grpc.RpcError) as exc:

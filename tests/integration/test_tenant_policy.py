@@ -162,9 +162,8 @@ def test_the_audit_log_verifies_and_keeps_prompts_only_where_allowed(cluster, ca
 
 
 def test_a_call_with_a_wrong_token_is_found_by_audit_query_kind_refusal(cluster, capsys):
-    with cluster.dialer("not-a-token").sync(cluster.router_address) as ch:
-        with pytest.raises(grpc.RpcError) as err:
-            list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt="hi", max_tokens=1), timeout=30))
+    with cluster.dialer("not-a-token").sync(cluster.router_address) as ch, pytest.raises(grpc.RpcError) as err:
+        list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt="hi", max_tokens=1), timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert wait_until(lambda: any(r["kind"] == "refusal" for r in _records(cluster)), 10)
     capsys.readouterr()

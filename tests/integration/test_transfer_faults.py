@@ -208,6 +208,6 @@ def test_cancel_or_deadline_mid_transfer_frees_both_sides(smollm_path, how):
         want = grpc.StatusCode.CANCELLED if how == "cancel" else grpc.StatusCode.DEADLINE_EXCEEDED
         assert err.value.code() == want
         for wid in ("local/prefill/0", "local/decode/0"):
-            assert wait_until(lambda: _all_free(lc, wid), 30), worker_stats(lc, wid)
+            assert wait_until(lambda: _all_free(lc, wid), 30), worker_stats(lc, wid)  # noqa: B023 (called before the loop moves on)
         # stopped, not finished in the background: far fewer prompt tokens computed than sent
         assert worker_stats(lc, "local/prefill/0").prefill_tokens_total < 2000

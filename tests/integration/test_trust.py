@@ -125,9 +125,8 @@ def test_registry_refuses_callers_without_a_worker_certificate(cluster, pki):
 
 
 def _register(lc, pki, cert_ident: Identity, info: wpb.WorkerInfo) -> grpc.RpcError:
-    with as_cert(lc, pki, cert_ident).sync(lc.internal_address) as ch:
-        with pytest.raises(grpc.RpcError) as err:
-            wgrpc.RegistryStub(ch).Register(wpb.RegisterRequest(info=info), timeout=10)
+    with as_cert(lc, pki, cert_ident).sync(lc.internal_address) as ch, pytest.raises(grpc.RpcError) as err:
+        wgrpc.RegistryStub(ch).Register(wpb.RegisterRequest(info=info), timeout=10)
     return err.value
 
 
@@ -188,11 +187,11 @@ def test_workers_admit_only_the_router(cluster, pki):
         pin = Identity(site, CertRole(role), name).dns
         with cluster.dialer().sync(info.address, server_name=pin) as ch:  # no certificate: no connection
             for what, call in table.items():
-                assert code_of(lambda: call(ch)) == grpc.StatusCode.UNAVAILABLE, what
+                assert code_of(lambda: call(ch)) == grpc.StatusCode.UNAVAILABLE, what  # noqa: B023 (called before the loop moves on)
         for dialer in (operator, peer_worker):
             with dialer.sync(info.address, server_name=pin) as ch:
                 for what, call in table.items():
-                    assert code_of(lambda: call(ch)) == grpc.StatusCode.PERMISSION_DENIED, what
+                    assert code_of(lambda: call(ch)) == grpc.StatusCode.PERMISSION_DENIED, what  # noqa: B023 (called before the loop moves on)
         with cluster.router_dialer().sync(info.address, server_name=pin) as ch:
             assert table["Stats"](ch).worker_id == info.worker_id
 
@@ -205,7 +204,7 @@ def _cli(*args, cache_dir, env_extra=None) -> subprocess.CompletedProcess:
 
 def _expired(ca, ident: Identity) -> tuple[bytes, bytes]:
     key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     cert = (x509.CertificateBuilder().subject_name(x509.Name([])).issuer_name(ca.cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(days=10)).not_valid_after(now - dt.timedelta(days=1))
@@ -281,7 +280,7 @@ class LoopbackTap:
         while not self.stop.is_set():
             try:
                 self.frames.append(self.sock.recv(1 << 16))
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
 
     def __enter__(self) -> LoopbackTap:

@@ -511,7 +511,7 @@ def test_the_head_file_finds_the_end_edited_or_cut_while_the_log_was_closed(log_
         AuditLog(log_path)
     assert "audit.jsonl.head notes" in str(err.value) and err.value.line == 20
     _write(log_path, lines[:17])
-    with pytest.raises(AuditError, match="records after seq 17 are missing: audit.jsonl.head notes seq 20"):
+    with pytest.raises(AuditError, match=r"records after seq 17 are missing: audit.jsonl.head notes seq 20"):
         AuditLog(log_path)
     _write(log_path, lines)
     side.write_text(f"18 {hashlib.sha256(lines[17]).hexdigest()}\n")  # records appended after the last sync

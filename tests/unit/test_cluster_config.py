@@ -34,7 +34,7 @@ def test_topology_config():
     assert load_config(None).kv.protection == "aead"  # every link is encrypted unless it says otherwise
     with pytest.raises(ConfigError, match="encrypt: replaced by protection"):
         parse_config({**TWO, "links": [{"between": ["a", "b"], "encrypt": True}]})
-    with pytest.raises(ConfigError, match="links.*protection: must be aead or integrity, got 'none'"):
+    with pytest.raises(ConfigError, match=r"links.*protection: must be aead or integrity, got 'none'"):
         parse_config({**TWO, "links": [{"between": ["a", "b"], "protection": "none"}]})
 
 
@@ -48,10 +48,12 @@ def test_example_configs_parse():
 
 
 @pytest.mark.parametrize("raw,match", [
-    ({"sites": [{"name": "a", "decode": {"replicas": -1}}]}, r"sites\[0\]\.decode\.replicas: must be in \[0, max_replicas=16\]"),
+    ({"sites": [{"name": "a", "decode": {"replicas": -1}}]},
+     r"sites\[0\]\.decode\.replicas: must be in \[0, max_replicas=16\]"),
     ({"sites": [{"name": "a", "decode": {"replicas": 3, "max_replicas": 2}}]},
      r"sites\[0\]\.decode\.replicas: must be in \[0, max_replicas=2\], got 3"),
-    ({"auth": {"operators": [{"name": "noc", "token_sha256": "abc"}]}}, r"auth\.operators\[0\]\.token_sha256: must be 64"),
+    ({"auth": {"operators": [{"name": "noc", "token_sha256": "abc"}]}},
+     r"auth\.operators\[0\]\.token_sha256: must be 64"),
     ({"auth": {"operators": [{"name": "noc", "token_sha256": "a" * 64}, {"name": "noc", "token_sha256": "b" * 64}]}},
      r"auth\.operators\[1\]\.name: must be non-empty and unique"),
     ({"router": {"drain_timeout_s": 0}}, r"router\.drain_timeout_s: must be positive"),

@@ -49,7 +49,7 @@ def test_truncated_weights(ckpt):
     f = ckpt / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="model.safetensors: unreadable or truncated"):
+    with pytest.raises(CheckpointError, match=r"model.safetensors: unreadable or truncated"):
         load_checkpoint(ckpt)
 
 
@@ -65,7 +65,7 @@ def test_missing_tensor(ckpt):
     w = load_file(str(ckpt / "model.safetensors"))
     del w["model.layers.2.self_attn.k_proj.weight"]
     save_file(w, str(ckpt / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="model.layers.2.self_attn.k_proj.weight is missing"):
+    with pytest.raises(CheckpointError, match=r"model.layers.2.self_attn.k_proj.weight is missing"):
         load_checkpoint(ckpt)
 
 

@@ -18,14 +18,14 @@ from runtime.worker import failing_step
 def test_an_out_of_vocabulary_first_token_is_refused(tiny_checkpoints, make_engine):
     eng = make_engine(tiny_checkpoints["llama"])
     prompt = list(range(3, 3 + 40))
-    blocks, start = eng.reserve("r", prompt, SamplingParams(max_tokens=4))
+    _blocks, _start = eng.reserve("r", prompt, SamplingParams(max_tokens=4))
     vocab = eng.model_config.vocab_size
     for bad in (vocab, -1, 10**9):
         with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
             eng.commit_prefilled("r", bad, None)
     assert eng.num_reserved == 1 and not eng.has_unfinished()  # nothing joined the batch
     assert eng.abort_request("r")  # and the reservation is freed (make_engine checks for leaks)
-    again, cached = eng.reserve("r2", prompt, SamplingParams(max_tokens=4))
+    _again, cached = eng.reserve("r2", prompt, SamplingParams(max_tokens=4))
     assert cached == 0  # the refused blocks never entered the prefix cache
     assert eng.abort_request("r2")
 

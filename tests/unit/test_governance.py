@@ -83,7 +83,7 @@ def test_shape_and_every_tenant_answers_eight_questions():
         assert all(a["answer"] and isinstance(a["facts"], dict) for a in t["answers"])
     assert doc["deployment"]["kvrelay_version"] == "9.9.9"
     assert [t["tenant"] for t in _doc(tenant="uni-on")["tenants"]] == ["uni-on"]
-    with pytest.raises(UnknownTenant, match="'nobody'.*lab-qc, uni-on"):
+    with pytest.raises(UnknownTenant, match=r"'nobody'.*lab-qc, uni-on"):
         _doc(tenant="nobody")
 
 

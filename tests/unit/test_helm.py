@@ -145,7 +145,8 @@ def test_every_example_config_map_parses(tmp_path: Path, name: str):
 
 
 BAD = {
-    "negative replicas": (["sites[0].prefill.replicas=-1"], "sites.0.prefill.replicas: Must be greater than or equal to 0"),
+    "negative replicas": (["sites[0].prefill.replicas=-1"],
+                          "sites.0.prefill.replicas: Must be greater than or equal to 0"),
     "unknown key": (["sites[0].prefill.replica=1"], "sites.0.prefill: Additional property replica is not allowed"),
     "unknown top-level key": (["replicas=3"], "Additional property replicas is not allowed"),
     "link to an unknown site": (["links[0].between[1]=ottawa"], 'links[0].between: unknown site "ottawa"'),

@@ -19,6 +19,7 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
+import router.job_limits as limits
 import router.jobs as jobs_mod
 from router.errors import ErrorKind, RouterError
 from router.jobs import JobService, add_jobs_to_server
@@ -115,20 +116,20 @@ def _req(**kw) -> ipb.GenerateRequest:
 
 
 def test_a_job_over_the_request_limit_is_refused_naming_it():
-    code, details = _submit_error([_req()] * (jobs_mod.MAX_JOB_REQUESTS + 1))
+    code, details = _submit_error([_req()] * (limits.MAX_JOB_REQUESTS + 1))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details == "job has 100001 requests; at most 100000"
 
 
 def test_a_request_over_the_byte_limit_is_refused_naming_its_index():
-    big = ipb.GenerateRequest(prompt="x" * (jobs_mod.MAX_REQUEST_BYTES + 10))
+    big = ipb.GenerateRequest(prompt="x" * (limits.MAX_REQUEST_BYTES + 10))
     code, details = _submit_error([_req(), big])
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert details.startswith("requests[1]: ") and f"at most {jobs_mod.MAX_REQUEST_BYTES} (1 MiB)" in details
+    assert details.startswith("requests[1]: ") and f"at most {limits.MAX_REQUEST_BYTES} (1 MiB)" in details
 
 
 def test_a_job_over_the_byte_limit_is_refused(monkeypatch):
-    monkeypatch.setattr(jobs_mod, "MAX_JOB_BYTES", 1000)
+    monkeypatch.setattr(limits, "MAX_JOB_BYTES", 1000)
     code, details = _submit_error([ipb.GenerateRequest(prompt="y" * 100)] * 20)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details.startswith("job is ") and "bytes; at most 1000" in details
@@ -192,7 +193,7 @@ def test_following_reads_each_result_once_whatever_the_order(monkeypatch):
             follower = asyncio.create_task(_follow(stub, job))
             for k in range(6):
                 polls = svc.store.polls
-                await _until(lambda: svc.store.polls >= polls + 2)  # a poll or two finds nothing new
+                await _until(lambda: svc.store.polls >= polls + 2)  # a poll or two finds nothing new  # noqa: B023 (called before the loop moves on)
                 lo = first + k * (n - first) // 6
                 await svc._db(_finish, svc.store, job, list(range(lo, lo + (n - first) // 6))[::-1])
             got = await asyncio.wait_for(follower, 30)
@@ -245,7 +246,7 @@ def test_a_poll_costs_the_new_results_not_the_stored_ones():
         _finish(store, job, range(n - 3))
         seen = store.last_seq(job)
         _finish(store, job, range(n - 3, n))
-        costs.append(_vm_steps(store, lambda: (store.state(job), store.results_after(job, seen))))
+        costs.append(_vm_steps(store, lambda: (store.state(job), store.results_after(job, seen))))  # noqa: B023 (called before the loop moves on)
         assert [idx for _, idx, _ in store.results_after(job, seen)] == [n - 3, n - 2, n - 1]
         store.close()
     assert costs[1] == costs[0]  # 100x the stored results, the same work

@@ -202,7 +202,7 @@ def test_read_pem_refuses_a_file_that_is_not_pem(tmp_path: Path):
 
 def test_load_cert_refuses_a_pem_without_certificate(ca: CA):
     _, key_pem = issue(ca, Identity(SITE, CertRole.DECODE, "1"))
-    with pytest.raises(PKIError, match="key.pem: not a PEM certificate"):
+    with pytest.raises(PKIError, match=r"key.pem: not a PEM certificate"):
         load_cert(key_pem, "key.pem")
 
 
@@ -235,11 +235,11 @@ def test_load_material_names_the_missing_file(tmp_path: Path):
     missing = tmp_path / "missing-ca.pem"
     with pytest.raises(PKIError, match=re.escape(f"tls.ca {missing}: file not found")):
         load_material(TLSSection(ca=str(missing)))
-    with pytest.raises(PKIError, match="tls.ca: no CA bundle configured"):
+    with pytest.raises(PKIError, match=r"tls.ca: no CA bundle configured"):
         load_material(TLSSection(ca=None))
     init_ca_dir(tmp_path / "pki")
     ca_path = str(tmp_path / "pki" / CA_CERT)
-    with pytest.raises(PKIError, match="tls.cert .*: file not found"):
+    with pytest.raises(PKIError, match=r"tls.cert .*: file not found"):
         load_material(TLSSection(ca=ca_path, cert=str(tmp_path / "c.pem"), key=str(tmp_path / "c.key")))
 
 

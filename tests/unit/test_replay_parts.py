@@ -69,7 +69,8 @@ def test_prompts_have_exact_lengths_and_share_blocks_where_hash_ids_repeat():
 
 
 def rec(i, sent, times, end=None, error=None, n_in=100):
-    return RequestRecord(i, sent, sent, n_in, len(times), list(times), end if end is not None or not times else times[-1], error)
+    last = end if end is not None or not times else times[-1]
+    return RequestRecord(i, sent, sent, n_in, len(times), list(times), last, error)
 
 
 def test_metrics_follow_the_fields_definitions():

@@ -93,7 +93,7 @@ def _states(store: JobStore, jobs: dict[str, str]) -> dict[str, int | None]:
 
 
 def test_a_past_retention_b_kept_running_kept_and_deletion_audited(world):
-    cfg, store, jobs, audit, sweeper, clock = world
+    _cfg, store, jobs, audit, sweeper, clock = world
     assert sweeper.sweep_once().empty  # nothing is old yet
     clock.t += 5 * DAY_S  # past a's retention of jobs (1 day) and audit records (2 days); not b's
     report = sweeper.sweep_once()
@@ -124,7 +124,7 @@ def test_a_past_retention_b_kept_running_kept_and_deletion_audited(world):
 
 
 def test_the_database_is_private_and_keeps_no_deleted_prompt(world):
-    cfg, store, jobs, audit, sweeper, clock = world
+    _cfg, store, _jobs, _audit, sweeper, clock = world
     db = Path(store.db.execute("PRAGMA database_list").fetchone()[2])
     assert stat.S_IMODE(db.parent.stat().st_mode) == 0o700
     for f in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
@@ -148,7 +148,7 @@ def test_an_old_database_file_is_made_private(tmp_path):
 def test_the_sweeper_may_share_the_jobs_store_with_its_thread(world):
     """As the router does: the Jobs service's thread submits and finishes
     jobs on the store while the sweeper deletes through the same one."""
-    cfg, store, jobs, audit, sweeper, clock = world
+    _cfg, store, jobs, audit, sweeper, clock = world
     sweeper.jobs.close()
     sweeper.jobs = store
     store.cancel(jobs["a-running"])  # its request left running: kept; the queued one is finished now
@@ -189,7 +189,7 @@ class FailingOnce(JobStore):
 
 
 def test_run_sweeps_periodically_and_goes_on_after_a_failure(world, caplog):
-    cfg, store, jobs, audit, sweeper, clock = world
+    _cfg, store, jobs, _audit, sweeper, clock = world
     sweeper.jobs.close()
     sweeper.jobs = FailingOnce(Path(store.db.execute("PRAGMA database_list").fetchone()[2]))
     clock.t += 5 * DAY_S

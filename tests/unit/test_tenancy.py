@@ -6,7 +6,6 @@ placement, and the fair queue's order under contention."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -215,7 +214,7 @@ def test_a_flooding_tenant_delays_only_itself():
 def test_tenants_share_by_weight_and_classes_go_in_order():
     async def go():
         q, slots = FairQueue(), Slots()
-        for i in range(30):
+        for _i in range(30):
             q.ticket("heavy", 1, True, 3.0, 100, "any", slots.placer("heavy"))
             q.ticket("light", 1, True, 1.0, 100, "any", slots.placer("light"))
         _drain(q, slots, 20)

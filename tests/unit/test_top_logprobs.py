@@ -75,7 +75,7 @@ def test_engine_streams_top_logprobs_per_token(tiny_checkpoints, make_engine):
     for t, lp, top in zip(greedy.token_ids, greedy.logprobs, greedy.top_logprobs):
         _check_tops(top, 6, t, lp)
         assert top.token_ids[0] == t
-    for t, lp, top in zip(sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
+    for _t, lp, top in zip(sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
         _check_tops(top, 3, None, lp)
         assert lp <= top.logprobs[0] + 1e-6
     assert plain.top_logprobs == [] and len(plain.logprobs) == 12

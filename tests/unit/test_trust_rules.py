@@ -35,11 +35,11 @@ def test_a_plaintext_listener_is_refused_off_loopback():
 
 
 def test_tls_config_fields_are_checked():
-    with pytest.raises(ConfigError, match="tls.revoked_serials"):
+    with pytest.raises(ConfigError, match=r"tls.revoked_serials"):
         parse_config({"tls": {"revoked_serials": ["not hex!"]}})
-    with pytest.raises(ConfigError, match="tls.key"):
+    with pytest.raises(ConfigError, match=r"tls.key"):
         parse_config({"tls": {"cert": "/x.pem"}})
-    with pytest.raises(ConfigError, match="tls.cert_days"):
+    with pytest.raises(ConfigError, match=r"tls.cert_days"):
         parse_config({"tls": {"cert_days": 0}})
     with pytest.raises(ConfigError, match="unknown field"):
         parse_config({"tls": {"verify": False}})
