@@ -1,92 +1,36 @@
-"""A real cluster (router + prefill + decode worker processes on loopback)
-serving the embedded SmolLM2-135M-Instruct, shared by a module's tests."""
+"""The integration tests' shared fixtures: the default cluster (router,
+prefill and decode worker processes on loopback serving the embedded
+SmolLM2-135M-Instruct), started once for the whole session and used by the
+modules whose tests leave it as they found it, and the reference engine.
+A module that needs another configuration, or changes its cluster (kills a
+worker, restarts the router), starts its own under a name of its own.
+Helpers are in tests/integration/helpers.py."""
 
 from __future__ import annotations
 
-import contextlib
-import ssl
-import time
-
 import pytest
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-from kvrelay.v1 import worker_pb2 as wpb
-from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 from engine.config import CacheConfig, EngineConfig
 from engine.llm_engine import LLMEngine
-from launch.local import LocalCluster
-from runtime.config import parse_config
-
-CLUSTER_YAML = {
-    # least_loaded, never colocated: these tests exercise the prefill -> decode
-    # path; placement has its own tests (test_multisite.py, unit/test_placement.py)
-    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0},
-    "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
-    "workers": {"threads": 1},
-    "cache": {"memory_gib": 0.25},
-}
+from tests.integration.helpers import CLUSTER_YAML, running_cluster
 
 
-@contextlib.contextmanager
-def running_cluster(raw: dict, model_path, **kw):
-    """A started LocalCluster of config ``raw`` (keywords go to LocalCluster), stopped afterwards."""
-    lc = LocalCluster(parse_config(raw), model_path, **kw)
-    lc.start()
-    try:
-        yield lc
-    finally:
-        lc.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(smollm_path):
+@pytest.fixture(scope="session")
+def shared_cluster(smollm_path):
+    """The default cluster (CLUSTER_YAML), for tests that do not change it."""
     with running_cluster(CLUSTER_YAML, smollm_path) as lc:
         yield lc
 
 
-@pytest.fixture(scope="module")
-def stub(cluster):
-    with cluster.channel() as ch:
+@pytest.fixture(scope="session")
+def shared_stub(shared_cluster):
+    """The public gRPC API of :func:`shared_cluster`, as its local tenant."""
+    with shared_cluster.channel() as ch:
         yield igrpc.InferenceStub(ch)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference_engine(smollm_path):
+    """The same model in this process: what every greedy output is compared with."""
     return LLMEngine(EngineConfig(model_path=smollm_path, cache=CacheConfig(num_blocks=512)))
-
-
-def workers(cluster) -> dict[str, wpb.WorkerStatus]:
-    with cluster.channel(operator=True) as ch:
-        resp = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)
-    return {w.info.worker_id: w for w in resp.workers}
-
-
-def worker_stats(cluster, worker_id: str) -> wpb.WorkerLoad:
-    """Asks the worker itself (not the router's cached heartbeat)."""
-    info = workers(cluster)[worker_id].info
-    with cluster.worker_channel(info) as ch:
-        stub = (wgrpc.DecodeWorkerStub(ch) if info.role == wpb.ROLE_DECODE else wgrpc.PrefillWorkerStub(ch))
-        return stub.Stats(wpb.StatsRequest(), timeout=10)
-
-
-@pytest.fixture
-def as_cluster_user(cluster, monkeypatch) -> list[str]:
-    """CLI flags (and environment) that reach ``cluster`` as its local tenant
-    and its operator: the router, its CA, the tokens."""
-    monkeypatch.setenv("KVRELAY_API_KEY", cluster.client_token)
-    monkeypatch.setenv("KVRELAY_OPERATOR_TOKEN", cluster.operator_token)
-    return ["--router", cluster.router_address, "--ca", str(cluster.ca_file)]
-
-
-def tls_context(cluster) -> ssl.SSLContext:
-    """What an HTTPS client of ``cluster`` verifies the router by: its CA."""
-    return ssl.create_default_context(cafile=str(cluster.ca_file))
-
-
-def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.1) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(interval_s)
-    return pred()

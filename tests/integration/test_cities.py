@@ -24,7 +24,7 @@ from launch import cities
 from launch.linkprobe import measure_link, measure_rtt, measure_throughput
 from launch.local import LocalCluster
 from runtime.config import parse_config
-from tests.integration.conftest import wait_until, worker_stats
+from tests.integration.helpers import wait_until, worker_stats
 
 RTT_MS, GBPS = 20.0, 0.5
 RTT_FLOOR_MS = RTT_MS - 5.0

@@ -10,58 +10,36 @@ import grpc
 import pytest
 from kvrelay.v1 import inference_pb2 as ipb
 
-from engine.sampling_params import SamplingParams
-from tests.integration.conftest import wait_until, worker_stats
+from tests.integration.helpers import PROMPTS, chat_request, collect, reference, wait_until, worker_stats
 
 pytestmark = pytest.mark.model
 
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colours.",
-           "What does a network router do?", "Explain photosynthesis in one sentence.",
-           "What is 17 plus 25?", "Give a synonym for 'happy'.", "Who wrote Hamlet?"]
-
-
-def chat_request(text: str, max_tokens: int = 24, **kw) -> ipb.GenerateRequest:
-    req = ipb.GenerateRequest(messages=ipb.ChatMessages(messages=[ipb.ChatMessage(role="user", content=text)]),
-                              max_tokens=max_tokens, **kw)
-    return req
-
-
-def collect(stub, req, timeout=120):
-    msgs = list(stub.Generate(req, timeout=timeout))
-    return [t for m in msgs for t in m.token_ids], msgs
-
-
-def reference(engine, text, max_tokens=24):
-    ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
-    return engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0].token_ids
-
-
-def test_greedy_outputs_match_engine_and_decode_never_prefills(cluster, stub, reference_engine):
-    before = worker_stats(cluster, "local/decode/0")
+def test_greedy_outputs_match_engine_and_decode_never_prefills(shared_cluster, shared_stub, reference_engine):
+    before = worker_stats(shared_cluster, "local/decode/0")
     for text in PROMPTS:
-        tokens, msgs = collect(stub, chat_request(text))
+        tokens, msgs = collect(shared_stub, chat_request(text))
         assert tokens == reference(reference_engine, text), text
         fin = msgs[-1].finish
         assert fin.reason in (ipb.FINISH_REASON_STOP, ipb.FINISH_REASON_LENGTH)
         assert fin.usage.completion_tokens == len(tokens)
         assert not fin.placement.colocated and fin.placement.kv_bytes > 0
         assert fin.placement.prefill_worker == "local/prefill/0"
-    after = worker_stats(cluster, "local/decode/0")
+    after = worker_stats(shared_cluster, "local/decode/0")
     assert after.prefill_tokens_total == before.prefill_tokens_total  # the prompt was never recomputed
     assert after.kv_bytes_received > before.kv_bytes_received
-    assert worker_stats(cluster, "local/prefill/0").prefill_tokens_total > 0
-    text = "".join(m.text for m in collect(stub, chat_request(PROMPTS[0]))[1])
+    assert worker_stats(shared_cluster, "local/prefill/0").prefill_tokens_total > 0
+    text = "".join(m.text for m in collect(shared_stub, chat_request(PROMPTS[0]))[1])
     assert "Paris" in text
 
 
-def test_32_concurrent_streams(cluster, stub, reference_engine):
+def test_32_concurrent_streams(shared_cluster, shared_stub, reference_engine):
     expected = {t: reference(reference_engine, t, 16) for t in PROMPTS}
     results: dict[int, list[int]] = {}
     errors: list[Exception] = []
 
     def run(i: int) -> None:
         try:
-            results[i] = collect(stub, chat_request(PROMPTS[i % 8], max_tokens=16), timeout=300)[0]
+            results[i] = collect(shared_stub, chat_request(PROMPTS[i % 8], max_tokens=16), timeout=300)[0]
         except grpc.RpcError as exc:
             errors.append(exc)
 
@@ -76,11 +54,11 @@ def test_32_concurrent_streams(cluster, stub, reference_engine):
         assert tokens == expected[PROMPTS[i % 8]]
 
 
-def test_first_token_arrives_before_the_last_is_generated(stub):
+def test_first_token_arrives_before_the_last_is_generated(shared_stub):
     req = chat_request("Tell me a long story about a lighthouse keeper.", max_tokens=48, ignore_eos=True)
     start = time.perf_counter()
     arrivals = []
-    for msg in stub.Generate(req, timeout=120):
+    for msg in shared_stub.Generate(req, timeout=120):
         if msg.token_ids:
             arrivals.append(time.perf_counter())
     assert len(arrivals) == 48
@@ -89,13 +67,13 @@ def test_first_token_arrives_before_the_last_is_generated(stub):
     assert (arrivals[-1] - arrivals[0]) > 0.3 * (arrivals[-1] - start)
 
 
-def _code(stub, req) -> tuple[grpc.StatusCode, str]:
+def _code(shared_stub, req) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(req, timeout=60))
+        list(shared_stub.Generate(req, timeout=60))
     return err.value.code(), err.value.details()
 
 
-def test_bad_inputs_get_clear_statuses_and_service_survives(cluster, stub, reference_engine):
+def test_bad_inputs_get_clear_statuses_and_service_survives(shared_cluster, shared_stub, reference_engine):
     INVALID = grpc.StatusCode.INVALID_ARGUMENT
     cases = [
         (ipb.GenerateRequest(prompt=""), INVALID, "prompt is empty"),
@@ -113,22 +91,22 @@ def test_bad_inputs_get_clear_statuses_and_service_survives(cluster, stub, refer
          "jurisdictions"),
     ]
     for req, code, text in cases:
-        got, details = _code(stub, req)
+        got, details = _code(shared_stub, req)
         assert got == code and text in details, (req, got, details)
     # Invalid UTF-8 in a string field, sent as raw bytes.
-    with cluster.channel() as ch:
+    with shared_cluster.channel() as ch:
         raw = ch.unary_stream("/kvrelay.v1.Inference/Generate", request_serializer=lambda b: b,
                               response_deserializer=ipb.GenerateResponse.FromString)
         with pytest.raises(grpc.RpcError) as err:
             list(raw(b"\x12\x03\xff\xfe\xfd", timeout=30))
         assert err.value.code() == INVALID and "UTF-8" in err.value.details()
     # Still serving.
-    assert collect(stub, chat_request(PROMPTS[0]))[0] == reference(reference_engine, PROMPTS[0])
+    assert collect(shared_stub, chat_request(PROMPTS[0]))[0] == reference(reference_engine, PROMPTS[0])
 
 
-def test_client_disconnect_frees_blocks(cluster, stub):
+def test_client_disconnect_frees_blocks(shared_cluster, shared_stub):
     req = chat_request("Count slowly from one to one hundred.", max_tokens=200, ignore_eos=True)
-    call = stub.Generate(req, timeout=120)
+    call = shared_stub.Generate(req, timeout=120)
     got = 0
     for msg in call:
         got += len(msg.token_ids)
@@ -137,16 +115,16 @@ def test_client_disconnect_frees_blocks(cluster, stub):
     call.cancel()
 
     def all_free(wid):
-        s = worker_stats(cluster, wid)
+        s = worker_stats(shared_cluster, wid)
         return s.free_blocks == s.total_blocks and s.running == 0 and s.reservations == 0
 
     assert wait_until(lambda: all_free("local/decode/0"), 10)
     assert wait_until(lambda: all_free("local/prefill/0"), 10)
-    assert collect(stub, chat_request("Say hi.", max_tokens=4))[0]
+    assert collect(shared_stub, chat_request("Say hi.", max_tokens=4))[0]
 
 
-def test_list_models_and_health(stub):
-    models = stub.ListModels(ipb.ListModelsRequest(), timeout=10).models
+def test_list_models_and_health(shared_stub):
+    models = shared_stub.ListModels(ipb.ListModelsRequest(), timeout=10).models
     assert models[0].name == "SmolLM2-135M-Instruct" and models[0].chat and models[0].context_window == 8192
-    health = stub.Health(ipb.HealthRequest(), timeout=10)
+    health = shared_stub.Health(ipb.HealthRequest(), timeout=10)
     assert health.serving and health.prefill_workers == 1 and health.decode_workers == 1

@@ -13,8 +13,7 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 from launch.local import LocalCluster
 from runtime.config import parse_config
-from tests.integration.conftest import CLUSTER_YAML, workers
-from tests.integration.test_e2e import PROMPTS, chat_request, collect, reference
+from tests.integration.helpers import CLUSTER_YAML, PROMPTS, chat_request, collect, reference, workers
 
 pytestmark = pytest.mark.model
 

@@ -12,7 +12,7 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 from engine.sampling_params import SamplingParams
-from tests.integration.conftest import running_cluster, wait_until, workers
+from tests.integration.helpers import running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model
 
@@ -26,26 +26,26 @@ MAX_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm_path):
+def failover_cluster(smollm_path):
     with running_cluster(CONFIG, smollm_path, reconcile=False) as lc:  # the killed worker stays dead
         yield lc
 
 
-def test_decode_worker_killed_mid_stream_is_migrated(cluster, reference_engine):
+def test_decode_worker_killed_mid_stream_is_migrated(failover_cluster, reference_engine):
     prompt = reference_engine.tokenizer.encode("The first research networks in Canada connected universities")
     want = reference_engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
     tokens, msgs, killed = [], [], None
-    with cluster.channel() as ch:
+    with failover_cluster.channel() as ch:
         call = igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
             token_ids=ipb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True), timeout=180)
         for msg in call:
             msgs.append(msg)
             tokens += msg.token_ids
             if killed is None and len(tokens) >= 8:
-                busy = [w for w, s in workers(cluster).items() if s.info.role == 2 and s.inflight > 0]
+                busy = [w for w, s in workers(failover_cluster).items() if s.info.role == 2 and s.inflight > 0]
                 assert len(busy) == 1
                 killed = busy[0]
-                child = next(c for c in cluster.children if c.name == killed)
+                child = next(c for c in failover_cluster.children if c.name == killed)
                 child.proc.send_signal(signal.SIGKILL)
                 child.proc.wait(10)
     assert killed is not None
@@ -53,7 +53,7 @@ def test_decode_worker_killed_mid_stream_is_migrated(cluster, reference_engine):
     fin = msgs[-1].finish
     assert fin.placement.migrations == 1 and fin.placement.decode_worker != killed
     assert fin.usage.prompt_tokens == len(prompt) and fin.usage.completion_tokens == MAX_TOKENS
-    assert wait_until(lambda: not workers(cluster)[killed].healthy, 30)  # worker_timeout_s (5 s), then some
+    assert wait_until(lambda: not workers(failover_cluster)[killed].healthy, 30)  # worker_timeout_s (5 s), then some
 
 
 def test_a_decode_worker_whose_engine_dies_leaves_and_is_replaced(smollm_path, reference_engine):

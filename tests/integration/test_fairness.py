@@ -11,7 +11,7 @@ import copy
 import pytest
 
 from benchmarks.fairness import FAIRNESS_CLUSTER, FairnessConfig, fairness_on
-from tests.integration.conftest import running_cluster
+from tests.integration.helpers import running_cluster
 
 pytestmark = pytest.mark.model
 

@@ -27,7 +27,7 @@ from schemathesis.checks import (
 from benchmarks.fuzz import FUZZ_CLUSTER, format_fuzz, fuzz_cluster
 from benchmarks.fuzz_targets import HttpTarget, http_failure
 from router.openai_schema import openapi
-from tests.integration.conftest import running_cluster
+from tests.integration.helpers import running_cluster
 
 pytestmark = pytest.mark.model
 
@@ -37,22 +37,22 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm_path):
+def fuzzed_cluster(smollm_path):
     with running_cluster(copy.deepcopy(FUZZ_CLUSTER), smollm_path, reconcile=False) as lc:
         yield lc
 
 
-def test_generated_cases_find_no_server_error_crash_or_leak(cluster):
-    report = fuzz_cluster(cluster, FUZZ_SECONDS, seed=7, model=MODEL)
+def test_generated_cases_find_no_server_error_crash_or_leak(fuzzed_cluster):
+    report = fuzz_cluster(fuzzed_cluster, FUZZ_SECONDS, seed=7, model=MODEL)
     text = format_fuzz(report)
     print(text)
     assert all(t.cases >= 5 for t in report.targets.values()), text
     assert report.ok(), text
 
 
-def _published(cluster) -> dict:
-    ctx = ssl.create_default_context(cafile=str(cluster.ca_file))
-    with urllib.request.urlopen(f"https://{cluster.http_address}/openapi.json", context=ctx, timeout=30) as r:
+def _published(fuzzed_cluster) -> dict:
+    ctx = ssl.create_default_context(cafile=str(fuzzed_cluster.ca_file))
+    with urllib.request.urlopen(f"https://{fuzzed_cluster.http_address}/openapi.json", context=ctx, timeout=30) as r:
         return json.load(r)
 
 
@@ -60,15 +60,16 @@ SCHEMA = openapi(version("kvrelay"))
 schema = schemathesis.openapi.from_dict(SCHEMA)
 
 
-def test_the_router_publishes_the_schema_fuzzed_here(cluster):
-    assert _published(cluster) == SCHEMA
+def test_the_router_publishes_the_schema_fuzzed_here(fuzzed_cluster):
+    assert _published(fuzzed_cluster) == SCHEMA
 
 
 @schema.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-def test_the_published_schema_holds_under_schemathesis(case, cluster):
-    response = case.call(base_url=f"https://{cluster.http_address}", verify=str(cluster.ca_file), timeout=120,
-                         headers={"Authorization": f"Bearer {cluster.client_token}"})
+def test_the_published_schema_holds_under_schemathesis(case, fuzzed_cluster):
+    response = case.call(base_url=f"https://{fuzzed_cluster.http_address}", verify=str(fuzzed_cluster.ca_file),
+                         timeout=120,
+                         headers={"Authorization": f"Bearer {fuzzed_cluster.client_token}"})
     case.validate_response(response, checks=[not_a_server_error, content_type_conformance, negative_data_rejection])
     if response.status_code >= 400:
         assert http_failure(response.status_code, response.headers.get("content-type", ""),
@@ -91,7 +92,7 @@ BODIES = st.one_of(
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=BODIES, chat=st.booleans())
-def test_raw_bodies_from_hypothesis_get_openai_shaped_answers(cluster, body, chat):
-    target = HttpTarget(cluster.http_address, str(cluster.ca_file), cluster.client_token, MODEL)
+def test_raw_bodies_from_hypothesis_get_openai_shaped_answers(fuzzed_cluster, body, chat):
+    target = HttpTarget(fuzzed_cluster.http_address, str(fuzzed_cluster.ca_file), fuzzed_cluster.client_token, MODEL)
     status, ctype, data = target.post("/v1/chat/completions" if chat else "/v1/completions", body)
     assert http_failure(status, ctype, data) is None, (body[:200], data[:300])

@@ -14,7 +14,7 @@ import pytest
 
 from cli.main import main
 from router.auth import token_sha256
-from tests.integration.conftest import running_cluster
+from tests.integration.helpers import running_cluster
 
 pytestmark = pytest.mark.model
 
@@ -33,15 +33,15 @@ CONFIG = {
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm_path):
+def governed_cluster(smollm_path):
     with running_cluster(CONFIG, smollm_path) as lc:
         yield lc
 
 
-def _run(cluster, tmp_path, capsys, *extra: str, token_text: str | None = None) -> tuple[int, str, str]:
+def _run(governed_cluster, tmp_path, capsys, *extra: str, token_text: str | None = None) -> tuple[int, str, str]:
     token = tmp_path / "token"
-    token.write_text(cluster.operator_token if token_text is None else token_text)
-    code = main(["governance", "--router", cluster.router_address, "--ca", str(cluster.ca_file),
+    token.write_text(governed_cluster.operator_token if token_text is None else token_text)
+    code = main(["governance", "--router", governed_cluster.router_address, "--ca", str(governed_cluster.ca_file),
                  "--token-file", str(token), *extra])
     out = capsys.readouterr()
     return code, out.out, out.err
@@ -52,9 +52,9 @@ def _answers(doc: dict, tenant: str) -> dict[int, dict]:
     return {a["question"]: a for a in t["answers"]}
 
 
-def test_statement_reflects_the_live_config_and_workers(cluster, tmp_path, capsys, monkeypatch):
+def test_statement_reflects_the_live_config_and_workers(governed_cluster, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("KVRELAY_OPERATOR_TOKEN", raising=False)
-    code, out, err = _run(cluster, tmp_path, capsys, "--format", "json")
+    code, out, err = _run(governed_cluster, tmp_path, capsys, "--format", "json")
     assert code == 0, err
     doc = json.loads(out)
     assert [t["tenant"] for t in doc["tenants"]] == ["lab-on", "uni-qc"]
@@ -69,18 +69,18 @@ def test_statement_reflects_the_live_config_and_workers(cluster, tmp_path, capsy
                                                     "roles": ["prefill", "decode"]}]
     assert [(lk["link"], lk["protection"], lk["transport"]) for lk in lab[3]["facts"]["kv_links"]] == [
         ("local", "aead", ["tcp"])]
-    assert lab[3]["facts"]["stores"]["jobs_db"]["path"] == cluster.cfg.router.jobs_db
+    assert lab[3]["facts"]["stores"]["jobs_db"]["path"] == governed_cluster.cfg.router.jobs_db
     assert lab[4]["facts"]["job_retention_days"] == 7 and "carry prompt and output text" in lab[4]["answer"]
     # the router's files as the router read them on disk
     files = lab[5]["facts"]["router_files"]
     for name in ("audit_log", "jobs_db"):
-        path = getattr(cluster.cfg.router, name)
+        path = getattr(governed_cluster.cfg.router, name)
         assert files[name]["path"] == path and files[name]["state"] == "read"
         assert files[name]["mode"] == f"{stat.S_IMODE(os.stat(path).st_mode):04o}" == "0600"
         assert files[name]["folder_mode"] == f"{stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode):04o}"
-    assert f"{cluster.cfg.router.audit_log}, mode 0600" in lab[5]["answer"]
+    assert f"{governed_cluster.cfg.router.audit_log}, mode 0600" in lab[5]["answer"]
     assert "sees its own batch jobs only" in lab[5]["answer"]
-    assert lab[2]["facts"]["reservations"]["interactive_reserve"] == cluster.cfg.router.interactive_reserve
+    assert lab[2]["facts"]["reservations"]["interactive_reserve"] == governed_cluster.cfg.router.interactive_reserve
     usage = next(e for e in lab[8]["facts"]["exports"] if e["data"] == "usage")
     assert "kvrelay-launcher" in usage["who"] and usage["command"] == "kvrelay usage --tenant lab-on --json"
     assert doc["tenants"][0]["warnings"] == []
@@ -90,13 +90,14 @@ def test_statement_reflects_the_live_config_and_workers(cluster, tmp_path, capsy
     assert [p["pool"] for p in _answers(doc, "uni-qc")[2]["facts"]["pools"]] == []
 
 
-def test_markdown_for_one_tenant_unknown_tenants_and_operators_only(cluster, tmp_path, capsys, monkeypatch):
+def test_markdown_for_one_tenant_unknown_tenants_and_operators_only(governed_cluster, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("KVRELAY_OPERATOR_TOKEN", raising=False)
-    code, out, err = _run(cluster, tmp_path, capsys, "--tenant", "lab-on")
+    code, out, err = _run(governed_cluster, tmp_path, capsys, "--tenant", "lab-on")
     assert code == 0, err
     assert "## Tenant `lab-on`" in out and "uni-qc`" not in out
     assert [n for n in range(1, 9) if f"### {n}. " in out] == list(range(1, 9))
-    code, out, err = _run(cluster, tmp_path, capsys, "--tenant", "nobody")
+    code, out, err = _run(governed_cluster, tmp_path, capsys, "--tenant", "nobody")
     assert code == 1 and "NOT_FOUND" in err and "'nobody'" in err
-    code, out, err = _run(cluster, tmp_path, capsys, token_text="lab-token")  # a tenant's token is no operator's
+    # a tenant's token is no operator's
+    code, out, err = _run(governed_cluster, tmp_path, capsys, token_text="lab-token")
     assert code == 1 and "UNAUTHENTICATED" in err and out == ""

@@ -28,7 +28,7 @@ from benchmarks.probes import (
     tls_socket,
 )
 from router.auth import token_sha256
-from tests.integration.conftest import (
+from tests.integration.helpers import (
     CLUSTER_YAML,
     running_cluster,
     wait_until,
@@ -46,7 +46,7 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm_path):
+def hardening_cluster(smollm_path):
     raw = copy.deepcopy(CLUSTER_YAML)
     raw["router"] |= {"http_port": 0, "http": {"header_timeout_s": 2.0, "max_connections": 2000,
                                                "max_connections_per_client": 1000}}
@@ -56,17 +56,17 @@ def cluster(smollm_path):
 
 
 @pytest.fixture(scope="module")
-def stub(cluster):
-    with cluster.channel() as ch:
+def hardening_stub(hardening_cluster):
+    with hardening_cluster.channel() as ch:
         yield igrpc.InferenceStub(ch)
 
 
-def _http(cluster, path: str, raw: bytes, token: str | None = TOKEN) -> tuple[int, dict]:
-    return http_request(cluster, path, raw, token)
+def _http(hardening_cluster, path: str, raw: bytes, token: str | None = TOKEN) -> tuple[int, dict]:
+    return http_request(hardening_cluster, path, raw, token)
 
 
-def _post(cluster, path: str, body: dict) -> tuple[int, dict]:
-    return _http(cluster, path, json.dumps(body).encode())
+def _post(hardening_cluster, path: str, body: dict) -> tuple[int, dict]:
+    return _http(hardening_cluster, path, json.dumps(body).encode())
 
 
 def _assert_error(status: int, body: dict, want_status: int, *words: str) -> None:
@@ -77,26 +77,26 @@ def _assert_error(status: int, body: dict, want_status: int, *words: str) -> Non
         assert w in err["message"], (w, err)
 
 
-def _served(cluster) -> None:
-    status, body = _post(cluster, CHAT, {"model": MODEL, "messages": HI, "max_tokens": 2})
+def _served(hardening_cluster) -> None:
+    status, body = _post(hardening_cluster, CHAT, {"model": MODEL, "messages": HI, "max_tokens": 2})
     assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
 
 
 @pytest.mark.parametrize("path,base", [(CHAT, b'"messages": [{"role": "user", "content": "hi"}]'),
                                        ("/v1/completions", b'"prompt": "hi"')])
-def test_json_a_parser_cannot_take_is_a_400(cluster, path, base):
+def test_json_a_parser_cannot_take_is_a_400(hardening_cluster, path, base):
     surrogate = (b'{"model": "%s", ' % MODEL.encode()) + base.replace(b'"hi"', b'"hi \\ud800 there"') + b"}"
     deep = b"[" * 100_000 + b"]" * 100_000
     digits = b'{' + base + b', "max_tokens": ' + b"9" * 100_000 + b"}"
     bad_utf8 = b'{' + base.replace(b"hi", b"\xff\xfe") + b"}"
     for raw, words in [(surrogate, ("surrogate",)), (deep, ("nested too deeply",)),
                        (digits, ("not valid JSON", "digits")), (bad_utf8, ("not valid JSON",))]:
-        status, body = _http(cluster, path, raw)
+        status, body = _http(hardening_cluster, path, raw)
         _assert_error(status, body, 400, *words)
-    _served(cluster)
+    _served(hardening_cluster)
 
 
-def test_fields_not_implemented_are_refused_by_name(cluster):
+def test_fields_not_implemented_are_refused_by_name(hardening_cluster):
     base = {"model": MODEL, "messages": HI, "max_tokens": 2}
     cases = [
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "role must be one of system, user, assistant"),
@@ -126,37 +126,38 @@ def test_fields_not_implemented_are_refused_by_name(cluster):
         ({"temperature": 1e400}, "temperature"),
     ]
     for extra, words in cases:
-        status, body = _post(cluster, CHAT, base | extra)
+        status, body = _post(hardening_cluster, CHAT, base | extra)
         _assert_error(status, body, 400, words)
         assert body["error"]["param"], body
-    status, body = _post(cluster, "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6})
+    status, body = _post(hardening_cluster, "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6})
     _assert_error(status, body, 400, "logprobs must be in [0, 5]")
     # the values that ask for what kvrelay does anyway are accepted
     neutral = {"response_format": {"type": "text"}, "tools": [], "logit_bias": {}, "presence_penalty": 0,
                "frequency_penalty": 0.0, "tool_choice": None, "role": None, "repetition_penalty": 1.0,
                "min_p": 0, "min_tokens": 0, "stop_token_ids": []}
     neutral.pop("role")
-    status, body = _post(cluster, CHAT, base | neutral)
+    status, body = _post(hardening_cluster, CHAT, base | neutral)
     assert status == 200, body
 
 
-def test_grpc_refuses_unknown_roles_and_max_tokens_zero_as_http_does(cluster, stub):
+def test_grpc_refuses_unknown_roles_and_max_tokens_zero_as_http_does(hardening_cluster, hardening_stub):
     wizard = ipb.GenerateRequest(messages=ipb.ChatMessages(messages=[ipb.ChatMessage(role="wizard", content="x")]),
                                  max_tokens=2)
     zero = ipb.GenerateRequest(prompt="hi", max_tokens=0)
-    _status, http_zero = _post(cluster, CHAT, {"model": MODEL, "messages": HI, "max_tokens": 0})
+    _status, http_zero = _post(hardening_cluster, CHAT, {"model": MODEL, "messages": HI, "max_tokens": 0})
     for req, words in [(wizard, "messages[0].role must be one of"), (zero, http_zero["error"]["message"])]:
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(req, timeout=30, metadata=AUTH))
+            list(hardening_stub.Generate(req, timeout=30, metadata=AUTH))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
     # absent is the default (128 tokens, or EOS first)
-    msgs = list(stub.Generate(ipb.GenerateRequest(prompt="Count to five.", sampling=ipb.SamplingParams()),
+    msgs = list(hardening_stub.Generate(ipb.GenerateRequest(prompt="Count to five.", sampling=ipb.SamplingParams()),
                               timeout=120, metadata=AUTH))
     assert msgs[-1].finish.usage.completion_tokens >= 1
 
 
-def test_top_logprobs_are_real_tokens_with_bytes(cluster):
-    status, body = _post(cluster, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Say: Zürich"}],
+def test_top_logprobs_are_real_tokens_with_bytes(hardening_cluster):
+    status, body = _post(hardening_cluster, CHAT, {"model": MODEL,
+                                                   "messages": [{"role": "user", "content": "Say: Zürich"}],
                                          "max_tokens": 6, "logprobs": True, "top_logprobs": 3})
     assert status == 200, body
     content = body["choices"][0]["logprobs"]["content"]
@@ -171,8 +172,8 @@ def test_top_logprobs_are_real_tokens_with_bytes(cluster):
         assert not c["token"].startswith("<") or c["token"] in ("<", "<|im_end|>")
 
 
-def test_openapi_document_lists_what_is_accepted(cluster):
-    with tls_socket(cluster) as s:
+def test_openapi_document_lists_what_is_accepted(hardening_cluster):
+    with tls_socket(hardening_cluster) as s:
         s.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: kvrelay\r\nConnection: close\r\n\r\n")
         resp = b""
         while chunk := s.recv(1 << 16):
@@ -184,73 +185,74 @@ def test_openapi_document_lists_what_is_accepted(cluster):
     assert "frobnicate" not in chat["properties"]
 
 
-def test_large_prompts_are_refused_fast_and_heartbeats_keep_coming(cluster, stub):
+def test_large_prompts_are_refused_fast_and_heartbeats_keep_coming(hardening_cluster, hardening_stub):
     huge = ipb.GenerateRequest(prompt="word " * 4_000_000, max_tokens=2)  # 20 MB: over the public message limit
     big = ipb.GenerateRequest(prompt="word " * 1_000_000, max_tokens=2)  # 5 MB: under it, over max_prompt_bytes
     for req, words in [(huge, "larger than max"), (big, "at most 1048576")]:
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(req, timeout=30, metadata=AUTH))
+            list(hardening_stub.Generate(req, timeout=30, metadata=AUTH))
         elapsed = time.monotonic() - t0
         assert words in err.value.details(), err.value.details()
         assert elapsed < 3.0, elapsed  # 60-70 ms here (bench fuzz); tokenizing it took 5.9 s before
     # over HTTP the 5 MB body fits under max_body_bytes and is refused by the prompt cap
     t0 = time.monotonic()
-    status, body = _post(cluster, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "w" * 5_000_000}]})
+    status, body = _post(hardening_cluster, CHAT,
+                         {"model": MODEL, "messages": [{"role": "user", "content": "w" * 5_000_000}]})
     _assert_error(status, body, 400, "at most 1048576")
     assert time.monotonic() - t0 < 4.0
-    watch = flood(cluster, 5_000_000, 10, TOKEN)
+    watch = flood(hardening_cluster, 5_000_000, 10, TOKEN)
     assert watch.all_healthy(), watch.samples
     assert watch.max_heartbeat_age_s() < 4.0, watch.samples  # heartbeats every 1 s; unhealthy at 5
     assert watch.max_rpc_s() < 3.0, watch.samples  # a blocked loop would take seconds per prompt
-    _served(cluster)
+    _served(hardening_cluster)
 
 
-def test_a_200_mb_chunked_upload_is_refused_without_growing_the_router(cluster):
-    with RssPeak(router_pid(cluster)) as rss:
-        unauth, _ = chunked_upload(cluster, 200 << 20, token=None)
-        capped, sent_capped = chunked_upload(cluster, 200 << 20, token=TOKEN)
+def test_a_200_mb_chunked_upload_is_refused_without_growing_the_router(hardening_cluster):
+    with RssPeak(router_pid(hardening_cluster)) as rss:
+        unauth, _ = chunked_upload(hardening_cluster, 200 << 20, token=None)
+        capped, sent_capped = chunked_upload(hardening_cluster, 200 << 20, token=TOKEN)
     assert unauth.startswith(b"HTTP/1.1 401"), unauth[:200]
     # a lingering close: the client, still sending, gets to read the whole answer
     head, _, body = capped.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413") and b"request body over" in body, capped[:300]
     assert sent_capped < 100 << 20, sent_capped  # the server stopped reading long before 200 MB
     assert rss.growth < 16 << 20, f"router RSS grew by {rss.growth >> 20} MiB"
-    _served(cluster)
+    _served(hardening_cluster)
 
 
-def test_500_half_open_connections_are_closed_at_the_header_deadline(cluster):
-    before = _timed_request(cluster)
+def test_500_half_open_connections_are_closed_at_the_header_deadline(hardening_cluster):
+    before = _timed_request(hardening_cluster)
     t0 = time.monotonic()
-    conns = half_open(cluster, 500)
-    during = [_timed_request(cluster) for _ in range(3)]
+    conns = half_open(hardening_cluster, 500)
+    during = [_timed_request(hardening_cluster) for _ in range(3)]
     closed, _ = closed_within(conns, 30 - (time.monotonic() - t0))
     assert closed == 500, closed
     assert max(during) < max(5.0, 10 * before), (before, during)
-    _served(cluster)
+    _served(hardening_cluster)
 
 
-def _timed_request(cluster) -> float:
+def _timed_request(hardening_cluster) -> float:
     t = time.monotonic()
-    _served(cluster)
+    _served(hardening_cluster)
     return time.monotonic() - t
 
 
-def test_a_non_streaming_request_whose_client_leaves_is_cancelled(cluster):
-    decode = next(w for w in workers(cluster).values() if w.info.role == wpb.ROLE_DECODE)
+def test_a_non_streaming_request_whose_client_leaves_is_cancelled(hardening_cluster):
+    decode = next(w for w in workers(hardening_cluster).values() if w.info.role == wpb.ROLE_DECODE)
     body = json.dumps({"model": MODEL, "messages": HI, "max_tokens": 2000, "ignore_eos": True}).encode()
-    s = tls_socket(cluster)
+    s = tls_socket(hardening_cluster)
     s.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: kvrelay\r\nContent-Type: application/json\r\n"
               f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
     wid = decode.info.worker_id
-    assert wait_until(lambda: worker_stats(cluster, wid).running == 1, 30)
+    assert wait_until(lambda: worker_stats(hardening_cluster, wid).running == 1, 30)
     s.close()
     t0 = time.monotonic()
 
     def idle() -> bool:
-        st = worker_stats(cluster, wid)
+        st = worker_stats(hardening_cluster, wid)
         return st.running == 0 and st.reservations == 0 and st.free_blocks == st.total_blocks
 
-    assert wait_until(idle, 15), worker_stats(cluster, wid)
+    assert wait_until(idle, 15), worker_stats(hardening_cluster, wid)
     assert time.monotonic() - t0 < 10
-    _served(cluster)
+    _served(hardening_cluster)

@@ -14,32 +14,32 @@ from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
 from cli.main import main
 from router.audit import query, verify
-from tests.integration.conftest import wait_until
+from tests.integration.helpers import cluster_user, wait_until
 
 pytestmark = pytest.mark.model
 
 
-def _state(cluster, job_id: str) -> int:
-    with cluster.channel() as ch:
+def _state(shared_cluster, job_id: str) -> int:
+    with shared_cluster.channel() as ch:
         return jgrpc.JobsStub(ch).GetJob(jpb.GetJobRequest(id=job_id), timeout=10).state
 
 
-def test_job_delete_through_the_cli(cluster, tmp_path, capsys, as_cluster_user):
+def test_job_delete_through_the_cli(shared_cluster, tmp_path, capsys, monkeypatch):
     f = tmp_path / "job.jsonl"
     f.write_text("\n".join(json.dumps({"token_ids": [400 + i, 401, 402, 403], "max_tokens": 4, "ignore_eos": True})
                            for i in range(2)) + "\n")
-    r = as_cluster_user
+    r = cluster_user(shared_cluster, monkeypatch)
     assert main(["job", "submit", str(f), *r]) == 0
     job_id = capsys.readouterr().out.strip()
-    assert wait_until(lambda: _state(cluster, job_id) == jpb.JOB_STATE_DONE, 120, 0.3)
+    assert wait_until(lambda: _state(shared_cluster, job_id) == jpb.JOB_STATE_DONE, 120, 0.3)
     assert main(["job", "delete", job_id, *r]) == 0
     assert capsys.readouterr().out.strip() == f"deleted job {job_id}: 2 requests and their results"
     with pytest.raises(grpc.RpcError) as err:
-        _state(cluster, job_id)
+        _state(shared_cluster, job_id)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert main(["job", "delete", job_id, *r]) == 1
     assert f"NOT_FOUND: no job '{job_id}'" in capsys.readouterr().err
-    audit = cluster.cfg.router.audit_log
+    audit = shared_cluster.cfg.router.audit_log
     deleted = [x for x in query(audit, kind="job") if x.get("job") == job_id]
     assert [(x["action"], x.get("requests"), x.get("requests_deleted")) for x in deleted] == [
         ("submitted", 2, None), ("deleted", None, 2)]

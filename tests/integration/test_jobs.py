@@ -15,7 +15,7 @@ from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
 from cli.main import main
-from tests.integration.conftest import running_cluster, wait_until, workers
+from tests.integration.helpers import cluster_user, running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model
 
@@ -30,7 +30,7 @@ N = 200
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm_path):
+def jobs_cluster(smollm_path):
     with running_cluster(CONFIG, smollm_path) as lc:
         yield lc
 
@@ -53,26 +53,26 @@ def _results(lc, job_id: str) -> list[jpb.JobResult]:
         return list(stub.JobResults(jpb.JobResultsRequest(id=job_id), timeout=60))
 
 
-def test_router_restart_mid_job_every_result_exactly_once(cluster):
+def test_router_restart_mid_job_every_result_exactly_once(jobs_cluster):
     reqs = [ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[300 + (i * 7 + k) % 3000 for k in range(16)]),
                                 max_tokens=2, ignore_eos=True) for i in range(N)]
-    ch, stub = _stub(cluster)
+    ch, stub = _stub(jobs_cluster)
     with ch:
         job = stub.SubmitJob(jpb.SubmitJobRequest(name="restart", requests=reqs), timeout=60)
     assert job.total == N and job.state == jpb.JOB_STATE_QUEUED
-    assert wait_until(lambda: len(_results(cluster, job.id)) >= 40, 180, 0.5)
-    before = {r.index: r for r in _results(cluster, job.id)}
+    assert wait_until(lambda: len(_results(jobs_cluster, job.id)) >= 40, 180, 0.5)
+    before = {r.index: r for r in _results(jobs_cluster, job.id)}
     assert len(before) < N  # the restart comes mid-job
-    cluster.restart_router(kill=True)
+    jobs_cluster.restart_router(kill=True)
     # workers find the new router on their next heartbeat; the job resumes from the database
-    assert wait_until(lambda: _registered(cluster) == 2, 60, 0.5)
-    ch, stub = _stub(cluster)
+    assert wait_until(lambda: _registered(jobs_cluster) == 2, 60, 0.5)
+    ch, stub = _stub(jobs_cluster)
     with ch:
         assert wait_until(lambda: stub.GetJob(jpb.GetJobRequest(id=job.id), timeout=10).state
                           == jpb.JOB_STATE_DONE, 300, 0.5)
         final = stub.GetJob(jpb.GetJobRequest(id=job.id), timeout=10)
     assert final.completed == N and final.failed == 0 and final.finished_unix > 0
-    results = _results(cluster, job.id)
+    results = _results(jobs_cluster, job.id)
     assert sorted(r.index for r in results) == list(range(N))  # every one, once
     assert all(len(r.token_ids) == 2 and not r.error and r.finish.usage.completion_tokens == 2 for r in results)
     after = {r.index: r for r in results}
@@ -80,7 +80,7 @@ def test_router_restart_mid_job_every_result_exactly_once(cluster):
         assert after[i] == r
 
 
-def test_job_cli_submit_status_results_and_bad_input(cluster, tmp_path, capsys, as_cluster_user):
+def test_job_cli_submit_status_results_and_bad_input(jobs_cluster, tmp_path, capsys, monkeypatch):
     f = tmp_path / "job.jsonl"
     f.write_text("\n".join(json.dumps(x) for x in [
         {"prompt": "What is a research network?", "max_tokens": 4},
@@ -88,10 +88,10 @@ def test_job_cli_submit_status_results_and_bad_input(cluster, tmp_path, capsys, 
          "seed": 3},
         {"token_ids": [400, 401, 402, 403], "max_tokens": 3, "ignore_eos": True},
     ]) + "\n")
-    r = as_cluster_user
+    r = cluster_user(jobs_cluster, monkeypatch)
     assert main(["job", "submit", str(f), *r]) == 0
     job_id = capsys.readouterr().out.strip()
-    ch, stub = _stub(cluster)
+    ch, stub = _stub(jobs_cluster)
     with ch:
         assert wait_until(lambda: stub.GetJob(jpb.GetJobRequest(id=job_id), timeout=10).state
                           == jpb.JOB_STATE_DONE, 120, 0.3)
@@ -126,17 +126,17 @@ def test_job_cli_submit_status_results_and_bad_input(cluster, tmp_path, capsys, 
      "requests[1]: max_tokens must be >= 1, got 0"),
     ([ipb.GenerateRequest(prompt="x" * (2 << 20))], "requests[0]: 2097157 bytes; at most 1048576 (1 MiB) per request"),
 ])
-def test_a_job_over_a_limit_or_with_a_bad_request_is_invalid_argument(cluster, requests, message):
-    ch, stub = _stub(cluster)
+def test_a_job_over_a_limit_or_with_a_bad_request_is_invalid_argument(jobs_cluster, requests, message):
+    ch, stub = _stub(jobs_cluster)
     with ch, pytest.raises(grpc.RpcError) as err:
         stub.SubmitJob(jpb.SubmitJobRequest(name="limits", requests=requests), timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details() == message
 
 
-def test_cancel_stops_a_job(cluster):
+def test_cancel_stops_a_job(jobs_cluster):
     reqs = [ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[500 + i] * 8), max_tokens=2, ignore_eos=True)
             for i in range(300)]
-    ch, stub = _stub(cluster)
+    ch, stub = _stub(jobs_cluster)
     with ch:
         job = stub.SubmitJob(jpb.SubmitJobRequest(name="cancel", requests=reqs), timeout=60)
         cancelled = stub.CancelJob(jpb.CancelJobRequest(id=job.id), timeout=10)

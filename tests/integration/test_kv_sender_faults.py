@@ -18,7 +18,7 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.tcp import TcpKVSender
 from runtime.kvcreds import CertCredentials
 from runtime.pki import CertRole, Identity
-from tests.integration.conftest import workers
+from tests.integration.helpers import workers
 
 pytestmark = pytest.mark.model
 MAX_TOKENS = 8
@@ -48,17 +48,17 @@ def _decode(stub, sender, engine, prompt, blocks, first_token, rid: str):
     return res, events
 
 
-def test_an_out_of_vocabulary_first_token_is_refused_and_the_request_recovers(cluster, reference_engine):
+def test_an_out_of_vocabulary_first_token_is_refused_and_the_request_recovers(shared_cluster, reference_engine):
     eng = reference_engine
     prompt = eng.tokenizer.encode("Research networks carry the traffic of universities between cities, " * 3)
     want = eng.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
     first, blocks = _prefill_here(eng, prompt)
     assert first == want[0]
-    creds = CertCredentials(cluster.creds.material(Identity("local", CertRole.PREFILL, "9")), (CertRole.DECODE,))
-    sender = TcpKVSender(eng.cache, TransferConfig(secret=cluster.kv_secret, credentials=creds, streams=1))
-    info = workers(cluster)["local/decode/0"].info
+    creds = CertCredentials(shared_cluster.creds.material(Identity("local", CertRole.PREFILL, "9")), (CertRole.DECODE,))
+    sender = TcpKVSender(eng.cache, TransferConfig(secret=shared_cluster.kv_secret, credentials=creds, streams=1))
+    info = workers(shared_cluster)["local/decode/0"].info
     try:
-        with cluster.worker_channel(info) as ch:
+        with shared_cluster.worker_channel(info) as ch:
             stub = wgrpc.DecodeWorkerStub(ch)
             res, events = _decode(stub, sender, eng, prompt, blocks, eng.model_config.vocab_size + 7, "bad")
             with pytest.raises(grpc.RpcError) as err:

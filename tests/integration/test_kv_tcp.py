@@ -26,7 +26,7 @@ from kvtransfer.nixl import NixlKVReceiver, NixlKVSender
 from kvtransfer.protection import Protection
 from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 from kvtransfer.wire import recv_frame, send_frame
-from tests.integration.conftest import wait_until
+from tests.integration.helpers import wait_until
 
 CFG = TransferConfig(secret=SECRET, streams=2)
 

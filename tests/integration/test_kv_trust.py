@@ -25,7 +25,7 @@ from runtime.pki import CertRole, Identity, issue, new_ca
 from runtime.tls import TLSMaterial
 from runtime.topology import Role
 from runtime.worker import kv_transfer_config
-from tests.integration.conftest import wait_until
+from tests.integration.helpers import wait_until
 from tests.integration.kv_tap import Tap
 
 LAYOUT = KVLayout("m", "float32", 2, 2, 16, 4)

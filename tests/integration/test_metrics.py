@@ -29,13 +29,13 @@ import pytest
 from kvrelay.v1 import inference_pb2 as ipb
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import (
+from tests.dashboard import exprs, load_dashboard, substitute
+from tests.integration.helpers import (
     CLUSTER_YAML,
     running_cluster,
     wait_until,
     workers,
 )
-from tests.unit.test_dashboard import exprs, load_dashboard, substitute
 
 pytestmark = pytest.mark.model
 
@@ -187,7 +187,7 @@ def targets_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm_path, targets_file):
+def metrics_cluster(smollm_path, targets_file):
     raw = {**CLUSTER_YAML, "telemetry": {"prometheus_targets": str(targets_file)}}
     with running_cluster(raw, smollm_path) as lc:
         assert wait_until(lambda: sum(w.healthy for w in workers(lc).values()) == 2, 60)
@@ -195,7 +195,7 @@ def cluster(smollm_path, targets_file):
 
 
 @pytest.fixture(scope="module")
-def prometheus(cluster, targets_file, tmp_path_factory):
+def prometheus(metrics_cluster, targets_file, tmp_path_factory):
     prom = Prometheus(tmp_path_factory.mktemp("prometheus"), targets_file)
     try:
         assert wait_until(prom.ready, 30, 0.25), f"prometheus not ready within 30 s:\n{prom.log()}"
@@ -253,23 +253,23 @@ def traffic(stub, prometheus, up_targets) -> Traffic:
     return traffic
 
 
-def expositions(cluster) -> dict[str, str]:
+def expositions(metrics_cluster) -> dict[str, str]:
     """Every process's /metrics, by role, fetched directly."""
-    addrs = {"router": cluster.metrics_address}
-    for w in workers(cluster).values():
+    addrs = {"router": metrics_cluster.metrics_address}
+    for w in workers(metrics_cluster).values():
         addrs["prefill" if "/prefill/" in w.info.worker_id else "decode"] = w.info.metrics_address
     assert set(addrs) == ROLES and all(addrs.values()), addrs
     return {role: http_get(f"http://{addr}/metrics") for role, addr in addrs.items()}
 
 
 # -- the tests -----------------------------------------------------------------------------------------------------
-def test_targets_file_lists_every_process_and_prometheus_scrapes_them(cluster, up_targets, targets_file):
+def test_targets_file_lists_every_process_and_prometheus_scrapes_them(metrics_cluster, up_targets, targets_file):
     entries = json.loads(targets_file.read_text())
     by_role = {e["labels"]["role"]: e for e in entries}
     assert len(entries) == 3 and set(by_role) == ROLES, entries
-    assert by_role["router"]["targets"] == [cluster.metrics_address]
+    assert by_role["router"]["targets"] == [metrics_cluster.metrics_address]
     assert by_role["router"]["labels"]["worker"] == "router"
-    listed = {w.info.worker_id: w.info.metrics_address for w in workers(cluster).values()}
+    listed = {w.info.worker_id: w.info.metrics_address for w in workers(metrics_cluster).values()}
     for role in ("prefill", "decode"):
         e = by_role[role]
         assert e["labels"] == {"role": role, "site": "local", "worker": f"local/{role}/0"}, e
@@ -322,8 +322,8 @@ def test_prometheus_agrees_with_what_the_clients_saw(prometheus, traffic):
         assert 0.0 <= float(s["value"][1]) <= 1.0, s
 
 
-def test_every_exposition_parses_and_passes_promtool(cluster, traffic):
-    for role, text in expositions(cluster).items():
+def test_every_exposition_parses_and_passes_promtool(metrics_cluster, traffic):
+    for role, text in expositions(metrics_cluster).items():
         names = {f.name for f in text_string_to_metric_families(text)}
         assert FAMILIES[role] <= names, f"{role} lacks {sorted(FAMILIES[role] - names)}"
         check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True,
@@ -332,14 +332,14 @@ def test_every_exposition_parses_and_passes_promtool(cluster, traffic):
             f"{check.returncode}):\n{check.stdout}{check.stderr}\n--- exposition ---\n{text}"
 
 
-def test_no_request_id_is_a_label(cluster, prometheus, traffic):
+def test_no_request_id_is_a_label(metrics_cluster, prometheus, traffic):
     ids = [r.request_id for r in traffic.all]
     assert sorted(ids) == sorted([WARMUP_ID, *REQUEST_IDS])
 
     def bad(name: str, value: str) -> bool:
         # the workers see "<client id>-<suffix>": no label value may contain a client's id
         return name in ("request_id", "rid", "request") or any(i in value for i in ids)
-    for role, text in expositions(cluster).items():
+    for role, text in expositions(metrics_cluster).items():
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 assert not any(bad(k, v) for k, v in s.labels.items()), f"{role}: {s}"

@@ -15,7 +15,7 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 from launch.local import LocalCluster
 from runtime.config import parse_config
-from tests.integration.conftest import wait_until, worker_stats, workers
+from tests.integration.helpers import wait_until, worker_stats, workers
 
 pytestmark = pytest.mark.model
 

@@ -21,7 +21,7 @@ from kvrelay.v1 import inference_pb2 as ipb
 
 from engine.tokenizer import Tokenizer
 from router.auth import token_sha256
-from tests.integration.conftest import CLUSTER_YAML, running_cluster, tls_context
+from tests.integration.helpers import CLUSTER_YAML, running_cluster, tls_context
 
 pytestmark = pytest.mark.model
 
@@ -33,7 +33,7 @@ RAW = "The three primary colours are"
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm_path):
+def http_cluster(smollm_path):
     raw = copy.deepcopy(CLUSTER_YAML)
     raw["router"] |= {"http_port": 0, "max_inflight_per_worker": 2, "admission_wait_s": 0.2,
                       "unavailable_wait_s": 0.5}
@@ -44,9 +44,9 @@ def cluster(smollm_path):
 
 
 @pytest.fixture(scope="module")
-def client(cluster):
-    return openai.OpenAI(base_url=f"https://{cluster.http_address}/v1", api_key=TOKEN, max_retries=0, timeout=120,
-                         http_client=HTTP_CLIENT(verify=tls_context(cluster)))
+def client(http_cluster):
+    return openai.OpenAI(base_url=f"https://{http_cluster.http_address}/v1", api_key=TOKEN, max_retries=0, timeout=120,
+                         http_client=HTTP_CLIENT(verify=tls_context(http_cluster)))
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +59,15 @@ HTTP_CLIENT = getattr(openai, "DefaultHttpx2Client", None) or openai.DefaultHttp
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 
 
-def grpc_tokens(stub, req: ipb.GenerateRequest) -> tuple[list[int], str, ipb.Finish]:
-    msgs = list(stub.Generate(req, timeout=120, metadata=AUTH))
+def grpc_tokens(http_stub, req: ipb.GenerateRequest) -> tuple[list[int], str, ipb.Finish]:
+    msgs = list(http_stub.Generate(req, timeout=120, metadata=AUTH))
     return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs), msgs[-1].finish
 
 
-def test_chat_matches_grpc_and_usage_matches_the_tokenizer(client, stub, tok):
+def test_chat_matches_grpc_and_usage_matches_the_tokenizer(client, http_stub, tok):
     resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
                                           max_tokens=24, temperature=0)
-    ids, text, fin = grpc_tokens(stub, ipb.GenerateRequest(
+    ids, text, fin = grpc_tokens(http_stub, ipb.GenerateRequest(
         messages=ipb.ChatMessages(messages=[ipb.ChatMessage(role="user", content=QUESTION)]), max_tokens=24))
     assert resp.choices[0].message.content == text and text
     assert resp.choices[0].message.role == "assistant"
@@ -100,9 +100,9 @@ def test_chat_stream_with_usage_equals_the_whole_answer(client, tok):
     assert all(c.usage is None for c in plain)
 
 
-def test_completions_match_grpc_raw_prompt(client, stub, tok):
+def test_completions_match_grpc_raw_prompt(client, http_stub, tok):
     resp = client.completions.create(model=MODEL, prompt=RAW, max_tokens=12, temperature=0)
-    ids, text, _ = grpc_tokens(stub, ipb.GenerateRequest(prompt=RAW, raw_prompt=True, max_tokens=12))
+    ids, text, _ = grpc_tokens(http_stub, ipb.GenerateRequest(prompt=RAW, raw_prompt=True, max_tokens=12))
     assert resp.choices[0].text == text and resp.object == "text_completion"
     assert resp.usage.prompt_tokens == len(tok.encode(RAW)) and resp.usage.completion_tokens == len(ids)
     streamed = list(client.completions.create(model=MODEL, prompt=RAW, max_tokens=12, temperature=0, stream=True,
@@ -122,29 +122,29 @@ def test_seeded_sampling_is_reproducible(client):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
-def test_models_and_health(client, cluster):
+def test_models_and_health(client, http_cluster):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
-    with urllib.request.urlopen(f"https://{cluster.http_address}/health", timeout=10,
-                               context=tls_context(cluster)) as r:
+    with urllib.request.urlopen(f"https://{http_cluster.http_address}/health", timeout=10,
+                               context=tls_context(http_cluster)) as r:
         body = json.load(r)
     assert r.status == 200 and body["serving"] and body["decode_workers"] == 1
 
 
-def _post(cluster, path: str, body, token: str | None = TOKEN, raw: bytes | None = None):
+def _post(http_cluster, path: str, body, token: str | None = TOKEN, raw: bytes | None = None):
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(f"https://{cluster.http_address}{path}", data=data, headers=headers)
+    req = urllib.request.Request(f"https://{http_cluster.http_address}{path}", data=data, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=60, context=tls_context(cluster)) as r:
+        with urllib.request.urlopen(req, timeout=60, context=tls_context(http_cluster)) as r:
             return r.status, json.load(r), r.headers
     except urllib.error.HTTPError as e:
         return e.code, json.load(e), e.headers
 
 
-def test_bad_inputs_get_openai_errors_with_the_right_status(client, cluster):
+def test_bad_inputs_get_openai_errors_with_the_right_status(client, http_cluster):
     chat = "/v1/chat/completions"
     msgs = [{"role": "user", "content": "hi"}]
     cases = [  # the same mistakes as the gRPC API's test (test_e2e.py), and HTTP-only ones
@@ -167,37 +167,37 @@ def test_bad_inputs_get_openai_errors_with_the_right_status(client, cluster):
         (chat, [1, 2], 400, "JSON object"),
     ]
     for path, body, status, text in cases:
-        got, err, _ = _post(cluster, path, body)
+        got, err, _ = _post(http_cluster, path, body)
         assert got == status and text in err["error"]["message"], (body, got, err)
         assert set(err["error"]) == {"message", "type", "param", "code"}
-    got, err, _ = _post(cluster, chat, None, raw=b"{not json")
+    got, err, _ = _post(http_cluster, chat, None, raw=b"{not json")
     assert got == 400 and "not valid JSON" in err["error"]["message"]
     # credentials are required here: missing or wrong -> 401, through the openai client too
     for token in (None, "wrong-token"):
-        got, err, _ = _post(cluster, chat, {"model": MODEL, "messages": msgs}, token=token)
+        got, err, _ = _post(http_cluster, chat, {"model": MODEL, "messages": msgs}, token=token)
         assert got == 401 and err["error"]["type"] == "authentication_error", err
-    bad = openai.OpenAI(base_url=f"https://{cluster.http_address}/v1", api_key="wrong", max_retries=0,
-                        http_client=HTTP_CLIENT(verify=tls_context(cluster)))
+    bad = openai.OpenAI(base_url=f"https://{http_cluster.http_address}/v1", api_key="wrong", max_retries=0,
+                        http_client=HTTP_CLIENT(verify=tls_context(http_cluster)))
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
     with pytest.raises(openai.NotFoundError) as nf:
         client.chat.completions.create(model="gpt-17", messages=msgs, max_tokens=2)
     assert nf.value.status_code == 404
-    got, err, _ = _post(cluster, "/v1/nothing", {})
+    got, err, _ = _post(http_cluster, "/v1/nothing", {})
     assert got == 404
     # still serving
     assert client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3).usage.completion_tokens >= 1
 
 
-def test_tenants_authenticate_on_grpc_and_see_only_their_own_jobs(cluster, stub):
+def test_tenants_authenticate_on_grpc_and_see_only_their_own_jobs(http_cluster, http_stub):
     from kvrelay.v1 import jobs_pb2 as jpb
     from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(ipb.GenerateRequest(prompt="hi", max_tokens=2), timeout=30))
+        list(http_stub.Generate(ipb.GenerateRequest(prompt="hi", max_tokens=2), timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "tenants" in err.value.details()
     other = (("authorization", f"Bearer {OTHER}"),)
-    with cluster.channel() as ch:
+    with http_cluster.channel() as ch:
         jobs = jgrpc.JobsStub(ch)
         with pytest.raises(grpc.RpcError) as err:
             jobs.SubmitJob(jpb.SubmitJobRequest(requests=[ipb.GenerateRequest(prompt="hi", max_tokens=2)]), timeout=30)
@@ -218,7 +218,7 @@ def test_tenants_authenticate_on_grpc_and_see_only_their_own_jobs(cluster, stub)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_admission_refusal_is_429_with_retry_after(client, cluster):
+def test_admission_refusal_is_429_with_retry_after(client, http_cluster):
     """max_inflight_per_worker is 2 here: a third request finds the only decode
     worker full and, after router.admission_wait_s, is refused."""
     def long_request():
@@ -228,20 +228,20 @@ def test_admission_refusal_is_429_with_retry_after(client, cluster):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         running = [pool.submit(long_request) for _ in range(2)]
         time.sleep(1.5)
-        got, err, headers = _post(cluster, "/v1/completions", {"model": MODEL, "prompt": RAW, "max_tokens": 4})
+        got, err, headers = _post(http_cluster, "/v1/completions", {"model": MODEL, "prompt": RAW, "max_tokens": 4})
         assert got == 429 and err["error"]["type"] == "rate_limit_error", err
         assert int(headers["Retry-After"]) >= 1
         assert all(f.result().usage.completion_tokens == 200 for f in running)
 
 
-def test_a_request_shaped_as_vllm_bench_serve_sends_it_is_served(cluster):
+def test_a_request_shaped_as_vllm_bench_serve_sends_it_is_served(http_cluster):
     """vLLM's own benchmark client (``vllm bench serve``, openai-completions backend)
     posts exactly these fields, ``repetition_penalty: 1.0`` among them, over HTTPS
     with a bearer token, and reads the last chunk of the stream for usage."""
     body = {"model": MODEL, "prompt": RAW, "temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 5,
             "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-    with HTTP_CLIENT(verify=tls_context(cluster), timeout=120) as http, \
-            http.stream("POST", f"https://{cluster.http_address}/v1/completions", json=body,
+    with HTTP_CLIENT(verify=tls_context(http_cluster), timeout=120) as http, \
+            http.stream("POST", f"https://{http_cluster.http_address}/v1/completions", json=body,
                         headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
         assert resp.status_code == 200, resp.read()
         lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
@@ -251,8 +251,8 @@ def test_a_request_shaped_as_vllm_bench_serve_sends_it_is_served(cluster):
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"])
 
 
-def test_stop_token_ids_end_the_output_at_the_first_one_sampled(client, stub):
-    ids, _, _ = grpc_tokens(stub, ipb.GenerateRequest(prompt=RAW, raw_prompt=True, max_tokens=8, ignore_eos=True))
+def test_stop_token_ids_end_the_output_at_the_first_one_sampled(client, http_stub):
+    ids, _, _ = grpc_tokens(http_stub, ipb.GenerateRequest(prompt=RAW, raw_prompt=True, max_tokens=8, ignore_eos=True))
     third = ids[2]  # greedy: the same tokens again over HTTP, so the output ends where this one first appears
     kw = {"model": MODEL, "prompt": RAW, "max_tokens": 8, "temperature": 0}
     stopped = client.completions.create(**kw, extra_body={"ignore_eos": True, "stop_token_ids": [third]})
@@ -260,16 +260,16 @@ def test_stop_token_ids_end_the_output_at_the_first_one_sampled(client, stub):
     assert stopped.usage.completion_tokens == ids.index(third) + 1
 
 
-def test_no_decode_worker_is_503_and_health_says_so(cluster):
+def test_no_decode_worker_is_503_and_health_says_so(http_cluster):
     """Last in this module: the only decode worker is killed (the launcher does not replace it here)."""
-    decode = next(c for c in cluster.children if c.name == "local/decode/0")
+    decode = next(c for c in http_cluster.children if c.name == "local/decode/0")
     decode.proc.send_signal(signal.SIGKILL)
     decode.proc.wait(10)
-    time.sleep(cluster.cfg.router.worker_timeout_s + 0.5)
-    got, err, _ = _post(cluster, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
+    time.sleep(http_cluster.cfg.router.worker_timeout_s + 0.5)
+    got, err, _ = _post(http_cluster, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
                                                                                         "content": "hi"}]})
     assert got == 503 and err["error"]["type"] == "service_unavailable", err
     with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(f"https://{cluster.http_address}/health", timeout=10,
-                               context=tls_context(cluster))
+        urllib.request.urlopen(f"https://{http_cluster.http_address}/health", timeout=10,
+                               context=tls_context(http_cluster))
     assert e.value.code == 503

@@ -8,9 +8,11 @@ import re
 
 import pytest
 
+from benchmarks.traces import SAMPLE_AZURE, SAMPLE_MOONCAKE
 from cli.main import main
-from tests.integration.conftest import CLUSTER_YAML, running_cluster, wait_until
-from tests.unit.test_replay_parts import AZURE, MOONCAKE
+from tests.integration.helpers import CLUSTER_YAML, cluster_user, running_cluster, wait_until
+
+AZURE, MOONCAKE = SAMPLE_AZURE, SAMPLE_MOONCAKE
 
 pytestmark = pytest.mark.model
 
@@ -21,7 +23,7 @@ def span_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm_path, span_dir):
+def traced_cluster(smollm_path, span_dir):
     """The shared test cluster, tracing every request to span files (this module's only cluster)."""
     raw = {**CLUSTER_YAML, "telemetry": {"traces": "file", "file": str(span_dir / "{process}.jsonl")}}
     with running_cluster(raw, smollm_path) as lc:
@@ -29,10 +31,10 @@ def cluster(smollm_path, span_dir):
 
 
 @pytest.mark.parametrize("trace,scale,limit", [(AZURE, 0.1, 40), (MOONCAKE, 0.01, 40)])
-def test_replay_reports_every_request(cluster, span_dir, tmp_path, trace, scale, limit, capsys,
-                                      as_cluster_user):
-    out = tmp_path / "report"
-    rc = main(["bench", "replay", "--trace", str(trace), *as_cluster_user, "--limit", str(limit),
+def test_replay_reports_every_request(traced_cluster, span_dir, tmp_path, trace, scale, limit, capsys,
+                                      monkeypatch):
+    out, user = tmp_path / "report", cluster_user(traced_cluster, monkeypatch)
+    rc = main(["bench", "replay", "--trace", str(trace), *user, "--limit", str(limit),
                "--speedup", "5", "--length-scale", str(scale), "--slo-ttft", "30", "--slo-tpot", "5",
                "--no-progress", "--out", str(out)])
     assert rc == 0, capsys.readouterr()
@@ -61,8 +63,9 @@ def test_replay_reports_every_request(cluster, span_dir, tmp_path, trace, scale,
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({png})" in md
 
 
-def test_replay_refuses_lengths_over_the_context_without_a_scale(cluster, tmp_path, capsys, as_cluster_user):
-    rc = main(["bench", "replay", "--trace", str(MOONCAKE), *as_cluster_user, "--limit", "3",
+def test_replay_refuses_lengths_over_the_context_without_a_scale(traced_cluster, tmp_path, capsys, monkeypatch):
+    user = cluster_user(traced_cluster, monkeypatch)
+    rc = main(["bench", "replay", "--trace", str(MOONCAKE), *user, "--limit", "3",
                "--no-progress", "--out", str(tmp_path / "r")])
     assert rc == 2
     err = capsys.readouterr().err

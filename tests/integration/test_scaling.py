@@ -21,7 +21,7 @@ from cli.main import main
 from launch.local import LocalCluster
 from router.auth import BearerAuth, token_sha256
 from runtime.config import parse_config
-from tests.integration.conftest import running_cluster, wait_until, workers
+from tests.integration.helpers import running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model
 

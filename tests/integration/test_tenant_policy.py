@@ -22,7 +22,7 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 from cli.main import main as kvrelay
 from router.auth import token_sha256
-from tests.integration.conftest import (
+from tests.integration.helpers import (
     running_cluster,
     tls_context,
     wait_until,
@@ -39,7 +39,7 @@ TORONTO = "toronto/decode/0"
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm_path):
+def tenant_cluster(smollm_path):
     raw = {
         "router": {"port": 0, "http_port": 0, "policy": "least_loaded", "colocate_below_tokens": 0,
                    "heartbeat_interval_s": 0.25, "admission_wait_s": 5.0},
@@ -72,33 +72,33 @@ def toronto_work(lc) -> tuple[int, int]:
     return s.prefill_tokens_total, s.decode_tokens_total
 
 
-def test_lab_qc_is_processed_only_in_montreal(cluster):
-    before = toronto_work(cluster)
+def test_lab_qc_is_processed_only_in_montreal(tenant_cluster):
+    before = toronto_work(tenant_cluster)
     for kw in ({}, {"allowed_jurisdictions": ["CA-QC"]}, {"allowed_jurisdictions": ["CA-QC", "CA-ON"]}):
         for _ in range(2):
-            fin = generate(cluster, "lab-qc", **kw)[-1].finish
+            fin = generate(tenant_cluster, "lab-qc", **kw)[-1].finish
             assert fin.placement.decode_site == fin.placement.prefill_site == "montreal", kw
-    assert toronto_work(cluster) == before  # the Toronto worker's own counters: nothing of lab-qc's ran there
+    assert toronto_work(tenant_cluster) == before  # the Toronto worker's own counters: nothing of lab-qc's ran there
 
 
-def test_lab_qc_asking_for_ca_on_only_is_refused_naming_both_sets(cluster):
+def test_lab_qc_asking_for_ca_on_only_is_refused_naming_both_sets(tenant_cluster):
     with pytest.raises(grpc.RpcError) as err:
-        generate(cluster, "lab-qc", allowed_jurisdictions=["CA-ON"])
+        generate(tenant_cluster, "lab-qc", allowed_jurisdictions=["CA-ON"])
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "{CA-ON}" in err.value.details() and "{CA-QC}" in err.value.details()
 
 
-def test_a_pool_dedicated_to_lab_on_serves_only_lab_on(cluster):
-    before = toronto_work(cluster)
-    assert {generate(cluster, "lab-x")[-1].finish.placement.decode_site for _ in range(4)} == {"montreal"}
-    assert toronto_work(cluster) == before
+def test_a_pool_dedicated_to_lab_on_serves_only_lab_on(tenant_cluster):
+    before = toronto_work(tenant_cluster)
+    assert {generate(tenant_cluster, "lab-x")[-1].finish.placement.decode_site for _ in range(4)} == {"montreal"}
+    assert toronto_work(tenant_cluster) == before
     with pytest.raises(grpc.RpcError) as err:  # the only CA-ON pool is lab-on's: refused at once, not after a wait
-        generate(cluster, "lab-x", allowed_jurisdictions=["CA-ON"])
+        generate(tenant_cluster, "lab-x", allowed_jurisdictions=["CA-ON"])
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "dedicated to other tenants: ['toronto']" in err.value.details()
-    fin = generate(cluster, "lab-on", allowed_jurisdictions=["CA-ON"])[-1].finish
+    fin = generate(tenant_cluster, "lab-on", allowed_jurisdictions=["CA-ON"])[-1].finish
     assert fin.placement.decode_site == "toronto"  # lab-on may use its pool
-    assert toronto_work(cluster) != before
+    assert toronto_work(tenant_cluster) != before
 
 
 def _http(lc, tenant: str, body: dict) -> tuple[int, dict, dict]:
@@ -112,10 +112,10 @@ def _http(lc, tenant: str, body: dict) -> tuple[int, dict, dict]:
         return e.code, {k.lower(): v for k, v in e.headers.items()}, json.loads(e.read())
 
 
-def test_the_quota_refuses_the_seventh_request_and_serves_it_after_the_wait(cluster):
+def test_the_quota_refuses_the_seventh_request_and_serves_it_after_the_wait(tenant_cluster):
     for _ in range(6):
-        generate(cluster, "lab-q", max_tokens=1)
-    with cluster.dialer(TOKENS["lab-q"]).sync(cluster.router_address) as ch:
+        generate(tenant_cluster, "lab-q", max_tokens=1)
+    with tenant_cluster.dialer(TOKENS["lab-q"]).sync(tenant_cluster.router_address) as ch:
         call = igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt="hi", max_tokens=1), timeout=60)
         with pytest.raises(grpc.RpcError) as err:
             list(call)
@@ -123,11 +123,11 @@ def test_the_quota_refuses_the_seventh_request_and_serves_it_after_the_wait(clus
     assert "requests_per_minute quota (6)" in err.value.details()
     hint_ms = int(dict(err.value.trailing_metadata())["retry-after-ms"])
     assert 0 < hint_ms <= 10_000
-    status, headers, body = _http(cluster, "lab-q", {"prompt": "hi", "max_tokens": 1})  # the same bucket
+    status, headers, body = _http(tenant_cluster, "lab-q", {"prompt": "hi", "max_tokens": 1})  # the same bucket
     assert status == 429 and int(headers["retry-after"]) >= 1
     assert "requests_per_minute" in body["error"]["message"] and body["error"]["code"] == "resource_exhausted"
     time.sleep(int(headers["retry-after"]) + 0.5)
-    status, _, body = _http(cluster, "lab-q", {"prompt": "hi", "max_tokens": 1})
+    status, _, body = _http(tenant_cluster, "lab-q", {"prompt": "hi", "max_tokens": 1})
     assert status == 200 and body["usage"]["completion_tokens"] == 1
 
 
@@ -135,19 +135,19 @@ def _records(lc) -> list[dict]:
     return [json.loads(line) for line in Path(lc.cfg.router.audit_log).read_text().splitlines()]
 
 
-def test_the_audit_log_verifies_and_keeps_prompts_only_where_allowed(cluster, capsys):
-    generate(cluster, "lab-qc", prompt=SECRET)
+def test_the_audit_log_verifies_and_keeps_prompts_only_where_allowed(tenant_cluster, capsys):
+    generate(tenant_cluster, "lab-qc", prompt=SECRET)
     with pytest.raises(grpc.RpcError):
-        generate(cluster, "lab-qc", prompt=SECRET, allowed_jurisdictions=["CA-ON"])
-    generate(cluster, "lab-on", prompt=LOGGED)
-    with cluster.operator_dialer.sync(cluster.router_address) as ch:
+        generate(tenant_cluster, "lab-qc", prompt=SECRET, allowed_jurisdictions=["CA-ON"])
+    generate(tenant_cluster, "lab-on", prompt=LOGGED)
+    with tenant_cluster.operator_dialer.sync(tenant_cluster.router_address) as ch:
         agrpc.AdminStub(ch).Scale(apb.ScaleRequest(site="toronto", role="prefill", replicas=0), timeout=30)
     # written by the router's audit thread: wait for both records
-    assert wait_until(lambda: any(r.get("prompt") == LOGGED for r in _records(cluster)) and any(
-        r["kind"] == "operator" and r["action"] == "scale" for r in _records(cluster)), 10)
-    text = Path(cluster.cfg.router.audit_log).read_text()
+    assert wait_until(lambda: any(r.get("prompt") == LOGGED for r in _records(tenant_cluster)) and any(
+        r["kind"] == "operator" and r["action"] == "scale" for r in _records(tenant_cluster)), 10)
+    text = Path(tenant_cluster.cfg.router.audit_log).read_text()
     assert "PAPAYA" not in text  # lab-qc's policy: never
-    records = _records(cluster)
+    records = _records(tenant_cluster)
     qc = [r for r in records if r["kind"] == "request" and r.get("tenant") == "lab-qc" and r["outcome"] == "ok"]
     assert qc and all(r["decode_site"] == "montreal" and r["prompt_tokens"] > 0 and r["jurisdictions"] == ["CA-QC"]
                       for r in qc)
@@ -157,27 +157,29 @@ def test_the_audit_log_verifies_and_keeps_prompts_only_where_allowed(cluster, ca
     assert on["tenant"] == "lab-on" and on["output"] and on["completion_tokens"] == 2
     assert any(r["kind"] == "operator" and r["action"] == "scale" and r["site"] == "toronto" for r in records)
     capsys.readouterr()
-    assert kvrelay(["audit", "verify", cluster.cfg.router.audit_log]) == 0
+    assert kvrelay(["audit", "verify", tenant_cluster.cfg.router.audit_log]) == 0
     assert capsys.readouterr().out.startswith("ok")
 
 
-def test_a_call_with_a_wrong_token_is_found_by_audit_query_kind_refusal(cluster, capsys):
-    with cluster.dialer("not-a-token").sync(cluster.router_address) as ch, pytest.raises(grpc.RpcError) as err:
+def test_a_call_with_a_wrong_token_is_found_by_audit_query_kind_refusal(tenant_cluster, capsys):
+    with tenant_cluster.dialer("not-a-token").sync(tenant_cluster.router_address) as ch, \
+            pytest.raises(grpc.RpcError) as err:
         list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt="hi", max_tokens=1), timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert wait_until(lambda: any(r["kind"] == "refusal" for r in _records(cluster)), 10)
+    assert wait_until(lambda: any(r["kind"] == "refusal" for r in _records(tenant_cluster)), 10)
     capsys.readouterr()
-    assert kvrelay(["audit", "query", "--file", cluster.cfg.router.audit_log, "--kind", "refusal", "--json"]) == 0
+    log = tenant_cluster.cfg.router.audit_log
+    assert kvrelay(["audit", "query", "--file", log, "--kind", "refusal", "--json"]) == 0
     found = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert found and all(r["kind"] == "refusal" for r in found)
     assert any(r["api"] == "grpc" and r["credential"] == "token" and r["outcome"] == "unauthenticated" for r in found)
 
 
-def test_verify_names_an_edited_a_deleted_and_an_inserted_record_of_the_real_log(cluster, tmp_path, capsys):
+def test_verify_names_an_edited_a_deleted_and_an_inserted_record_of_the_real_log(tenant_cluster, tmp_path, capsys):
     for _ in range(4):
-        generate(cluster, "lab-x")
-    assert wait_until(lambda: len(_records(cluster)) >= 6, 10)
-    lines = Path(cluster.cfg.router.audit_log).read_bytes().splitlines(keepends=True)
+        generate(tenant_cluster, "lab-x")
+    assert wait_until(lambda: len(_records(tenant_cluster)) >= 6, 10)
+    lines = Path(tenant_cluster.cfg.router.audit_log).read_bytes().splitlines(keepends=True)
     cases = {"edited": lines[:3] + [lines[3].replace(b'"seq"', b'"seq" ', 1)] + lines[4:],
              "deleted": lines[:3] + lines[4:],
              "inserted": lines[:3] + [lines[2]] + lines[3:]}

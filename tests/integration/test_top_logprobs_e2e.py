@@ -14,11 +14,11 @@ from router.logprobs import openai_logprobs
 pytestmark = pytest.mark.model
 
 
-def test_top_logprobs_match_the_engine_including_the_first_token(stub, reference_engine):
+def test_top_logprobs_match_the_engine_including_the_first_token(shared_stub, reference_engine):
     text = "Name three primary colours."
     req = ipb.GenerateRequest(messages=ipb.ChatMessages(messages=[ipb.ChatMessage(role="user", content=text)]),
                               max_tokens=8, sampling=ipb.SamplingParams(logprobs=True, top_logprobs=5))
-    msgs = list(stub.Generate(req, timeout=120))
+    msgs = list(shared_stub.Generate(req, timeout=120))
     assert not msgs[-1].finish.placement.colocated
     ids = [t for m in msgs for t in m.token_ids]
     lps = [lp for m in msgs for lp in m.logprobs]
@@ -35,9 +35,9 @@ def test_top_logprobs_match_the_engine_including_the_first_token(stub, reference
     assert len(out["content"]) == len(ids) and all(len(c["top_logprobs"]) == 5 for c in out["content"])
 
 
-def test_top_logprobs_out_of_bounds_is_invalid_argument(stub):
+def test_top_logprobs_out_of_bounds_is_invalid_argument(shared_stub):
     req = ipb.GenerateRequest(prompt="hi", max_tokens=2, sampling=ipb.SamplingParams(logprobs=True, top_logprobs=25))
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(req, timeout=60))
+        list(shared_stub.Generate(req, timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "top_logprobs must be in [0, 20], got 25" in err.value.details()

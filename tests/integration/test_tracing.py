@@ -25,7 +25,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tsg
 
 from cli.main import main as kvrelay
 from runtime.tracing import read_spans
-from tests.integration.conftest import running_cluster, tls_context, wait_until, workers
+from tests.integration.helpers import running_cluster, tls_context, wait_until, workers
 
 pytestmark = pytest.mark.model
 

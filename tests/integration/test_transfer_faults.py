@@ -18,7 +18,7 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 from engine.sampling_params import SamplingParams
 from launch.local import LocalCluster
-from tests.integration.conftest import (
+from tests.integration.helpers import (
     CLUSTER_YAML,
     running_cluster,
     wait_until,

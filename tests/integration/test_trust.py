@@ -39,7 +39,7 @@ from runtime.pki import (
 )
 from runtime.rpc import Dialer
 from runtime.tls import TLSMaterial
-from tests.integration.conftest import CLUSTER_YAML, running_cluster, workers
+from tests.integration.helpers import CLUSTER_YAML, running_cluster, workers
 
 pytestmark = pytest.mark.model
 
@@ -61,7 +61,7 @@ def pki(tmp_path_factory):
 TENANT_TOKEN = "trust-tenant-token"
 
 @pytest.fixture(scope="module")
-def cluster(smollm_path, pki):
+def trust_cluster(smollm_path, pki):
     raw = dict(CLUSTER_YAML, sites=[*CLUSTER_YAML["sites"], {"name": "other", "jurisdiction": "EU",
                                                               "prefill": {"replicas": 0},
                                                               "decode": {"replicas": 0}}])
@@ -98,30 +98,31 @@ def registry_calls(stub, info: wpb.WorkerInfo) -> dict:
     }
 
 
-def test_registry_refuses_callers_without_a_worker_certificate(cluster, pki):
-    before = registry_state(cluster)
-    real = workers(cluster)["local/decode/0"].info
+def test_registry_refuses_callers_without_a_worker_certificate(trust_cluster, pki):
+    before = registry_state(trust_cluster)
+    real = workers(trust_cluster)["local/decode/0"].info
     impostor = wpb.WorkerInfo()
     impostor.CopyFrom(real)
     impostor.address = "127.0.0.1:1"
     # the public listener: TLS, but no client certificate can be presented there
-    with cluster.dialer().sync(cluster.router_address) as ch:
+    with trust_cluster.dialer().sync(trust_cluster.router_address) as ch:
         for name, call in registry_calls(wgrpc.RegistryStub(ch), impostor).items():
             assert code_of(call) in REFUSED, name
     # the internal listener without a certificate, or with one from another CA: no connection at all
     other_ca = new_ca()
     stranger = issue(other_ca, Identity("local", CertRole.DECODE, "0"))
-    for dialer in (cluster.dialer(), Dialer(TLSMaterial(cluster.creds.ca_pem, *stranger))):
-        with dialer.sync(cluster.internal_address) as ch:
+    for dialer in (trust_cluster.dialer(), Dialer(TLSMaterial(trust_cluster.creds.ca_pem, *stranger))):
+        with dialer.sync(trust_cluster.internal_address) as ch:
             for name, call in registry_calls(wgrpc.RegistryStub(ch), impostor).items():
                 assert code_of(call) == grpc.StatusCode.UNAVAILABLE, name
     # an operator may list workers, but not be one
-    with as_cert(cluster, pki, Identity("local", CertRole.OPERATOR, "noc")).sync(cluster.internal_address) as ch:
+    with as_cert(trust_cluster, pki, Identity("local", CertRole.OPERATOR, "noc")) \
+            .sync(trust_cluster.internal_address) as ch:
         stub = wgrpc.RegistryStub(ch)
         assert len(stub.ListWorkers(wpb.ListWorkersRequest(), timeout=10).workers) == 2
         for name in ("Register", "Heartbeat", "Deregister"):
             assert code_of(registry_calls(stub, impostor)[name]) in REFUSED, name
-    assert registry_state(cluster) == before
+    assert registry_state(trust_cluster) == before
 
 
 def _register(lc, pki, cert_ident: Identity, info: wpb.WorkerInfo) -> grpc.RpcError:
@@ -130,9 +131,9 @@ def _register(lc, pki, cert_ident: Identity, info: wpb.WorkerInfo) -> grpc.RpcEr
     return err.value
 
 
-def test_a_certificate_registers_only_its_own_site_role_and_live_id(cluster, pki):
-    before = registry_state(cluster)
-    real = workers(cluster)["local/prefill/0"].info
+def test_a_certificate_registers_only_its_own_site_role_and_live_id(trust_cluster, pki):
+    before = registry_state(trust_cluster)
+    real = workers(trust_cluster)["local/prefill/0"].info
 
     def claim(worker_id: str, site: str, role: int) -> wpb.WorkerInfo:
         info = wpb.WorkerInfo()
@@ -141,34 +142,35 @@ def test_a_certificate_registers_only_its_own_site_role_and_live_id(cluster, pki
         return info
 
     prefill9 = Identity("local", CertRole.PREFILL, "9")
-    err = _register(cluster, pki, prefill9, claim("local/decode/9", "local", wpb.ROLE_DECODE))
+    err = _register(trust_cluster, pki, prefill9, claim("local/decode/9", "local", wpb.ROLE_DECODE))
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "local/prefill/9" in err.details()
-    err = _register(cluster, pki, prefill9, claim("other/prefill/9", "other", wpb.ROLE_PREFILL))
+    err = _register(trust_cluster, pki, prefill9, claim("other/prefill/9", "other", wpb.ROLE_PREFILL))
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
-    err = _register(cluster, pki, Identity("other", CertRole.PREFILL, "0"),
+    err = _register(trust_cluster, pki, Identity("other", CertRole.PREFILL, "0"),
                     claim("local/prefill/0", "local", wpb.ROLE_PREFILL))
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
     # even a valid certificate for the live worker's own id cannot take its place
-    err = _register(cluster, pki, Identity("local", CertRole.PREFILL, "0"),
+    err = _register(trust_cluster, pki, Identity("local", CertRole.PREFILL, "0"),
                     claim("local/prefill/0", "local", wpb.ROLE_PREFILL))
     assert err.code() == grpc.StatusCode.ALREADY_EXISTS and "alive" in err.details()
-    assert registry_state(cluster) == before
+    assert registry_state(trust_cluster) == before
 
 
-def test_worker_certificates_cannot_call_the_admin_api(cluster, pki):
-    with as_cert(cluster, pki, Identity("local", CertRole.DECODE, "0")).sync(cluster.internal_address) as ch:
+def test_worker_certificates_cannot_call_the_admin_api(trust_cluster, pki):
+    with as_cert(trust_cluster, pki, Identity("local", CertRole.DECODE, "0")) \
+            .sync(trust_cluster.internal_address) as ch:
         for call in (lambda: agrpc.AdminStub(ch).ListPools(apb.ListPoolsRequest(), timeout=10),
                      lambda: agrpc.AdminStub(ch).Scale(apb.ScaleRequest(site="local", role="decode", replicas=0),
                                                        timeout=10),
                      lambda: wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)):
             assert code_of(call) == grpc.StatusCode.PERMISSION_DENIED
-    with cluster.channel(operator=True) as ch:  # nothing was scaled
+    with trust_cluster.channel(operator=True) as ch:  # nothing was scaled
         pools = agrpc.AdminStub(ch).ListPools(apb.ListPoolsRequest(), timeout=10).pools
     assert {(p.site, p.role): p.desired for p in pools}[("local", "decode")] == 1
 
 
-def test_workers_admit_only_the_router(cluster, pki):
-    infos = workers(cluster)
+def test_workers_admit_only_the_router(trust_cluster, pki):
+    infos = workers(trust_cluster)
     decode, prefill = infos["local/decode/0"].info, infos["local/prefill/0"].info
     work = wpb.WorkRequest(request_id="x", prompt_token_ids=[300, 301, 302], salt="lab-b")
     calls = {
@@ -180,19 +182,19 @@ def test_workers_admit_only_the_router(cluster, pki):
         "Prefill": lambda ch: wgrpc.PrefillWorkerStub(ch).Prefill(wpb.PrefillRequest(request=work), timeout=10),
         "Stats": lambda ch: wgrpc.PrefillWorkerStub(ch).Stats(wpb.StatsRequest(), timeout=10),
     }
-    operator = as_cert(cluster, pki, Identity("local", CertRole.OPERATOR, "noc"))
-    peer_worker = as_cert(cluster, pki, Identity("local", CertRole.PREFILL, "0"))
+    operator = as_cert(trust_cluster, pki, Identity("local", CertRole.OPERATOR, "noc"))
+    peer_worker = as_cert(trust_cluster, pki, Identity("local", CertRole.PREFILL, "0"))
     for info, table in ((decode, calls), (prefill, pcalls)):
         site, role, name = info.worker_id.split("/")
         pin = Identity(site, CertRole(role), name).dns
-        with cluster.dialer().sync(info.address, server_name=pin) as ch:  # no certificate: no connection
+        with trust_cluster.dialer().sync(info.address, server_name=pin) as ch:  # no certificate: no connection
             for what, call in table.items():
                 assert code_of(lambda: call(ch)) == grpc.StatusCode.UNAVAILABLE, what  # noqa: B023 (called before the loop moves on)
         for dialer in (operator, peer_worker):
             with dialer.sync(info.address, server_name=pin) as ch:
                 for what, call in table.items():
                     assert code_of(lambda: call(ch)) == grpc.StatusCode.PERMISSION_DENIED, what  # noqa: B023 (called before the loop moves on)
-        with cluster.router_dialer().sync(info.address, server_name=pin) as ch:
+        with trust_cluster.router_dialer().sync(info.address, server_name=pin) as ch:
             assert table["Stats"](ch).worker_id == info.worker_id
 
 
@@ -215,52 +217,55 @@ def _expired(ca, ident: Identity) -> tuple[bytes, bytes]:
                               serialization.NoEncryption()))
 
 
-def test_bad_clients_cannot_connect_and_are_told_why(cluster, pki, tmp_path):
-    token = {"KVRELAY_API_KEY": cluster.client_token}
-    ca = ["--ca", str(cluster.ca_file)]
-    ok = _cli("generate", "--router", cluster.router_address, *ca, "--max-tokens", "2", "hi", cache_dir=tmp_path,
+def test_bad_clients_cannot_connect_and_are_told_why(trust_cluster, pki, tmp_path):
+    token = {"KVRELAY_API_KEY": trust_cluster.client_token}
+    ca = ["--ca", str(trust_cluster.ca_file)]
+    ok = _cli("generate", "--router", trust_cluster.router_address, *ca, "--max-tokens", "2", "hi", cache_dir=tmp_path,
               env_extra=token)
     assert ok.returncode == 0, ok.stderr
-    plain = _cli("generate", "--router", cluster.router_address, "--plaintext", "hi", cache_dir=tmp_path,
+    plain = _cli("generate", "--router", trust_cluster.router_address, "--plaintext", "hi", cache_dir=tmp_path,
                  env_extra=token)
     assert plain.returncode == 1 and "TLS handshake" in plain.stderr, plain.stderr
     (tmp_path / "other-ca.pem").write_bytes(new_ca().pem)
-    wrong = _cli("generate", "--router", cluster.router_address, "--ca", str(tmp_path / "other-ca.pem"), "hi",
+    wrong = _cli("generate", "--router", trust_cluster.router_address, "--ca", str(tmp_path / "other-ca.pem"), "hi",
                  cache_dir=tmp_path, env_extra=token)
     assert wrong.returncode == 1 and "not from the CA given" in wrong.stderr, wrong.stderr
-    no_ca = _cli("generate", "--router", cluster.router_address, "hi", cache_dir=tmp_path,
+    no_ca = _cli("generate", "--router", trust_cluster.router_address, "hi", cache_dir=tmp_path,
                  env_extra=token)
     assert no_ca.returncode == 2 and "CA bundle" in no_ca.stderr and "not found" in no_ca.stderr
     ident = Identity("local", CertRole.OPERATOR, "noc")
     for name, (cert, key) in (("expired", _expired(pki["ca"], ident)), ("revoked", pki["revoked"])):
         (tmp_path / f"{name}.pem").write_bytes(cert)
         (tmp_path / f"{name}.key").write_bytes(key)
-        got = _cli("status", "--router", cluster.internal_address, *ca, "--cert", str(tmp_path / f"{name}.pem"),
+        got = _cli("status", "--router", trust_cluster.internal_address, *ca, "--cert", str(tmp_path / f"{name}.pem"),
                    "--key", str(tmp_path / f"{name}.key"), cache_dir=tmp_path)
         assert got.returncode != 0 and name in got.stderr, (name, got.stderr)
     # the expired certificate, presented by a client that does not check it first: the router refuses it
-    with Dialer(TLSMaterial(cluster.creds.ca_pem, *_expired(pki["ca"], ident))).sync(cluster.internal_address) as ch:
+    expired = Dialer(TLSMaterial(trust_cluster.creds.ca_pem, *_expired(pki["ca"], ident)))
+    with expired.sync(trust_cluster.internal_address) as ch:
         assert code_of(lambda: wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)) == \
             grpc.StatusCode.UNAVAILABLE
 
 
-def test_a_grpc_client_without_the_ca_cannot_connect(cluster):
+def test_a_grpc_client_without_the_ca_cannot_connect(trust_cluster):
     creds = grpc.composite_channel_credentials(grpc.ssl_channel_credentials(),
-                                               grpc.access_token_call_credentials(cluster.client_token))
-    with grpc.secure_channel(cluster.router_address, creds) as ch:
+                                               grpc.access_token_call_credentials(trust_cluster.client_token))
+    with grpc.secure_channel(trust_cluster.router_address, creds) as ch:
         assert code_of(lambda: igrpc.InferenceStub(ch).ListModels(ipb.ListModelsRequest(), timeout=10)) == \
             grpc.StatusCode.UNAVAILABLE
 
 
-def test_client_certificates_name_tenants_and_no_credentials_is_refused(cluster, pki):
+def test_client_certificates_name_tenants_and_no_credentials_is_refused(trust_cluster, pki):
     req = ipb.GenerateRequest(prompt="Say hi.", max_tokens=3)
-    with cluster.dialer().sync(cluster.router_address) as ch:
+    with trust_cluster.dialer().sync(trust_cluster.router_address) as ch:
         assert code_of(lambda: list(igrpc.InferenceStub(ch).Generate(req, timeout=30))) == \
             grpc.StatusCode.UNAUTHENTICATED
-    with as_cert(cluster, pki, Identity("local", CertRole.CLIENT, "lab-c")).sync(cluster.internal_address) as ch:
+    with as_cert(trust_cluster, pki, Identity("local", CertRole.CLIENT, "lab-c")) \
+            .sync(trust_cluster.internal_address) as ch:
         msgs = list(igrpc.InferenceStub(ch).Generate(req, timeout=60))
     assert msgs[-1].finish.usage.completion_tokens == 3
-    with as_cert(cluster, pki, Identity("local", CertRole.DECODE, "0")).sync(cluster.internal_address) as ch:
+    with as_cert(trust_cluster, pki, Identity("local", CertRole.DECODE, "0")) \
+            .sync(trust_cluster.internal_address) as ch:
         assert code_of(lambda: list(igrpc.InferenceStub(ch).Generate(req, timeout=30))) == \
             grpc.StatusCode.PERMISSION_DENIED
 
@@ -298,13 +303,13 @@ class LoopbackTap:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root")
-def test_a_packet_capture_shows_no_prompt_output_or_token(cluster):
+def test_a_packet_capture_shows_no_prompt_output_or_token(trust_cluster):
     prompt = "Spell the name Quixotlantis-Marvelwood backwards, then explain it."
     with LoopbackTap() as tap:
-        with socket.create_connection(("127.0.0.1", int(cluster.router_address.rpartition(":")[2]))) as s:
+        with socket.create_connection(("127.0.0.1", int(trust_cluster.router_address.rpartition(":")[2]))) as s:
             s.sendall(b"PLAINTEXT-CONTROL-7731")  # the tap sees cleartext when there is some
         time.sleep(0.2)
-        with cluster.channel() as ch:
+        with trust_cluster.channel() as ch:
             msgs = list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt=prompt, max_tokens=24),
                                                          timeout=120))
         time.sleep(0.5)
@@ -312,6 +317,6 @@ def test_a_packet_capture_shows_no_prompt_output_or_token(cluster):
     assert len(output) > 10
     assert b"PLAINTEXT-CONTROL-7731" in tap.data
     assert b"Quixotlantis" not in tap.data
-    assert cluster.client_token.encode() not in tap.data
+    assert trust_cluster.client_token.encode() not in tap.data
     for word in {w for w in output.split() if len(w) >= 6}:
         assert word.encode() not in tap.data, word

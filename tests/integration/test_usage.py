@@ -20,7 +20,7 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 from cli.main import main
 from router.auth import token_sha256
-from tests.integration.conftest import (
+from tests.integration.helpers import (
     running_cluster,
     wait_until,
     worker_stats,
@@ -53,7 +53,7 @@ def config(usage_db) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm_path, tmp_path_factory):
+def usage_cluster(smollm_path, tmp_path_factory):
     db = tmp_path_factory.mktemp("usage") / "usage.sqlite"
     with running_cluster(config(db), smollm_path) as lc:
         assert wait_until(lambda: sum(w.healthy for w in workers(lc).values()) == 3, 60)
@@ -141,10 +141,10 @@ def assert_ledger_equals_workers(lc, capsys, monkeypatch, timeout_s: float = 20.
     return seen["ledger"]
 
 
-def test_usage_totals_are_the_sums_of_the_workers_own_counters(cluster, capsys, monkeypatch):
+def test_usage_totals_are_the_sums_of_the_workers_own_counters(usage_cluster, capsys, monkeypatch):
     sent = Sent()
-    workload(cluster, sent, seed=3)
-    rows = assert_ledger_equals_workers(cluster, capsys, monkeypatch)
+    workload(usage_cluster, sent, seed=3)
+    rows = assert_ledger_equals_workers(usage_cluster, capsys, monkeypatch)
     assert {"", "local", "montreal-toronto"} <= sent.links
     assert {k[2] for k in rows} == {"", "local", "montreal-toronto"}
     for tenant, s in sent.by_tenant.items():
@@ -157,31 +157,31 @@ def test_usage_totals_are_the_sums_of_the_workers_own_counters(cluster, capsys, 
         assert total["kv_bytes"] == s["kv_bytes"] > 0
         assert total["prefill_worker_s"] > 0 and total["decode_worker_s"] > 0
     # the ledger groups as asked: per tenant (the default adds site and link), one tenant only
-    rc, out, _ = kvrelay_usage(cluster, capsys, monkeypatch, "--json", "--by", "tenant")
+    rc, out, _ = kvrelay_usage(usage_cluster, capsys, monkeypatch, "--json", "--by", "tenant")
     by_tenant = {r["tenant"]: r for r in json.loads(out)["rows"]}
     assert rc == 0 and sorted(by_tenant) == ["lab-a", "lab-b"]
     assert by_tenant["lab-b"]["completion_tokens"] == sent.by_tenant["lab-b"]["completion"]
-    rc, out, _ = kvrelay_usage(cluster, capsys, monkeypatch, "--json", "--tenant", "lab-a")
+    rc, out, _ = kvrelay_usage(usage_cluster, capsys, monkeypatch, "--json", "--tenant", "lab-a")
     assert rc == 0 and {r["tenant"] for r in json.loads(out)["rows"]} == {"lab-a"}
-    rc, out, _ = kvrelay_usage(cluster, capsys, monkeypatch, "--since", "1h", "--by", "tenant,site,link,role")
+    rc, out, _ = kvrelay_usage(usage_cluster, capsys, monkeypatch, "--since", "1h", "--by", "tenant,site,link,role")
     assert rc == 0 and "TOTAL" in out and "montreal-toronto" in out
     with capsys.disabled():
         print(f"\nkvrelay usage --by tenant,site,link,role:\n{out}")
 
 
-def test_usage_refuses_an_unknown_grouping_by_name(cluster, capsys, monkeypatch):
-    rc, _, err = kvrelay_usage(cluster, capsys, monkeypatch, "--by", "tenant,colour")
+def test_usage_refuses_an_unknown_grouping_by_name(usage_cluster, capsys, monkeypatch):
+    rc, _, err = kvrelay_usage(usage_cluster, capsys, monkeypatch, "--by", "tenant,colour")
     assert rc == 1 and "INVALID_ARGUMENT" in err and "'colour'" in err
 
 
-def test_a_router_restart_neither_loses_nor_double_counts(cluster, capsys, monkeypatch):
-    before = assert_ledger_equals_workers(cluster, capsys, monkeypatch)
-    cluster.restart_router(kill=True)
-    assert wait_until(lambda: sum(w.healthy for w in workers(cluster).values()) == 3, 30)
+def test_a_router_restart_neither_loses_nor_double_counts(usage_cluster, capsys, monkeypatch):
+    before = assert_ledger_equals_workers(usage_cluster, capsys, monkeypatch)
+    usage_cluster.restart_router(kill=True)
+    assert wait_until(lambda: sum(w.healthy for w in workers(usage_cluster).values()) == 3, 30)
     sent = Sent()
     for tenant in TOKENS:
-        sent.generate(cluster, tenant, prompt(random.Random(tenant), LONG))
-    after = assert_ledger_equals_workers(cluster, capsys, monkeypatch)
+        sent.generate(usage_cluster, tenant, prompt(random.Random(tenant), LONG))
+    after = assert_ledger_equals_workers(usage_cluster, capsys, monkeypatch)
     for tenant in TOKENS:
         grew = sum(r["requests"] for k, r in after.items() if k[0] == tenant) - \
             sum(r["requests"] for k, r in before.items() if k[0] == tenant)

@@ -8,16 +8,15 @@ import json
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from runtime.metrics import METRIC_NAMES, RouterMetrics, TransferMetrics
+from tests.dashboard import all_panels, exprs, load_dashboard, substitute
 
 ROOT = Path(__file__).resolve().parents[2]
-DASHBOARD = ROOT / "observability" / "grafana" / "kvrelay.json"
 PROM_CONFIG = ROOT / "observability" / "prometheus" / "prometheus.yml"
 METRIC_RE = re.compile(r"kvrelay_[a-z0-9_]+")  # digits too: kvrelay_e2e_...
 HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
@@ -25,23 +24,6 @@ SAMPLE_TARGETS = [
     {"targets": ["127.0.0.1:9464"], "labels": {"role": "router", "site": "toronto", "worker": "router"}},
     {"targets": ["127.0.0.1:9465"], "labels": {"role": "decode", "site": "toronto", "worker": "toronto-decode-0"}},
 ]
-
-
-def load_dashboard() -> dict:
-    """The dashboard's JSON."""
-    return json.loads(DASHBOARD.read_text())
-
-
-def all_panels(panels: list[dict]) -> Iterator[dict]:
-    """Every panel, rows' nested panels included."""
-    for p in panels:
-        yield p
-        yield from all_panels(p.get("panels", []))
-
-
-def exprs(dash: dict) -> list[str]:
-    """Every PromQL expression of every panel's targets."""
-    return [t["expr"] for p in all_panels(dash["panels"]) for t in p.get("targets", []) if t.get("expr")]
 
 
 def histogram_names() -> set[str]:
@@ -59,12 +41,6 @@ def metric_names(expr: str, histograms: set[str]) -> set[str]:
         base = HISTOGRAM_SUFFIX.sub("", name)
         out.add(base if base != name and base in histograms else name)
     return out
-
-
-def substitute(expr: str) -> str:
-    """``expr`` with Grafana's variables replaced: intervals by 1m, template variables by ``.*``."""
-    expr = re.sub(r"\$\{?__\w+\}?", "1m", expr)
-    return re.sub(r"\$\{\w+(:\w+)?\}|\$\w+", ".*", expr)
 
 
 def promtool() -> str:

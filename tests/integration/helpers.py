@@ -1,0 +1,94 @@
+"""What the integration tests share besides fixtures: the default cluster's
+config, starting a cluster, asking the registry and the workers, the
+requests and reference outputs of the end-to-end tests, and waiting."""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+import time
+
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+from engine.sampling_params import SamplingParams
+from launch.local import LocalCluster
+from runtime.config import parse_config
+
+CLUSTER_YAML = {
+    # least_loaded, never colocated: these tests exercise the prefill -> decode
+    # path; placement has its own tests (test_multisite.py, unit/test_placement.py)
+    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0},
+    "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
+    "workers": {"threads": 1},
+    "cache": {"memory_gib": 0.25},
+}
+
+
+@contextlib.contextmanager
+def running_cluster(raw: dict, model_path, **kw):
+    """A started LocalCluster of config ``raw`` (keywords go to LocalCluster), stopped afterwards."""
+    lc = LocalCluster(parse_config(raw), model_path, **kw)
+    lc.start()
+    try:
+        yield lc
+    finally:
+        lc.stop()
+
+
+def workers(cluster) -> dict[str, wpb.WorkerStatus]:
+    with cluster.channel(operator=True) as ch:
+        resp = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)
+    return {w.info.worker_id: w for w in resp.workers}
+
+
+def worker_stats(cluster, worker_id: str) -> wpb.WorkerLoad:
+    """Asks the worker itself (not the router's cached heartbeat)."""
+    info = workers(cluster)[worker_id].info
+    with cluster.worker_channel(info) as ch:
+        stub = (wgrpc.DecodeWorkerStub(ch) if info.role == wpb.ROLE_DECODE else wgrpc.PrefillWorkerStub(ch))
+        return stub.Stats(wpb.StatsRequest(), timeout=10)
+
+
+def cluster_user(cluster, monkeypatch) -> list[str]:
+    """CLI flags (and environment) that reach ``cluster`` as its local tenant
+    and its operator: the router, its CA, the tokens."""
+    monkeypatch.setenv("KVRELAY_API_KEY", cluster.client_token)
+    monkeypatch.setenv("KVRELAY_OPERATOR_TOKEN", cluster.operator_token)
+    return ["--router", cluster.router_address, "--ca", str(cluster.ca_file)]
+
+
+def tls_context(cluster) -> ssl.SSLContext:
+    """What an HTTPS client of ``cluster`` verifies the router by: its CA."""
+    return ssl.create_default_context(cafile=str(cluster.ca_file))
+
+
+def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.1) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(interval_s)
+    return pred()
+
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colours.",
+           "What does a network router do?", "Explain photosynthesis in one sentence.",
+           "What is 17 plus 25?", "Give a synonym for 'happy'.", "Who wrote Hamlet?"]
+
+
+def chat_request(text: str, max_tokens: int = 24, **kw) -> ipb.GenerateRequest:
+    req = ipb.GenerateRequest(messages=ipb.ChatMessages(messages=[ipb.ChatMessage(role="user", content=text)]),
+                              max_tokens=max_tokens, **kw)
+    return req
+
+
+def collect(stub, req, timeout=120):
+    msgs = list(stub.Generate(req, timeout=timeout))
+    return [t for m in msgs for t in m.token_ids], msgs
+
+
+def reference(engine, text, max_tokens=24):
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+    return engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0].token_ids
