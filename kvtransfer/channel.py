@@ -21,6 +21,7 @@ from engine.kv_cache import KVCache
 from kvtransfer.base import (
     MemoryOffer,
     SendHandle,
+    TransferHandle,
     TransferResult,
     TransferState,
     TransferTarget,
@@ -99,6 +100,9 @@ class SendStream:
         self.shared = False
         """The receiver pulls from our memory (shared memory, NIXL): frames carry block ids only."""
         self.inflight: set[str] = set()
+        self._sending: ChannelSendHandle | None = None
+        """The transfer whose frame the writer is sending now (see :meth:`retire_if_sending`)."""
+        self._slock = threading.Lock()
         self._reader: threading.Thread | None = None
         threading.Thread(target=self._write_loop, name=f"kv-send-{index}", daemon=True).start()
 
@@ -206,12 +210,7 @@ class SendStream:
                 self.inflight.add(h.transfer_id)
                 if self.sock is None:
                     self._connect()
-                if isinstance(queued, LayerRun):
-                    self._send_blocks(queued, views, nbytes)
-                else:
-                    self.session.writer.send(pb.KVFrame(done=pb.KVDone(
-                        transfer_id=h.transfer_id, first_token_id=queued.token, first_logprob=queued.logprob,
-                        traceparent=h.target.traceparent[:64])))
+                self._send(queued, views, nbytes)
             except ProtocolError as exc:
                 self._broken(f"handshake with {self.pool.endpoint} failed: {exc}")
             except OSError as exc:
@@ -223,6 +222,48 @@ class SendStream:
                 h.leave()
                 self._sent(nbytes)
         self._broken("sender closed")
+
+    def _send(self, item: SendItem, views: list[memoryview] | None, nbytes: int) -> None:
+        """One frame of ``item`` on the connection, marked as being sent meanwhile."""
+        with self._slock:
+            self._sending = item.handle
+        try:
+            if isinstance(item, LayerRun):
+                self._send_blocks(item, views or [], nbytes)
+            else:
+                self.session.writer.send(pb.KVFrame(done=pb.KVDone(
+                    transfer_id=item.handle.transfer_id, first_token_id=item.token, first_logprob=item.logprob,
+                    traceparent=item.handle.target.traceparent[:64])))
+        finally:
+            with self._slock:
+                self._sending = None
+
+    @property
+    def sending(self) -> str | None:
+        """The transfer whose frame the writer is sending now (None: idle or between frames)."""
+        with self._slock:
+            return self._sending.transfer_id if self._sending is not None else None
+
+    def retire_if_sending(self, h: TransferHandle) -> bool:
+        """Closes the connection when its writer is in the middle of a frame of
+        ``h``, which failed: the rest of that frame is of no use, and whatever
+        holds the send up (a link cut and restored, whose connection is still
+        in TCP's retransmission backoff; a receiver that stopped reading) would
+        hold up every transfer queued behind it. The writer's send fails at
+        once, the transfers in flight on the connection fail as on any lost
+        connection (the caller's policy retries them), and the next item
+        connects afresh. Whether it closed one."""
+        with self._slock:
+            sock = self.sock if self._sending is h else None
+        if sock is None:
+            return False
+        log.warning("KV connection to %s retired: transfer %s failed while its frame was being sent",
+                    self.pool.endpoint, h.transfer_id)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed meanwhile
+        return True
 
     def _send_blocks(self, run: LayerRun, views: list[memoryview], nbytes: int) -> None:
         h, layer, src, first, num_layers = run.handle, run.layer, run.src, run.first, run.num_layers
@@ -301,6 +342,13 @@ class PeerChannel:
         if previous is not None and previous.queued < STICKY_BYTES:
             return previous
         return min(self.streams, key=lambda s: s.queued)
+
+    def ended(self, h: TransferHandle) -> None:
+        """``h`` is DONE or FAILED: forgotten here; if it failed mid-frame, that connection is retired."""
+        self.handles.pop(h.transfer_id, None)
+        if h.poll() is TransferState.FAILED:
+            for s in self.streams:
+                s.retire_if_sending(h)
 
     def close(self) -> None:
         for s in self.streams:

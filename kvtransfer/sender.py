@@ -74,8 +74,13 @@ class ChannelSender(KVSender):
             h.fail("KV layout of the target differs from this sender's")
             return h
         pool.handles[target.transfer_id] = h
-        h.add_done_callback(lambda done: pool.handles.pop(done.transfer_id, None))
+        h.add_done_callback(pool.ended)
         return h
+
+    def channels_to(self, endpoint: str) -> list[PeerChannel]:
+        """The channels open to the receiver at ``endpoint`` (one per link setting)."""
+        with self._lock:
+            return [pool for key, pool in self._pools.items() if key[0] == endpoint]
 
     def close(self) -> None:
         with self._lock:

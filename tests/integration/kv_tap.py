@@ -38,3 +38,54 @@ class Tap:
         except OSError:
             pass
         server.close()
+
+
+class CuttableLink:
+    """A link between a KV sender and a receiver that can be cut and restored,
+    as TCP sees a WAN link come back: connections opened before the cut stay
+    dead after the restore (what a connection deep in its retransmission
+    backoff, or one whose state a middlebox lost, is for its sender: its
+    bytes stop being taken), new ones pass. Listens on loopback and forwards
+    each connection to ``target``."""
+
+    def __init__(self, target: str) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.target = target
+        self.connections = 0
+        self._generation = 0
+        """Bumped by each cut: a connection of an older generation no longer forwards."""
+        self._cut = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        self._generation += 1
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            host, port = self.target.rsplit(":", 1)
+            server = socket.create_connection((host, int(port)))
+            born = self._generation
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b, born), daemon=True).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket, born: int) -> None:
+        """Copies ``a`` to ``b`` while no cut came after the connection opened;
+        after one it stops reading (the sender's buffers fill, its sends block)."""
+        try:
+            while self._generation == born and (data := a.recv(65536)):
+                b.sendall(data)
+            while self._generation != born and not self._cut.wait(0.1):
+                pass  # dead, not closed: a cut link says nothing
+        except OSError:
+            pass
+        b.close()
+
+    def close(self) -> None:
+        self._cut.set()
+        self.listener.close()

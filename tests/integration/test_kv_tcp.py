@@ -27,6 +27,7 @@ from kvtransfer.protection import Protection
 from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 from kvtransfer.wire import recv_frame, send_frame
 from tests.integration.helpers import wait_until
+from tests.integration.kv_tap import CuttableLink
 
 CFG = TransferConfig(secret=SECRET, streams=2)
 
@@ -260,6 +261,50 @@ def _closed_by_peer(sock: socket.socket, within_s: float) -> bool:
     except OSError:  # reset
         pass
     return True
+
+
+def test_a_connection_stuck_in_a_failed_transfer_is_retired_and_the_next_transfer_goes_through():
+    """The link carrying a transfer is cut mid-frame; the transfer fails (its
+    request re-placed, as the router does); the link comes back, but the old
+    connection stays dead (TCP's backoff after a long cut). The next transfer
+    to that receiver must not queue behind the dead connection: the failed
+    transfer's connection was retired when it failed, and the next one
+    connects afresh (before, it waited for the kernel's stall timeout)."""
+    layout = KVLayout("m", "float32", 8, 4, 64, 16)  # 16 KiB per block and layer, K and V: 16 MiB for 64 blocks
+    src, dst = make_cache(layout, 64, 3), make_cache(layout, 128, None)
+    cfg = TransferConfig(secret=SECRET, streams=1, socket_buffer_bytes=1 << 18, stall_timeout_s=600)
+    rx = TcpKVReceiver(dst, cfg=cfg)
+    link = CuttableLink(rx.endpoint)
+    tx = TcpKVSender(src, cfg)
+    blocks = list(range(64))
+    try:
+        rx.expect("t1", blocks)
+        h1 = tx.open(TransferTarget(link.endpoint, "t1", tuple(blocks), layout.compat_hash()))
+        h1.send_layer(0, blocks, 0)
+        assert wait_until(lambda: rx.bytes_received > 0, 10)
+        link.cut()
+        for layer in range(1, 8):  # 14 MiB more than the buffers hold: the writer blocks mid-frame
+            h1.send_layer(layer, blocks, 0)
+        stream = tx.channels_to(link.endpoint)[0].streams[0]
+        assert wait_until(lambda: stream.sending == "t1", 10)
+        time.sleep(0.5)
+        assert stream.sending == "t1"  # stuck: the cut link takes no more
+        h1.fail("re-placed: the link is down")  # what the prefill worker does when the router cancels it
+        rx.cancel("t1")
+        want = list(range(64, 128))
+        rh2 = rx.expect("t2", want)
+        h2 = tx.open(TransferTarget(link.endpoint, "t2", tuple(want), layout.compat_hash()))
+        for layer in range(8):
+            h2.send_layer(layer, blocks, 0)
+        h2.finish(5, -0.25)
+        assert h2.wait(60) is TransferState.DONE, h2.failure()
+        assert rh2.wait(60) is TransferState.DONE, rh2.failure()
+        assert torch.equal(dst.kv[:, :, want], src.kv[:, :, blocks])
+        assert link.connections == 2  # the stuck one retired, a fresh one for t2
+    finally:
+        tx.close()
+        rx.close()
+        link.close()
 
 
 def test_a_trickling_peer_is_cut_at_the_handshake_deadline():
