@@ -27,9 +27,11 @@ test: install prometheus helm lint
 	$(BIN)/kvrelay model prepare
 	$(BIN)/python -m pytest -q -m "not slow" --durations=15 tests
 
-# ruff over the whole tree (rules and their reasons in pyproject.toml); a finding fails make test
+# ruff over the whole tree, mypy over the packages (rules, settings and their reasons in
+# pyproject.toml); a finding of either fails make test
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # The tests CI leaves out (marked slow: each has a bounded sibling in `make test`)
 test-slow: install prometheus helm

@@ -24,8 +24,10 @@ import statistics
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from kvrelay.v1 import worker_pb2 as wpb
@@ -34,6 +36,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.metrics import RequestRecord
 from launch import cities
+
+if TYPE_CHECKING:
+    from launch.local import LocalCluster
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +72,7 @@ class FaultRecord:
 class Chaos:
     """Injects faults into ``cluster`` from a thread until stopped."""
 
-    cluster: object
+    cluster: LocalCluster
     cfg: ChaosConfig
     state_dir: Path | None = None
     """The `kvrelay cities` state folder, for cutting links (None: no link faults)."""
@@ -138,6 +143,8 @@ class Chaos:
         return self._kill("decode", rng)
 
     def _cut_link(self, rng: random.Random) -> str | None:
+        if self.state_dir is None:  # _kinds leaves link cuts out then
+            raise ValueError("links are cut only in a `kvrelay cities` emulation (no state folder)")
 
         a, b = rng.choice(self.cluster.cfg.links).between
         cities.link_signal(self.state_dir, a, b, cut=True)
@@ -160,15 +167,20 @@ def _dist(xs: list[float]) -> dict:
             "p90": xs[min(len(xs) - 1, int(0.9 * len(xs)))], "max": xs[-1]}
 
 
-def compare(base: list[RequestRecord], chaos: list[RequestRecord], faults: list[FaultRecord]) -> dict:
+def _added_s(pairs: list[tuple[RequestRecord, RequestRecord]]) -> list[float]:
+    """E2E seconds the faults added: each request's less its fault-free run's (both completed)."""
+    return [r.e2e - b.e2e for r, b in pairs if r.e2e is not None and b.e2e is not None]
+
+
+def compare(base: Sequence[RequestRecord], chaos: Sequence[RequestRecord], faults: list[FaultRecord]) -> dict:
     """What the faults cost, request by request against the fault-free run."""
     by_index = {r.index: r for r in base}
     lost = [r.index for r in chaos if not r.ok]
     differ = [r.index for r in chaos if r.ok and r.token_ids != by_index[r.index].token_ids]
     affected = [r for r in chaos if r.ok and (r.placement.get("retries") or r.placement.get("migrations")
                                               or r.client_retries)]
-    added = [r.e2e - by_index[r.index].e2e for r in chaos if r.ok and by_index[r.index].ok]
-    added_hit = [r.e2e - by_index[r.index].e2e for r in affected if by_index[r.index].ok]
+    added = _added_s([(r, by_index[r.index]) for r in chaos])
+    added_hit = _added_s([(r, by_index[r.index]) for r in affected])
     kinds: dict[str, int] = {}
     for f in faults:
         kinds[f.kind] = kinds.get(f.kind, 0) + 1

@@ -14,10 +14,11 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, DType, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -117,10 +118,12 @@ def bench_hf(path: Path, dtype: torch.dtype, tokenizer, prompt512: list[int], ba
 def run_engine_bench(model_path: Path, dtype: str = "float32", threads: int = 2, batches: tuple[int, ...] = (1, 8, 32),
                      new_tokens: int = 64, repeat: int = 3, with_hf: bool = True) -> EngineBenchResult:
     torch.set_num_threads(threads)
-    eng = LLMEngine(EngineConfig(model_path=model_path, dtype=dtype, cache=CacheConfig(memory_gib=1.0),
+    eng = LLMEngine(EngineConfig(model_path=model_path, dtype=cast(DType, dtype),  # a DType: EngineConfig checks
+                                 cache=CacheConfig(memory_gib=1.0),
                                  scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64)))
     prompt512 = _prompts(eng.tokenizer, 1, 512)[0]
     ours_prefill, ours_decode = bench_ours(eng, prompt512, list(batches), new_tokens, repeat)
+    hf_decode: dict[int, float]
     hf_prefill, hf_decode = None, {}
     if with_hf:
         hf_prefill, hf_decode = bench_hf(model_path, eng.model.dtype, eng.tokenizer, prompt512, list(batches),

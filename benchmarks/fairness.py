@@ -65,6 +65,8 @@ class FairnessReport:
 
     def summary(self) -> dict:
         idle90, loaded90 = quantile(self.idle_ttft_s, 0.9), quantile(self.loaded_ttft_s, 0.9)
+        if idle90 is None or loaded90 is None:
+            raise ValueError("no time to first token was measured (idle or loaded)")
         return {"idle_ttft_p50_s": quantile(self.idle_ttft_s, 0.5), "idle_ttft_p90_s": idle90,
                 "loaded_ttft_p50_s": quantile(self.loaded_ttft_s, 0.5), "loaded_ttft_p90_s": loaded90,
                 "p90_ratio": loaded90 / idle90, "job_finished_meanwhile": self.job_finished_meanwhile}

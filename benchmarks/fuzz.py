@@ -204,7 +204,7 @@ def fuzz_cluster(cluster: LocalCluster, seconds: float, seed: int = 0, model: st
         held = _held_blocks(cluster)
         time.sleep(2.0)  # connections the run closed are closed at the other end too
         after = _samples(cluster)
-    crashes = [f"{c.name} exited with {c.proc.returncode}" for c in cluster.dead_children()]
+    crashes = [f"{c.name} exited with {c.proc.poll()}" for c in cluster.dead_children()]
     return FuzzReport(round(elapsed, 1), seed, tallies, crashes, held, before, after, machine())
 
 

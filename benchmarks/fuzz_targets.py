@@ -18,6 +18,7 @@ import ssl
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import yaml
@@ -31,6 +32,9 @@ from kvrelay.v1 import kv_wire_pb2 as kpb
 from kvtransfer.handshake import SenderHello, client_handshake
 from kvtransfer.wire import PROTOCOL_VERSION, ProtocolError, frame_bytes
 from runtime.config import ConfigError, load_config, parse_config
+
+if TYPE_CHECKING:
+    from google._upb._message import FieldDescriptor as UpbFieldDescriptor
 
 SERVER_ERRORS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS})
 """gRPC's 5xx: a bug, whatever the input."""
@@ -117,10 +121,10 @@ def mutate(rng: random.Random, value, depth: int = 0):
             out[key] = mutate(rng, value[key], depth + 1)
         return out
     if isinstance(value, list) and value and rng.random() < 0.7:
-        out = list(value)
-        i = rng.randrange(len(out))
-        out[i] = mutate(rng, out[i], depth + 1) if rng.random() < 0.5 else random_json(rng)
-        return out
+        items = list(value)
+        i = rng.randrange(len(items))
+        items[i] = mutate(rng, items[i], depth + 1) if rng.random() < 0.5 else random_json(rng)
+        return items
     return random_json(rng)
 
 
@@ -208,7 +212,10 @@ def http_failure(status: int, content_type: str, data: bytes) -> str | None:
     return None
 
 
-def random_message(rng: random.Random, cls: type[Message], depth: int = 0) -> Message:
+M = TypeVar("M", bound=Message)
+
+
+def random_message(rng: random.Random, cls: type[M], depth: int = 0) -> M:
     """A message of ``cls`` with random values in random fields (every scalar kind, nested messages)."""
     msg = cls()
     for f in cls.DESCRIPTOR.fields:
@@ -216,7 +223,9 @@ def random_message(rng: random.Random, cls: type[Message], depth: int = 0) -> Me
             continue
         if f.type == FieldDescriptor.TYPE_MESSAGE:
             if depth < 3:
-                sub = GetMessageClass(f.message_type)
+                if f.message_type is None:  # a message field names its type
+                    raise TypeError(f"message field {f.full_name} has no message type")
+                sub = GetMessageClass(f.message_type)  # type: ignore[arg-type]  # stubs omit upb's Descriptor
                 if f.is_repeated:
                     for _ in range(rng.randrange(0, 4)):
                         getattr(msg, f.name).add().CopyFrom(random_message(rng, sub, depth + 1))
@@ -235,7 +244,7 @@ def random_message(rng: random.Random, cls: type[Message], depth: int = 0) -> Me
     return msg
 
 
-def _scalar(rng: random.Random, f: FieldDescriptor):
+def _scalar(rng: random.Random, f: FieldDescriptor | UpbFieldDescriptor):
     t = f.type
     if t == FieldDescriptor.TYPE_STRING:
         return _text(rng).encode("utf-8", "replace").decode("utf-8", "replace")
@@ -246,6 +255,8 @@ def _scalar(rng: random.Random, f: FieldDescriptor):
     if t in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
         return rng.choice(EDGE_FLOATS) if rng.random() < 0.5 else rng.uniform(-5, 5)
     if t == FieldDescriptor.TYPE_ENUM:
+        if f.enum_type is None:  # an enum field names its type
+            raise TypeError(f"enum field {f.full_name} has no enum type")
         return rng.choice([v.number for v in f.enum_type.values] + [99])
     unsigned = t in (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_FIXED32,
                      FieldDescriptor.TYPE_FIXED64)
@@ -299,7 +310,7 @@ class GrpcTarget:
         if pick == 0:
             return bytes(rng.randrange(256) for _ in range(rng.randrange(0, 200))), "random bytes"
         msg = random_message(rng, cls)
-        if cls is ipb.GenerateRequest and rng.random() < 0.7:
+        if isinstance(msg, ipb.GenerateRequest) and rng.random() < 0.7:
             msg.max_tokens = rng.randrange(0, 8)  # keep most generations short
         data = msg.SerializeToString()
         return (mutate_bytes(rng, data), "mutated message") if pick == 1 else (data, "random message")

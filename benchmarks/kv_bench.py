@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.base import TransferState, TransferTarget
 from kvtransfer.config import TransferConfig
 from kvtransfer.nixl import NixlKVSender, make_agent, nixl_available
+from kvtransfer.protection import Protection
 from kvtransfer.tcp import TcpKVSender
 from prefill_worker.streamer import LayerStreamer
 
@@ -71,6 +73,8 @@ def _peer(*args: str, full: bool = False) -> tuple[subprocess.Popen, str]:
     host = [f"host={PEER_HOST}"] if PEER_HOST else []
     proc = subprocess.Popen([*where, sys.executable, "-m", "benchmarks.kv_peer", *args, *host],
                             stdout=subprocess.PIPE, text=True)
+    if proc.stdout is None:  # stdout=PIPE
+        raise RuntimeError("benchmark peer has no stdout")
     for _ in range(50):  # NIXL and Mooncake log to stdout before the peer is ready
         line = proc.stdout.readline()
         if line.startswith("ENDPOINT") or not line:
@@ -165,7 +169,7 @@ def ours(n_blocks: int, streams: int, repeat: int, transport: str = "tcp", prote
     src = KVCache(LAYOUT, n_blocks)
     src.kv.normal_()
     proc, endpoint = _peer("receiver", _spec(n_blocks), str(repeat + 1), transport)
-    cfg = TransferConfig(secret=SECRET, streams=streams, protection=protection)
+    cfg = TransferConfig(secret=SECRET, streams=streams, protection=Protection.parse(protection))
     tx = NixlKVSender(src, cfg) if transport == "nixl" else TcpKVSender(src, cfg)
     times = []
     try:
@@ -286,6 +290,8 @@ def layerwise_overlap(model_path: Path, prompt_tokens: int = 4096) -> dict:
             t_prefill = time.perf_counter()
             if mode == "after":
                 blocks = eng.held_blocks(rid)
+                if blocks is None:  # hold_blocks=True
+                    raise RuntimeError(f"{rid} holds no blocks after its prefill")
                 for layer in range(layout.num_layers):
                     h.send_layer(layer, blocks, 0)
             h.finish(0, 0.0)
@@ -342,7 +348,7 @@ def _peers(mib: int, repeat: int) -> dict:
 
 
 def run_kv_bench(sizes_mib: list[int], streams: list[int], repeat: int, model_path: Path | None,
-                 modes: list[str] = ("aead", "integrity")) -> KVBenchResult:
+                 modes: Sequence[str] = ("aead", "integrity")) -> KVBenchResult:
     """Every (size, streams, mode) side by side with its limits, then the
     peers at the largest size (the WAN link: benchmarks/kv_wan.py)."""
     res = KVBenchResult()

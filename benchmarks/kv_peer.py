@@ -35,12 +35,13 @@ from engine.kv_cache import KVCache, KVLayout
 from kvtransfer.base import TransferTarget
 from kvtransfer.config import TransferConfig
 from kvtransfer.nixl import NixlKVReceiver, make_agent
+from kvtransfer.protection import Protection
 from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 
 SECRET = b"test-secret"
 HOST = "127.0.0.1"
 """Where receivers listen (``host=ADDR`` on the command line: an emulated site's address)."""
-RECEIVER = TransferConfig(secret=SECRET, protection="integrity")
+RECEIVER = TransferConfig(secret=SECRET, protection=Protection.INTEGRITY)
 """A benchmark receiver accepts senders of either protection (aead satisfies integrity)."""
 
 
@@ -127,6 +128,7 @@ def main() -> None:
     spec = sys.argv[2]
     if role == "receiver":
         cache = make_cache(spec, seed=None)
+        rx: NixlKVReceiver | TcpKVReceiver
         if len(sys.argv) > 4 and sys.argv[4] == "nixl":
 
             rx = NixlKVReceiver(cache, HOST, cfg=RECEIVER)

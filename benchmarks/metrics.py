@@ -13,6 +13,7 @@ benchmark, DistServe):
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -46,14 +47,15 @@ class RequestRecord:
 
     @property
     def e2e(self) -> float | None:
-        return self.end_s - self.sent_s if self.ok else None
+        return self.end_s - self.sent_s if self.ok and self.end_s is not None else None
 
     @property
     def tpot(self) -> float | None:
         n = len(self.token_times)
-        if not self.ok or n < 2:
+        e2e, ttft = self.e2e, self.ttft
+        if e2e is None or ttft is None or n < 2:  # e2e: None unless ok
             return None
-        return (self.e2e - self.ttft) / (n - 1)
+        return (e2e - ttft) / (n - 1)
 
     def itls(self) -> list[float]:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
@@ -74,11 +76,11 @@ def distribution(xs: list[float]) -> dict[str, float]:
     return {"count": len(s), "mean": statistics.fmean(s), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)}
 
 
-def summarize(records: list[RequestRecord], slo_ttft_s: float | None = None,
+def summarize(records: Sequence[RequestRecord], slo_ttft_s: float | None = None,
               slo_tpot_s: float | None = None) -> dict:
     ok = [r for r in records if r.ok]
     start = min((r.sent_s for r in records), default=0.0)
-    end = max((r.end_s for r in ok), default=start)
+    end = max((r.end_s for r in ok if r.end_s is not None), default=start)
     duration = max(end - start, 1e-9)
     out_tokens = sum(len(r.token_times) for r in ok)
     in_tokens = sum(r.input_tokens for r in ok)
@@ -86,7 +88,8 @@ def summarize(records: list[RequestRecord], slo_ttft_s: float | None = None,
     def meets(r: RequestRecord) -> bool:
         if not r.ok:
             return False
-        if slo_ttft_s is not None and r.ttft > slo_ttft_s:
+        ttft = r.ttft
+        if slo_ttft_s is not None and (ttft is None or ttft > slo_ttft_s):  # no token: no TTFT met
             return False
         return not (slo_tpot_s is not None and r.tpot is not None and r.tpot > slo_tpot_s)
 
@@ -102,7 +105,7 @@ def summarize(records: list[RequestRecord], slo_ttft_s: float | None = None,
         "ttft_ms": distribution([r.ttft * ms for r in ok if r.ttft is not None]),
         "tpot_ms": distribution([r.tpot * ms for r in ok if r.tpot is not None]),
         "itl_ms": distribution([g * ms for r in ok for g in r.itls()]),
-        "e2e_ms": distribution([r.e2e * ms for r in ok]),
+        "e2e_ms": distribution([r.e2e * ms for r in ok if r.e2e is not None]),
         "request_throughput_rps": len(ok) / duration,
         "output_token_throughput_tps": out_tokens / duration,
         "total_token_throughput_tps": (in_tokens + out_tokens) / duration,
@@ -113,7 +116,7 @@ def summarize(records: list[RequestRecord], slo_ttft_s: float | None = None,
     }
 
 
-def per_link(records: list[RequestRecord]) -> dict[str, dict]:
+def per_link(records: Sequence[RequestRecord]) -> dict[str, dict]:
     """KV bytes moved and transfer time per link ("colocated" when none moved)."""
     links: dict[str, dict] = {}
     for r in records:
@@ -128,7 +131,7 @@ def per_link(records: list[RequestRecord]) -> dict[str, dict]:
     return links
 
 
-def per_site(records: list[RequestRecord]) -> dict[str, dict]:
+def per_site(records: Sequence[RequestRecord]) -> dict[str, dict]:
     """Requests prefilled and decoded per site, and KV bytes sent from it."""
     sites: dict[str, dict] = {}
     for r in records:

@@ -193,7 +193,7 @@ def overload_cluster(cluster: LocalCluster, cfg: OverloadConfig) -> OverloadRepo
         sampler.join()
     time.sleep(2.0)
     rss["after"] = _rss_mib(pid)
-    crashed = [f"{c.name} exited with {c.proc.returncode}" for c in cluster.dead_children()]
+    crashed = [f"{c.name} exited with {c.proc.poll()}" for c in cluster.dead_children()]
     return _report(shots, rate, rate * cfg.factor, cluster.cfg.router.slo_ttft_s, rss, crashed, cfg)
 
 

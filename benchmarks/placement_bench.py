@@ -25,6 +25,7 @@ from router.placement import (
     make_policy,
 )
 from router.prefix_index import PrefixIndex
+from runtime.topology import Role
 
 
 @dataclass(slots=True)
@@ -62,7 +63,7 @@ def build(n_workers: int, n_sites: int, n_prompts: int, prompt_tokens: int, seed
     sites = [f"site{i}" for i in range(n_sites)]
     workers = []
     for i in range(n_workers):
-        role = "prefill" if i % 2 == 0 else "decode"
+        role = Role.PREFILL if i % 2 == 0 else Role.DECODE
         workers.append(WorkerView(
             f"w{i}", role, sites[i % n_sites], inflight=rng.randrange(0, 8),
             queued_prefill_tokens=rng.randrange(0, 20000),

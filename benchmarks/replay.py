@@ -12,6 +12,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -292,12 +293,12 @@ def worker_rows(samples: dict[str, WorkerSamples]) -> dict[str, dict]:
     return workers
 
 
-def build_report(records: list[RequestRecord], samples: dict[str, WorkerSamples], cfg: ReplayConfig,
+def build_report(records: Sequence[RequestRecord], samples: dict[str, WorkerSamples], cfg: ReplayConfig,
                  meta: dict) -> dict:
     return assemble_report(records, worker_rows(samples), cfg.slo_ttft_s, cfg.slo_tpot_s, meta)
 
 
-def assemble_report(records: list[RequestRecord], workers: dict[str, dict], slo_ttft_s: float | None,
+def assemble_report(records: Sequence[RequestRecord], workers: dict[str, dict], slo_ttft_s: float | None,
                     slo_tpot_s: float | None, meta: dict) -> dict:
     """report.json's content (a live replay's and a simulation's alike): meta,
     summary, per link, per site, per worker, every request."""
@@ -307,7 +308,7 @@ def assemble_report(records: list[RequestRecord], workers: dict[str, dict], slo_
             "requests": [asdict(r) for r in records]}
 
 
-def overload_summary(records: list[RequestRecord]) -> dict:
+def overload_summary(records: Sequence[RequestRecord]) -> dict:
     """The report's overload fields (stable names): ``retried_429``, resends
     after an overload refusal (gRPC RESOURCE_EXHAUSTED, HTTP 429);
     ``retried_429_requests``, requests that needed any; ``overload_wait_s``,
@@ -376,6 +377,6 @@ def write_report(report: dict, out: Path, plots: bool = True) -> None:
     """report.json, report.md and (unless ``plots`` is False) the PNG plots in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    plots = write_plots(report, out) if plots else []
-    md = report_markdown(report) + "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
+    pngs = write_plots(report, out) if plots else []
+    md = report_markdown(report) + "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
     (out / "report.md").write_text(md)

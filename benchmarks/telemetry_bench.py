@@ -77,7 +77,7 @@ def one_request(stub, ids: list[int], max_tokens: int) -> Sample:
             last, tokens = now, tokens + len(msg.token_ids)
         if msg.HasField("finish"):
             trace_id = msg.finish.placement.trace_id
-    if first is None or tokens != max_tokens:
+    if first is None or last is None or tokens != max_tokens:  # last: set with first
         raise RuntimeError(f"got {tokens} tokens, asked for {max_tokens}")
     rate = (tokens - 1) / (last - first) if last > first else None
     return Sample(first - t0, rate, trace_id)

@@ -33,6 +33,7 @@ def run_chaos(args: argparse.Namespace, reqs, cfg, model_path: Path, cities) -> 
     rcfg.retries = CLIENT_RETRIES
     ccfg = ChaosConfig(args.chaos, seed=args.chaos_seed, link_down_s=args.chaos_link_down)
     out = Path(args.out)
+    meta: dict
     prompts, meta, runs = None, {}, {}
     for name in ("baseline", "chaos"):
         cluster = LocalCluster(cfg, model_path, cities=cities)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from launch.credentials import CLIENT_TOKEN, LOCAL_PKI
@@ -102,7 +103,7 @@ def grpc_error(exc) -> int:
     return 1
 
 
-def table(rows: list[tuple[str, ...]]) -> None:
+def table(rows: Sequence[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())

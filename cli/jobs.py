@@ -123,7 +123,8 @@ def _json_type(value: object) -> str:
     """``value``'s kind as JSON names it."""
     if value is None or isinstance(value, bool):
         return json.dumps(value)
-    return {dict: "an object", list: "an array", str: "a string"}.get(type(value), "a number")
+    kinds: dict[type, str] = {dict: "an object", list: "an array", str: "a string"}
+    return kinds.get(type(value), "a number")
 
 
 def _clip(text: str) -> str:

@@ -149,7 +149,8 @@ def _plan_plot(plan: Plan, out: Path) -> Path:
     for shape in Shape:
         pts = [(o.workers, o.goodput_rps) for o in plan.tried if o.shape is shape]
         if pts:
-            ax.scatter(*zip(*pts), label=shape.value, s=18)
+            xs, ys = zip(*pts)
+            ax.scatter(xs, ys, label=shape.value, s=18)
     if plan.best is not None:
         ax.scatter([plan.best.workers], [plan.best.goodput_rps], marker="*", s=160, color="k", label="recommended")
     ax.set(xlabel="accelerators", ylabel="goodput (req/s meeting the SLOs)", title="Cost vs goodput")

@@ -50,6 +50,7 @@ def kv_used(load: wpb.WorkerLoad) -> str:
 
 def worker_rows(workers) -> list[tuple[str, ...]]:
     """The workers table: health, load, KV use, transport, addresses (header first)."""
+    rows: list[tuple[str, ...]]
     rows = [("WORKER", "SITE", "ROLE", "HEALTH", "INFLIGHT", "RUNNING", "WAITING", "KV FREE/TOTAL", "KV USED",
              "CACHED", "PREFILL TOK/S", "TRANSPORT", "ADDRESS", "METRICS")]
     for w in workers:

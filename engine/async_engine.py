@@ -41,8 +41,8 @@ class AsyncEngine:
         """Seconds spent in engine steps since start."""
         self.failure: Exception | None = None
         """Why the engine thread died (a failed step); None while it runs."""
-        self.dead: asyncio.Event | None = None
-        """Set when the engine thread died of a failed step (not at a normal stop)."""
+        self.dead = asyncio.Event()
+        """Set when the engine thread died of a failed step (not at a normal stop); a new one at each start."""
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -55,6 +55,12 @@ class AsyncEngine:
         self._cmds.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
+
+    def _started_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop :meth:`start` ran in."""
+        if self._loop is None:
+            raise RuntimeError("the engine is not started (AsyncEngine.start)")
+        return self._loop
 
     # -- engine thread -------------------------------------------------------
     def _run(self) -> None:
@@ -78,7 +84,7 @@ class AsyncEngine:
             except Exception as exc:  # a bug in a step must not hang every client
                 log.exception("engine step failed")
                 self.failure = exc
-                self._loop.call_soon_threadsafe(self.dead.set)
+                self._started_loop().call_soon_threadsafe(self.dead.set)
                 self._stopping.set()  # calls fail fast from now on instead of waiting out their timeout
                 self._fail_all(exc)
                 return
@@ -93,12 +99,12 @@ class AsyncEngine:
             result, error = fn(*args), None
         except Exception as exc:  # returned to the awaiting caller
             result, error = None, exc
-        self._loop.call_soon_threadsafe(_resolve, fut, result, error)
+        self._started_loop().call_soon_threadsafe(_resolve, fut, result, error)
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         q = self._streams.get(request_id)
         if q is not None:
-            self._loop.call_soon_threadsafe(q.put_nowait, item)
+            self._started_loop().call_soon_threadsafe(q.put_nowait, item)
 
     def _fail_all(self, exc: Exception) -> None:
         for rid in list(self._streams):
@@ -109,7 +115,7 @@ class AsyncEngine:
         """Runs ``fn(*args)`` on the engine thread between steps."""
         if self._stopping.is_set():
             raise EngineStopped("engine stopped")
-        fut = self._loop.create_future()
+        fut = self._started_loop().create_future()
         self._cmds.put((fn, args, fut))
         return await asyncio.wait_for(fut, self.call_timeout_s)
 

@@ -8,7 +8,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from engine.errors import CheckpointError
 
@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 DType = Literal["float32", "bfloat16", "float16"]
+RopeKind = Literal["default", "linear", "llama3"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,7 +30,7 @@ class RopeConfig:
 
     theta: float
     """Base frequency (``rope_theta``)."""
-    kind: Literal["default", "linear", "llama3"] = "default"
+    kind: RopeKind = "default"
     """Scaling scheme; ``llama3`` is Llama 3.1's frequency-dependent scaling."""
     factor: float = 1.0
     """Scaling factor for ``linear`` and ``llama3``."""
@@ -51,7 +52,7 @@ class RopeConfig:
                                   "(supported: default, linear, llama3)")
         return cls(
             theta=theta,
-            kind=kind,
+            kind=cast(RopeKind, kind),  # one of them: checked above
             factor=float(merged.get("factor", 1.0)),
             low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
@@ -135,7 +136,7 @@ class ModelConfig:
             raise CheckpointError(f"config.json: bad value: {exc}") from None
 
     @classmethod
-    def from_file(cls, path: Path, name: str | None = None) -> ModelConfig:
+    def from_file(cls, path: str | Path, name: str | None = None) -> ModelConfig:
         try:
             raw = json.loads(Path(path).read_text())
         except FileNotFoundError:

@@ -73,10 +73,18 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A GGUF merge ``"a b"`` as the pair BPE takes."""
+    a, sep, b = merge.partition(" ")
+    if not sep:
+        raise CheckpointError(f"GGUF tokenizer merge {merge!r} is not two tokens")
+    return a, b
+
+
 def _tokenizer_json(tokens: list[str], merges: list[str], types: list[int], pre: str) -> str:
 
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [_merge_pair(m) for m in merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if pre in ("smollm", "starcoder", "refact", "codeshell"):

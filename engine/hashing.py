@@ -30,7 +30,7 @@ if array("I").itemsize != 4:  # a C unsigned int is 32 bits on every platform kv
 
 
 @functools.lru_cache(maxsize=4096)
-def _keyed(salt: str) -> hashlib._Hash:
+def _keyed(salt: str) -> hashlib.blake2b:
     """The blake2b state every block of ``salt``'s domain starts from (copied,
     never updated): keyed by a digest of the salt, so the salt costs nothing per block."""
     key = hashlib.blake2b(salt.encode(), digest_size=32, person=b"kvrelay-salt").digest()

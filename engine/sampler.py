@@ -80,8 +80,8 @@ class Sampler:
         k_max = min(max(r.params.top_logprobs for r in rows), lp.shape[-1])
         if k_max <= 0:
             return None
-        values, ids = lp.topk(k_max, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
+        top = lp.topk(k_max, dim=-1)
+        values, ids = top.values.tolist(), top.indices.tolist()
         out: list[TopLogprobs | None] = []
         for i, r in enumerate(rows):
             k = r.params.top_logprobs

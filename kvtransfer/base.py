@@ -25,7 +25,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from kvrelay.v1 import kv_wire_pb2 as pb
 
@@ -46,7 +46,7 @@ class Transport(enum.StrEnum):
     """Same host: the receiver copies from the sender's shared memory (kvtransfer/local.py)."""
 
 
-AUTO = "auto"
+AUTO: Final = "auto"
 """``kv.transport: auto``: nixl where the host has RDMA devices and NIXL imports, else tcp."""
 
 
@@ -116,7 +116,7 @@ class TransferHandle(ABC):
         """FAILED from any state but DONE; the first reason wins."""
 
     @abstractmethod
-    def add_done_callback(self, cb: Callable[[TransferHandle], None]) -> None:
+    def add_done_callback(self, cb: Callable[[TransferHandle], object]) -> None:
         """Calls ``cb(handle)`` once DONE or FAILED (at once if already so)."""
 
     @abstractmethod

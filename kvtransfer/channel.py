@@ -231,12 +231,18 @@ class SendStream:
             if isinstance(item, LayerRun):
                 self._send_blocks(item, views or [], nbytes)
             else:
-                self.session.writer.send(pb.KVFrame(done=pb.KVDone(
+                self._live().writer.send(pb.KVFrame(done=pb.KVDone(
                     transfer_id=item.handle.transfer_id, first_token_id=item.token, first_logprob=item.logprob,
                     traceparent=item.handle.target.traceparent[:64])))
         finally:
             with self._slock:
                 self._sending = None
+
+    def _live(self) -> Session:
+        """The connection's session (the writer connects before it sends)."""
+        if self.session is None:
+            raise ConnectionError(f"no KV connection to {self.pool.endpoint}")
+        return self.session
 
     @property
     def sending(self) -> str | None:
@@ -276,16 +282,16 @@ class SendStream:
             mem = self.pool.mem
             runs = [mem.run(lyr, kind, s, n) for lyr in range(layer, layer + num_layers) for kind in (0, 1)
                     for s, _, n in paired_runs(src, dest)]
-            tags = bytearray(self.session.writer.tag_pulled(runs))
+            tags = bytearray(self._live().writer.tag_pulled(runs))
             if tamper:
                 tags[0] ^= 1
             frame = pb.KVBlocks(transfer_id=h.transfer_id, layer=layer, num_layers=num_layers, first=first,
                                 count=len(src), src_blocks=src, pulled_tags=bytes(tags))
-            self.session.writer.send(pb.KVFrame(blocks=frame))
+            self._live().writer.send(pb.KVFrame(blocks=frame))
         else:
             frame = pb.KVBlocks(transfer_id=h.transfer_id, layer=layer, num_layers=num_layers, first=first,
                                 count=len(src), payload_bytes=nbytes)
-            self.session.writer.send(pb.KVFrame(blocks=frame), views, tamper, len(src) * self.pool.mem.block_bytes)
+            self._live().writer.send(pb.KVFrame(blocks=frame), views, tamper, len(src) * self.pool.mem.block_bytes)
 
     def _read_loop(self, sock: socket.socket, session: Session) -> None:
         try:

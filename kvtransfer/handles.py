@@ -29,7 +29,7 @@ class StateHandle(TransferHandle):
         self._result: TransferResult | None = None
         self._lock = threading.Lock()
         self._done = threading.Event()
-        self._callbacks: list[Callable[[TransferHandle], None]] = []
+        self._callbacks: list[Callable[[TransferHandle], object]] = []
 
     def poll(self) -> TransferState:
         return self._state
@@ -73,7 +73,7 @@ class StateHandle(TransferHandle):
         for cb in callbacks:
             cb(self)
 
-    def add_done_callback(self, cb: Callable[[TransferHandle], None]) -> None:
+    def add_done_callback(self, cb: Callable[[TransferHandle], object]) -> None:
         """Calls ``cb(handle)`` once DONE or FAILED (at once if already so)."""
         with self._lock:
             if not self._done.is_set():
@@ -88,13 +88,19 @@ class StateHandle(TransferHandle):
         return self._state
 
 
+def _resolve(fut: asyncio.Future) -> None:
+    """Resolves ``fut`` with None unless it is already done (in its event loop's thread)."""
+    if not fut.done():
+        fut.set_result(None)
+
+
 async def wait_async(handle: TransferHandle, timeout_s: float) -> TransferResult:
     """Awaits a transfer; returns its result or raises its KVTransferError."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future = loop.create_future()
 
     def settled(h: TransferHandle) -> None:
-        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+        loop.call_soon_threadsafe(_resolve, fut)
 
     handle.add_done_callback(settled)
     try:
@@ -104,5 +110,11 @@ async def wait_async(handle: TransferHandle, timeout_s: float) -> TransferResult
         if handle.poll() is not TransferState.DONE:
             raise TransferTimeout(handle.transfer_id, f"not complete within {timeout_s:.1f} s") from None
     if handle.poll() is TransferState.DONE:
-        return handle.result()
-    raise handle.failure()
+        result = handle.result()
+        if result is None:  # DONE comes with its result (complete)
+            raise RuntimeError(f"transfer {handle.transfer_id} is DONE without a result")
+        return result
+    failure = handle.failure()
+    if failure is None:  # FAILED comes with its reason (fail), and the wait ended DONE or FAILED
+        raise RuntimeError(f"transfer {handle.transfer_id} ended {handle.poll().name} without a reason")
+    raise failure

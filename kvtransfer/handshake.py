@@ -226,6 +226,8 @@ def answer_hello(frame: pb.KVFrame, body: bytes, policy: ReceiverPolicy
         src = f"site {peer.site}" if peer else "any site (no certificate to tell which)"
         return _refuse(f"the link from {src} requires {required} protection; the sender offered {offered}")
     share, cipher = KeyShare(), choose_cipher(list(h.ciphers))
+    if cipher is None:  # _hello_refusal has refused such an offer
+        return _refuse(f"no cipher in common (offered {list(h.ciphers)})")
     answer = pb.KVHelloAnswer(accepted=True, nonce=os.urandom(NONCE_BYTES), key_share=share.public,
                               certificate=creds.certificate if creds else b"", cipher=cipher.value,
                               protection=offered.value).SerializeToString()

@@ -42,7 +42,8 @@ class KVBytes:
         if cache.kv.device.type != "cpu":
             raise ValueError("KVBytes needs the KV cache in host memory")
         self.cache = cache
-        self.mem = memoryview(cache.kv.view(-1).view(torch.uint8).numpy())
+        raw = cache.kv.view(-1).view(torch.uint8).numpy()
+        self.mem = memoryview(raw)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only on 3.12+
         self.block_bytes = cache.layout.block_bytes
 
     def run(self, layer: int, kind: int, first_block: int, count: int) -> memoryview:

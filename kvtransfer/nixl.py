@@ -64,7 +64,7 @@ def make_agent(nixl_agent, nixl_agent_config, name: str):
     base = api.nixlBind.nixlAgentConfig
     prop = base.pthrDelay
 
-    class _DelayedConfig(base):
+    class _DelayedConfig(base):  # type: ignore[misc,valid-type]  # a class of nixl's untyped binding
         @property
         def pthrDelay(self):
             return prop.__get__(self)

@@ -101,6 +101,8 @@ class _Attach:
         return self.chosen is not None
 
     def attach(self, offer: pb.KVOffer) -> MemorySource:
+        if self.chosen is None:  # the handshake attaches only an offer can_attach accepted
+            raise RuntimeError("attach before can_attach accepted the offer")
         return self.chosen.attach(offer)
 
 
@@ -118,10 +120,17 @@ class _Conn:
         self.verify: queue.SimpleQueue = queue.SimpleQueue()
         """Pulled frames, for the verifier thread to check against their MACs."""
 
+    @property
+    def live(self) -> Session:
+        """The session, once the handshake completed (nothing is received or sent before)."""
+        if self.session is None:
+            raise RuntimeError("the KV connection's handshake has not completed")
+        return self.session
+
     def send(self, frame: pb.KVFrame) -> None:
         with self.lock:
             try:
-                self.session.writer.send(frame)
+                self.live.writer.send(frame)
             except OSError:
                 pass
 
@@ -221,7 +230,7 @@ class ChannelReceiver(KVReceiver):
                 return
             threading.Thread(target=self._verify_loop, args=(conn,), name="kv-verify", daemon=True).start()
             while not self._closed.is_set():
-                frame, payload = conn.session.reader.recv()
+                frame, payload = conn.live.reader.recv()
                 kind = frame.WhichOneof("body")
                 if kind == "blocks":
                     self._on_blocks(conn, frame.blocks, payload)
@@ -274,7 +283,7 @@ class ChannelReceiver(KVReceiver):
         layers, pulled = self._frame_shape(conn, hdr, payload)
         bad = self._outside(inc, hdr) if inc is not None else ""
         if inc is None or bad or not inc.enter(conn):
-            conn.session.reader.skip_payload()
+            conn.live.reader.skip_payload()
             if inc is not None and bad:
                 inc.handle.fail(bad)
                 self._maybe_complete(hdr.transfer_id, inc)
@@ -286,14 +295,16 @@ class ChannelReceiver(KVReceiver):
         else:
             views = [self.mem.run(layer, kind, first_id, n) for layer in layers for kind in (0, 1)
                      for _, first_id, n in coalesce(dest)]
-        seq = conn.session.reader.last_seq
+        seq = conn.live.reader.last_seq
         conn.transfers.add(hdr.transfer_id)
         try:
             inc.handle.advance(TransferState.TRANSFERRING)
             if pulled:
+                if conn.source is None:  # _frame_shape refused it already
+                    raise ProtocolError("shared-memory blocks frame without a valid shared KV mapping")
                 conn.source.pull(layers, list(hdr.src_blocks), dest)
             else:
-                conn.session.reader.recv_payload(views, hdr.count * self.cache.layout.block_bytes)
+                conn.live.reader.recv_payload(views, hdr.count * self.cache.layout.block_bytes)
         finally:
             inc.leave(conn)
         if not pulled:  # the tags authenticated every byte
@@ -312,7 +323,7 @@ class ChannelReceiver(KVReceiver):
     def _verify(self, conn: _Conn, seq: int, inc: _Incoming, hdr: pb.KVBlocks, layers: range,
                 views: list[memoryview]) -> None:
         """Pulled blocks against the tags the (authenticated) header carries."""
-        bad = conn.session.reader.bad_pulled(seq, views, hdr.pulled_tags)
+        bad = conn.live.reader.bad_pulled(seq, views, hdr.pulled_tags)
         if bad:
             runs = paired_runs(list(hdr.src_blocks), inc.block_ids[hdr.first:hdr.first + hdr.count])
             bad_blocks = sorted({runs[i % len(runs)][1] + k for i in bad for k in range(runs[i % len(runs)][2])})
@@ -360,5 +371,7 @@ class ChannelReceiver(KVReceiver):
                 if self._expected.get(tid) is inc:
                     del self._expected[tid]
         err = inc.handle.failure()
+        if inc.done_conn is None:  # set with done (_on_done)
+            raise RuntimeError(f"transfer {tid}: its done came on no connection")
         inc.done_conn.send(pb.KVFrame(done_ack=pb.KVDoneAck(transfer_id=tid, ok=err is None,
                                                             reason=err.reason if err else "")))

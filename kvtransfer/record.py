@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from cryptography.exceptions import InvalidTag
 from kvrelay.v1 import kv_wire_pb2 as pb
@@ -155,14 +155,17 @@ class RecordWriter(_Direction):
             return seq, prefix + self.aead.encrypt(_nonce(seq, 0), header, prefix)
         return seq, prefix + header + self.aead.encrypt(_nonce(seq, 0), b"", prefix + header)
 
-    def send(self, frame: pb.KVFrame, views: list[memoryview] = (), tamper: bool = False, section: int = 0
+    def send(self, frame: pb.KVFrame, views: Sequence[memoryview] = (), tamper: bool = False, section: int = 0
              ) -> None:
         """Sends ``frame`` and the payload ``views`` (read in place: KV memory)
         in sections of ``section`` bytes. ``tamper`` (fault injection) flips
         one sealed payload byte, as an on-path attacker would."""
+        sock = self.sock
+        if sock is None:
+            raise RuntimeError("this writer has no socket: it only seals")
         views = [v for v in views if len(v)]
         seq, head = self.seal(frame, sum(len(v) for v in views), section)
-        self.sock.sendall(head)
+        sock.sendall(head)
         for i, segs in enumerate(pieces(views, section), 1):
             plain = self.stage(segs)
             n = len(plain)
@@ -170,12 +173,12 @@ class RecordWriter(_Direction):
                 self.aead.encrypt_into(_nonce(seq, i), plain, None, self.sealed[:n + TAG])
                 if tamper and i == 1:
                     self.sealed[0] ^= 0xFF
-                self.sock.sendall(self.sealed[:n + TAG])
+                sock.sendall(self.sealed[:n + TAG])
             else:
                 tag = bytearray(self.aead.encrypt(_nonce(seq, i), b"", plain))
                 if tamper and i == 1:
                     tag[0] ^= 0xFF
-                sendmsg_all(self.sock, [plain, memoryview(tag)])
+                sendmsg_all(sock, [plain, memoryview(tag)])
 
 
 class RecordReader(_Direction):

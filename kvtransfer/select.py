@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.kv_cache import KVCache
@@ -16,9 +17,9 @@ log = logging.getLogger(__name__)
 
 IMPLEMENTED = (Transport.TCP, Transport.LOCAL, Transport.NIXL)
 
-SENDERS: dict[Transport, type[KVSender]] = {
+SENDERS: dict[Transport, Callable[[KVCache, TransferConfig], KVSender]] = {
     Transport.TCP: TcpKVSender, Transport.LOCAL: LocalKVSender, Transport.NIXL: NixlKVSender}
-RECEIVERS: dict[Transport, type[KVReceiver]] = {
+RECEIVERS: dict[Transport, Callable[[KVCache, str, TransferConfig], KVReceiver]] = {
     Transport.TCP: TcpKVReceiver, Transport.LOCAL: TcpKVReceiver, Transport.NIXL: NixlKVReceiver}
 """The TCP receiver serves tcp and local senders; the NIXL one all three."""
 
@@ -42,10 +43,10 @@ def choose_transport(requested: str) -> Transport:
     return Transport(chosen)
 
 
-def make_sender(name: str, cache: KVCache, cfg: TransferConfig) -> KVSender:
+def make_sender(name: Transport, cache: KVCache, cfg: TransferConfig) -> KVSender:
     return SENDERS[name](cache, cfg)
 
 
-def make_receiver(name: str, cache: KVCache, host: str, cfg: TransferConfig) -> KVReceiver:
+def make_receiver(name: Transport, cache: KVCache, host: str, cfg: TransferConfig) -> KVReceiver:
     """The TCP receiver serves tcp and local senders; the NIXL one all three."""
     return RECEIVERS[name](cache, host, cfg)

@@ -277,6 +277,8 @@ def _start_delay_line(st: CitiesState, link: LinkNet, log_dir: Path) -> tuple[in
                             stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
                             start_new_session=True, text=True)
     log.close()
+    if proc.stdout is None:  # stdout=PIPE
+        raise CitiesError(f"the delay line for {link.a}-{link.b} has no stdout")
     line = proc.stdout.readline()  # READY, or EOF if it failed
     proc.stdout.close()
     if line.strip() != "READY":

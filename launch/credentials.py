@@ -94,6 +94,8 @@ class ClusterCredentials:
     def env(self, ident: Identity, hosts: tuple[str, ...] = ()) -> dict[str, str]:
         """The environment that hands a child process its certificate."""
         mat = self.material(ident, hosts)
+        if mat.cert_pem is None or mat.key_pem is None:  # material() issues both
+            raise RuntimeError(f"no certificate and key were issued for {ident}")
         return {TLS_ENV["ca"]: mat.ca_pem.decode(), TLS_ENV["cert"]: mat.cert_pem.decode(),
                 TLS_ENV["key"]: mat.key_pem.decode()}
 

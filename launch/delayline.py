@@ -130,7 +130,7 @@ class DelayLine:
                 self._flush(d, now)
             due = [d.queue[0][0] for d in self.dirs.values() if d.queue]
             wake_at = min(due) - self.wake_late_s if due else None
-            timeout = max(0.0, wake_at - time.monotonic()) if due else 1.0
+            timeout = max(0.0, wake_at - time.monotonic()) if wake_at is not None else 1.0
             try:
                 ready, _, _ = select.select(fds, [], [], timeout)
             except InterruptedError:

@@ -24,6 +24,8 @@ import tempfile
 import types
 import typing
 import zipfile
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +65,10 @@ def _docstrings(cls: type) -> dict[str, str]:
         tree = ast.parse(inspect.getsource(cls))
     except (OSError, TypeError):
         return {}
-    body, out = tree.body[0].body, {}
+    node = tree.body[0]
+    if not isinstance(node, ast.ClassDef):
+        raise TypeError(f"{cls!r}: its source is not a class")
+    body, out = node.body, {}
     for stmt, nxt in zip(body, body[1:]):
         if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
@@ -91,7 +96,7 @@ def type_schema(tp: Any, limit: int | None = None) -> dict:
         return {"type": "array", "items": type_schema(args[0])}
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return {"enum": [m.value for m in tp]}
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return section_schema(tp)
     if tp is bool:
         return {"type": "boolean"}
@@ -103,7 +108,7 @@ def type_schema(tp: Any, limit: int | None = None) -> dict:
     raise TypeError(f"no JSON schema for config annotation {tp!r}")
 
 
-def section_schema(cls: type, exclude: set[str] = frozenset(), path: str = "") -> dict:
+def section_schema(cls: type, exclude: AbstractSet[str] = frozenset(), path: str = "") -> dict:
     """The schema of a config section: its fields (less ``exclude`` and the
     chart-owned ones under ``path``), no others."""
     hints, docs = typing.get_type_hints(cls), _docstrings(cls)
@@ -113,7 +118,7 @@ def section_schema(cls: type, exclude: set[str] = frozenset(), path: str = "") -
             continue
         sub = f"{path}.{f.name}" if path else f.name
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             schema = section_schema(tp, path=sub)
         else:
             schema = type_schema(tp, FIELD_MAX.get((cls.__name__, f.name)))
@@ -252,7 +257,7 @@ def run_helm(args: list[str], helm: Path | None = None) -> subprocess.CompletedP
     return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=HELM_TIMEOUT_S)
 
 
-def template(values: list[Path], sets: list[str] = (), helm: Path | None = None) -> subprocess.CompletedProcess:
+def template(values: list[Path], sets: Sequence[str] = (), helm: Path | None = None) -> subprocess.CompletedProcess:
     """``helm template`` of the chart with these values files and --set pairs."""
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
     for v in values:

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
 import grpc
 from kvrelay.v1 import admin_pb2 as apb
@@ -96,10 +96,12 @@ class Child:
     started: float = field(default_factory=time.monotonic)
     seen: bool = False
     """The worker registered (it counts as a member of its pool from then on)."""
+    stdout: IO[str] | None = None
+    """The router's stdout (its READY line); None for a worker."""
 
 
 class LocalCluster:
-    def __init__(self, cfg: ClusterConfig, model_path: Path, log_level: str = "WARNING",
+    def __init__(self, cfg: ClusterConfig, model_path: str | Path, log_level: str = "WARNING",
                  cities: CitiesState | None = None, backend: WorkerBackend | None = None,
                  reconcile: bool = True) -> None:
         """``cities``: run each site's workers inside its namespace of a
@@ -281,7 +283,7 @@ class LocalCluster:
                                    "--model-path", str(self.model_path), "--log-level", self.log_level],
                                   env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
         with self._lock:
-            self.children.append(Child("router", router))
+            self.children.append(Child("router", router, stdout=router.stdout))
         return self._await_ready(router, deadline)
 
     def restart_router(self, kill: bool = True, timeout_s: float = 60.0) -> None:
@@ -293,7 +295,8 @@ class LocalCluster:
             self.children.remove(old)
         (old.proc.kill if kill else old.proc.terminate)()
         old.proc.wait(30)
-        old.proc.stdout.close()
+        if old.stdout is not None:
+            old.stdout.close()
         self.cfg.router.port = int(self.router_address.rpartition(":")[2])
         self.cfg.router.internal_port = int(self.internal_address.rpartition(":")[2])
         if self.http_address:
@@ -304,12 +307,15 @@ class LocalCluster:
         self._start_router(time.monotonic() + timeout_s)
 
     def _await_ready(self, proc: subprocess.Popen, deadline: float) -> str:
+        out = proc.stdout
+        if out is None:  # started with stdout=PIPE
+            raise RuntimeError("the router's stdout is not a pipe")
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"router exited with code {proc.returncode} before it was ready")
-            ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+            ready, _, _ = select.select([out], [], [], 0.5)
             if ready:
-                line = proc.stdout.readline()
+                line = out.readline()
                 if line.startswith("READY "):
                     fields = line.split()
                     named = dict(f.split("=", 1) for f in fields[2:])
@@ -415,8 +421,8 @@ class LocalCluster:
                     c.proc.kill()
                     c.proc.wait(10.0)
         for c in routers:
-            if c.proc.stdout:
-                c.proc.stdout.close()
+            if c.stdout:
+                c.stdout.close()
         for c in workers + self.left:  # shared-memory KV of workers that could not clean up
             for f in Path("/dev/shm").glob(f"kvrelay-*-{c.proc.pid}"):
                 f.unlink(missing_ok=True)

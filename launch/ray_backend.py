@@ -115,8 +115,8 @@ class RayWorker:
             code = self._call(self.actor.wait, timeout, timeout=(timeout or CALL_TIMEOUT_S) + 10)
         except self._ray.exceptions.RayActorError:
             code = -9
-        if code is None:
-            raise subprocess.TimeoutExpired(self.name, timeout)
+        if code is None:  # only a wait with a timeout comes back without a code
+            raise subprocess.TimeoutExpired(self.name, timeout if timeout is not None else CALL_TIMEOUT_S)
         self._exit = code
         self._ray.kill(self.actor)
         return code

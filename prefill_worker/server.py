@@ -94,8 +94,12 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
 
         loop = asyncio.get_running_loop()
         failed = loop.create_future()
-        handle.add_done_callback(lambda h: loop.call_soon_threadsafe(
-            lambda: failed.done() or failed.set_result(None)))
+
+        def settle() -> None:
+            if not failed.done():
+                failed.set_result(None)
+
+        handle.add_done_callback(lambda h: loop.call_soon_threadsafe(settle))
         task = asyncio.ensure_future(run())
         try:
             await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)

@@ -413,8 +413,9 @@ class AuditLog:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.ftruncate(self._fd, end)
-        os.fsync(self._fd)
+        fd = self._open_fd()
+        os.ftruncate(fd, end)
+        os.fsync(fd)
         _fsync_folder(self.path.parent)
         log.warning("audit log %s: its last line was cut short (%d bytes, a crash mid-write?); moved to %s",
                     self.path, len(data), name)
@@ -442,6 +443,12 @@ class AuditLog:
                 log.error("%s", exc)
             self._close_fd()
 
+    def _open_fd(self) -> int:
+        """The log's file descriptor; AuditError if the log is closed."""
+        if self._fd is None:
+            raise AuditError(self.path, "the log is closed")
+        return self._fd
+
     def _close_fd(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
@@ -461,8 +468,9 @@ class AuditLog:
                 self._sync_locked()
 
     def _sync_locked(self) -> None:
+        fd = self._open_fd()
         try:
-            os.fsync(self._fd)
+            os.fsync(fd)
         except OSError as exc:
             raise AuditError(self.path, f"cannot sync: {exc.strerror or exc}") from exc
         self._note_head()
@@ -544,14 +552,14 @@ class AuditLog:
     def _cut_back(self, start: int) -> None:
         """Cuts a failed write off (no half line for the next record to follow); if it cannot, the next write will."""
         try:
-            os.ftruncate(self._fd, start)
+            os.ftruncate(self._open_fd(), start)
             self._cut_to = None
         except OSError:
             self._cut_to = start
 
     def _cut_failed(self) -> None:
         if self._cut_to is not None:
-            os.ftruncate(self._fd, self._cut_to)
+            os.ftruncate(self._open_fd(), self._cut_to)
             self._cut_to = None
 
     def sweep(self, expired: Callable[[dict], bool], cutoffs: Mapping[str, float] | None = None) -> SweepResult:
@@ -596,10 +604,10 @@ class AuditLog:
         with open(self.path, "rb") as f:
             try:
                 for line in walk(raw_lines(f, size)):
-                    checker.feed(line)
-                    if latest is not None and checker.time > latest:
+                    when = checker.feed(line)
+                    if latest is not None and when > latest:
                         break
-                    if "tombstone" not in line.record and _due(line.record, checker.time, expired, limits):
+                    if "tombstone" not in line.record and _due(line.record, when, expired, limits):
                         seqs.add(line.record["seq"])
             except Broken as exc:
                 raise AuditError(self.path, f"{exc.problem}; not swept", exc.line) from None
@@ -626,12 +634,12 @@ class AuditLog:
         with open(self.path, "rb") as f:
             try:
                 for line in walk(raw_lines(f, size)):
-                    checker.feed(line)
+                    when = checker.feed(line)
                     if line.record["seq"] not in seqs:
                         out.write(line.raw + b"\n")
                         continue
                     out.write(dumps(_tombstone(line.record, line.raw)) + b"\n")
-                    _note_removed(plan, line, checker.time, limits)
+                    _note_removed(plan, line, when, limits)
             except Broken as exc:
                 raise AuditError(self.path, f"{exc.problem}; not swept", exc.line) from None
         verdict = checker.result()
@@ -693,7 +701,10 @@ def _note_removed(plan: _Plan, line: Line, when: datetime.datetime,
     record, counts = line.record, plan.result.counts
     owner = owner_of(record)
     counts[owner] = counts.get(owner, 0) + 1
-    plan.cut(owner, _cutoff_of(record, limits) if limits is not None else when)
+    cut = _cutoff_of(record, limits) if limits is not None else when
+    if cut is None:  # _due removes a record only under a cutoff
+        raise RuntimeError(f"audit record seq {record['seq']} was removed under no cutoff")
+    plan.cut(owner, cut)
     if record["kind"] == RecordKind.RETENTION:
         plan.carried += [list(r) for r in listed_ranges(line)]
         for key, (cut, _) in listed_cutoffs(line).items():

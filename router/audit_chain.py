@@ -245,8 +245,8 @@ class Checker:
         self._head = head
         self._seen = head is None or head == GENESIS
 
-    def feed(self, line: Line) -> None:
-        """Takes the next line; Broken if it does not fit (then it is not counted)."""
+    def feed(self, line: Line) -> datetime.datetime:
+        """Takes the next line; its time. Broken if it does not fit (then it is not counted)."""
         when = self._check_time(line)
         self.count, self.last, self.time = self.count + 1, line, when
         record = line.record
@@ -255,6 +255,7 @@ class Checker:
         elif record["kind"] == "retention":
             self._cover(line)
         self._seen = self._seen or line.link == self._head
+        return when
 
     def _check_time(self, line: Line) -> datetime.datetime:
         seq, no, text = line.record["seq"], line.no, line.record["time"]
@@ -262,7 +263,7 @@ class Checker:
             when = parse_time(text)
         except ValueError:
             raise Broken(f"line {no}: its time {text!r} is not an ISO-8601 time", no, seq) from None
-        if self.time is not None and when < self.time:
+        if self.time is not None and self.last is not None and when < self.time:  # both set by each line
             p = self.last.record
             raise Broken(f"record seq {seq} (line {no}) is dated {text}, before seq {p['seq']} (line {self.last.no}, "
                          f"{p['time']}): record times never go back (one of the two was edited or moved)", no, seq)

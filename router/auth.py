@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Iterable
 
 from router.errors import ErrorKind, RouterError
 from router.tenancy import ANONYMOUS
@@ -118,7 +119,7 @@ class TenantSalts:
     Tenants that agreed to share (``share_prefix_cache_with``, both sides)
     get one salt for their group."""
 
-    def __init__(self, key: bytes, tenants: list[TenantSection] = ()) -> None:
+    def __init__(self, key: bytes, tenants: Iterable[TenantSection] = ()) -> None:
         self.key = key
         self.groups = {t.name: sharing_group(t) for t in tenants}
 

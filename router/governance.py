@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from enum import IntEnum
+from typing import Any
 
 from router.auth import ANONYMOUS
 from router.deployment import (
@@ -92,6 +93,8 @@ def _section(value) -> object:
     """A config section as plain data (None stays None): for sections a later config may add."""
     if value is None or not dataclasses.is_dataclass(value):
         return value
+    if isinstance(value, type):
+        raise TypeError(f"a config section is an instance, not the class {value.__name__}")
     return {k: str(v) if hasattr(v, "value") else v for k, v in dataclasses.asdict(value).items()}
 
 
@@ -405,6 +408,7 @@ def access(d: Deployment, t: TenantSection, r: Reach) -> dict:
     nixl = [lk["link"] for lk in r.links if "nixl" in lk["transport"]]
     files = _files(d)
     sharing = sorted(t.share_prefix_cache_with) if cfg.cache.enable_prefix_caching else []
+    facts: dict[str, Any]
     facts = {"tenant_signs_in_with": _sign_in(cfg, t),
              "tenant_sees": {"jobs": "its own only", "usage": "no: operators only (Admin.Usage)",
                              "audit_records": "no: a file on the router's host"},
@@ -453,6 +457,7 @@ def identity(d: Deployment, t: TenantSection, r: Reach) -> dict:
     cfg, tls = d.cfg, d.cfg.tls
     federated = _section(getattr(cfg.auth, "federated", None))
     policy = _policy(d, t)
+    facts: dict[str, Any]
     facts = {"sign_in": _sign_in(cfg, t), "federated_identity": federated or "not configured",
              "tls": {"enabled": tls.enabled, "ca": tls.ca, "mutual_tls_internal": tls.enabled,
                      "revoked_serials": len(tls.revoked_serials), "cert_days": tls.cert_days},
@@ -483,6 +488,7 @@ def identity(d: Deployment, t: TenantSection, r: Reach) -> dict:
 def responsibility(d: Deployment, t: TenantSection, r: Reach) -> dict:
     """(7) Who can act on monitoring, incidents, upgrades and capacity, and what kvrelay watches itself."""
     cfg, rs = d.cfg, d.cfg.router
+    facts: dict[str, Any]
     facts = {"operators": _operators(cfg), "telemetry": telemetry_facts(cfg),
              "health_checks": {"heartbeat_interval_s": rs.heartbeat_interval_s, "worker_timeout_s": rs.worker_timeout_s,
                                "link_probe_timeout_s": rs.link_probe_timeout_s},

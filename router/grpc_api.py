@@ -9,6 +9,8 @@ gRPC status (with ``retry-after-ms`` trailing metadata when overloaded).
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import grpc
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import inference_pb2 as ipb
@@ -23,7 +25,7 @@ from router.registry_service import RegistryService
 from runtime.rpc import add_service
 
 
-async def abort(context: grpc.aio.ServicerContext, exc: RouterError, prefix: str = ""):
+async def abort(context: grpc.aio.ServicerContext, exc: RouterError, prefix: str = "") -> NoReturn:
     """Ends the call with the error's status (and retry hint)."""
     if exc.retry_after_s is not None:
         context.set_trailing_metadata((("retry-after-ms", str(max(1, int(exc.retry_after_s * 1e3)))),))

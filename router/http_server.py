@@ -112,12 +112,13 @@ class GuardedH11(H11Protocol):
             return
         transport.pause_reading()  # nothing reaches h11 before the handshake
         self.handshaking = True
-        self.tls_task = self.loop.create_task(self._start_tls(transport))  # held: a task nobody holds may vanish
+        # held: a task nobody holds may vanish
+        self.tls_task = self.loop.create_task(self._start_tls(transport, self.tls))
 
-    async def _start_tls(self, raw: asyncio.Transport) -> None:
+    async def _start_tls(self, raw: asyncio.Transport, context: ssl.SSLContext) -> None:
         """The TLS handshake, within the header deadline; then HTTP over it."""
         try:
-            tls = await self.loop.start_tls(raw, self, self.tls, server_side=True,
+            tls = await self.loop.start_tls(raw, self, context, server_side=True,
                                             ssl_handshake_timeout=self.count.limits.header_timeout_s)
         except (TimeoutError, OSError, ssl.SSLError, ConnectionError, RuntimeError):
             tls = None
@@ -233,20 +234,21 @@ class GuardedServer(uvicorn.Server):
 
 
 async def serve_http(app, host: str, port: int, tls_files: tuple[str, str] | None,
-                     limits: HttpSection) -> tuple[object, asyncio.Task, int]:
+                     limits: HttpSection) -> tuple[GuardedServer, asyncio.Task, int]:
     """Starts the server on ``host:port`` (0: any free port) in this event loop,
     over TLS with ``tls_files`` (certificate and key files), in plaintext
     without (loopback only); returns the server, its task and the bound port."""
     if tls_files is None and not is_loopback(host):
         raise OSError(f"refusing to serve HTTP in plaintext on {host}:{port} (not a loopback address)")
-    ssl = {"ssl_certfile": tls_files[0], "ssl_keyfile": tls_files[1]} if tls_files else {}
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     server = GuardedServer(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http="h11",
                                           ws="none",
-                                          timeout_graceful_shutdown=2, backlog=limits.max_connections, **ssl),
+                                          timeout_graceful_shutdown=2, backlog=limits.max_connections,
+                                          ssl_certfile=tls_files[0] if tls_files else None,
+                                          ssl_keyfile=tls_files[1] if tls_files else None),
                            limits)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     loop = asyncio.get_running_loop()

@@ -45,8 +45,9 @@ BACKOFF_S = 1.0
 
 
 def _job_proto(row: JobRow) -> jpb.Job:
-    return jpb.Job(id=row.id, name=row.name, state=row.state, total=row.total, completed=row.completed,
-                   failed=row.failed, created_unix=row.created, finished_unix=row.finished)
+    return jpb.Job(id=row.id, name=row.name, total=row.total, completed=row.completed, failed=row.failed,
+                   created_unix=row.created, finished_unix=row.finished,
+                   state=row.state)  # type: ignore[arg-type]  # protobuf takes the int; protoc's .pyi: JobState
 
 
 def add_jobs_to_server(jobs: JobService, server: grpc.aio.Server) -> None:
@@ -72,6 +73,13 @@ class JobService(jgrpc.JobsServicer):
         self._paused_until = 0.0
         self._owner_paused: dict[str, float] = {}
         """Owner -> until when its jobs wait (it was over a quota)."""
+
+    @property
+    def _store(self) -> JobStore:
+        """The store, which :meth:`start` opens."""
+        if self.store is None:
+            raise RuntimeError("the job service is not started: it has no store")
+        return self.store
 
     async def _db(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -114,7 +122,7 @@ class JobService(jgrpc.JobsServicer):
                 self._checker, self._first_invalid, request.requests, owner)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        row = await self._db(self.store.submit, request.name, [r.SerializeToString() for r in request.requests],
+        row = await self._db(self._store.submit, request.name, [r.SerializeToString() for r in request.requests],
                              owner)
         log.info("job %s (%s): %d requests", row.id, request.name or "unnamed", row.total)
         self._audit({"action": "submitted", "job": row.id, "tenant": owner, "requests": row.total})
@@ -136,7 +144,7 @@ class JobService(jgrpc.JobsServicer):
     async def _row(self, job_id: str, context) -> JobRow:
         """The caller's job (another tenant's is as unknown as a missing one)."""
         owner = await self._owner(context)
-        row = await self._db(self.store.get, job_id)
+        row = await self._db(self._store.get, job_id)
         if row is None or row.owner != owner:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
         return row
@@ -146,12 +154,12 @@ class JobService(jgrpc.JobsServicer):
 
     async def ListJobs(self, request, context) -> jpb.ListJobsResponse:
         owner = await self._owner(context)
-        return jpb.ListJobsResponse(jobs=[_job_proto(r) for r in await self._db(self.store.list, owner)])
+        return jpb.ListJobsResponse(jobs=[_job_proto(r) for r in await self._db(self._store.list, owner)])
 
     async def CancelJob(self, request: jpb.CancelJobRequest, context) -> jpb.Job:
         row = await self._row(request.id, context)
         self._audit({"action": "cancelled", "job": row.id, "tenant": row.owner})
-        return _job_proto(await self._db(self.store.cancel, request.id))
+        return _job_proto(await self._db(self._store.cancel, request.id))
 
     def _audit(self, fields: dict) -> None:
         """A job record in the audit log (submission, cancellation), written off the event loop."""
@@ -166,7 +174,7 @@ class JobService(jgrpc.JobsServicer):
         is done (UNAVAILABLE, nothing deleted, if it cannot be)."""
         row = await self._row(request.id, context)
         if row.state not in (JOB_DONE, JOB_CANCELLED) or self._tasks_of(row.id):
-            await self._db(self.store.cancel, row.id)
+            await self._db(self._store.cancel, row.id)
             if not await self._stop_requests(row.id):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"job {row.id!r} is cancelled but its requests "
                                     f"did not stop within {DELETE_WAIT_S:.0f} s; delete it again shortly")
@@ -178,7 +186,7 @@ class JobService(jgrpc.JobsServicer):
                 log.error("job %s not deleted: %s", row.id, exc)
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"job {row.id!r} is not deleted: its deletion cannot be audited")
-        n = await self._db(self.store.delete, row.id)
+        n = await self._db(self._store.delete, row.id)
         if n is None:  # deleted meanwhile (the retention sweeper)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {row.id!r}")
         log.info("job %s deleted by its owner with its %d requests", row.id, n)
@@ -204,12 +212,12 @@ class JobService(jgrpc.JobsServicer):
         the previous one (by their ``seq``), so following a 100,000-request job
         costs what its new results cost, never a re-read of the stored ones."""
         await self._row(request.id, context)
-        seen = await self._db(self.store.last_seq, request.id)
+        seen = await self._db(self._store.last_seq, request.id)
         async for result in self._stored(request.id, request.from_index, seen):
             yield result
         while request.follow:
             # the job's state first: a finished job's results were stored with or before its state
-            state = await self._db(self.store.state, request.id)
+            state = await self._db(self._store.state, request.id)
             more = True
             while more:
                 seen, results, more = await self._stored_after(request.id, request.from_index, seen)
@@ -223,7 +231,7 @@ class JobService(jgrpc.JobsServicer):
         """Results with index >= ``from_index`` stored no later than ``upto_seq``, in index order, page by page."""
         after = -1
         while True:
-            page = await self._db(self.store.results, job, from_index, after, upto_seq)
+            page = await self._db(self._store.results, job, from_index, after, upto_seq)
             for _, _, blob in page:
                 yield jpb.JobResult.FromString(blob)
             if len(page) < RESULT_PAGE:
@@ -234,7 +242,7 @@ class JobService(jgrpc.JobsServicer):
         """One page of the results stored after ``seen`` (those with index >=
         ``from_index``, in the order stored): the last seq read, the results,
         and whether there may be more."""
-        page = await self._db(self.store.results_after, job, seen)
+        page = await self._db(self._store.results_after, job, seen)
         results = [jpb.JobResult.FromString(blob) for _, idx, blob in page if idx >= from_index]
         return (page[-1][0] if page else seen), results, len(page) == RESULT_PAGE
 
@@ -254,7 +262,7 @@ class JobService(jgrpc.JobsServicer):
             room = self.concurrency - len(self.inflight)
             now = loop.time()
             paused = frozenset(o for o, until in self._owner_paused.items() if until > now)
-            for job, idx, blob, owner in await self._db(self.store.claim, room, paused):
+            for job, idx, blob, owner in await self._db(self._store.claim, room, paused):
                 task = asyncio.create_task(self._one(job, idx, ipb.GenerateRequest.FromString(blob), owner),
                                            name=f"job {job}/{idx}")
                 self.inflight.add(task)
@@ -276,22 +284,22 @@ class JobService(jgrpc.JobsServicer):
                 if msg.HasField("finish"):
                     result.finish.CopyFrom(msg.finish)
         except QuotaExceeded as exc:  # its owner's quota: that owner's jobs wait, nobody else's
-            await self._db(self.store.release, job, idx)
+            await self._db(self._store.release, job, idx)
             self._owner_paused[owner] = asyncio.get_running_loop().time() + (exc.retry_after_s or BACKOFF_S)
             return
         except RouterError as exc:
             if exc.kind in TRANSIENT:
-                await self._db(self.store.release, job, idx)
+                await self._db(self._store.release, job, idx)
                 self._paused_until = asyncio.get_running_loop().time() + BACKOFF_S
                 log.info("job %s request %d: %s; it runs again later", job, idx, exc)
                 return
             ok, result.error = False, f"{STATUS[exc.kind].name}: {exc.message}"
         except asyncio.CancelledError:
-            await asyncio.shield(self._db(self.store.release, job, idx))  # runs again after a restart
+            await asyncio.shield(self._db(self._store.release, job, idx))  # runs again after a restart
             raise
         except Exception as exc:  # a bug must not leave the request running forever: record it
             log.exception("job %s request %d failed inside the router", job, idx)
             ok, result.error = False, f"internal error: {exc}"
-        if not await self._db(self.store.finish, job, idx, result.SerializeToString(), ok):
+        if not await self._db(self._store.finish, job, idx, result.SerializeToString(), ok):
             log.warning("job %s request %d was no longer running; its result is not stored twice", job, idx)
         self._wake.set()

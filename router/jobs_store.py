@@ -18,6 +18,7 @@ share the store: calls are serialized, never interleaved in one connection."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import itertools
@@ -161,7 +162,8 @@ class JobStore:
         return self.get(job)
 
     @_serialized
-    def claim(self, n: int, skip_owners: frozenset[str] = frozenset()) -> list[tuple[str, int, bytes, str]]:
+    def claim(self, n: int,
+              skip_owners: frozenset[str] = frozenset()) -> builtins.list[tuple[str, int, bytes, str]]:
         """Up to ``n`` pending requests (job, index, request, owner), now marked
         running: the owners with pending work take turns (each its oldest job
         first), so one tenant's huge job does not hold back every other's.
@@ -221,7 +223,7 @@ class JobStore:
 
     @_serialized
     def results(self, job: str, from_idx: int = 0, after_idx: int = -1, upto_seq: int | None = None,
-                limit: int = RESULT_PAGE) -> list[tuple[int, int, bytes]]:
+                limit: int = RESULT_PAGE) -> builtins.list[tuple[int, int, bytes]]:
         """Stored results (seq, index, result) in index order: index >= ``from_idx``
         and > ``after_idx`` (the last one of the previous page), stored no later
         than ``upto_seq`` (None: any); at most ``limit``."""
@@ -230,7 +232,8 @@ class JobStore:
                                "ORDER BY idx LIMIT ?", (job, max(from_idx, after_idx + 1), upto, limit)).fetchall()
 
     @_serialized
-    def results_after(self, job: str, after_seq: int, limit: int = RESULT_PAGE) -> list[tuple[int, int, bytes]]:
+    def results_after(self, job: str, after_seq: int,
+                      limit: int = RESULT_PAGE) -> builtins.list[tuple[int, int, bytes]]:
         """Results (seq, index, result) stored after ``after_seq``, in the order
         they were stored; at most ``limit``. Reads only those rows (through the
         (job, seq) index), however many the job already has."""
@@ -238,7 +241,7 @@ class JobStore:
                                "ORDER BY seq LIMIT ?", (job, after_seq, limit)).fetchall()
 
     @_serialized
-    def finished_before(self, before_ts: float) -> list[JobRow]:
+    def finished_before(self, before_ts: float) -> builtins.list[JobRow]:
         """Finished jobs (done or cancelled, none of their requests still
         running) that finished before Unix time ``before_ts``, oldest first."""
         ids = self.db.execute(

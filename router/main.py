@@ -56,6 +56,8 @@ def http_tls_files(tls: TLSMaterial | None, folder: Path) -> tuple[str, str] | N
     """The router's certificate and key as files (uvicorn reads files), in a private folder."""
     if tls is None:
         return None
+    if tls.cert_pem is None or tls.key_pem is None:  # router_tls has checked that it names a router
+        raise PKIError("the router's HTTPS listener needs its certificate and key (tls.cert / tls.key)")
     write_private(folder / "http.pem", tls.cert_pem)
     write_private(folder / "http.key", tls.key_pem)
     return str(folder / "http.pem"), str(folder / "http.key")

@@ -24,6 +24,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncGenerator
 from importlib.metadata import version
 from typing import Any
 
@@ -223,6 +224,8 @@ class OpenAIServer:
         except asyncio.CancelledError:  # the client went away (until_disconnect): stop the workers now
             await gen.aclose()
             raise
+        if finish is None:  # the core's last message carries it
+            raise RuntimeError(f"{rid}: the answer ended without its finish")
         choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH.get(finish.reason, "stop"),
                                   "logprobs": openai_logprobs(self.core.tok, chat, ids, lps, tops)}
         if chat:
@@ -271,6 +274,8 @@ class OpenAIServer:
 class ClosingStream(StreamingResponse):
     """A streaming response that closes its body generator however it ends
     (Starlette leaves it suspended when the client goes away mid-stream)."""
+
+    body_iterator: AsyncGenerator[str, None]
 
     async def __call__(self, scope, receive, send) -> None:
         try:

@@ -35,6 +35,7 @@ NOT_IMPLEMENTED = {
 }
 """OpenAI fields kvrelay knows and does not implement, with why; any value but the neutral one is refused."""
 
+NEUTRAL: dict[str, tuple[Any, ...]]
 NEUTRAL = {"response_format": ({"type": "text"},), "logit_bias": ({},), "presence_penalty": (0, 0.0),
            "frequency_penalty": (0, 0.0), "tools": ([],), "tool_choice": ("none",), "store": (False,),
            "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,)}
@@ -59,6 +60,7 @@ def _nullable(schema: dict) -> dict:
 _COUNT = _nullable({**_INT, "minimum": 1})
 _STOP = _nullable({"anyOf": [{"type": "string", "maxLength": 256},
                              {"type": "array", "items": {"type": "string", "maxLength": 256}, "maxItems": 16}]})
+_EXTENSION: dict[str, Any]
 _EXTENSION = {"type": "object", "additionalProperties": False, "properties": {
     "allowed_jurisdictions": {"type": "array", "items": {"type": "string"}, "maxItems": 64,
                               "description": "where the request may be processed (never widens the tenant's)"},
@@ -86,8 +88,10 @@ COMMON: dict[str, dict] = {
 }
 """Fields both endpoints take."""
 
+_TEXT_PART: dict[str, Any]
 _TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_MESSAGE: dict[str, Any]
 _MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
     "role": {"enum": ["system", "developer", "user", "assistant"]},
     "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART, "minItems": 1}]}}}

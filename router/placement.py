@@ -38,6 +38,7 @@ from __future__ import annotations
 import enum
 import itertools
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -114,7 +115,7 @@ class PlacementError(Exception):
 @dataclass(slots=True)
 class PlacementRequest:
     prompt_tokens: int
-    cached_blocks: dict[str, int] = field(default_factory=dict)
+    cached_blocks: Mapping[str, int] = field(default_factory=dict)
     """Worker id -> leading blocks of this prompt it holds (the prefix index)."""
     allowed_jurisdictions: frozenset[str] | None = None
     """Hard residency constraint; None = anywhere. Comes from the request or

@@ -16,6 +16,7 @@ refused (router/admin.py says what to change instead)."""
 
 from __future__ import annotations
 
+import builtins
 import logging
 import time
 
@@ -113,7 +114,7 @@ class PoolManager:
     def list(self) -> list[apb.PoolStatus]:
         return [self.status(site, role) for site, role in self.desired]
 
-    def figures(self) -> list[PoolFigures]:
+    def figures(self) -> builtins.list[PoolFigures]:
         """Each pool's recent figures, from finished requests and the workers' last heartbeats."""
         served = self.window.trim(time.monotonic())
         span = max(1.0, min(self.window.window_s, time.monotonic() - served[0].at)) if served else 1.0
@@ -121,7 +122,7 @@ class PoolManager:
         for site, role in self.desired:
             desired = self.wanted(site, role)
             members = [w for w in self._members(site, role) if not w.draining and self.registry.healthy(w)]
-            f = PoolFigures(site, role, desired, len(members), self.minimum[(site, role)],
+            f = PoolFigures(site, Role(role), desired, len(members), self.minimum[(site, role)],
                             self.limits[(site, role)])
             if role == Role.PREFILL:
                 mine = [s for s in served if s.prefill_site == site and s.prefill_role == Role.PREFILL]

@@ -50,7 +50,8 @@ class WorkerRecord:
     load: wpb.WorkerLoad
     _last_seen: float
     channel: grpc.aio.Channel
-    stub: object
+    stub: wgrpc.PrefillWorkerStub | wgrpc.DecodeWorkerStub
+    """By its role (:attr:`prefill_stub`, :attr:`decode_stub`)."""
     _draining: bool = False
     _inflight: int = 0
     synced: bool = False
@@ -70,6 +71,18 @@ class WorkerRecord:
     draining = _Mirrored("_draining", "draining")
     inflight = _Mirrored("_inflight", "inflight")
     """Requests the router has on this worker now (exact, unlike heartbeats)."""
+
+    @property
+    def prefill_stub(self) -> wgrpc.PrefillWorkerStub:
+        if not isinstance(self.stub, wgrpc.PrefillWorkerStub):
+            raise RuntimeError(f"worker {self.info.worker_id} is not a prefill worker")
+        return self.stub
+
+    @property
+    def decode_stub(self) -> wgrpc.DecodeWorkerStub:
+        if not isinstance(self.stub, wgrpc.DecodeWorkerStub):
+            raise RuntimeError(f"worker {self.info.worker_id} is not a decode worker")
+        return self.stub
 
     @property
     def pending_prefill_tokens(self) -> int:

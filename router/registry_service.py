@@ -25,7 +25,7 @@ from router.errors import ErrorKind, RouterError
 from router.peer import STATUS, CallAuth
 from router.registry import worker_identity
 from runtime.config import LinkSection
-from runtime.pki import CertRole
+from runtime.pki import CertRole, Identity
 from runtime.topology import Role
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class RegistryService(wgrpc.RegistryServicer):
         """A registration and the certificate it came with, accepted or refused, in the audit log."""
         if self.core.audit is None:
             return
+        cert: Identity | str | None
         try:
             cert = self.auth.cert(context) if self.auth.tls is not None else None
         except RouterError as exc:

@@ -128,9 +128,9 @@ class Relay:
     # -- the steps ------------------------------------------------------------------------------------------------
     def _reserve(self) -> None:
         """Opens D's Decode stream; its first answer is a reservation, or tokens when colocated."""
-        self.call = self.d.stub.Decode(wpb.DecodeRequest(request=self.wr, colocated=self.p is None,
-                                                         lease_s=self.lease_s, link=self.placement.link),
-                                     metadata=self.metadata)
+        self.call = self.d.decode_stub.Decode(wpb.DecodeRequest(request=self.wr, colocated=self.p is None,
+                                                                lease_s=self.lease_s, link=self.placement.link),
+                                              metadata=self.metadata)
         # KV crossing a link between sites: if the link goes down meanwhile, re-place at once
         # (the transfer would otherwise stall until its timeout)
         if self.p is not None:
@@ -140,17 +140,20 @@ class Relay:
 
     def _start_prefill(self, target: wpb.KVTarget) -> None:
         """Calls P.Prefill with D's reservation plus what the link between them asks for."""
-        link = self.topology.link(self.p.info.site, self.d.info.site)
+        p = self._p()
+        link = self.topology.link(p.info.site, self.d.info.site)
+        if link is None:  # placement pairs only sites that exchange KV
+            raise RuntimeError(f"{self.client_id}: sites {p.info.site} and {self.d.info.site} have no link")
         target.link_rtt_ms, target.link_gbps = link.rtt_ms, link.gbps
         target.protection = self.topology.protection(link)
         target.receiver = self.d.info.worker_id  # the receiver's certificate must name it
         # the sender's kind decides unless the link pins one (tcp = bytes over the socket)
-        target.transport = self.topology.transport(link, self.p.info.transport)
+        target.transport = self.topology.transport(link, p.info.transport)
         self.placement.transport = target.transport
         self.span.add_event("kvrelay.reservation", {"kvrelay.kv.blocks": len(target.block_ids),
                                                     "kvrelay.transport": target.transport})
-        self.prefill = asyncio.ensure_future(self.p.stub.Prefill(wpb.PrefillRequest(request=self.wr, target=target),
-                                                                 metadata=self.metadata))
+        call = p.prefill_stub.Prefill(wpb.PrefillRequest(request=self.wr, target=target), metadata=self.metadata)
+        self.prefill = asyncio.ensure_future(call)
 
     def _relay(self, out: ipb.GenerateResponse) -> ipb.GenerateResponse:
         """One message from D on its way to the caller."""
@@ -232,13 +235,21 @@ class Relay:
     def _check_sides(self) -> None:
         """Raises when the KV cannot arrive: its link went down, or P failed."""
         if self.link_down is not None and self.link_down.done() and self._kv_moving():
-            raise Failover(Role.PREFILL, self.p.info.worker_id, f"link {self.placement.link} went down", suspect=False)
-        if self.prefill is not None and self.prefill.done() and self.prefill.exception() is not None:
-            code, details = _worker_error(self.prefill.exception())
+            raise Failover(Role.PREFILL, self._p().info.worker_id, f"link {self.placement.link} went down",
+                           suspect=False)
+        failed = self.prefill.exception() if self.prefill is not None and self.prefill.done() else None
+        if failed is not None:
+            code, details = _worker_error(failed)
             if code in RETRYABLE:
-                raise Failover(Role.PREFILL, self.p.info.worker_id, f"{code.name}: {details}")
+                raise Failover(Role.PREFILL, self._p().info.worker_id, f"{code.name}: {details}")
             kind = ErrorKind.INVALID if code == grpc.StatusCode.INVALID_ARGUMENT else ErrorKind.UNAVAILABLE
             raise RouterError(kind, f"prefill failed: {details}")
+
+    def _p(self) -> WorkerRecord:
+        """P, whom only an attempt that is not colocated calls (and watches)."""
+        if self.p is None:
+            raise RuntimeError(f"{self.client_id}: a colocated attempt has no prefill worker")
+        return self.p
 
     def _decode_failed(self, exc: grpc.aio.AioRpcError) -> Exception:
         """What D's failed stream means for the request."""

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.audit import OTHER_TENANTS, AuditLog, RecordKind, parse_time
+from router.audit_writer import AuditWriter
 from router.jobs_store import JobStore
 from runtime.config import ClusterConfig
 from runtime.tenants import TenantSection
@@ -54,7 +55,7 @@ class RetentionReport:
 class RetentionSweeper:
     """Deletes expired jobs and audit records, on demand (:meth:`sweep_once`) or periodically (:meth:`run`)."""
 
-    def __init__(self, cfg: ClusterConfig, jobs_store: JobStore | None, audit: AuditLog | None,
+    def __init__(self, cfg: ClusterConfig, jobs_store: JobStore | None, audit: AuditLog | AuditWriter | None,
                  clock: Callable[[], float] = time.time) -> None:
         """``jobs_store``: the router's job store (the Jobs service's: its
         calls are serialized, so this thread may share it); None: no jobs to
@@ -74,21 +75,21 @@ class RetentionSweeper:
         now = self.clock()
         report = RetentionReport()
         if self.jobs is not None:
-            self._sweep_jobs(now, report)
+            self._sweep_jobs(self.jobs, now, report)
         if self.audit is not None:
             result = self.audit.sweep(self._audit_expired(now), self._audit_cutoffs(now))
             report.audit_records_deleted = dict(result.counts)
         return report
 
-    def _sweep_jobs(self, now: float, report: RetentionReport) -> None:
+    def _sweep_jobs(self, jobs: JobStore, now: float, report: RetentionReport) -> None:
         shortest = min(t.job_retention_days for t in [*self.cfg.tenants, DEFAULT_POLICY])
-        for row in self.jobs.finished_before(now - shortest * DAY_S):
+        for row in jobs.finished_before(now - shortest * DAY_S):
             if row.finished >= now - self.policy(row.owner).job_retention_days * DAY_S:
                 continue  # its owner keeps jobs longer
             if self.audit is not None:  # recorded before it is gone: no deletion goes unrecorded
                 self.audit.append_durable(RecordKind.JOB, {"action": "expired", "job": row.id,
                                                            "tenant": row.owner, "requests_deleted": row.total})
-            n = self.jobs.delete(row.id)
+            n = jobs.delete(row.id)
             if n is None:
                 continue  # deleted meanwhile (by its owner)
             report.jobs_deleted[row.owner] = report.jobs_deleted.get(row.owner, 0) + 1

@@ -275,6 +275,7 @@ class UsageLedger:
         self.flush()
         since_minute = int(max(0.0, since_unix) // 60) * 60
         cols = ", ".join(groups)
+        args: list[int | str]
         where, args = "minute >= ?", [since_minute]
         if tenant:
             where, args = where + " AND tenant = ?", [*args, tenant]

@@ -30,6 +30,18 @@ _COLUMNS: dict[str, tuple[type, object]] = {
 class Columns:
     """The workers' changing fields, one numpy array per field."""
 
+    healthy: np.ndarray
+    draining: np.ndarray
+    inflight: np.ndarray
+    max_inflight: np.ndarray
+    queued_prefill_tokens: np.ndarray
+    running: np.ndarray
+    waiting: np.ndarray
+    free_blocks: np.ndarray
+    prefill_tokens_per_s: np.ndarray
+    decode_step_s: np.ndarray
+    heard_at: np.ndarray
+
     def __init__(self, n: int) -> None:
         for name, (_, dtype) in _COLUMNS.items():
             setattr(self, name, np.zeros(n, dtype))
@@ -123,7 +135,7 @@ class LinkView:
         return isinstance(other, LinkView) and (self.rtt_ms, self.gbps, self.up, self.name) == \
             (other.rtt_ms, other.gbps, other.up, other.name)
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # mypy rejects the standard idiom for unhashable (__eq__ by value)
 
     def __repr__(self) -> str:
         return f"LinkView(rtt_ms={self.rtt_ms}, gbps={self.gbps}, up={self.up}, name={self.name!r})"
@@ -239,7 +251,7 @@ class Table:
         """Index bit -> row (-1: not in this view), rebuilt when the index's
         bits change (it replaces its id list then, or appends to it)."""
         if self._bits_of is not ids or len(self._bit_row) != len(ids):
-            self._bit_row = np.fromiter((self.row.get(w, -1) for w in ids), np.int64, len(ids))
+            self._bit_row = np.fromiter((-1 if w is None else self.row.get(w, -1) for w in ids), np.int64, len(ids))
             self._bits_of = ids
         return self._bit_row
 

@@ -42,7 +42,7 @@ import sys
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import yaml
 
@@ -136,7 +136,10 @@ def _one_of(values) -> str:
     return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
 
 
-def _enum(cls: type[StrEnum], value: Any, name: str, reason: str) -> StrEnum:
+_E = TypeVar("_E", bound=StrEnum)
+
+
+def _enum(cls: type[_E], value: Any, name: str, reason: str) -> _E:
     """``value`` as a member of ``cls``, else FieldError(name, reason + the value)."""
     try:
         return cls(value)

@@ -21,6 +21,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
@@ -168,9 +169,11 @@ class MetricsServer:
     """``/metrics`` of one registry over HTTP, in a thread of its own."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self._server: WSGIServer | None = server
+        """None once closed."""
         self.host = host
-        self.port = self._server.server_port
+        self.port = server.server_port
         self._lock = threading.Lock()
 
     @property

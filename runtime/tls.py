@@ -68,7 +68,7 @@ class TLSMaterial:
         pems = context.auth_context().get("x509_pem_cert")
         if not pems:
             return None
-        serial, ident = _identity_of_pem(pems[0])
+        serial, ident = _identity_of_pem(pems[0])  # type: ignore[index]  # grpc's stubs: Iterable; grpc gives a list
         if serial in self.revoked:
             raise PeerRefused(grpc.StatusCode.UNAUTHENTICATED,
                               f"certificate serial {serial:x} ({ident or 'no kvrelay identity'}) is revoked "
@@ -115,8 +115,10 @@ def load_material(section: TLSSection, pem: dict[str, bytes] | None = None,
             raise PKIError(f"{where}.ca: no CA bundle configured (kvrelay pki init makes one)")
         ca_pem = read_pem(section.ca, f"{where}.ca")
     if cert_pem is None and section.cert is not None:
+        if section.key is None:  # the config requires them together
+            raise PKIError(f"{where}.cert needs {where}.key")
         cert_pem = read_pem(section.cert, f"{where}.cert")
-        key_pem = read_pem(section.key, f"{where}.key")  # the config requires them together
+        key_pem = read_pem(section.key, f"{where}.key")
     ident = None
     if cert_pem is not None:
         if key_pem is None:

@@ -22,7 +22,7 @@ class Role(StrEnum):
     DECODE = "decode"
 
     @property
-    def proto(self) -> int:
+    def proto(self) -> wpb.Role:
         """The role as ``worker.proto`` spells it."""
         return wpb.ROLE_PREFILL if self is Role.PREFILL else wpb.ROLE_DECODE
 

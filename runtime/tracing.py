@@ -184,6 +184,7 @@ class JsonlSpanExporter(SpanExporter):
         return True
 
 
+_FIELDS: dict[str, type | tuple[type, ...]]
 _FIELDS = {"trace_id": str, "span_id": str, "name": str, "start_unix_nano": int, "end_unix_nano": (int, type(None)),
            "parent_span_id": (str, type(None)), "attributes": dict, "events": list, "links": list}
 """The fields of a span record and their types (anything else in a file is refused)."""

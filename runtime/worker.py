@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from kvrelay.v1 import worker_pb2 as wpb
@@ -24,6 +25,7 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from kvtransfer.base import Transport
 from kvtransfer.config import TransferConfig
 from kvtransfer.select import choose_transport, host_has_rdma
 from runtime.config import ClusterConfig, PoolSection, load_config
@@ -65,7 +67,7 @@ def local_address_towards(address: str) -> str:
 
 def build_engine(cfg: ClusterConfig, model_path: str, kv_shm_path: str | None = None,
                  device: str | None = None) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=model_path, dtype=cfg.model.dtype, device=device or cfg.model.device,
+    return LLMEngine(EngineConfig(model_path=Path(model_path), dtype=cfg.model.dtype, device=device or cfg.model.device,
                                   cache=cfg.cache, scheduler=cfg.scheduler, num_threads=cfg.workers.threads,
                                   kv_shm_path=kv_shm_path))
 
@@ -303,7 +305,7 @@ class WorkerSetup:
     ident: WorkerIdentity
     pool: PoolSection
     """This worker's pool in the config (its device)."""
-    transport: str
+    transport: Transport
     """KV transport of this host: tcp, nixl or local (``kv.transport`` resolved)."""
     transfer: TransferConfig
     """Settings of the KV sender or receiver."""
@@ -388,7 +390,8 @@ async def start_engine(setup: WorkerSetup, kv_shm_path: str | None = None) -> As
     engine = build_engine(setup.cfg, setup.model_path, kv_shm_path, setup.pool.device)
     w = setup.cfg.workers
     if w.fail_engine_worker == setup.ident.worker_id:
-        engine.step = failing_step(engine.step, w.fail_engine_at_step)
+        failing = failing_step(engine.step, w.fail_engine_at_step)
+        engine.step = failing  # type: ignore[method-assign]  # fault injection: this engine's step fails on purpose
     aengine = AsyncEngine(engine)
     await aengine.start()
     return aengine

@@ -21,6 +21,7 @@ One request's life, as in DESIGN.md's request path:
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from benchmarks.sim.worker import HashChain, Hooks, SimSequence, SimWorker, new_
 from benchmarks.sim.workload import SimArrival
 from engine.blocks import blocks_for
 from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
 from router.placement import ClusterView, LinkView, PlacementError, PlacementRequest, WorkerView, make_policy, place
 from router.prefix_index import PrefixIndex
 from runtime.config import ClusterConfig
@@ -91,6 +93,27 @@ class SimRequest:
     @property
     def sent_tokens(self) -> int:
         return len(self.record.token_times)
+
+    @property
+    def decode_worker(self) -> SimWorker:
+        """``d``, which every started attempt has."""
+        if self.d is None:
+            raise RuntimeError(f"request {self.rid} has no attempt started")
+        return self.d
+
+    @property
+    def decode_sequence(self) -> SimSequence:
+        """``d_seq``, which every started attempt has."""
+        if self.d_seq is None:
+            raise RuntimeError(f"request {self.rid} has no attempt started")
+        return self.d_seq
+
+    @property
+    def prefill_sequence(self) -> SimSequence:
+        """``p_seq``, which an attempt with a prefill worker has from its start."""
+        if self.p_seq is None:
+            raise RuntimeError(f"request {self.rid} has no prefill sequence")
+        return self.p_seq
 
 
 class SimCluster:
@@ -259,7 +282,7 @@ class SimCluster:
         link = self.link_between(p.view.site, d.view.site)
         req.link = link.name
         req.kv_bytes = (blocks_for(prompt, self.block_size) - hit) * self.kv_block_bytes
-        req.flow = link.open(lambda ok, req=req, flow_of=d_seq: self._landed(req, flow_of, ok))
+        req.flow = link.open(functools.partial(self._landed, req, d_seq))
         req.p_seq = new_sequence(req.rid, prompt, 1, req.chain)
         # the reservation's answer and the prefill call: two RPCs before P queues the prompt
         self.clock.after(2 * self.sim.rpc_s, self._prefill, req, req.p_seq)
@@ -281,7 +304,7 @@ class SimCluster:
             for k in range(LAYER_PIECES):
                 self.clock.after(dur * (k + 1) / LAYER_PIECES, req.flow.link.add, req.flow, share / LAYER_PIECES)
 
-    def _token(self, w: SimWorker, seq: SimSequence, last: bool) -> None:
+    def _token(self, w: SimWorker, seq: Sequence, last: bool) -> None:
         req = self.active.get(seq.request_id)
         if req is None:
             return
@@ -306,10 +329,12 @@ class SimCluster:
         """The flow of ``d_seq``'s prompt ended: all of it arrived (ok) or its link failed."""
         if req.d_seq is not d_seq or self.active.get(req.rid) is not req:
             return
-        p, d = req.p, req.d
-        if p is not None and p.alive:
+        p, d = req.p, req.decode_worker
+        if p is None:  # KV flows only from a prefill worker
+            raise RuntimeError(f"request {req.rid}: KV landed for an attempt without a prefill worker")
+        if p.alive:
             p.view.inflight -= 1
-            p.release(req.p_seq)
+            p.release(req.prefill_sequence)
         req.transfer_s = self.clock.now - req.transfer_s
         if ok:
             d.commit(d_seq)
@@ -322,7 +347,7 @@ class SimCluster:
         self._place(req)
 
     def _placement(self, req: SimRequest) -> dict:
-        p, d = req.p, req.d
+        p, d = req.p, req.decode_worker
         return {"prefill_site": (p or d).view.site, "decode_site": d.view.site,
                 "prefill_worker": (p or d).view.worker_id, "decode_worker": d.view.worker_id,
                 "colocated": p is None, "link": req.link if p is not None else "",
@@ -346,15 +371,15 @@ class SimCluster:
         w.die()
         self.index.remove_worker(w.wid)
         for req in [r for r in self.active.values() if w in (r.p, r.d)]:
-            p, d = req.p, req.d
+            p, d = req.p, req.decode_worker
             if req.flow is not None and not req.flow.over:
                 req.flow.link.cancel(req.flow)
             if p is not None and p is not w:
                 p.view.inflight -= 1
-                p.release(req.p_seq)
+                p.release(req.prefill_sequence)
             if d is not w:
                 d.view.inflight -= 1
-                d.release(req.d_seq)
+                d.release(req.decode_sequence)
             if d is w:
                 req.migrations += 1
             else:

@@ -22,6 +22,7 @@ import copy
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.config import ClusterConfig
 from runtime.topology import Role
@@ -138,7 +139,7 @@ class Planner:
                 continue
             roles = [(Role.DECODE, 2)] + ([] if shape is Shape.COLOCATED else [(Role.PREFILL, 1)])
             for role, k in roles:
-                row = [site, p, d]
+                row: list[Any] = [site, p, d]
                 row[k] += 1 if grow else -1
                 cap = self.limits[site][k - 1]
                 if row[k] < 0 or row[k] > cap:

@@ -18,12 +18,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
 
 import numpy as np
 
 from benchmarks.kv_bench import machine
 from benchmarks.sim.profile import MeasuredProfile, ModelSpec, attention_pairs
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, DType, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine, StepUsage
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -61,7 +63,7 @@ class _Timer:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.steps: list[StepUsage] = []
-        self.work: list[tuple[int, int, int]] = []
+        self.work: list[Point] = []
         engine.step_hook = self.steps.append
         schedule = engine.scheduler.schedule
 
@@ -79,7 +81,7 @@ class _Timer:
                         pts.pairs += attention_pairs(start, e.num_new_tokens)
                 self.work.append(pts)
             return out
-        engine.scheduler.schedule = recording
+        engine.scheduler.schedule = recording  # type: ignore[method-assign]  # records each step's work
 
     def clear(self) -> None:
         self.steps.clear()
@@ -92,7 +94,8 @@ class _Timer:
 class Profiler:
     def __init__(self, model_path: str, dtype: str = "float32", threads: int | None = 1) -> None:
         self.threads = threads
-        self.engine = LLMEngine(EngineConfig(model_path, dtype, cache=CacheConfig(num_blocks=4096),
+        self.engine = LLMEngine(EngineConfig(Path(model_path), cast(DType, dtype),  # a DType: EngineConfig checks
+                                             cache=CacheConfig(num_blocks=4096),
                                              scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64),
                                              num_threads=threads))
         self.timer = _Timer(self.engine)
@@ -166,12 +169,12 @@ class Profiler:
             for n in neighbours:
                 n.kill()
                 n.wait(10)
-        c, err = fit(pts)
+        (c0, c_prefill, c_decode, c_attend, c_context), err = fit(pts)
         cfg = self.engine.model_config
         params = param_count(cfg)
         spec = ModelSpec(name, float(params), cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim,
                          cfg.max_position_embeddings)
-        return MeasuredProfile(spec, self.engine.cfg.dtype, *c,
+        return MeasuredProfile(spec, self.engine.cfg.dtype, c0, c_prefill, c_decode, c_attend, c_context,
                                source=f"measured by kvrelay profile on {machine().get('cpu', 'this CPU')}, "
                                       f"{self.threads or os.cpu_count()} torch thread(s), {self.engine.cfg.dtype}, "
                                       f"{sharing} engine(s) on the machine",

@@ -52,13 +52,15 @@ class SimSequence(Sequence):
 
     def hashes_up_to(self, num_blocks: int, block_size: int) -> list[int]:
         if num_blocks > len(self.block_hashes):
+            if self.chain is None:  # new_sequence gives every one its chain
+                raise RuntimeError(f"sequence {self.request_id} has no hash chain")
             self.block_hashes = self.chain.upto(num_blocks)
         return self.block_hashes[:num_blocks]
 
 
 def new_sequence(rid: str, prompt_tokens: int, max_tokens: int, chain: HashChain, priority: int = 0) -> SimSequence:
-    return SimSequence(rid, range(prompt_tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0,
-                       priority=priority, chain=chain)
+    return SimSequence(rid, range(prompt_tokens),  # type: ignore[arg-type]  # a range: only its length is read
+                       SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0, priority=priority, chain=chain)
 
 
 @dataclass(slots=True)
@@ -66,7 +68,7 @@ class Hooks:
     """What a worker tells the cluster."""
 
     step_started: Callable[[SimWorker, SchedulerOutput, float], None]
-    token: Callable[[SimWorker, SimSequence, bool], None]
+    token: Callable[[SimWorker, Sequence, bool], None]
     """A sequence sampled a token (True: its last)."""
     freed: Callable[[SimWorker], None]
     """Blocks or seats were freed (waiting requests may fit now)."""

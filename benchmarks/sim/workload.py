@@ -29,6 +29,7 @@ class SimArrival:
         for j in range(self.prompt_tokens // block_size):
             start, end = j * block_size, (j + 1) * block_size - 1
             k0, k1 = start // tb, end // tb
+            key: tuple[int, ...]
             if k1 < len(self.hash_ids):
                 key = (prev, self.hash_ids[k0], self.hash_ids[k1], start - k0 * tb)
             else:
@@ -45,7 +46,7 @@ def arrivals(reqs: list[TraceRequest], scale: float = 1.0, out_scale: float | No
     tb = max(1, round(MOONCAKE_BLOCK_TOKENS * scale))
     lengths = scale_lengths(reqs, scale, out_scale)
     span = (reqs[-1].arrival_s if reqs else 0.0) + (reqs[-1].arrival_s / max(1, len(reqs) - 1) if reqs else 0.0)
-    out = []
+    out: list[SimArrival] = []
     for copy in range(repeat):
         for r, (n_in, n_out) in zip(reqs, lengths):
             ids = [h + copy * (1 << 40) for h in r.hash_ids]  # copies do not share blocks

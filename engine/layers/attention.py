@@ -96,8 +96,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gqa = kv_heads != heads
     nd = meta.num_decode
     if nd:
-        kd = gather_blocks(k_cache, meta.decode_block_tables).view(nd, -1, kv_heads, dim).transpose(1, 2)
-        vd = gather_blocks(v_cache, meta.decode_block_tables).view(nd, -1, kv_heads, dim).transpose(1, 2)
+        tables = meta.decode_block_tables
+        if tables is None:
+            raise ValueError(f"attention metadata with {nd} decode tokens has no decode_block_tables")
+        kd = gather_blocks(k_cache, tables).view(nd, -1, kv_heads, dim).transpose(1, 2)
+        vd = gather_blocks(v_cache, tables).view(nd, -1, kv_heads, dim).transpose(1, 2)
         od = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), kd, vd,
                                             attn_mask=meta.decode_mask, enable_gqa=gqa)
         out[:nd] = od.squeeze(2)

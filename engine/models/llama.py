@@ -51,9 +51,10 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.layers: list[LayerWeights] = []
-        self.embed: torch.Tensor | None = None
-        self.lm_head: Linear | None = None
-        self.norm: torch.Tensor | None = None
+        self.embed: torch.Tensor
+        self.lm_head: Linear
+        self.norm: torch.Tensor
+        """The weights above are set by :meth:`load` (:meth:`from_checkpoint` builds and loads)."""
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, dtype, device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
