@@ -30,15 +30,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
-from kvrelay.v1 import worker_pb2 as wpb
-from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.metrics import RequestRecord
-from launch import cities
+from kvrelay.benchmarks.metrics import RequestRecord
+from kvrelay.launch import cities
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 if TYPE_CHECKING:
-    from launch.local import LocalCluster
+    from kvrelay.launch.local import LocalCluster
 
 log = logging.getLogger(__name__)
 

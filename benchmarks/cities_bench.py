@@ -23,11 +23,11 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.replay import ReplayConfig, build_report, replay, write_report
-from benchmarks.traces import ScaledRequest
-from launch import cities
-from launch.local import LocalCluster
-from runtime.config import parse_config
+from kvrelay.benchmarks.replay import ReplayConfig, build_report, replay, write_report
+from kvrelay.benchmarks.traces import ScaledRequest
+from kvrelay.launch import cities
+from kvrelay.launch.local import LocalCluster
+from kvrelay.runtime.config import parse_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "three-cities.yaml"
 

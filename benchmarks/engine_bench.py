@@ -18,9 +18,9 @@ from typing import cast
 
 import torch
 
-from engine.config import CacheConfig, DType, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from kvrelay.engine.config import CacheConfig, DType, EngineConfig, SchedulerConfig
+from kvrelay.engine.llm_engine import LLMEngine
+from kvrelay.engine.sampling_params import SamplingParams
 
 CORPUS = ("Research and education networks connect universities, laboratories and hospitals across "
           "cities and countries. They carry physics data, genomes, climate models and lecture videos, "

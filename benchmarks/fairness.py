@@ -21,16 +21,16 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import grpc
+
+from kvrelay.benchmarks.kv_bench import machine
+from kvrelay.benchmarks.overload import quantile
+from kvrelay.launch.local import LocalCluster
+from kvrelay.router.auth import token_sha256
+from kvrelay.runtime.config import parse_config
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
-
-from benchmarks.kv_bench import machine
-from benchmarks.overload import quantile
-from launch.local import LocalCluster
-from router.auth import token_sha256
-from runtime.config import parse_config
 
 TOKENS = {"lab-a": "fairness-batch-tenant", "lab-b": "fairness-interactive-tenant"}
 FAIRNESS_CLUSTER = {

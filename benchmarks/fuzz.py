@@ -22,24 +22,23 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvrelay.v1 import worker_pb2 as wpb
-from kvrelay.v1 import worker_pb2_grpc as wgrpc
-
-from benchmarks.fuzz_targets import (
+from kvrelay.benchmarks.fuzz_targets import (
     ConfigTarget,
     GrpcTarget,
     HttpTarget,
     KVTarget,
     Outcome,
 )
-from benchmarks.kv_bench import machine
-from benchmarks.probes import run_probes
-from kvtransfer.handshake import SenderHello
-from kvtransfer.protection import Protection
-from launch.local import LocalCluster
-from runtime.config import parse_config
-from runtime.kvcreds import CertCredentials
-from runtime.pki import CertRole, Identity
+from kvrelay.benchmarks.kv_bench import machine
+from kvrelay.benchmarks.probes import run_probes
+from kvrelay.kvtransfer.handshake import SenderHello
+from kvrelay.kvtransfer.protection import Protection
+from kvrelay.launch.local import LocalCluster
+from kvrelay.runtime.config import parse_config
+from kvrelay.runtime.kvcreds import CertCredentials
+from kvrelay.runtime.pki import CertRole, Identity
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
 

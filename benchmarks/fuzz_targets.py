@@ -25,13 +25,13 @@ import yaml
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
+
+from kvrelay.kvtransfer.handshake import SenderHello, client_handshake
+from kvrelay.kvtransfer.wire import PROTOCOL_VERSION, ProtocolError, frame_bytes
+from kvrelay.runtime.config import ConfigError, load_config, parse_config
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import kv_wire_pb2 as kpb
-
-from kvtransfer.handshake import SenderHello, client_handshake
-from kvtransfer.wire import PROTOCOL_VERSION, ProtocolError, frame_bytes
-from runtime.config import ConfigError, load_config, parse_config
 
 if TYPE_CHECKING:
     from google._upb._message import FieldDescriptor as UpbFieldDescriptor

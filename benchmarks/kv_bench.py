@@ -28,20 +28,20 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import kv_limit
-from benchmarks.kv_limit import PLAIN
-from benchmarks.kv_peer import SECRET, mooncake_engine
-from engine.blocks import blocks_for
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.kv_cache import KVCache, KVLayout
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from kvtransfer.base import TransferState, TransferTarget
-from kvtransfer.config import TransferConfig
-from kvtransfer.nixl import NixlKVSender, make_agent, nixl_available
-from kvtransfer.protection import Protection
-from kvtransfer.tcp import TcpKVSender
-from prefill_worker.streamer import LayerStreamer
+from kvrelay.benchmarks import kv_limit
+from kvrelay.benchmarks.kv_limit import PLAIN
+from kvrelay.benchmarks.kv_peer import SECRET, mooncake_engine
+from kvrelay.engine.blocks import blocks_for
+from kvrelay.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvrelay.engine.kv_cache import KVCache, KVLayout
+from kvrelay.engine.llm_engine import LLMEngine
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer.base import TransferState, TransferTarget
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.nixl import NixlKVSender, make_agent, nixl_available
+from kvrelay.kvtransfer.protection import Protection
+from kvrelay.kvtransfer.tcp import TcpKVSender
+from kvrelay.prefill_worker.streamer import LayerStreamer
 
 LAYOUT = KVLayout("peer", "float32", 30, 3, 64, 16)
 PER_BLOCK = 2 * LAYOUT.num_layers * LAYOUT.block_bytes
@@ -71,7 +71,7 @@ PEER_HOST: str | None = None
 def _peer(*args: str, full: bool = False) -> tuple[subprocess.Popen, str]:
     where = ["ip", "netns", "exec", PEER_NETNS] if PEER_NETNS else []
     host = [f"host={PEER_HOST}"] if PEER_HOST else []
-    proc = subprocess.Popen([*where, sys.executable, "-m", "benchmarks.kv_peer", *args, *host],
+    proc = subprocess.Popen([*where, sys.executable, "-m", "kvrelay.benchmarks.kv_peer", *args, *host],
                             stdout=subprocess.PIPE, text=True)
     if proc.stdout is None:  # stdout=PIPE
         raise RuntimeError("benchmark peer has no stdout")

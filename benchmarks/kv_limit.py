@@ -6,15 +6,15 @@ destination; under ``integrity`` the same tag over each piece, sent beside
 it). Both ends share one fixed key: this is a measurement, not a protocol.
 
 Sender side here (:func:`push`); the receiving process is
-``python -m benchmarks.kv_peer raw-receiver NBYTES STREAMS ROUNDS MODE``."""
+``python -m kvrelay.benchmarks.kv_peer raw-receiver NBYTES STREAMS ROUNDS MODE``."""
 
 from __future__ import annotations
 
 import socket
 
-from kvtransfer.protection import Protection, preferred_ciphers
-from kvtransfer.record import PIECE, TAG, sendmsg_all
-from kvtransfer.wire import recv_exact_into
+from kvrelay.kvtransfer.protection import Protection, preferred_ciphers
+from kvrelay.kvtransfer.record import PIECE, TAG, sendmsg_all
+from kvrelay.kvtransfer.wire import recv_exact_into
 
 PLAIN = "plain"
 """Mode of the plain raw socket (no cipher work)."""

@@ -1,19 +1,19 @@
 """A KV transport peer in its own process, for benchmarks and for tests that
 kill one side. SPEC is ``dtype,layers,kv_heads,head_dim,block_size,num_blocks[,model]``.
 
-    python -m benchmarks.kv_peer receiver SPEC COUNT [tcp|nixl]
+    python -m kvrelay.benchmarks.kv_peer receiver SPEC COUNT [tcp|nixl]
         expects transfers t0..t{COUNT-1}, each into every block;
         prints "ENDPOINT host:port", then serves until killed
-    python -m benchmarks.kv_peer raw-receiver NBYTES STREAMS ROUNDS [MODE]
+    python -m kvrelay.benchmarks.kv_peer raw-receiver NBYTES STREAMS ROUNDS [MODE]
         accepts STREAMS connections, then for each of ROUNDS receives on each
         its share of NBYTES as MODE sends it (plain, aead or integrity:
         benchmarks/kv_limit.py) and answers one byte; prints "ENDPOINT host:port"
-    python -m benchmarks.kv_peer nixl-target NBYTES
+    python -m kvrelay.benchmarks.kv_peer nixl-target NBYTES
         registers NBYTES with a bare NIXL agent; prints "ENDPOINT hex_metadata address"
-    python -m benchmarks.kv_peer mooncake-target NBYTES
+    python -m kvrelay.benchmarks.kv_peer mooncake-target NBYTES
         registers NBYTES with a Mooncake transfer engine (P2PHANDSHAKE, tcp)
         and prints "ENDPOINT host:rpc_port buffer_address"
-    python -m benchmarks.kv_peer sender SPEC ENDPOINT TRANSFER_ID N_BLOCKS LAYERS
+    python -m kvrelay.benchmarks.kv_peer sender SPEC ENDPOINT TRANSFER_ID N_BLOCKS LAYERS
         sends LAYERS layers of N_BLOCKS blocks, prints "SENT", then hangs
 
 Receivers listen on 127.0.0.1, or on ADDR given as ``host=ADDR`` anywhere
@@ -29,14 +29,14 @@ import time
 
 import torch
 
-from benchmarks import kv_limit
-from benchmarks.kv_limit import PLAIN
-from engine.kv_cache import KVCache, KVLayout
-from kvtransfer.base import TransferTarget
-from kvtransfer.config import TransferConfig
-from kvtransfer.nixl import NixlKVReceiver, make_agent
-from kvtransfer.protection import Protection
-from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
+from kvrelay.benchmarks import kv_limit
+from kvrelay.benchmarks.kv_limit import PLAIN
+from kvrelay.engine.kv_cache import KVCache, KVLayout
+from kvrelay.kvtransfer.base import TransferTarget
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.nixl import NixlKVReceiver, make_agent
+from kvrelay.kvtransfer.protection import Protection
+from kvrelay.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 
 SECRET = b"test-secret"
 HOST = "127.0.0.1"

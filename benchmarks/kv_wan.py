@@ -5,7 +5,7 @@ our transfer (aead, the default) and a plain raw TCP transfer of the same
 bytes with the same streams run alternately from site a to a receiver in
 site b, so both meet the same link and the same machine load.
 
-    python -m benchmarks.kv_wan child NETNS_B HOST_B MIB STREAMS REPEAT
+    python -m kvrelay.benchmarks.kv_wan child NETNS_B HOST_B MIB STREAMS REPEAT
         (inside site a's namespace) prints one JSON line: ours_s, raw_s
 """
 
@@ -18,10 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import kv_bench
-from benchmarks.kv_bench import KVBenchResult
-from launch import cities
-from runtime.config import parse_config
+from kvrelay.benchmarks import kv_bench
+from kvrelay.benchmarks.kv_bench import KVBenchResult
+from kvrelay.launch import cities
+from kvrelay.runtime.config import parse_config
 
 WAN = {"sites": [{"name": "a"}, {"name": "b"}], "links": [{"between": ["a", "b"], "rtt_ms": 60, "gbps": 1}]}
 PREFIX = "kvb"
@@ -34,7 +34,7 @@ def wan_link_ratio(mib: int = 128, streams: int = 4, repeat: int = 3) -> dict:
         st = cities.up(parse_config(WAN), Path(state), prefix=PREFIX)
         try:
             a, b = st.site("a"), st.site("b")
-            cmd = ["ip", "netns", "exec", a.netns, sys.executable, "-m", "benchmarks.kv_wan", "child", b.netns,
+            cmd = ["ip", "netns", "exec", a.netns, sys.executable, "-m", "kvrelay.benchmarks.kv_wan", "child", b.netns,
                    b.site_addr, str(mib), str(streams), str(repeat)]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         finally:

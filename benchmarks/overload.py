@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
+
+from kvrelay.benchmarks.kv_bench import machine
+from kvrelay.launch.local import LocalCluster
+from kvrelay.runtime.config import parse_config
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-
-from benchmarks.kv_bench import machine
-from launch.local import LocalCluster
-from runtime.config import parse_config
 
 OVERLOAD_CLUSTER = {
     "router": {"port": 0, "http_port": None, "policy": "least_loaded", "colocate_below_tokens": 0,

@@ -15,8 +15,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from engine.hashing import hash_blocks
-from router.placement import (
+from kvrelay.engine.hashing import hash_blocks
+from kvrelay.router.placement import (
     POLICIES,
     ClusterView,
     LinkView,
@@ -24,8 +24,8 @@ from router.placement import (
     WorkerView,
     make_policy,
 )
-from router.prefix_index import PrefixIndex
-from runtime.topology import Role
+from kvrelay.router.prefix_index import PrefixIndex
+from kvrelay.runtime.topology import Role
 
 
 @dataclass(slots=True)

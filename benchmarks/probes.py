@@ -15,12 +15,12 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import grpc
+
+from kvrelay.launch.local import LocalCluster
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
-
-from launch.local import LocalCluster
 
 CHAT = "/v1/chat/completions"
 FIVE_MB = 5_000_000

@@ -17,16 +17,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
+
+from kvrelay.benchmarks.metrics import RequestRecord, per_link, per_site, summarize
+from kvrelay.benchmarks.plots import write_plots
+from kvrelay.benchmarks.traces import ScaledRequest, TraceRequest, scale_lengths
+from kvrelay.runtime.rpc import Dialer
+from kvrelay.runtime.topology import Role
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
-
-from benchmarks.metrics import RequestRecord, per_link, per_site, summarize
-from benchmarks.plots import write_plots
-from benchmarks.traces import ScaledRequest, TraceRequest, scale_lengths
-from runtime.rpc import Dialer
-from runtime.topology import Role
 
 
 @dataclass(slots=True)

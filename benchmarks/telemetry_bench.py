@@ -22,13 +22,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrelay.benchmarks.kv_bench import machine
+from kvrelay.launch.local import LocalCluster
+from kvrelay.runtime.config import parse_config
+from kvrelay.runtime.tracing import read_spans
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-
-from benchmarks.kv_bench import machine
-from launch.local import LocalCluster
-from runtime.config import parse_config
-from runtime.tracing import read_spans
 
 MODES = ("off", "traced")
 

@@ -19,11 +19,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvrelay.launch.local import LocalCluster
+from kvrelay.runtime.config import ClusterConfig
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-
-from launch.local import LocalCluster
-from runtime.config import ClusterConfig
 
 MODES = ("tls", "plaintext")
 

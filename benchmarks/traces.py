@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from engine.blocks import blocks_for
+from kvrelay.engine.blocks import blocks_for
 
 MOONCAKE_BLOCK_TOKENS = 512
 FORMATS = ("azure", "mooncake")

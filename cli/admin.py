@@ -8,12 +8,8 @@ import sys
 from pathlib import Path
 
 import grpc
-from kvrelay.v1 import admin_pb2 as apb
-from kvrelay.v1 import admin_pb2_grpc as agrpc
-from kvrelay.v1 import worker_pb2 as wpb
-from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
-from cli.common import (
+from kvrelay.cli.common import (
     add_connect_flags,
     default_token_file,
     dialer,
@@ -21,10 +17,14 @@ from cli.common import (
     operator_token,
     table,
 )
-from cli.watch import pool_rows, render_status, watch
-from router.auth import token_sha256
-from runtime.rpc import Dialer
-from runtime.topology import Role
+from kvrelay.cli.watch import pool_rows, render_status, watch
+from kvrelay.router.auth import token_sha256
+from kvrelay.runtime.rpc import Dialer
+from kvrelay.runtime.topology import Role
+from kvrelay.v1 import admin_pb2 as apb
+from kvrelay.v1 import admin_pb2_grpc as agrpc
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 
 def operator_dialer(args: argparse.Namespace) -> Dialer:

@@ -14,8 +14,8 @@ import re
 import sys
 from pathlib import Path
 
-from cli.common import table
-from router.audit import RecordKind, parse_time, query, verify
+from kvrelay.cli.common import table
+from kvrelay.router.audit import RecordKind, parse_time, query, verify
 
 AUDIT_FILE = "audit.jsonl"
 """The audit log's name in the cache folder (``kvrelay serve``'s default ``router.audit_log``)."""

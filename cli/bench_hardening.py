@@ -9,10 +9,10 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.fairness import FairnessConfig, format_fairness, run_fairness_bench
-from benchmarks.fuzz import format_fuzz, run_fuzz_bench
-from benchmarks.overload import OverloadConfig, format_overload, run_overload_bench
-from cli.local import resolve_model
+from kvrelay.benchmarks.fairness import FairnessConfig, format_fairness, run_fairness_bench
+from kvrelay.benchmarks.fuzz import format_fuzz, run_fuzz_bench
+from kvrelay.benchmarks.overload import OverloadConfig, format_overload, run_overload_bench
+from kvrelay.cli.local import resolve_model
 
 
 def cmd_bench_fuzz(args: argparse.Namespace) -> int:

@@ -11,16 +11,16 @@ import asyncio
 import json
 from pathlib import Path
 
-from benchmarks.chaos import (
+from kvrelay.benchmarks.chaos import (
     Chaos,
     ChaosConfig,
     compare,
     comparison_markdown,
     router_counters,
 )
-from benchmarks.replay import build_report, replay, write_report
-from cli.replay_run import replay_config, replay_prompts, run_meta
-from launch.local import LocalCluster
+from kvrelay.benchmarks.replay import build_report, replay, write_report
+from kvrelay.cli.replay_run import replay_config, replay_prompts, run_meta
+from kvrelay.launch.local import LocalCluster
 
 CLIENT_RETRIES = 50
 """Times the replay client sends a request again after UNAVAILABLE (the

@@ -7,10 +7,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from cli.common import table
-from cli.lazy import local
-from launch import cities
-from launch.cities import (
+from kvrelay.cli.common import table
+from kvrelay.cli.lazy import local
+from kvrelay.launch import cities
+from kvrelay.launch.cities import (
     DEFAULT_PREFIX,
     DEFAULT_STATE_DIR,
     DEFAULT_SUBNET,
@@ -20,8 +20,8 @@ from launch.cities import (
     link_signal,
     load_state,
 )
-from launch.linkprobe import measure_link
-from runtime.config import load_config
+from kvrelay.launch.linkprobe import measure_link
+from kvrelay.runtime.config import load_config
 
 
 def cmd_cities_up(args: argparse.Namespace) -> int:

@@ -11,10 +11,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launch.credentials import CLIENT_TOKEN, LOCAL_PKI
-from runtime.pki import CA_CERT, PKIError, check_pair, read_pem
-from runtime.rpc import Dialer
-from runtime.tls import TLSMaterial
+from kvrelay.launch.credentials import CLIENT_TOKEN, LOCAL_PKI
+from kvrelay.runtime.pki import CA_CERT, PKIError, check_pair, read_pem
+from kvrelay.runtime.rpc import Dialer
+from kvrelay.runtime.tls import TLSMaterial
 
 
 def default_cache_dir() -> Path:

@@ -10,10 +10,10 @@ import json
 import sys
 
 import grpc
-from kvrelay.v1 import admin_pb2 as apb
 
-from cli.admin import admin_call, operator_flags
-from cli.common import grpc_error
+from kvrelay.cli.admin import admin_call, operator_flags
+from kvrelay.cli.common import grpc_error
+from kvrelay.v1 import admin_pb2 as apb
 
 
 def _value(v) -> str:

@@ -24,17 +24,17 @@ from pathlib import Path
 
 import grpc
 from google.protobuf import descriptor, json_format
-from kvrelay.v1 import inference_pb2 as ipb
-from kvrelay.v1 import jobs_pb2 as jpb
-from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
-from cli.common import add_connect_flags, client_dialer, grpc_error, table
-from router.job_limits import (
+from kvrelay.cli.common import add_connect_flags, client_dialer, grpc_error, table
+from kvrelay.router.job_limits import (
     MAX_JOB_BYTES,
     MAX_JOB_REQUESTS,
     MAX_REQUEST_BYTES,
     job_limit_error,
 )
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import jobs_pb2 as jpb
+from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs")
 SHORTCUTS = ("token_ids", "messages", *SAMPLING_FIELDS)

@@ -24,4 +24,4 @@ class Lazy:
 
 def local(name: str) -> Lazy:
     """A function of cli/local.py (the commands that run a model or a cluster here)."""
-    return Lazy("cli.local", name)
+    return Lazy("kvrelay.cli.local", name)

@@ -15,39 +15,39 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import cities_bench as cb
-from benchmarks import telemetry_bench
-from benchmarks.engine_bench import format_result, run_engine_bench, to_json
-from benchmarks.kv_bench import format_kv, kv_json, machine, run_kv_bench
-from benchmarks.kv_wan import add_wan
-from benchmarks.placement_bench import format_placement, run_placement_bench
-from benchmarks.replay import trace_slice
-from benchmarks.sim.profiler import ProfileGrid, Profiler
-from benchmarks.tls_bench import format_tls, run_tls_bench
-from benchmarks.traces import SAMPLE_AZURE, TraceError, build_prompts, load_trace
-from cli.chaos import run_chaos
-from cli.cities import cities_for
-from cli.common import write_secret
-from cli.replay_run import VOCAB_RANGE, replay_config, run_replay
-from engine.config import EngineConfig
-from engine.default_model import prepare_default_model
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.tiny import write_tiny_checkpoint
-from kvtransfer.protection import Protection
-from launch import cities
-from launch.cities import CitiesError, check_privileges
-from launch.credentials import (
+from kvrelay.benchmarks import cities_bench as cb
+from kvrelay.benchmarks import telemetry_bench
+from kvrelay.benchmarks.engine_bench import format_result, run_engine_bench, to_json
+from kvrelay.benchmarks.kv_bench import format_kv, kv_json, machine, run_kv_bench
+from kvrelay.benchmarks.kv_wan import add_wan
+from kvrelay.benchmarks.placement_bench import format_placement, run_placement_bench
+from kvrelay.benchmarks.replay import trace_slice
+from kvrelay.benchmarks.sim.profiler import ProfileGrid, Profiler
+from kvrelay.benchmarks.tls_bench import format_tls, run_tls_bench
+from kvrelay.benchmarks.traces import SAMPLE_AZURE, TraceError, build_prompts, load_trace
+from kvrelay.cli.chaos import run_chaos
+from kvrelay.cli.cities import cities_for
+from kvrelay.cli.common import write_secret
+from kvrelay.cli.replay_run import VOCAB_RANGE, replay_config, run_replay
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.default_model import prepare_default_model
+from kvrelay.engine.llm_engine import LLMEngine
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.tiny import write_tiny_checkpoint
+from kvrelay.kvtransfer.protection import Protection
+from kvrelay.launch import cities
+from kvrelay.launch.cities import CitiesError, check_privileges
+from kvrelay.launch.credentials import (
     CLIENT_TOKEN,
     LOCAL_TENANT,
     ensure_client_token,
     ensure_local_ca,
 )
-from launch.local import LocalCluster
-from launch.ray_backend import RayBackend
-from router.auth import token_sha256
-from runtime.config import ClusterConfig, ConfigError, load_config
-from runtime.tenants import TenantSection
+from kvrelay.launch.local import LocalCluster
+from kvrelay.launch.ray_backend import RayBackend
+from kvrelay.router.auth import token_sha256
+from kvrelay.runtime.config import ClusterConfig, ConfigError, load_config
+from kvrelay.runtime.tenants import TenantSection
 
 
 def resolve_model(arg: str | None, cache_dir: Path) -> Path:

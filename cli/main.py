@@ -13,29 +13,29 @@ import sys
 from pathlib import Path
 
 import grpc
-from kvrelay.v1 import inference_pb2 as ipb
-from kvrelay.v1 import inference_pb2_grpc as igrpc
 
-from cli import admin as cli_admin
-from cli import audit as cli_audit
-from cli import chaos as cli_chaos
-from cli import cities as cli_cities
-from cli import governance as cli_governance
-from cli import jobs as cli_jobs
-from cli import pki as cli_pki
-from cli import sim as cli_sim
-from cli import trace as cli_trace
-from cli import usage as cli_usage
-from cli.cities import cities_flag
-from cli.common import (
+from kvrelay.cli import admin as cli_admin
+from kvrelay.cli import audit as cli_audit
+from kvrelay.cli import chaos as cli_chaos
+from kvrelay.cli import cities as cli_cities
+from kvrelay.cli import governance as cli_governance
+from kvrelay.cli import jobs as cli_jobs
+from kvrelay.cli import pki as cli_pki
+from kvrelay.cli import sim as cli_sim
+from kvrelay.cli import trace as cli_trace
+from kvrelay.cli import usage as cli_usage
+from kvrelay.cli.cities import cities_flag
+from kvrelay.cli.common import (
     add_connect_flags,
     client_dialer,
     default_cache_dir,
     default_token_file,
     grpc_error,
 )
-from cli.lazy import Lazy, local
-from engine.errors import EngineError
+from kvrelay.cli.lazy import Lazy, local
+from kvrelay.engine.errors import EngineError
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -211,13 +211,13 @@ def _add_hardening_parsers(bench) -> None:
     bfa.add_argument("--seed", type=int, default=0)
     bfa.add_argument("--model", help="checkpoint folder (default: the embedded model)")
     bfa.add_argument("--json", help="also write the report to this file")
-    bfa.set_defaults(func=Lazy("cli.bench_hardening", "cmd_bench_fairness"))
+    bfa.set_defaults(func=Lazy("kvrelay.cli.bench_hardening", "cmd_bench_fairness"))
     bf = bench.add_parser("fuzz", help="fuzz the HTTP, gRPC and KV ports and the config loader; report leaks")
     bf.add_argument("--minutes", type=float, default=5.0)
     bf.add_argument("--seed", type=int, default=0)
     bf.add_argument("--model", help="checkpoint folder (default: the embedded model)")
     bf.add_argument("--json", help="also write the report to this file")
-    bf.set_defaults(func=Lazy("cli.bench_hardening", "cmd_bench_fuzz"))
+    bf.set_defaults(func=Lazy("kvrelay.cli.bench_hardening", "cmd_bench_fuzz"))
     bo = bench.add_parser("overload", help="offer several times the sustainable rate: shed vs admitted, TTFT, memory")
     bo.add_argument("--factor", type=float, default=5.0, help="offered rate in multiples of the sustainable one")
     bo.add_argument("--seconds", type=float, default=60.0, help="length of the overload")
@@ -225,7 +225,7 @@ def _add_hardening_parsers(bench) -> None:
     bo.add_argument("--seed", type=int, default=0)
     bo.add_argument("--model", help="checkpoint folder (default: the embedded model)")
     bo.add_argument("--json", help="also write the report to this file")
-    bo.set_defaults(func=Lazy("cli.bench_hardening", "cmd_bench_overload"))
+    bo.set_defaults(func=Lazy("kvrelay.cli.bench_hardening", "cmd_bench_overload"))
 
 
 def _add_generate_local_parser(sub) -> None:

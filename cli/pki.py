@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from runtime.pki import (
+from kvrelay.runtime.pki import (
     CA,
     CA_CERT,
     CA_DAYS,

@@ -11,10 +11,8 @@ import sys
 from pathlib import Path
 
 import grpc
-from kvrelay.v1 import inference_pb2 as ipb
-from kvrelay.v1 import inference_pb2_grpc as igrpc
 
-from benchmarks.replay import (
+from kvrelay.benchmarks.replay import (
     ReplayConfig,
     build_report,
     check_lengths,
@@ -22,15 +20,17 @@ from benchmarks.replay import (
     trace_slice,
     write_report,
 )
-from benchmarks.traces import build_prompts
-from cli.common import (
+from kvrelay.benchmarks.traces import build_prompts
+from kvrelay.cli.common import (
     client_dialer,
     default_token_file,
     dialer,
     grpc_error,
     operator_token,
 )
-from runtime.rpc import Dialer
+from kvrelay.runtime.rpc import Dialer
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 VOCAB_RANGE = (100, 10000)
 """Token ids of replayed prompts: inside any real vocabulary, clear of special tokens."""

@@ -11,15 +11,15 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.replay import trace_slice, write_report
-from benchmarks.sim.cluster import Failure, SimConfig, SimInputError
-from benchmarks.sim.planner import Plan, PlanGoal, Planner, Shape
-from benchmarks.sim.profile import ProfileError, load_profile
-from benchmarks.sim.run import Objectives, simulate
-from benchmarks.sim.workload import arrivals
-from benchmarks.traces import TraceError, load_trace
-from cli.lazy import local
-from runtime.config import ConfigError, load_config
+from kvrelay.benchmarks.replay import trace_slice, write_report
+from kvrelay.benchmarks.sim.cluster import Failure, SimConfig, SimInputError
+from kvrelay.benchmarks.sim.planner import Plan, PlanGoal, Planner, Shape
+from kvrelay.benchmarks.sim.profile import ProfileError, load_profile
+from kvrelay.benchmarks.sim.run import Objectives, simulate
+from kvrelay.benchmarks.sim.workload import arrivals
+from kvrelay.benchmarks.traces import TraceError, load_trace
+from kvrelay.cli.lazy import local
+from kvrelay.runtime.config import ConfigError, load_config
 
 _FAIL = re.compile(r"^(worker|link):(?P<target>[^@]+)@(?P<at>[0-9.]+)(\+(?P<for>[0-9.]+))?$")
 

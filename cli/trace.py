@@ -13,8 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cli.watch import human_bytes
-from runtime.tracing import read_spans
+from kvrelay.cli.watch import human_bytes
+from kvrelay.runtime.tracing import read_spans
 
 DEFAULT_DIR = Path("kvrelay-traces")
 """Where the processes write their span files by default (``telemetry.file``)."""

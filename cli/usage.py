@@ -13,10 +13,10 @@ import sys
 import time
 
 import grpc
-from kvrelay.v1 import admin_pb2 as apb
 
-from cli.admin import admin_call, operator_flags
-from cli.common import grpc_error, table
+from kvrelay.cli.admin import admin_call, operator_flags
+from kvrelay.cli.common import grpc_error, table
+from kvrelay.v1 import admin_pb2 as apb
 
 GROUP_FIELDS = ("tenant", "site", "link", "role", "worker")
 COUNT_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "kv_bytes", "prefill_worker_s",

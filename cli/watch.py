@@ -9,10 +9,9 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from kvrelay.runtime.topology import Role
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import worker_pb2 as wpb
-
-from runtime.topology import Role
 
 CLEAR = "\x1b[H\x1b[2J"
 """Cursor home and clear screen: starts each frame on a terminal."""

@@ -1,5 +1,5 @@
 import sys
 
-from decode_worker.main import main
+from kvrelay.decode_worker.main import main
 
 sys.exit(main())

@@ -1,15 +1,13 @@
-"""The decode worker process (``python -m decode_worker``): the shared
+"""The decode worker process (``python -m kvrelay.decode_worker``): the shared
 worker start (runtime/worker.py) plus this worker's own side, a KV receiver
 and the DecodeWorker gRPC service."""
 
 from __future__ import annotations
 
-from kvrelay.v1 import worker_pb2_grpc as wgrpc
-
-from decode_worker.server import DecodeService
-from kvtransfer.select import make_receiver
-from runtime.topology import Role
-from runtime.worker import (
+from kvrelay.decode_worker.server import DecodeService
+from kvrelay.kvtransfer.select import make_receiver
+from kvrelay.runtime.topology import Role
+from kvrelay.runtime.worker import (
     WorkerSetup,
     listening_server,
     serve_worker,
@@ -17,7 +15,8 @@ from runtime.worker import (
     worker_info,
     worker_main,
 )
-from runtime.worker_telemetry import WorkerTelemetry
+from kvrelay.runtime.worker_telemetry import WorkerTelemetry
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 
 async def run(setup: WorkerSetup) -> None:

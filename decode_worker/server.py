@@ -22,21 +22,21 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-from kvrelay.v1 import worker_pb2 as wpb
-from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError, OutOfBlocksError
-from kvtransfer.base import KVReceiver
-from kvtransfer.errors import KVTransferError, TransferTimeout
-from kvtransfer.handles import wait_async
-from runtime.convert import output_to_proto, work_params
-from runtime.metrics import failure_reason
-from runtime.tracing import context_from_metadata, parse_traceparent, within
-from runtime.usage_meter import UsageKey, UsageMeter
-from runtime.worker import WorkerIdentity, worker_load
-from runtime.worker_telemetry import DISABLED, WorkerTelemetry
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.errors import InvalidRequestError, OutOfBlocksError
+from kvrelay.kvtransfer.base import KVReceiver
+from kvrelay.kvtransfer.errors import KVTransferError, TransferTimeout
+from kvrelay.kvtransfer.handles import wait_async
+from kvrelay.runtime.convert import output_to_proto, work_params
+from kvrelay.runtime.metrics import failure_reason
+from kvrelay.runtime.tracing import context_from_metadata, parse_traceparent, within
+from kvrelay.runtime.usage_meter import UsageKey, UsageMeter
+from kvrelay.runtime.worker import WorkerIdentity, worker_load
+from kvrelay.runtime.worker_telemetry import DISABLED, WorkerTelemetry
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
 

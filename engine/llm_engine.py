@@ -17,19 +17,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_pool import BlockPool, KVEvents
-from engine.blocks import blocks_for
-from engine.checkpoint import load_checkpoint
-from engine.config import EngineConfig, effective_max_model_len
-from engine.errors import InvalidRequestError, OutOfBlocksError
-from engine.kv_cache import KVCache, KVLayout, torch_dtype
-from engine.model_runner import ModelRunner
-from engine.models.llama import LlamaModel
-from engine.sampler import Sampler, SampleRequest, TopLogprobs
-from engine.sampling_params import SamplingParams, check_request_length
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvrelay.engine.block_pool import BlockPool, KVEvents
+from kvrelay.engine.blocks import blocks_for
+from kvrelay.engine.checkpoint import load_checkpoint
+from kvrelay.engine.config import EngineConfig, effective_max_model_len
+from kvrelay.engine.errors import InvalidRequestError, OutOfBlocksError
+from kvrelay.engine.kv_cache import KVCache, KVLayout, torch_dtype
+from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.models.llama import LlamaModel
+from kvrelay.engine.sampler import Sampler, SampleRequest, TopLogprobs
+from kvrelay.engine.sampling_params import SamplingParams, check_request_length
+from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.engine.sequence import Sequence, SequenceStatus
+from kvrelay.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass(slots=True)

@@ -8,16 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.blocks import blocks_for
-from engine.kv_cache import KVCache
-from engine.layers.attention import (
+from kvrelay.engine.blocks import blocks_for
+from kvrelay.engine.kv_cache import KVCache
+from kvrelay.engine.layers.attention import (
     AttentionMetadata,
     PrefillSegment,
     build_decode_mask,
     build_prefill_mask,
 )
-from engine.models.llama import LayerHook, LlamaModel
-from engine.scheduler import ScheduledSeq
+from kvrelay.engine.models.llama import LayerHook, LlamaModel
+from kvrelay.engine.scheduler import ScheduledSeq
 
 
 @dataclass(slots=True, frozen=True)

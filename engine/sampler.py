@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from kvrelay.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
+from kvrelay.engine.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
 """Most stop strings a request may carry."""

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool
-from engine.blocks import blocks_for
-from engine.config import SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
+from kvrelay.engine.block_pool import BlockPool
+from kvrelay.engine.blocks import blocks_for
+from kvrelay.engine.config import SchedulerConfig
+from kvrelay.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.hashing import BlockHash, hash_blocks
-from engine.sampling_params import SamplingParams
+from kvrelay.engine.hashing import BlockHash, hash_blocks
+from kvrelay.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

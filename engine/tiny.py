@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from engine.checkpoint import expected_shapes
-from engine.config import ModelConfig
+from kvrelay.engine.checkpoint import expected_shapes
+from kvrelay.engine.config import ModelConfig
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "

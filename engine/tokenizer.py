@@ -14,7 +14,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.errors import CheckpointError, InvalidRequestError
+from kvrelay.engine.errors import CheckpointError, InvalidRequestError
 
 ChatMessage = dict[str, str]
 

@@ -27,9 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
+from kvrelay.kvtransfer.errors import KVTransferError
 from kvrelay.v1 import kv_wire_pb2 as pb
-
-from kvtransfer.errors import KVTransferError
 
 TransferId = str
 BlockId = int

@@ -15,10 +15,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvrelay.v1 import kv_wire_pb2 as pb
-
-from engine.kv_cache import KVCache
-from kvtransfer.base import (
+from kvrelay.engine.kv_cache import KVCache
+from kvrelay.kvtransfer.base import (
     MemoryOffer,
     SendHandle,
     TransferHandle,
@@ -26,11 +24,12 @@ from kvtransfer.base import (
     TransferState,
     TransferTarget,
 )
-from kvtransfer.config import TransferConfig
-from kvtransfer.handles import StateHandle
-from kvtransfer.handshake import SenderHello, Session, client_handshake
-from kvtransfer.memory import KVBytes, coalesce, paired_runs
-from kvtransfer.wire import ProtocolError, tune_socket
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.handles import StateHandle
+from kvrelay.kvtransfer.handshake import SenderHello, Session, client_handshake
+from kvrelay.kvtransfer.memory import KVBytes, coalesce, paired_runs
+from kvrelay.kvtransfer.wire import ProtocolError, tune_socket
+from kvrelay.v1 import kv_wire_pb2 as pb
 
 log = logging.getLogger(__name__)
 

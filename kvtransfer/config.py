@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtransfer.base import Credentials
-from kvtransfer.protection import Protection
+from kvrelay.kvtransfer.base import Credentials
+from kvrelay.kvtransfer.protection import Protection
 
 
 @dataclass(slots=True)

@@ -21,16 +21,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvrelay.v1 import kv_wire_pb2 as pb
-
-from kvtransfer.handshake import (
+from kvrelay.kvtransfer.handshake import (
     PendingPeer,
     ReceiverPolicy,
     answer_hello,
     check_auth,
     refusal_record,
 )
-from kvtransfer.wire import ProtocolError, decode_frame, frame_needs
+from kvrelay.kvtransfer.wire import ProtocolError, decode_frame, frame_needs
+from kvrelay.v1 import kv_wire_pb2 as pb
 
 log = logging.getLogger(__name__)
 

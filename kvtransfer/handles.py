@@ -7,14 +7,14 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-from kvtransfer.base import (
+from kvrelay.kvtransfer.base import (
     BlockId,
     TransferHandle,
     TransferId,
     TransferResult,
     TransferState,
 )
-from kvtransfer.errors import KVTransferError, TransferTimeout
+from kvrelay.kvtransfer.errors import KVTransferError, TransferTimeout
 
 
 class StateHandle(TransferHandle):

@@ -17,10 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvrelay.v1 import kv_wire_pb2 as pb
-
-from kvtransfer.base import Credentials, MemorySource, PeerId
-from kvtransfer.protection import (
+from kvrelay.kvtransfer.base import Credentials, MemorySource, PeerId
+from kvrelay.kvtransfer.protection import (
     Cipher,
     KeyShare,
     Protection,
@@ -32,8 +30,8 @@ from kvtransfer.protection import (
     transcript_1,
     transcript_2,
 )
-from kvtransfer.record import RecordReader, RecordWriter
-from kvtransfer.wire import (
+from kvrelay.kvtransfer.record import RecordReader, RecordWriter
+from kvrelay.kvtransfer.wire import (
     MAX_SOCKET_BUFFER,
     PROTOCOL_VERSION,
     ProtocolError,
@@ -42,6 +40,7 @@ from kvtransfer.wire import (
     send_frame,
     tune_socket,
 )
+from kvrelay.v1 import kv_wire_pb2 as pb
 
 NONCE_BYTES = 32
 

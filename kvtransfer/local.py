@@ -15,13 +15,13 @@ import os
 import threading
 
 import torch
-from kvrelay.v1 import kv_wire_pb2 as pb
 
-from engine.kv_cache import KVCache
-from kvtransfer.base import Transport
-from kvtransfer.config import TransferConfig
-from kvtransfer.sender import ChannelSender
-from kvtransfer.wire import SHM_NAME, host_id
+from kvrelay.engine.kv_cache import KVCache
+from kvrelay.kvtransfer.base import Transport
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.sender import ChannelSender
+from kvrelay.kvtransfer.wire import SHM_NAME, host_id
+from kvrelay.v1 import kv_wire_pb2 as pb
 
 
 def shm_path_for(worker_id: str, pid: int) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import KVCache
+from kvrelay.engine.kv_cache import KVCache
 
 
 def coalesce(block_ids: list[int]) -> list[tuple[int, int, int]]:

@@ -27,16 +27,15 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from kvrelay.engine.kv_cache import KVCache
+from kvrelay.kvtransfer.base import Transport
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.local import SharedMemoryAttacher
+from kvrelay.kvtransfer.memory import paired_runs
+from kvrelay.kvtransfer.receiver import ChannelReceiver
+from kvrelay.kvtransfer.sender import ChannelSender
+from kvrelay.kvtransfer.wire import ProtocolError
 from kvrelay.v1 import kv_wire_pb2 as pb
-
-from engine.kv_cache import KVCache
-from kvtransfer.base import Transport
-from kvtransfer.config import TransferConfig
-from kvtransfer.local import SharedMemoryAttacher
-from kvtransfer.memory import paired_runs
-from kvtransfer.receiver import ChannelReceiver
-from kvtransfer.sender import ChannelSender
-from kvtransfer.wire import ProtocolError
 
 
 def nixl_available() -> bool:

@@ -20,30 +20,29 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvrelay.v1 import kv_wire_pb2 as pb
-
-from engine.kv_cache import KVCache
-from kvtransfer.base import (
+from kvrelay.engine.kv_cache import KVCache
+from kvrelay.kvtransfer.base import (
     KVReceiver,
     MemorySource,
     TransferHandle,
     TransferResult,
     TransferState,
 )
-from kvtransfer.config import TransferConfig
-from kvtransfer.gate import GateConfig, HandshakeGate
-from kvtransfer.handles import StateHandle
-from kvtransfer.handshake import (
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.gate import GateConfig, HandshakeGate
+from kvrelay.kvtransfer.handles import StateHandle
+from kvrelay.kvtransfer.handshake import (
     PeerAttacher,
     PendingPeer,
     ReceiverPolicy,
     Session,
     accept_peer,
 )
-from kvtransfer.memory import KVBytes, coalesce, paired_runs
-from kvtransfer.protection import Protection
-from kvtransfer.record import RecordError
-from kvtransfer.wire import ProtocolError, tune_socket
+from kvrelay.kvtransfer.memory import KVBytes, coalesce, paired_runs
+from kvrelay.kvtransfer.protection import Protection
+from kvrelay.kvtransfer.record import RecordError
+from kvrelay.kvtransfer.wire import ProtocolError, tune_socket
+from kvrelay.v1 import kv_wire_pb2 as pb
 
 log = logging.getLogger(__name__)
 

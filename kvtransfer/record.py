@@ -19,10 +19,10 @@ import struct
 from collections.abc import Iterator, Sequence
 
 from cryptography.exceptions import InvalidTag
-from kvrelay.v1 import kv_wire_pb2 as pb
 
-from kvtransfer.protection import Cipher, Protection
-from kvtransfer.wire import ProtocolError, decode_frame, recv_exact_into
+from kvrelay.kvtransfer.protection import Cipher, Protection
+from kvrelay.kvtransfer.wire import ProtocolError, decode_frame, recv_exact_into
+from kvrelay.v1 import kv_wire_pb2 as pb
 
 PREFIX = struct.Struct("<IQQI")
 """Sealed header bytes, payload bytes, sequence number, section bytes."""

@@ -6,12 +6,12 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.kv_cache import KVCache
-from kvtransfer.base import AUTO, KVReceiver, KVSender, Transport
-from kvtransfer.config import TransferConfig
-from kvtransfer.local import LocalKVSender
-from kvtransfer.nixl import NixlKVReceiver, NixlKVSender, nixl_available
-from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
+from kvrelay.engine.kv_cache import KVCache
+from kvrelay.kvtransfer.base import AUTO, KVReceiver, KVSender, Transport
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.local import LocalKVSender
+from kvrelay.kvtransfer.nixl import NixlKVReceiver, NixlKVSender, nixl_available
+from kvrelay.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 
 log = logging.getLogger(__name__)
 

@@ -9,16 +9,16 @@ import dataclasses
 import logging
 import threading
 
-from engine.kv_cache import KVCache
-from kvtransfer.base import (
+from kvrelay.engine.kv_cache import KVCache
+from kvrelay.kvtransfer.base import (
     KVSender,
     MemoryOffer,
     SendHandle,
     TransferTarget,
 )
-from kvtransfer.channel import ChannelSendHandle, PeerChannel
-from kvtransfer.config import TransferConfig
-from kvtransfer.protection import Protection
+from kvrelay.kvtransfer.channel import ChannelSendHandle, PeerChannel
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.protection import Protection
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ and copies from it.
 
 from __future__ import annotations
 
-from engine.kv_cache import KVCache
-from kvtransfer.base import Transport
-from kvtransfer.config import TransferConfig
-from kvtransfer.local import SharedMemoryAttacher, SharedMemoryOffer
-from kvtransfer.receiver import ChannelReceiver
-from kvtransfer.sender import ChannelSender
+from kvrelay.engine.kv_cache import KVCache
+from kvrelay.kvtransfer.base import Transport
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.local import SharedMemoryAttacher, SharedMemoryOffer
+from kvrelay.kvtransfer.receiver import ChannelReceiver
+from kvrelay.kvtransfer.sender import ChannelSender
 
 
 class TcpKVSender(ChannelSender):

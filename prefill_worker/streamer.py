@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import INVALID_SPAN, Span
 
-from engine.blocks import blocks_for
-from engine.model_runner import ModelRunner
-from kvtransfer.base import SendHandle
+from kvrelay.engine.blocks import blocks_for
+from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.kvtransfer.base import SendHandle
 
 
 @dataclass(slots=True)

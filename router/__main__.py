@@ -1,5 +1,5 @@
 import sys
 
-from router.main import main
+from kvrelay.router.main import main
 
 sys.exit(main())

@@ -9,19 +9,19 @@ import logging
 from typing import TYPE_CHECKING
 
 import grpc
+
+from kvrelay.router.audit import RecordKind
+from kvrelay.router.errors import RouterError
+from kvrelay.router.governance import UnknownTenant, deployment_state, statement
+from kvrelay.router.peer import STATUS, CallAuth, authorization
+from kvrelay.router.planner import plan
+from kvrelay.router.pools import PoolManager
+from kvrelay.router.usage import grouping, usage_response
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 
-from router.audit import RecordKind
-from router.errors import RouterError
-from router.governance import UnknownTenant, deployment_state, statement
-from router.peer import STATUS, CallAuth, authorization
-from router.planner import plan
-from router.pools import PoolManager
-from router.usage import grouping, usage_response
-
 if TYPE_CHECKING:
-    from router.core import RouterCore
+    from kvrelay.router.core import RouterCore
 
 log = logging.getLogger(__name__)
 

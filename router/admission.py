@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.placement import PlacementError, Wait
+from kvrelay.router.placement import PlacementError, Wait
 
 log = logging.getLogger(__name__)
 

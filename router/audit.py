@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from router.audit_chain import (
+from kvrelay.router.audit_chain import (
     GENESIS,
     GENESIS_TEXT,
     Broken,

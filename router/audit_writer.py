@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.audit import AuditError, AuditLog, RecordKind, SweepResult
+from kvrelay.router.audit import AuditError, AuditLog, RecordKind, SweepResult
 
 log = logging.getLogger(__name__)
 

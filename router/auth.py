@@ -16,11 +16,11 @@ import hashlib
 import hmac
 from collections.abc import Iterable
 
-from router.errors import ErrorKind, RouterError
-from router.tenancy import ANONYMOUS
-from runtime.config import ClusterConfig, Credential
-from runtime.pki import CertRole, Identity
-from runtime.tenants import TenantSection, sharing_group
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.router.tenancy import ANONYMOUS
+from kvrelay.runtime.config import ClusterConfig, Credential
+from kvrelay.runtime.pki import CertRole, Identity
+from kvrelay.runtime.tenants import TenantSection, sharing_group
 
 
 def token_sha256(token: str) -> str:

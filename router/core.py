@@ -23,18 +23,15 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 
-from kvrelay.v1 import inference_pb2 as ipb
-from kvrelay.v1 import worker_pb2 as wpb
-
-from engine.hashing import hash_blocks
-from engine.tokenizer import Tokenizer
-from router.admission import FairQueue
-from router.audit import RecordKind
-from router.audit_writer import AuditWriter
-from router.auth import TenantSalts
-from router.errors import ErrorKind, RouterError
-from router.observe import RequestObservation, RouterTelemetry
-from router.placement import (
+from kvrelay.engine.hashing import hash_blocks
+from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.router.admission import FairQueue
+from kvrelay.router.audit import RecordKind
+from kvrelay.router.audit_writer import AuditWriter
+from kvrelay.router.auth import TenantSalts
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.router.observe import RequestObservation, RouterTelemetry
+from kvrelay.router.placement import (
     PlacementError,
     PlacementFailure,
     PlacementRequest,
@@ -42,13 +39,13 @@ from router.placement import (
     make_policy,
     place,
 )
-from router.pools import PoolManager
-from router.quotas import Quotas, TokenBucket
-from router.recovery import Failover, Recovery
-from router.registry import WorkerRegistry
-from router.relay import Relay, placement_proto
-from router.request_record import RequestRecord, prompt_text
-from router.requests import (
+from kvrelay.router.pools import PoolManager
+from kvrelay.router.quotas import Quotas, TokenBucket
+from kvrelay.router.recovery import Failover, Recovery
+from kvrelay.router.registry import WorkerRegistry
+from kvrelay.router.relay import Relay, placement_proto
+from kvrelay.router.request_record import RequestRecord, prompt_text
+from kvrelay.router.requests import (
     MAX_JURISDICTIONS,
     Caller,
     ModelLimits,
@@ -56,11 +53,13 @@ from router.requests import (
     Request,
     parse_request,
 )
-from router.tenancy import TenantPolicies
-from runtime.config import ClusterConfig, RouterSection
-from runtime.rpc import PLAINTEXT, Dialer
-from runtime.topology import Role, Topology
-from runtime.tracing import NO_TRACING, Tracing
+from kvrelay.router.tenancy import TenantPolicies
+from kvrelay.runtime.config import ClusterConfig, RouterSection
+from kvrelay.runtime.rpc import PLAINTEXT, Dialer
+from kvrelay.runtime.topology import Role, Topology
+from kvrelay.runtime.tracing import NO_TRACING, Tracing
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
 

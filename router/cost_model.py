@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.blocks import blocks_for
-from router.views import ClusterView
+from kvrelay.engine.blocks import blocks_for
+from kvrelay.router.views import ClusterView
 
 DISAGG_OVERHEAD_S = 0.002
 """Extra RPCs of a disaggregated request (reservation, prefill call), measured

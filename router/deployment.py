@@ -19,12 +19,12 @@ import stat
 import time
 from dataclasses import dataclass, field
 
-from router.auth import ANONYMOUS
-from router.registry import WorkerRegistry
-from router.tenancy import TenantPolicies
-from runtime.config import ClusterConfig, LinkSection
-from runtime.tenants import TenantSection
-from runtime.topology import LOCAL_LINK, Role, Topology, link_name
+from kvrelay.router.auth import ANONYMOUS
+from kvrelay.router.registry import WorkerRegistry
+from kvrelay.router.tenancy import TenantPolicies
+from kvrelay.runtime.config import ClusterConfig, LinkSection
+from kvrelay.runtime.tenants import TenantSection
+from kvrelay.runtime.topology import LOCAL_LINK, Role, Topology, link_name
 
 
 @dataclass(frozen=True, slots=True)

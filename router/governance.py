@@ -22,8 +22,8 @@ import datetime
 from enum import IntEnum
 from typing import Any
 
-from router.auth import ANONYMOUS
-from router.deployment import (
+from kvrelay.router.auth import ANONYMOUS
+from kvrelay.router.deployment import (
     STORES,
     Deployment,
     DeploymentState,
@@ -32,9 +32,9 @@ from router.deployment import (
     Reach,
     deployment_state,
 )
-from runtime.config import ClusterConfig, is_loopback
-from runtime.tenants import TenantSection
-from runtime.topology import LOCAL_LINK
+from kvrelay.runtime.config import ClusterConfig, is_loopback
+from kvrelay.runtime.tenants import TenantSection
+from kvrelay.runtime.topology import LOCAL_LINK
 
 __all__ = ["NOT_RECORDED", "DeploymentState", "Question", "UnknownTenant", "deployment_state", "statement"]
 

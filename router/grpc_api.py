@@ -12,17 +12,17 @@ from __future__ import annotations
 from typing import NoReturn
 
 import grpc
+
+from kvrelay.router.admin import AdminService
+from kvrelay.router.core import RouterCore
+from kvrelay.router.errors import RouterError
+from kvrelay.router.peer import STATUS, CallAuth, authorization
+from kvrelay.router.registry_service import RegistryService
+from kvrelay.runtime.rpc import add_service
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
-
-from router.admin import AdminService
-from router.core import RouterCore
-from router.errors import RouterError
-from router.peer import STATUS, CallAuth, authorization
-from router.registry_service import RegistryService
-from runtime.rpc import add_service
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: RouterError, prefix: str = "") -> NoReturn:

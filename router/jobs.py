@@ -13,21 +13,21 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+
+from kvrelay.router.audit import AuditError, RecordKind
+from kvrelay.router.core import RouterCore
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.router.grpc_api import STATUS, abort
+from kvrelay.router.job_limits import job_limit_error
+from kvrelay.router.jobs_store import JOB_CANCELLED, JOB_DONE, RESULT_PAGE, JobRow, JobStore
+from kvrelay.router.peer import CallAuth, authorization
+from kvrelay.router.quotas import QuotaExceeded
+from kvrelay.router.requests import Caller, Priority
+from kvrelay.runtime.rpc import add_service
+from kvrelay.runtime.topology import Role
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
-
-from router.audit import AuditError, RecordKind
-from router.core import RouterCore
-from router.errors import ErrorKind, RouterError
-from router.grpc_api import STATUS, abort
-from router.job_limits import job_limit_error
-from router.jobs_store import JOB_CANCELLED, JOB_DONE, RESULT_PAGE, JobRow, JobStore
-from router.peer import CallAuth, authorization
-from router.quotas import QuotaExceeded
-from router.requests import Caller, Priority
-from runtime.rpc import add_service
-from runtime.topology import Role
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import codecs
 import math
 from collections.abc import Sequence
 
-from engine.tokenizer import Tokenizer
+from kvrelay.engine.tokenizer import Tokenizer
 
 NEG_INF_LOGPROB = -9999.0
 """What a logprob of -inf (or NaN) is shown as: JSON has no infinity (OpenAI's convention)."""

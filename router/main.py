@@ -1,4 +1,4 @@
-"""Entry point of the router process (``python -m router``). Prints
+"""Entry point of the router process (``python -m kvrelay.router``). Prints
 ``READY host:port internal=host:port [http=host:port]`` on stdout once
 serving, for the launcher: the public gRPC listener (TLS; clients present
 bearer tokens), the internal one (mutual TLS; workers, and operators and
@@ -17,27 +17,27 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine.config import ModelConfig, effective_max_model_len
-from engine.tokenizer import Tokenizer
-from router.audit_writer import AuditWriter
-from router.core import RouterCore
-from router.grpc_api import add_router_to_server
-from router.http_server import serve_http
-from router.jobs import JobService, add_jobs_to_server
-from router.observe import TARGETS_REFRESH_S, prometheus_targets, write_targets
-from router.openai_http import OpenAIServer
-from router.peer import CallAuth
-from router.requests import ModelLimits
-from router.retention import RetentionSweeper
-from runtime.config import ClusterConfig, load_config
-from runtime.health import HealthChecks, serve_health
-from runtime.kvsecret import pem_from_env, read_secret
-from runtime.lifetime import die_with_parent
-from runtime.metrics import serve_metrics
-from runtime.pki import CertRole, PKIError, write_private
-from runtime.rpc import Dialer, bind, create_server
-from runtime.tls import TLSMaterial, load_material
-from runtime.tracing import Tracing
+from kvrelay.engine.config import ModelConfig, effective_max_model_len
+from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.router.audit_writer import AuditWriter
+from kvrelay.router.core import RouterCore
+from kvrelay.router.grpc_api import add_router_to_server
+from kvrelay.router.http_server import serve_http
+from kvrelay.router.jobs import JobService, add_jobs_to_server
+from kvrelay.router.observe import TARGETS_REFRESH_S, prometheus_targets, write_targets
+from kvrelay.router.openai_http import OpenAIServer
+from kvrelay.router.peer import CallAuth
+from kvrelay.router.requests import ModelLimits
+from kvrelay.router.retention import RetentionSweeper
+from kvrelay.runtime.config import ClusterConfig, load_config
+from kvrelay.runtime.health import HealthChecks, serve_health
+from kvrelay.runtime.kvsecret import pem_from_env, read_secret
+from kvrelay.runtime.lifetime import die_with_parent
+from kvrelay.runtime.metrics import serve_metrics
+from kvrelay.runtime.pki import CertRole, PKIError, write_private
+from kvrelay.runtime.rpc import Dialer, bind, create_server
+from kvrelay.runtime.tls import TLSMaterial, load_material
+from kvrelay.runtime.tracing import Tracing
 
 
 def router_tls(cfg: ClusterConfig) -> TLSMaterial | None:

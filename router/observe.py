@@ -21,18 +21,18 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from kvrelay.v1 import inference_pb2 as ipb
-from kvrelay.v1 import worker_pb2 as wpb
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.errors import RouterError
-from router.requests import Caller, Priority, Request
-from runtime.metrics import Mode, RouterMetrics, TokenKind
-from runtime.topology import Role
-from runtime.tracing import NO_TRACING, Tracing, remote_parent, trace_id_of, within
+from kvrelay.router.errors import RouterError
+from kvrelay.router.requests import Caller, Priority, Request
+from kvrelay.runtime.metrics import Mode, RouterMetrics, TokenKind
+from kvrelay.runtime.topology import Role
+from kvrelay.runtime.tracing import NO_TRACING, Tracing, remote_parent, trace_id_of, within
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
 

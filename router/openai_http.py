@@ -29,27 +29,27 @@ from importlib.metadata import version
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
-from kvrelay.v1 import inference_pb2 as ipb
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.blocks import ceil_div
-from router.auth import CallerAuth
-from router.core import RouterCore
-from router.errors import ErrorKind, RouterError
-from router.logprobs import openai_logprobs
-from router.openai_requests import (
+from kvrelay.engine.blocks import ceil_div
+from kvrelay.router.auth import CallerAuth
+from kvrelay.router.core import RouterCore
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.router.logprobs import openai_logprobs
+from kvrelay.router.openai_requests import (
     ApiError,
     chat_request,
     completion_request,
     decode_body,
 )
-from router.openai_schema import openapi
-from router.requests import Caller
-from runtime.config import HttpSection
-from runtime.tracing import TRACEPARENT
+from kvrelay.router.openai_schema import openapi
+from kvrelay.router.requests import Caller
+from kvrelay.runtime.config import HttpSection
+from kvrelay.runtime.tracing import TRACEPARENT
+from kvrelay.v1 import inference_pb2 as ipb
 
 log = logging.getLogger(__name__)
 

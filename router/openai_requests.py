@@ -10,10 +10,9 @@ import json
 import re
 from typing import Any
 
-from kvrelay.v1 import inference_pb2 as ipb
 from starlette.responses import JSONResponse
 
-from router.openai_schema import (
+from kvrelay.router.openai_schema import (
     CHAT,
     COMPLETION,
     EXTENSION_FIELDS,
@@ -24,7 +23,8 @@ from router.openai_schema import (
     TEXT_PART_FIELDS,
     refuse_unknown,
 )
-from router.requests import ROLES
+from kvrelay.router.requests import ROLES
+from kvrelay.v1 import inference_pb2 as ipb
 
 SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 """A JSON escape of a UTF-16 surrogate (paired, or lone: the kind that is not valid Unicode)."""

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import grpc
 
-from router.auth import CallerAuth
-from router.core import RouterCore
-from router.errors import ErrorKind, RouterError
-from router.requests import Caller, Priority
-from runtime.pki import Identity
-from runtime.tls import PeerRefused, TLSMaterial
-from runtime.tracing import TRACEPARENT
+from kvrelay.router.auth import CallerAuth
+from kvrelay.router.core import RouterCore
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.router.requests import Caller, Priority
+from kvrelay.runtime.pki import Identity
+from kvrelay.runtime.tls import PeerRefused, TLSMaterial
+from kvrelay.runtime.tracing import TRACEPARENT
 
 STATUS = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT, ErrorKind.UNKNOWN_MODEL: grpc.StatusCode.NOT_FOUND,

@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.blocks import blocks_for
-from router.cost_model import DISAGG_OVERHEAD_S, Eligible, choose_cost_model, eligible_rows
-from router.views import ClusterView, LinkView, WorkerView
-from runtime.config import PlacementPolicy
-from runtime.topology import Role
+from kvrelay.engine.blocks import blocks_for
+from kvrelay.router.cost_model import DISAGG_OVERHEAD_S, Eligible, choose_cost_model, eligible_rows
+from kvrelay.router.views import ClusterView, LinkView, WorkerView
+from kvrelay.runtime.config import PlacementPolicy
+from kvrelay.runtime.topology import Role
 
 __all__ = [
     "POLICIES",

@@ -20,12 +20,11 @@ import builtins
 import logging
 import time
 
+from kvrelay.router.planner import PoolFigures, RequestWindow, p90
+from kvrelay.router.registry import WorkerRecord, WorkerRegistry
+from kvrelay.runtime.config import ClusterConfig, ScalingOwner
+from kvrelay.runtime.topology import Role
 from kvrelay.v1 import admin_pb2 as apb
-
-from router.planner import PoolFigures, RequestWindow, p90
-from router.registry import WorkerRecord, WorkerRegistry
-from runtime.config import ClusterConfig, ScalingOwner
-from runtime.topology import Role
 
 log = logging.getLogger(__name__)
 

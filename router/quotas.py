@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.errors import ErrorKind, RouterError
-from runtime.tenants import TenantSection
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.runtime.tenants import TenantSection
 
 CONCURRENCY_RETRY_S = 1.0
 """Retry hint when a tenant has ``max_concurrent`` requests in progress (no refill time to compute)."""

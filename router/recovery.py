@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import time
 
+from kvrelay.runtime.topology import Role
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
-
-from runtime.topology import Role
 
 MAX_PREFILL_FAILURES = 2
 """Prefill-side failures of one request: the first is retried on another

@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+
+from kvrelay.router.placement import ClusterView, LinkView, WorkerView
+from kvrelay.router.prefix_index import PrefixIndex
+from kvrelay.router.usage import UsageLedger
+from kvrelay.runtime.config import ClusterConfig
+from kvrelay.runtime.pki import CertRole, Identity
+from kvrelay.runtime.rpc import PLAINTEXT, Dialer
+from kvrelay.runtime.topology import LOCAL_LINK, Role, link_name
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
-
-from router.placement import ClusterView, LinkView, WorkerView
-from router.prefix_index import PrefixIndex
-from router.usage import UsageLedger
-from runtime.config import ClusterConfig
-from runtime.pki import CertRole, Identity
-from runtime.rpc import PLAINTEXT, Dialer
-from runtime.topology import LOCAL_LINK, Role, link_name
 
 log = logging.getLogger(__name__)
 

@@ -16,17 +16,16 @@ from __future__ import annotations
 import logging
 import time
 
+from kvrelay.router.audit import RecordKind
+from kvrelay.router.core import RouterCore
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.router.peer import STATUS, CallAuth
+from kvrelay.router.registry import worker_identity
+from kvrelay.runtime.config import LinkSection
+from kvrelay.runtime.pki import CertRole, Identity
+from kvrelay.runtime.topology import Role
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
-
-from router.audit import RecordKind
-from router.core import RouterCore
-from router.errors import ErrorKind, RouterError
-from router.peer import STATUS, CallAuth
-from router.registry import worker_identity
-from runtime.config import LinkSection
-from runtime.pki import CertRole, Identity
-from runtime.topology import Role
 
 log = logging.getLogger(__name__)
 

@@ -24,18 +24,18 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from kvrelay.v1 import inference_pb2 as ipb
-from kvrelay.v1 import worker_pb2 as wpb
 from opentelemetry.trace import INVALID_SPAN, Span
 
-from router.errors import ErrorKind, RouterError
-from router.placement import PlacementError, PlacementFailure, Wait
-from router.planner import RequestWindow, Served
-from router.recovery import Failover
-from router.registry import WorkerRecord, WorkerRegistry
-from router.requests import Caller
-from runtime.topology import Role, Topology, link_name
-from runtime.tracing import metadata_for
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.router.placement import PlacementError, PlacementFailure, Wait
+from kvrelay.router.planner import RequestWindow, Served
+from kvrelay.router.recovery import Failover
+from kvrelay.router.registry import WorkerRecord, WorkerRegistry
+from kvrelay.router.requests import Caller
+from kvrelay.runtime.topology import Role, Topology, link_name
+from kvrelay.runtime.tracing import metadata_for
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import datetime as dt
 import time
 
+from kvrelay.router.errors import RouterError
+from kvrelay.router.requests import Caller, Request
 from kvrelay.v1 import inference_pb2 as ipb
-
-from router.errors import RouterError
-from router.requests import Caller, Request
 
 FINISH = {ipb.FINISH_REASON_STOP: "stop", ipb.FINISH_REASON_LENGTH: "length"}
 

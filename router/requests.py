@@ -10,14 +10,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from kvrelay.engine.errors import InvalidRequestError
+from kvrelay.engine.sampling_params import check_request_length
+from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.runtime.convert import sampling_params
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
-
-from engine.errors import InvalidRequestError
-from engine.sampling_params import check_request_length
-from engine.tokenizer import Tokenizer
-from router.errors import ErrorKind, RouterError
-from runtime.convert import sampling_params
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_MESSAGES = 256

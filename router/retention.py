@@ -25,11 +25,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.audit import OTHER_TENANTS, AuditLog, RecordKind, parse_time
-from router.audit_writer import AuditWriter
-from router.jobs_store import JobStore
-from runtime.config import ClusterConfig
-from runtime.tenants import TenantSection
+from kvrelay.router.audit import OTHER_TENANTS, AuditLog, RecordKind, parse_time
+from kvrelay.router.audit_writer import AuditWriter
+from kvrelay.router.jobs_store import JobStore
+from kvrelay.runtime.config import ClusterConfig
+from kvrelay.runtime.tenants import TenantSection
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ placement constraint (router/placement.py)."""
 
 from __future__ import annotations
 
-from router.errors import ErrorKind, RouterError
-from runtime.config import ClusterConfig
-from runtime.tenants import TenantSection
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.runtime.config import ClusterConfig
+from kvrelay.runtime.tenants import TenantSection
 
 ANONYMOUS = "anonymous"
 """The one tenant of callers without credentials (``auth.allow_anonymous``)."""

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from router.prefix_index import PrefixMatch
-from runtime.topology import Role
+from kvrelay.router.prefix_index import PrefixMatch
+from kvrelay.runtime.topology import Role
 
 _COLUMNS: dict[str, tuple[type, object]] = {
     "healthy": (bool, np.bool_), "draining": (bool, np.bool_), "inflight": (int, np.int64),

@@ -46,11 +46,11 @@ from typing import Any, Literal, TypeVar, get_args
 
 import yaml
 
-from engine.config import CacheConfig, DType, SchedulerConfig
-from kvtransfer.base import AUTO, Transport
-from kvtransfer.protection import Protection
-from runtime.tenants import FieldError as TenantFieldError
-from runtime.tenants import TenantSection, check_tenants
+from kvrelay.engine.config import CacheConfig, DType, SchedulerConfig
+from kvrelay.kvtransfer.base import AUTO, Transport
+from kvrelay.kvtransfer.protection import Protection
+from kvrelay.runtime.tenants import FieldError as TenantFieldError
+from kvrelay.runtime.tenants import TenantSection, check_tenants
 
 
 class ScalingOwner(StrEnum):

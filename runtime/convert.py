@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
 
-from engine.sampling_params import SamplingParams
-
 if TYPE_CHECKING:  # annotations only: the router imports this module and needs no torch
-    from engine.llm_engine import RequestOutput
-    from engine.sampler import TopLogprobs
+    from kvrelay.engine.llm_engine import RequestOutput
+    from kvrelay.engine.sampler import TopLogprobs
 
 DEFAULT_MAX_TOKENS = 128
 

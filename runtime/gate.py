@@ -8,8 +8,8 @@ import inspect
 
 import grpc
 
-from runtime.pki import CertRole
-from runtime.tls import PeerRefused, TLSMaterial, require_role
+from kvrelay.runtime.pki import CertRole
+from kvrelay.runtime.tls import PeerRefused, TLSMaterial, require_role
 
 
 def _wrap_unary(behaviour, check):

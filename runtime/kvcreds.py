@@ -13,8 +13,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from kvtransfer.base import PeerId
-from runtime.pki import (
+from kvrelay.kvtransfer.base import PeerId
+from kvrelay.runtime.pki import (
     CertRole,
     check_issued_by,
     check_validity,
@@ -23,7 +23,7 @@ from runtime.pki import (
     load_cert,
     load_key,
 )
-from runtime.tls import TLSMaterial
+from kvrelay.runtime.tls import TLSMaterial
 
 
 @functools.lru_cache(maxsize=1024)

@@ -18,8 +18,8 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
-from runtime.config import is_loopback
-from runtime.tls import TLSMaterial
+from kvrelay.runtime.config import is_loopback
+from kvrelay.runtime.tls import TLSMaterial
 
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 """Message limits of every server and channel (a long prompt's token ids fit)."""

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from runtime.config import TLSSection
-from runtime.pki import (
+from kvrelay.runtime.config import TLSSection
+from kvrelay.runtime.pki import (
     CertRole,
     Identity,
     PKIError,

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from kvrelay.kvtransfer.protection import Protection
+from kvrelay.runtime.config import ClusterConfig, LinkSection
 from kvrelay.v1 import worker_pb2 as wpb
-
-from kvtransfer.protection import Protection
-from runtime.config import ClusterConfig, LinkSection
 
 LOCAL_LINK = "local"
 """Name of the network inside a site."""

@@ -41,7 +41,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from runtime.config import TelemetrySection, TraceExport
+from kvrelay.runtime.config import TelemetrySection, TraceExport
 
 TRACEPARENT = "traceparent"
 """The W3C header / gRPC metadata key that carries a span's context."""

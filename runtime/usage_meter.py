@@ -19,10 +19,9 @@ import secrets
 import threading
 from dataclasses import dataclass
 
+from kvrelay.engine.llm_engine import RequestOutput, StepUsage
+from kvrelay.runtime.topology import link_name
 from kvrelay.v1 import worker_pb2 as wpb
-
-from engine.llm_engine import RequestOutput, StepUsage
-from runtime.topology import link_name
 
 
 @dataclass(slots=True, frozen=True)

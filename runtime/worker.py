@@ -19,26 +19,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from kvrelay.engine.async_engine import AsyncEngine
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.llm_engine import LLMEngine
+from kvrelay.kvtransfer.base import Transport
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.select import choose_transport, host_has_rdma
+from kvrelay.runtime.config import ClusterConfig, PoolSection, load_config
+from kvrelay.runtime.gate import PeerGate
+from kvrelay.runtime.health import HealthChecks, serve_health
+from kvrelay.runtime.kvcreds import CertCredentials
+from kvrelay.runtime.kvsecret import pem_from_env, read_secret
+from kvrelay.runtime.lifetime import die_with_parent
+from kvrelay.runtime.pki import CertRole, PKIError, role_dns
+from kvrelay.runtime.rpc import Dialer, bind, create_server
+from kvrelay.runtime.tls import TLSMaterial, load_material
+from kvrelay.runtime.topology import Role, Topology
+from kvrelay.runtime.usage_meter import UsageMeter
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
-
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from kvtransfer.base import Transport
-from kvtransfer.config import TransferConfig
-from kvtransfer.select import choose_transport, host_has_rdma
-from runtime.config import ClusterConfig, PoolSection, load_config
-from runtime.gate import PeerGate
-from runtime.health import HealthChecks, serve_health
-from runtime.kvcreds import CertCredentials
-from runtime.kvsecret import pem_from_env, read_secret
-from runtime.lifetime import die_with_parent
-from runtime.pki import CertRole, PKIError, role_dns
-from runtime.rpc import Dialer, bind, create_server
-from runtime.tls import TLSMaterial, load_material
-from runtime.topology import Role, Topology
-from runtime.usage_meter import UsageMeter
 
 log = logging.getLogger(__name__)
 

@@ -20,17 +20,17 @@ from dataclasses import dataclass
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
-from engine.llm_engine import LLMEngine, StepUsage
-from runtime.config import TelemetrySection
-from runtime.metrics import (
+from kvrelay.engine.llm_engine import LLMEngine, StepUsage
+from kvrelay.runtime.config import TelemetrySection
+from kvrelay.runtime.metrics import (
     EngineCollector,
     EngineState,
     MetricsServer,
     TransferMetrics,
     serve_metrics,
 )
-from runtime.topology import Role
-from runtime.tracing import NO_TRACING, Tracing, process_name, within
+from kvrelay.runtime.topology import Role
+from kvrelay.runtime.tracing import NO_TRACING, Tracing, process_name, within
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.default_model import prepare_default_model
-from engine.llm_engine import LLMEngine
-from engine.tiny import TINY_ARCHS, write_tiny_checkpoint
+from kvrelay.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvrelay.engine.default_model import prepare_default_model
+from kvrelay.engine.llm_engine import LLMEngine
+from kvrelay.engine.tiny import TINY_ARCHS, write_tiny_checkpoint
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 if not any(Path("/sys/class/infiniband").glob("*")):

@@ -25,19 +25,27 @@ import functools
 from collections import deque
 from dataclasses import dataclass, field
 
-from benchmarks.metrics import RequestRecord
-from benchmarks.sim.clock import Clock
-from benchmarks.sim.network import Flow, SimLink
-from benchmarks.sim.profile import Profile
-from benchmarks.sim.worker import HashChain, Hooks, SimSequence, SimWorker, new_sequence
-from benchmarks.sim.workload import SimArrival
-from engine.blocks import blocks_for
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
-from router.placement import ClusterView, LinkView, PlacementError, PlacementRequest, WorkerView, make_policy, place
-from router.prefix_index import PrefixIndex
-from runtime.config import ClusterConfig
-from runtime.topology import LOCAL_LINK, Role, link_name
+from kvrelay.benchmarks.metrics import RequestRecord
+from kvrelay.benchmarks.sim.clock import Clock
+from kvrelay.benchmarks.sim.network import Flow, SimLink
+from kvrelay.benchmarks.sim.profile import Profile
+from kvrelay.benchmarks.sim.worker import HashChain, Hooks, SimSequence, SimWorker, new_sequence
+from kvrelay.benchmarks.sim.workload import SimArrival
+from kvrelay.engine.blocks import blocks_for
+from kvrelay.engine.scheduler import SchedulerOutput
+from kvrelay.engine.sequence import Sequence
+from kvrelay.router.placement import (
+    ClusterView,
+    LinkView,
+    PlacementError,
+    PlacementRequest,
+    WorkerView,
+    make_policy,
+    place,
+)
+from kvrelay.router.prefix_index import PrefixIndex
+from kvrelay.runtime.config import ClusterConfig
+from kvrelay.runtime.topology import LOCAL_LINK, Role, link_name
 
 LAYER_PIECES = 8
 """A chunk's KV is handed to the link in this many pieces over its step (layer-wise streaming)."""

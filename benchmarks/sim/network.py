@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from benchmarks.sim.clock import Clock
-from router.placement import LinkView
+from kvrelay.benchmarks.sim.clock import Clock
+from kvrelay.router.placement import LinkView
 
 DRAINED_S = 1e-9
 """A flow with less than this many seconds of the link's rate left is drained

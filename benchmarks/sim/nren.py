@@ -1,7 +1,7 @@
 """A synthetic research network for scale runs of the simulator:
 ``sites`` cities in ``countries`` jurisdictions on a ring with chords
 (each site linked to its neighbours ``1 .. degree/2`` steps away), RTT
-growing with the ring distance. ``python -m benchmarks.sim.nren --sites 100
+growing with the ring distance. ``python -m kvrelay.benchmarks.sim.nren --sites 100
 --workers 10000 > nren.yaml`` writes a config ``kvrelay sim`` reads."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def nren_config(sites: int, workers: int, degree: int = 4, countries: int = 10, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sim.nren", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvrelay.benchmarks.sim.nren", description=__doc__)
     p.add_argument("--sites", type=int, default=100)
     p.add_argument("--workers", type=int, default=10000)
     p.add_argument("--degree", type=int, default=4, help="links per site")

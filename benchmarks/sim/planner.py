@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.config import ClusterConfig
-from runtime.topology import Role
+from kvrelay.runtime.config import ClusterConfig
+from kvrelay.runtime.topology import Role
 
 
 class Shape(enum.StrEnum):

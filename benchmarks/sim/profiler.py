@@ -23,12 +23,12 @@ from typing import cast
 
 import numpy as np
 
-from benchmarks.kv_bench import machine
-from benchmarks.sim.profile import MeasuredProfile, ModelSpec, attention_pairs
-from engine.config import CacheConfig, DType, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine, StepUsage
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from kvrelay.benchmarks.kv_bench import machine
+from kvrelay.benchmarks.sim.profile import MeasuredProfile, ModelSpec, attention_pairs
+from kvrelay.engine.config import CacheConfig, DType, EngineConfig, SchedulerConfig
+from kvrelay.engine.llm_engine import LLMEngine, StepUsage
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.scheduler import SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -158,7 +158,7 @@ class Profiler:
         """Measures and fits; with ``sharing`` > 1, while ``sharing - 1`` other
         engines (processes like it) run a mixed load beside it, as the other
         workers of a deployment on the same machine do."""
-        neighbours = [subprocess.Popen([sys.executable, "-m", "benchmarks.sim.profiler",
+        neighbours = [subprocess.Popen([sys.executable, "-m", "kvrelay.benchmarks.sim.profiler",
                                         str(self.engine.cfg.model_path), self.engine.cfg.dtype, str(self.threads or 0)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                       for _ in range(sharing - 1)]

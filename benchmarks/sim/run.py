@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from benchmarks.replay import assemble_report
-from benchmarks.sim.cluster import SimCluster, SimConfig
-from benchmarks.sim.profile import Profile
-from benchmarks.sim.workload import SimArrival
-from runtime.config import ClusterConfig
+from kvrelay.benchmarks.replay import assemble_report
+from kvrelay.benchmarks.sim.cluster import SimCluster, SimConfig
+from kvrelay.benchmarks.sim.profile import Profile
+from kvrelay.benchmarks.sim.workload import SimArrival
+from kvrelay.runtime.config import ClusterConfig
 
 
 @dataclass(slots=True)

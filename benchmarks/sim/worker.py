@@ -13,17 +13,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from benchmarks.sim.clock import Clock
-from benchmarks.sim.profile import Profile, attention_pairs
-from engine.block_pool import BlockPool
-from engine.blocks import blocks_for
-from engine.config import SchedulerConfig
-from engine.errors import OutOfBlocksError
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
-from router.placement import WorkerView
-from runtime.topology import Role
+from kvrelay.benchmarks.sim.clock import Clock
+from kvrelay.benchmarks.sim.profile import Profile, attention_pairs
+from kvrelay.engine.block_pool import BlockPool
+from kvrelay.engine.blocks import blocks_for
+from kvrelay.engine.config import SchedulerConfig
+from kvrelay.engine.errors import OutOfBlocksError
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.engine.sequence import Sequence, SequenceStatus
+from kvrelay.router.placement import WorkerView
+from kvrelay.runtime.topology import Role
 
 HASH_MASK = (1 << 64) - 1
 """Block hashes are 64-bit, as the engine's."""

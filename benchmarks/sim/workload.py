@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.sim.worker import HASH_MASK, HashChain
-from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, scale_lengths
+from kvrelay.benchmarks.sim.worker import HASH_MASK, HashChain
+from kvrelay.benchmarks.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, scale_lengths
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from engine.config import RopeConfig
+from kvrelay.engine.config import RopeConfig
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

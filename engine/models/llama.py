@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.checkpoint import Checkpoint
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
-from engine.layers.attention import AttentionMetadata, paged_attention
-from engine.layers.linear import Linear
-from engine.layers.rotary import RotaryEmbedding
+from kvrelay.engine.checkpoint import Checkpoint
+from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.kv_cache import KVCache
+from kvrelay.engine.layers.attention import AttentionMetadata, paged_attention
+from kvrelay.engine.layers.linear import Linear
+from kvrelay.engine.layers.rotary import RotaryEmbedding
 
 LayerHook = Callable[[int], None]
 """Called with a layer index once that layer's KV of the step is in the cache."""

@@ -9,10 +9,10 @@ Helpers are in tests/integration/helpers.py."""
 from __future__ import annotations
 
 import pytest
-from kvrelay.v1 import inference_pb2_grpc as igrpc
 
-from engine.config import CacheConfig, EngineConfig
-from engine.llm_engine import LLMEngine
+from kvrelay.engine.config import CacheConfig, EngineConfig
+from kvrelay.engine.llm_engine import LLMEngine
+from kvrelay.v1 import inference_pb2_grpc as igrpc
 from tests.integration.helpers import CLUSTER_YAML, running_cluster
 
 

@@ -8,13 +8,12 @@ import contextlib
 import ssl
 import time
 
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.launch.local import LocalCluster
+from kvrelay.runtime.config import parse_config
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
-
-from engine.sampling_params import SamplingParams
-from launch.local import LocalCluster
-from runtime.config import parse_config
 
 CLUSTER_YAML = {
     # least_loaded, never colocated: these tests exercise the prefill -> decode

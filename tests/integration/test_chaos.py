@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.traces import SAMPLE_AZURE
-from cli.main import main
+from kvrelay.benchmarks.traces import SAMPLE_AZURE
+from kvrelay.cli.main import main
 
 pytestmark = pytest.mark.model
 

@@ -13,17 +13,17 @@ import time
 from pathlib import Path
 
 import pytest
+
+from kvrelay.cli.main import main
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.launch import cities
+from kvrelay.launch.linkprobe import measure_link, measure_rtt, measure_throughput
+from kvrelay.launch.local import LocalCluster
+from kvrelay.runtime.config import parse_config
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
-
-from cli.main import main
-from engine.sampling_params import SamplingParams
-from launch import cities
-from launch.linkprobe import measure_link, measure_rtt, measure_throughput
-from launch.local import LocalCluster
-from runtime.config import parse_config
 from tests.integration.helpers import wait_until, worker_stats
 
 RTT_MS, GBPS = 20.0, 0.5

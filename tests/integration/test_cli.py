@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.model
 
-KVRELAY = [sys.executable, "-m", "cli"]
+KVRELAY = [sys.executable, "-m", "kvrelay.cli"]
 
 
 def children_of(pid: int) -> list[int]:

@@ -8,8 +8,8 @@ import time
 
 import grpc
 import pytest
-from kvrelay.v1 import inference_pb2 as ipb
 
+from kvrelay.v1 import inference_pb2 as ipb
 from tests.integration.helpers import PROMPTS, chat_request, collect, reference, wait_until, worker_stats
 
 pytestmark = pytest.mark.model

@@ -9,10 +9,10 @@ import copy
 from pathlib import Path
 
 import pytest
-from kvrelay.v1 import inference_pb2_grpc as igrpc
 
-from launch.local import LocalCluster
-from runtime.config import parse_config
+from kvrelay.launch.local import LocalCluster
+from kvrelay.runtime.config import parse_config
+from kvrelay.v1 import inference_pb2_grpc as igrpc
 from tests.integration.helpers import CLUSTER_YAML, PROMPTS, chat_request, collect, reference, workers
 
 pytestmark = pytest.mark.model

@@ -8,10 +8,10 @@ from __future__ import annotations
 import signal
 
 import pytest
+
+from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-
-from engine.sampling_params import SamplingParams
 from tests.integration.helpers import running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model

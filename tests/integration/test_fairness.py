@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from benchmarks.fairness import FAIRNESS_CLUSTER, FairnessConfig, fairness_on
+from kvrelay.benchmarks.fairness import FAIRNESS_CLUSTER, FairnessConfig, fairness_on
 from tests.integration.helpers import running_cluster
 
 pytestmark = pytest.mark.model

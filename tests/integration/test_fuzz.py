@@ -24,9 +24,9 @@ from schemathesis.checks import (
     not_a_server_error,
 )
 
-from benchmarks.fuzz import FUZZ_CLUSTER, format_fuzz, fuzz_cluster
-from benchmarks.fuzz_targets import HttpTarget, http_failure
-from router.openai_schema import openapi
+from kvrelay.benchmarks.fuzz import FUZZ_CLUSTER, format_fuzz, fuzz_cluster
+from kvrelay.benchmarks.fuzz_targets import HttpTarget, http_failure
+from kvrelay.router.openai_schema import openapi
 from tests.integration.helpers import running_cluster
 
 pytestmark = pytest.mark.model

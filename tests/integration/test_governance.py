@@ -12,8 +12,8 @@ import stat
 
 import pytest
 
-from cli.main import main
-from router.auth import token_sha256
+from kvrelay.cli.main import main
+from kvrelay.router.auth import token_sha256
 from tests.integration.helpers import running_cluster
 
 pytestmark = pytest.mark.model

@@ -13,11 +13,8 @@ import time
 
 import grpc
 import pytest
-from kvrelay.v1 import inference_pb2 as ipb
-from kvrelay.v1 import inference_pb2_grpc as igrpc
-from kvrelay.v1 import worker_pb2 as wpb
 
-from benchmarks.probes import (
+from kvrelay.benchmarks.probes import (
     RssPeak,
     chunked_upload,
     closed_within,
@@ -27,7 +24,10 @@ from benchmarks.probes import (
     router_pid,
     tls_socket,
 )
-from router.auth import token_sha256
+from kvrelay.router.auth import token_sha256
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+from kvrelay.v1 import worker_pb2 as wpb
 from tests.integration.helpers import (
     CLUSTER_YAML,
     running_cluster,

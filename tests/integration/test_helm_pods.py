@@ -25,15 +25,15 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+
+from kvrelay.launch import helm as chart
+from kvrelay.runtime.pki import identity_of, load_cert, read_pem
+from kvrelay.runtime.rpc import Dialer
+from kvrelay.runtime.tls import TLSMaterial
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-
-from launch import helm as chart
-from runtime.pki import identity_of, load_cert, read_pem
-from runtime.rpc import Dialer
-from runtime.tls import TLSMaterial
 from tests.probes import probe
 
 pytestmark = pytest.mark.model

@@ -18,9 +18,9 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from router.http_server import serve_http
-from runtime.config import HttpSection
-from runtime.pki import CertRole, Identity, issue, new_ca
+from kvrelay.router.http_server import serve_http
+from kvrelay.runtime.config import HttpSection
+from kvrelay.runtime.pki import CertRole, Identity, issue, new_ca
 
 HEAD = b"GET /ok HTTP/1.1\r\nHost: test\r\n"
 """A request head without its final empty line."""

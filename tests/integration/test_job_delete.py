@@ -9,11 +9,11 @@ import json
 
 import grpc
 import pytest
+
+from kvrelay.cli.main import main
+from kvrelay.router.audit import query, verify
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
-
-from cli.main import main
-from router.audit import query, verify
 from tests.integration.helpers import cluster_user, wait_until
 
 pytestmark = pytest.mark.model

@@ -10,11 +10,11 @@ import time
 
 import grpc
 import pytest
+
+from kvrelay.cli.main import main
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
-
-from cli.main import main
 from tests.integration.helpers import cluster_user, running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model

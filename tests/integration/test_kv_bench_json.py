@@ -10,7 +10,7 @@ import sys
 
 def test_bench_kv_json_has_its_stable_fields(tmp_path):
     out = tmp_path / "kv.json"
-    res = subprocess.run([sys.executable, "-m", "cli", "bench", "kv", "--sizes", "1", "--streams", "1",
+    res = subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "kv", "--sizes", "1", "--streams", "1",
                           "--repeat", "1", "--modes", "aead,integrity", "--no-overlap", "--json", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -29,6 +29,6 @@ def test_bench_kv_json_has_its_stable_fields(tmp_path):
 
 
 def test_bench_kv_refuses_an_unknown_mode():
-    res = subprocess.run([sys.executable, "-m", "cli", "bench", "kv", "--modes", "plain", "--no-overlap"],
+    res = subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "kv", "--modes", "plain", "--no-overlap"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "protection must be aead or integrity, got 'plain'" in res.stderr

@@ -14,13 +14,13 @@ import threading
 import pytest
 import torch
 
-from benchmarks.kv_peer import SECRET
-from engine.kv_cache import KVCache, KVLayout
-from kvtransfer.base import TransferState, TransferTarget
-from kvtransfer.config import TransferConfig
-from kvtransfer.protection import Protection
-from kvtransfer.record import PREFIX, sealed_bytes
-from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
+from kvrelay.benchmarks.kv_peer import SECRET
+from kvrelay.engine.kv_cache import KVCache, KVLayout
+from kvrelay.kvtransfer.base import TransferState, TransferTarget
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.protection import Protection
+from kvrelay.kvtransfer.record import PREFIX, sealed_bytes
+from kvrelay.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 from tests.integration.kv_tap import Tap, pump
 
 LAYOUT = KVLayout("m", "float32", 2, 4, 64, 16)  # 16 KiB per (layer, K/V, block)

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer.base import TransferState, TransferTarget
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.tcp import TcpKVSender
+from kvrelay.runtime.kvcreds import CertCredentials
+from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
-
-from engine.sampling_params import SamplingParams
-from kvtransfer.base import TransferState, TransferTarget
-from kvtransfer.config import TransferConfig
-from kvtransfer.tcp import TcpKVSender
-from runtime.kvcreds import CertCredentials
-from runtime.pki import CertRole, Identity
 from tests.integration.helpers import workers
 
 pytestmark = pytest.mark.model

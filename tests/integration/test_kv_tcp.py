@@ -15,17 +15,17 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvrelay.v1 import kv_wire_pb2 as pb
 
-from benchmarks.kv_peer import SECRET
-from engine.kv_cache import KVCache, KVLayout
-from kvtransfer.base import TransferState, TransferTarget
-from kvtransfer.config import TransferConfig
-from kvtransfer.local import LocalKVSender
-from kvtransfer.nixl import NixlKVReceiver, NixlKVSender
-from kvtransfer.protection import Protection
-from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
-from kvtransfer.wire import recv_frame, send_frame
+from kvrelay.benchmarks.kv_peer import SECRET
+from kvrelay.engine.kv_cache import KVCache, KVLayout
+from kvrelay.kvtransfer.base import TransferState, TransferTarget
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.local import LocalKVSender
+from kvrelay.kvtransfer.nixl import NixlKVReceiver, NixlKVSender
+from kvrelay.kvtransfer.protection import Protection
+from kvrelay.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
+from kvrelay.kvtransfer.wire import recv_frame, send_frame
+from kvrelay.v1 import kv_wire_pb2 as pb
 from tests.integration.helpers import wait_until
 from tests.integration.kv_tap import CuttableLink
 
@@ -201,7 +201,7 @@ def test_wrong_protocol_version_refused():
 
 
 def _peer(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "benchmarks.kv_peer", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "kvrelay.benchmarks.kv_peer", *args], stdout=subprocess.PIPE,
                             text=True)
 
 

@@ -13,18 +13,18 @@ import threading
 import pytest
 import torch
 
-from benchmarks.kv_peer import SECRET
-from engine.kv_cache import KVCache, KVLayout
-from kvtransfer.base import TransferState, TransferTarget
-from kvtransfer.config import TransferConfig
-from kvtransfer.nixl import NixlKVSender, nixl_available
-from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
-from runtime.config import parse_config
-from runtime.kvcreds import CertCredentials
-from runtime.pki import CertRole, Identity, issue, new_ca
-from runtime.tls import TLSMaterial
-from runtime.topology import Role
-from runtime.worker import kv_transfer_config
+from kvrelay.benchmarks.kv_peer import SECRET
+from kvrelay.engine.kv_cache import KVCache, KVLayout
+from kvrelay.kvtransfer.base import TransferState, TransferTarget
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.nixl import NixlKVSender, nixl_available
+from kvrelay.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
+from kvrelay.runtime.config import parse_config
+from kvrelay.runtime.kvcreds import CertCredentials
+from kvrelay.runtime.pki import CertRole, Identity, issue, new_ca
+from kvrelay.runtime.tls import TLSMaterial
+from kvrelay.runtime.topology import Role
+from kvrelay.runtime.worker import kv_transfer_config
 from tests.integration.helpers import wait_until
 from tests.integration.kv_tap import Tap
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.kv_peer import SECRET
-from engine.kv_cache import KVCache
-from engine.sampling_params import SamplingParams
-from kvtransfer.base import TransferState, TransferTarget
-from kvtransfer.config import TransferConfig
-from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
-from prefill_worker.streamer import LayerStreamer
+from kvrelay.benchmarks.kv_peer import SECRET
+from kvrelay.engine.kv_cache import KVCache
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer.base import TransferState, TransferTarget
+from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
+from kvrelay.prefill_worker.streamer import LayerStreamer
 
 
 def test_chunked_prefill_streams_layers_during_compute(tiny_checkpoints, make_engine):

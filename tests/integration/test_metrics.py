@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
-from kvrelay.v1 import inference_pb2 as ipb
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrelay.v1 import inference_pb2 as ipb
 from tests.dashboard import exprs, load_dashboard, substitute
 from tests.integration.helpers import (
     CLUSTER_YAML,

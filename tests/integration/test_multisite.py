@@ -10,11 +10,11 @@ import time
 
 import grpc
 import pytest
+
+from kvrelay.launch.local import LocalCluster
+from kvrelay.runtime.config import parse_config
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-
-from launch.local import LocalCluster
-from runtime.config import parse_config
 from tests.integration.helpers import wait_until, worker_stats, workers
 
 pytestmark = pytest.mark.model

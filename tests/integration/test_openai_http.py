@@ -17,10 +17,10 @@ import urllib.request
 import grpc
 import openai
 import pytest
-from kvrelay.v1 import inference_pb2 as ipb
 
-from engine.tokenizer import Tokenizer
-from router.auth import token_sha256
+from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.router.auth import token_sha256
+from kvrelay.v1 import inference_pb2 as ipb
 from tests.integration.helpers import CLUSTER_YAML, running_cluster, tls_context
 
 pytestmark = pytest.mark.model

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from benchmarks.traces import SAMPLE_AZURE, SAMPLE_MOONCAKE
-from cli.main import main
+from kvrelay.benchmarks.traces import SAMPLE_AZURE, SAMPLE_MOONCAKE
+from kvrelay.cli.main import main
 from tests.integration.helpers import CLUSTER_YAML, cluster_user, running_cluster, wait_until
 
 AZURE, MOONCAKE = SAMPLE_AZURE, SAMPLE_MOONCAKE

@@ -12,15 +12,15 @@ import time
 
 import grpc
 import pytest
+
+from kvrelay.cli.main import main
+from kvrelay.launch.local import LocalCluster
+from kvrelay.router.auth import BearerAuth, token_sha256
+from kvrelay.runtime.config import parse_config
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-
-from cli.main import main
-from launch.local import LocalCluster
-from router.auth import BearerAuth, token_sha256
-from runtime.config import parse_config
 from tests.integration.helpers import running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model
@@ -124,7 +124,7 @@ def test_scale_on_ray_two_nodes(smollm_path):
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
-    from launch.ray_backend import RayBackend
+    from kvrelay.launch.ray_backend import RayBackend
 
     rc = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     nodes = {"toronto": rc.add_node(num_cpus=1, resources={"site:toronto": 4}),

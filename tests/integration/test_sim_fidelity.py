@@ -41,7 +41,7 @@ profile measured on the same machine in the same run keeps, however busy."""
 
 def kvrelay(*args: str, cache: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "UCX_MODULES": "^ib"}
-    return subprocess.run([sys.executable, "-m", "cli", "--cache-dir", str(cache), *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvrelay.cli", "--cache-dir", str(cache), *args], capture_output=True,
                           text=True, timeout=900, cwd=ROOT, env=env)
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from kvrelay.cli.main import main as kvrelay
+from kvrelay.router.auth import token_sha256
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-
-from cli.main import main as kvrelay
-from router.auth import token_sha256
 from tests.integration.helpers import (
     running_cluster,
     tls_context,

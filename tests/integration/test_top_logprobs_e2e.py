@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from kvrelay.v1 import inference_pb2 as ipb
 
-from engine.sampling_params import SamplingParams
-from router.logprobs import openai_logprobs
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.router.logprobs import openai_logprobs
+from kvrelay.v1 import inference_pb2 as ipb
 
 pytestmark = pytest.mark.model
 

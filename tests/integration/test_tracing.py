@@ -18,13 +18,13 @@ from concurrent import futures
 import grpc
 import openai
 import pytest
-from kvrelay.v1 import inference_pb2 as ipb
-from kvrelay.v1 import inference_pb2_grpc as igrpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tspb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tsgrpc
 
-from cli.main import main as kvrelay
-from runtime.tracing import read_spans
+from kvrelay.cli.main import main as kvrelay
+from kvrelay.runtime.tracing import read_spans
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
 from tests.integration.helpers import running_cluster, tls_context, wait_until, workers
 
 pytestmark = pytest.mark.model

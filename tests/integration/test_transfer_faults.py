@@ -13,11 +13,11 @@ import time
 
 import grpc
 import pytest
+
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.launch.local import LocalCluster
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-
-from engine.sampling_params import SamplingParams
-from launch.local import LocalCluster
 from tests.integration.helpers import (
     CLUSTER_YAML,
     running_cluster,

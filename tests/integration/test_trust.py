@@ -19,15 +19,9 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from kvrelay.v1 import admin_pb2 as apb
-from kvrelay.v1 import admin_pb2_grpc as agrpc
-from kvrelay.v1 import inference_pb2 as ipb
-from kvrelay.v1 import inference_pb2_grpc as igrpc
-from kvrelay.v1 import worker_pb2 as wpb
-from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
-from router.auth import token_sha256
-from runtime.pki import (
+from kvrelay.router.auth import token_sha256
+from kvrelay.runtime.pki import (
     CA_CERT,
     CA_KEY,
     CertRole,
@@ -37,13 +31,19 @@ from runtime.pki import (
     load_ca,
     new_ca,
 )
-from runtime.rpc import Dialer
-from runtime.tls import TLSMaterial
+from kvrelay.runtime.rpc import Dialer
+from kvrelay.runtime.tls import TLSMaterial
+from kvrelay.v1 import admin_pb2 as apb
+from kvrelay.v1 import admin_pb2_grpc as agrpc
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from tests.integration.helpers import CLUSTER_YAML, running_cluster, workers
 
 pytestmark = pytest.mark.model
 
-KVRELAY = [sys.executable, "-m", "cli"]
+KVRELAY = [sys.executable, "-m", "kvrelay.cli"]
 REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 

@@ -15,11 +15,11 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from kvrelay.cli.main import main
+from kvrelay.router.auth import token_sha256
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-
-from cli.main import main
-from router.auth import token_sha256
 from tests.integration.helpers import (
     running_cluster,
     wait_until,

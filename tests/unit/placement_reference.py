@@ -40,9 +40,9 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-from engine.blocks import blocks_for
-from runtime.config import PlacementPolicy
-from runtime.topology import Role
+from kvrelay.engine.blocks import blocks_for
+from kvrelay.runtime.config import PlacementPolicy
+from kvrelay.runtime.topology import Role
 
 POLICIES = tuple(PlacementPolicy)
 """Every policy's name."""

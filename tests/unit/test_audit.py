@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-import router.audit as audit
-from cli.main import main
-from router.audit import (
+import kvrelay.router.audit as audit
+from kvrelay.cli.main import main
+from kvrelay.router.audit import (
     GENESIS,
     OTHER_TENANTS,
     AuditError,
@@ -37,8 +37,8 @@ from router.audit import (
     query,
     verify,
 )
-from router.retention import DAY_S, RetentionSweeper
-from runtime.config import parse_config
+from kvrelay.router.retention import DAY_S, RetentionSweeper
+from kvrelay.runtime.config import parse_config
 
 T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 

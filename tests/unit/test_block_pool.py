@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import BlockPool
-from engine.errors import OutOfBlocksError
-from engine.hashing import hash_block, hash_blocks
+from kvrelay.engine.block_pool import BlockPool
+from kvrelay.engine.errors import OutOfBlocksError
+from kvrelay.engine.hashing import hash_block, hash_blocks
 
 
 def test_hash_chain_properties():

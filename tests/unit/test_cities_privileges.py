@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import cities
-from launch.privileges import (
+from kvrelay.launch import cities
+from kvrelay.launch.privileges import (
     CAP_FLAGS,
     PrivilegeError,
     WorkerDrop,

@@ -13,8 +13,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import NameOID
 
-from cli.main import main
-from runtime.pki import (
+from kvrelay.cli.main import main
+from kvrelay.runtime.pki import (
     CA_CERT,
     CA_KEY,
     CertRole,

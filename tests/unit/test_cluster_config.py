@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runtime.config import ConfigError, load_config, parse_config
+from kvrelay.runtime.config import ConfigError, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -138,7 +138,7 @@ def test_numbers_are_bounded(raw, message):
 
 
 def test_every_numeric_field_has_a_bound():
-    from runtime import config
+    from kvrelay.runtime import config
 
     classes = [*config._NESTED.values(), *(c for c, _ in config._LISTS.values()), config.ClusterConfig]
     numeric = {(c.__name__, f.name) for c in classes for f in dataclasses.fields(c)

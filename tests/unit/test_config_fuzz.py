@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.config import (
+from kvrelay.runtime.config import (
     FIELD_MAX,
     ClusterConfig,
     ConfigError,

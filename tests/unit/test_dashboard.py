@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from runtime.metrics import METRIC_NAMES, RouterMetrics, TransferMetrics
+from kvrelay.runtime.metrics import METRIC_NAMES, RouterMetrics, TransferMetrics
 from tests.dashboard import all_panels, exprs, load_dashboard, substitute
 
 ROOT = Path(__file__).resolve().parents[2]

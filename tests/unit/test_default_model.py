@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.default_model import embedded_gguf, prepare_default_model
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from kvrelay.engine.default_model import embedded_gguf, prepare_default_model
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.model

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from launch.delayline import DelayLine
+from kvrelay.launch.delayline import DelayLine
 
 
 @pytest.fixture

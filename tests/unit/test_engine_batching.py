@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from kvrelay.engine.sampling_params import SamplingParams
 
 LENGTHS = [5, 17, 33, 64, 90, 120, 9, 48]
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint import load_checkpoint
-from engine.config import CacheConfig, EngineConfig
-from engine.errors import CheckpointError, InvalidRequestError
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from kvrelay.engine.checkpoint import load_checkpoint
+from kvrelay.engine.config import CacheConfig, EngineConfig
+from kvrelay.engine.errors import CheckpointError, InvalidRequestError
+from kvrelay.engine.llm_engine import LLMEngine
+from kvrelay.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture

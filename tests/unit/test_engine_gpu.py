@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from kvrelay.engine.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.gpu

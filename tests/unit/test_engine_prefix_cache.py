@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from kvrelay.engine.sampling_params import SamplingParams
 
 SYSTEM = "You are a careful assistant for a research network. Answer briefly and precisely. " * 2
 

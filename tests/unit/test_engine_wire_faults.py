@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineStopped
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
-from runtime.worker import failing_step
+from kvrelay.engine.async_engine import AsyncEngine, EngineStopped
+from kvrelay.engine.errors import InvalidRequestError
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.runtime.worker import failing_step
 
 
 def test_an_out_of_vocabulary_first_token_is_refused(tiny_checkpoints, make_engine):

@@ -13,11 +13,10 @@ import json
 import os
 
 import pytest
-from kvrelay.v1 import worker_pb2 as wpb
 
-from cli.governance import render_markdown
-from router.deployment import LinkState, LiveWorker, file_states
-from router.governance import (
+from kvrelay.cli.governance import render_markdown
+from kvrelay.router.deployment import LinkState, LiveWorker, file_states
+from kvrelay.router.governance import (
     NOT_RECORDED,
     DeploymentState,
     Question,
@@ -25,9 +24,10 @@ from router.governance import (
     deployment_state,
     statement,
 )
-from router.registry import WorkerRegistry
-from runtime.config import ClusterConfig, parse_config
-from runtime.topology import Role
+from kvrelay.router.registry import WorkerRegistry
+from kvrelay.runtime.config import ClusterConfig, parse_config
+from kvrelay.runtime.topology import Role
+from kvrelay.v1 import worker_pb2 as wpb
 
 BASE = {
     "router": {"site": "toronto", "audit_log": "/srv/kvrelay/audit.jsonl", "jobs_db": "/srv/kvrelay/jobs.sqlite",
@@ -409,6 +409,6 @@ def test_the_statement_lists_exactly_the_admin_calls_that_are_audited():
     import re
     from pathlib import Path
 
-    from router.governance import AUDITED_ACTIONS
+    from kvrelay.router.governance import AUDITED_ACTIONS
     source = (Path(__file__).parents[2] / "router" / "admin.py").read_text()
     assert set(re.findall(r'self\._audit\(who, "([^"]+)"', source)) == set(AUDITED_ACTIONS)

@@ -8,15 +8,15 @@ import asyncio
 import threading
 
 import pytest
-from kvrelay.v1 import worker_pb2 as wpb
 
-from router.admin import external_scaling_hint
-from router.pools import PoolManager
-from router.registry import WorkerRegistry
-from runtime.config import ConfigError, ScalingOwner, parse_config
-from runtime.health import HealthChecks, serve_health
-from runtime.topology import Role
-from runtime.worker import WorkerStatus, parse_args
+from kvrelay.router.admin import external_scaling_hint
+from kvrelay.router.pools import PoolManager
+from kvrelay.router.registry import WorkerRegistry
+from kvrelay.runtime.config import ConfigError, ScalingOwner, parse_config
+from kvrelay.runtime.health import HealthChecks, serve_health
+from kvrelay.runtime.topology import Role
+from kvrelay.runtime.worker import WorkerStatus, parse_args
+from kvrelay.v1 import worker_pb2 as wpb
 from tests.probes import probe
 
 

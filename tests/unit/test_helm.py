@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import helm as chart
-from runtime.config import load_config
+from kvrelay.launch import helm as chart
+from kvrelay.runtime.config import load_config
 
 ROOT = chart.ROOT
 EXAMPLES = chart.examples()
@@ -196,27 +196,27 @@ def _expand(args: list[str]) -> list[str]:
 
 def test_container_command_lines_are_accepted_by_the_entry_points():
     """Every container's command parses with the real argument parser of what it runs."""
-    from cli.main import build_parser
-    from router.main import parse_args as router_args
-    from runtime.topology import Role
-    from runtime.worker import parse_args as worker_args
+    from kvrelay.cli.main import build_parser
+    from kvrelay.router.main import parse_args as router_args
+    from kvrelay.runtime.topology import Role
+    from kvrelay.runtime.worker import parse_args as worker_args
     seen = set()
     for doc in rendered("three-cities"):
         if doc["kind"] != "Deployment":
             continue
         for c in _containers(doc):
             argv = _expand(c.get("command", []) + c.get("args", []))
-            if argv[:3] == ["python", "-m", "router"]:
+            if argv[:3] == ["python", "-m", "kvrelay.router"]:
                 assert router_args(argv[3:]).config.endswith("cluster.yaml")
             elif argv[:2] == ["python", "-m"]:
-                role = Role(argv[2].removesuffix("_worker"))
+                role = Role(argv[2].removeprefix("kvrelay.").removesuffix("_worker"))
                 args = worker_args(role, argv[3:])
                 assert args.index == args.name == "kvrelay-toronto-prefill-7d9f8c6b5d-x2b4q"
                 assert args.router == "kvrelay-router:50052"
             else:
                 args = build_parser().parse_args(argv[1:])
                 assert args.stem == "tls" and args.out == Path("/var/run/kvrelay/tls")
-            seen.add(argv[2] if argv[0] == "python" else argv[1])
+            seen.add(argv[2].removeprefix("kvrelay.") if argv[0] == "python" else argv[1])
     assert seen == {"router", "prefill_worker", "decode_worker", "pki"}
 
 

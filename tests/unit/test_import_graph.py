@@ -3,6 +3,12 @@
     proto (kvrelay.v1) <- engine <- kvtransfer <- runtime
         <- {prefill_worker, decode_worker, router} <- launch <- benchmarks <- cli
 
+Installed, each is ``kvrelay.<package>`` (pyproject's package-dir; the
+folders stay at the top of the repository): an import of a bare top-level
+name (``from router.core import ...``, the old layout) is refused, as it
+would load a second copy of the module from the working directory, or
+nothing at all once installed elsewhere.
+
 The graph is built from the source with ast, so it sees every import, also
 those inside functions, whether or not that code runs."""
 
@@ -34,17 +40,35 @@ LAZY_ALLOWED = {"ray", "matplotlib", "transformers", "nixl", "nixl_cu12", "moonc
 """Heavy optional dependencies that may be imported inside a function."""
 
 
+BARE = "bare"
+"""What :func:`layer_of` calls an import of a project package by its old top-level name."""
+
+
+def layer_of(module: str) -> str:
+    """The package an imported module counts as: ``kvrelay.<package>...`` is that
+    package, ``kvrelay.v1`` the protos (``kvrelay``); a project package imported
+    by its bare name is BARE-prefixed (refused); anything else is its top-level name."""
+    parts = module.split(".")
+    if parts[0] == "kvrelay" and len(parts) > 1 and parts[1] in LAYER:
+        return parts[1]
+    if parts[0] in LAYER and parts[0] != "kvrelay":
+        return f"{BARE}:{parts[0]}"
+    return parts[0]
+
+
 def project_imports(tree: ast.AST) -> list[tuple[str, int, bool]]:
-    """(top-level module, line, inside a function) for every import in ``tree``."""
+    """(package imported, line, inside a function) for every import in ``tree`` (see :func:`layer_of`)."""
     out = []
 
     def visit(node: ast.AST, in_func: bool) -> None:
         for child in ast.iter_child_nodes(node):
             nested = in_func or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.Import):
-                out.extend((a.name.split(".")[0], child.lineno, in_func) for a in child.names)
+                out.extend((layer_of(a.name), child.lineno, in_func) for a in child.names)
             elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
-                out.append((child.module.split(".")[0], child.lineno, in_func))
+                out.append((layer_of(child.module), child.lineno, in_func))
+            elif isinstance(child, ast.ImportFrom) and child.level > 0:
+                out.append((f"{BARE}:relative", child.lineno, in_func))
             visit(child, nested)
 
     visit(tree, False)
@@ -90,7 +114,9 @@ def violations(edges: dict[str, list]) -> list[str]:
     for pkg, imports in edges.items():
         for mod, path, line, lazy in imports:
             where = f"{path}:{line}: {pkg} imports {mod}"
-            if mod in FORBIDDEN.get(pkg, ()):
+            if mod.startswith(BARE):
+                bad.append(f"{where} (by its bare name: import kvrelay.<package>)")
+            elif mod in FORBIDDEN.get(pkg, ()):
                 bad.append(f"{where} (forbidden)")
             elif mod in LAYER and mod != pkg and LAYER[mod] >= LAYER[pkg]:
                 bad.append(f"{where} (not below {pkg})")
@@ -115,16 +141,22 @@ def test_only_heavy_optional_dependencies_are_imported_lazily():
 
 
 def test_the_checks_catch_a_cycle_and_a_forbidden_import(tmp_path: Path):
-    """The checker itself: a toy tree with engine -> router -> engine and a lazy import."""
+    """The checker itself: a toy tree with engine -> router -> engine, a lazy
+    import, and the old layout's bare names (what this test fails on: every
+    import of the tree as it was before kvrelay.<package>)."""
     (tmp_path / "engine").mkdir()
     (tmp_path / "router").mkdir()
-    (tmp_path / "engine" / "a.py").write_text("import router.b\n")
-    (tmp_path / "router" / "b.py").write_text("def f():\n    from engine import a\n")
+    (tmp_path / "engine" / "a.py").write_text("import kvrelay.router.b\n")
+    (tmp_path / "router" / "b.py").write_text("def f():\n    from kvrelay.engine import a\n")
+    (tmp_path / "router" / "old.py").write_text("from router.core import RouterCore\nfrom engine import hashing\n")
     edges = graph({"engine": tmp_path / "engine", "router": tmp_path / "router"}, tmp_path)
     assert package_cycles(edges) == [["engine", "router", "engine"]]
     bad = violations(edges)
     assert any("engine imports router (forbidden)" in b for b in bad)
     assert any("inside a function" in b for b in bad)
+    assert [b.split(": ", 1)[1] for b in bad if "bare name" in b] == [
+        "router imports bare:router (by its bare name: import kvrelay.<package>)",
+        "router imports bare:engine (by its bare name: import kvrelay.<package>)"]
 
 
 @pytest.mark.parametrize("pkg", sorted(p for p in LAYER if p != "kvrelay"))
@@ -138,7 +170,7 @@ def test_the_router_process_does_not_load_torch():
     import subprocess
     import sys
 
-    probe = "import sys, router.main; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    probe = "import sys, kvrelay.router.main; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
     res = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "[]", (res.stdout, res.stderr)
 
@@ -155,11 +187,11 @@ def test_the_client_commands_load_neither_torch_nor_the_engine():
     import subprocess
     import sys
 
-    probe = ("import sys\nfrom cli.main import main\n"
+    probe = ("import sys\nfrom kvrelay.cli.main import main\n"
              "for c in sys.argv[1:]:\n"
              "    try:\n        main([c, '--help'])\n    except SystemExit:\n        pass\n"
-             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('engine.llm_engine')"
-             " or m.startswith('engine.model'))[:3], file=sys.stderr)")
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'"
+             " or m.startswith(('kvrelay.engine.llm_engine', 'kvrelay.engine.model')))[:3], file=sys.stderr)")
     res = subprocess.run([sys.executable, "-c", probe, *CLIENT_COMMANDS], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0 and res.stderr.strip().splitlines()[-1] == "[]", (res.stdout[-500:], res.stderr)
@@ -172,8 +204,8 @@ def test_every_lazily_imported_command_exists():
     import argparse
     import importlib
 
-    from cli.lazy import Lazy
-    from cli.main import build_parser
+    from kvrelay.cli.lazy import Lazy
+    from kvrelay.cli.main import build_parser
 
     def lazies(parser) -> list[Lazy]:
         found = [parser.get_default("func")]

@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
-from kvrelay.v1 import inference_pb2 as ipb
 
-from cli.jobs import JobFileError, parse_job_file
-from cli.main import main
-from router.job_limits import MAX_JOB_REQUESTS, MAX_REQUEST_BYTES, job_limit_error
+from kvrelay.cli.jobs import JobFileError, parse_job_file
+from kvrelay.cli.main import main
+from kvrelay.router.job_limits import MAX_JOB_REQUESTS, MAX_REQUEST_BYTES, job_limit_error
+from kvrelay.v1 import inference_pb2 as ipb
 
 GOOD = '{"prompt": "ok", "max_tokens": 4}'
 

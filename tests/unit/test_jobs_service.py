@@ -15,16 +15,16 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+
+import kvrelay.router.job_limits as limits
+import kvrelay.router.jobs as jobs_mod
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.router.jobs import JobService, add_jobs_to_server
+from kvrelay.router.jobs_store import DONE, JobStore
+from kvrelay.runtime.rpc import PLAINTEXT, bind, create_server
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
-
-import router.job_limits as limits
-import router.jobs as jobs_mod
-from router.errors import ErrorKind, RouterError
-from router.jobs import JobService, add_jobs_to_server
-from router.jobs_store import DONE, JobStore
-from runtime.rpc import PLAINTEXT, bind, create_server
 
 VOCAB = 1000
 

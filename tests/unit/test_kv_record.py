@@ -10,16 +10,15 @@ import socket
 import threading
 
 import pytest
-from kvrelay.v1 import kv_wire_pb2 as pb
 
-from kvtransfer.protection import (
+from kvrelay.kvtransfer.protection import (
     Cipher,
     KeyShare,
     Protection,
     choose_cipher,
     transcript_1,
 )
-from kvtransfer.record import (
+from kvrelay.kvtransfer.record import (
     ALIGN,
     FIRST_PIECE,
     PIECE,
@@ -28,6 +27,7 @@ from kvtransfer.record import (
     RecordWriter,
     piece_sizes,
 )
+from kvrelay.v1 import kv_wire_pb2 as pb
 
 
 def _pair(cipher: Cipher, protection: Protection, key: bytes, rkey: bytes | None = None):

@@ -19,8 +19,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from runtime.config import TLSSection
-from runtime.pki import (
+from kvrelay.runtime.config import TLSSection
+from kvrelay.runtime.pki import (
     CA,
     CA_CERT,
     CA_KEY,
@@ -38,7 +38,7 @@ from runtime.pki import (
     read_pem,
     role_dns,
 )
-from runtime.tls import PeerRefused, TLSMaterial, load_material
+from kvrelay.runtime.tls import PeerRefused, TLSMaterial, load_material
 
 SITE = "montreal"
 NOW = dt.datetime.now(dt.UTC)

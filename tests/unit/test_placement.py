@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.placement import (
+from kvrelay.router.placement import (
     POLICIES,
     ClusterView,
     LinkView,
@@ -18,7 +18,7 @@ from router.placement import (
     make_policy,
     place,
 )
-from router.prefix_index import PrefixIndex
+from kvrelay.router.prefix_index import PrefixIndex
 
 KV_BLOCK = 2 * 30 * 12288  # SmolLM2-135M fp32: 720 KiB per 16-token block
 
@@ -255,10 +255,9 @@ def test_prefix_index_matches_a_direct_scan(holdings, prompt):
 def test_registry_applies_cache_events_only_after_a_snapshot():
     import asyncio
 
+    from kvrelay.router.registry import WorkerRegistry
+    from kvrelay.runtime.config import parse_config
     from kvrelay.v1 import worker_pb2 as wpb
-
-    from router.registry import WorkerRegistry
-    from runtime.config import parse_config
 
     async def scenario():
         reg = WorkerRegistry(parse_config({}))
@@ -287,10 +286,9 @@ def test_the_registry_view_follows_workers_coming_going_and_falling_silent():
     until it heartbeats again."""
     import asyncio
 
+    from kvrelay.router.registry import WorkerRegistry
+    from kvrelay.runtime.config import parse_config
     from kvrelay.v1 import worker_pb2 as wpb
-
-    from router.registry import WorkerRegistry
-    from runtime.config import parse_config
 
     def info(i: int) -> wpb.WorkerInfo:
         return wpb.WorkerInfo(worker_id=f"local/decode/{i}", role=wpb.ROLE_DECODE, site="local",

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from router import placement as new
-from runtime.topology import Role
+from kvrelay.router import placement as new
+from kvrelay.runtime.topology import Role
 from tests.unit import placement_reference as old
 
 JURISDICTIONS = ("CA-ON", "CA-QC", "EU", "US")
@@ -94,7 +94,7 @@ def test_decode_pairs_are_np_unique_in_both_regimes():
     when that space is small, np.unique otherwise; both give np.unique's answer."""
     import numpy as np
 
-    from router.cost_model import _pairs
+    from kvrelay.router.cost_model import _pairs
 
     rng = np.random.default_rng(3)
     for n, sites, deepest in ((5000, 10, 300), (50, 10, 2000), (1, 1, 0), (300, 100, 40)):

@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from kvrelay.router.registry import WorkerRegistry
+from kvrelay.runtime.config import parse_config
+from kvrelay.runtime.topology import Role
 from kvrelay.v1 import worker_pb2 as wpb
-
-from router.registry import WorkerRegistry
-from runtime.config import parse_config
-from runtime.topology import Role
 
 CONFIG = {"sites": [{"name": "toronto"}, {"name": "montreal"}],
           "links": [{"between": ["toronto", "montreal"], "rtt_ms": 20, "gbps": 1}]}

@@ -12,18 +12,18 @@ from collections import defaultdict
 
 import grpc
 import pytest
-from kvrelay.v1 import inference_pb2 as ipb
-from kvrelay.v1 import inference_pb2_grpc as igrpc
 
-from benchmarks.replay import (
+from kvrelay.benchmarks.replay import (
     ReplayConfig,
     _overload_lines,
     build_report,
     replay,
     retry_after_s,
 )
-from benchmarks.traces import ScaledRequest, TraceRequest
-from runtime.rpc import PLAINTEXT, bind, create_server
+from kvrelay.benchmarks.traces import ScaledRequest, TraceRequest
+from kvrelay.runtime.rpc import PLAINTEXT, bind, create_server
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 HINT_MS = 150
 PLAN = {  # request id -> (times refused, retry-after-ms or None)

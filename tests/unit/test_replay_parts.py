@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from benchmarks.metrics import RequestRecord, distribution, summarize
-from benchmarks.replay import _spread, check_lengths
-from benchmarks.traces import (
+from kvrelay.benchmarks.metrics import RequestRecord, distribution, summarize
+from kvrelay.benchmarks.replay import _spread, check_lengths
+from kvrelay.benchmarks.traces import (
     SAMPLE_AZURE,
     SAMPLE_MOONCAKE,
     TraceError,

@@ -23,16 +23,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from kvrelay.router.audit import AuditLog, RecordKind, query, verify
+from kvrelay.router.jobs import JobService, add_jobs_to_server
+from kvrelay.router.jobs_store import JOB_CANCELLED, JOB_DONE, JOB_QUEUED, JOB_RUNNING, JobStore
+from kvrelay.router.retention import DAY_S, RetentionSweeper
+from kvrelay.runtime.config import parse_config
+from kvrelay.runtime.rpc import PLAINTEXT, bind, create_server
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
-
-from router.audit import AuditLog, RecordKind, query, verify
-from router.jobs import JobService, add_jobs_to_server
-from router.jobs_store import JOB_CANCELLED, JOB_DONE, JOB_QUEUED, JOB_RUNNING, JobStore
-from router.retention import DAY_S, RetentionSweeper
-from runtime.config import parse_config
-from runtime.rpc import PLAINTEXT, bind, create_server
 
 CONFIG = {
     "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
@@ -202,7 +202,7 @@ def test_run_sweeps_periodically_and_goes_on_after_a_failure(world, caplog):
                 await asyncio.sleep(0.02)
         stop.set()
         await asyncio.wait_for(task, 5)
-    with caplog.at_level(logging.ERROR, logger="router.retention"):
+    with caplog.at_level(logging.ERROR, logger="kvrelay.router.retention"):
         asyncio.run(go())
     assert sweeper.jobs.failed and "retention sweep failed" in caplog.text and "disk I/O error" in caplog.text
     assert store.state(jobs["b"]) == JOB_DONE

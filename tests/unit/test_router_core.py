@@ -8,17 +8,17 @@ import time
 
 import grpc
 import pytest
-from kvrelay.v1 import inference_pb2 as ipb
 
-from engine.tokenizer import Tokenizer
-from router.core import AdmissionWait, RouterCore, refusal
-from router.errors import ErrorKind, RouterError
-from router.grpc_api import STATUS
-from router.openai_http import HTTP_STATUS, api_error
-from router.placement import PlacementError, PlacementFailure, Wait
-from router.requests import Caller, ModelLimits, Priority, parse_request
-from runtime.config import parse_config
-from runtime.topology import Role, Topology, link_name
+from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.router.core import AdmissionWait, RouterCore, refusal
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.router.grpc_api import STATUS
+from kvrelay.router.openai_http import HTTP_STATUS, api_error
+from kvrelay.router.placement import PlacementError, PlacementFailure, Wait
+from kvrelay.router.requests import Caller, ModelLimits, Priority, parse_request
+from kvrelay.runtime.config import parse_config
+from kvrelay.runtime.topology import Role, Topology, link_name
+from kvrelay.v1 import inference_pb2 as ipb
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_prepare_hashes_the_prompt_and_a_migration_extends_the_chain(tok):
     """The prompt's block hashes are made with its tokens (in the tokenizer
     threads), in the tenant's domain; a migrated attempt, whose prompt also
     carries the tokens already sent, hashes only the blocks those add."""
-    from engine.hashing import hash_blocks
+    from kvrelay.engine.hashing import hash_blocks
 
     async def go():
         core = _core(tok)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import Sampler, SampleRequest
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvrelay.engine.sampler import Sampler, SampleRequest
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def test_greedy_top_k_top_p():

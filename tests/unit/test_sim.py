@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.sim.clock import Clock
-from benchmarks.sim.cluster import Failure, SimConfig
-from benchmarks.sim.network import SimLink
-from benchmarks.sim.planner import PlanGoal, Planner, deployment
-from benchmarks.sim.profile import ProfileError, attention_pairs, load_profile
-from benchmarks.sim.profiler import Point, fit
-from benchmarks.sim.run import Objectives, simulate
-from benchmarks.sim.workload import SimArrival, arrivals
-from benchmarks.traces import SAMPLE_AZURE, SAMPLE_MOONCAKE, load_trace
-from router.placement import LinkView
-from runtime.config import parse_config
+from kvrelay.benchmarks.sim.clock import Clock
+from kvrelay.benchmarks.sim.cluster import Failure, SimConfig
+from kvrelay.benchmarks.sim.network import SimLink
+from kvrelay.benchmarks.sim.planner import PlanGoal, Planner, deployment
+from kvrelay.benchmarks.sim.profile import ProfileError, attention_pairs, load_profile
+from kvrelay.benchmarks.sim.profiler import Point, fit
+from kvrelay.benchmarks.sim.run import Objectives, simulate
+from kvrelay.benchmarks.sim.workload import SimArrival, arrivals
+from kvrelay.benchmarks.traces import SAMPLE_AZURE, SAMPLE_MOONCAKE, load_trace
+from kvrelay.router.placement import LinkView
+from kvrelay.runtime.config import parse_config
 
 H100 = "h100:llama-3.1-8b"
 
@@ -147,7 +147,7 @@ def test_a_link_down_is_avoided_and_used_again_once_up():
 
 
 def test_a_worker_named_by_a_failure_must_exist(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "cli", "sim", "--trace", str(SAMPLE_AZURE), "--profile", H100,
+    out = subprocess.run([sys.executable, "-m", "kvrelay.cli", "sim", "--trace", str(SAMPLE_AZURE), "--profile", H100,
                           "--fail", "worker:local/decode/7@1", "--out", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 2 and "local/decode/7" in out.stderr and "local/decode/0" in out.stderr
 
@@ -155,7 +155,7 @@ def test_a_worker_named_by_a_failure_must_exist(tmp_path):
 # ------------------------------------------------------------ determinism
 def _sim_json(tmp: Path, seed: int, hashseed: str) -> dict:
     out = tmp / f"{seed}-{hashseed}"
-    subprocess.run([sys.executable, "-m", "cli", "sim", "--trace", str(SAMPLE_MOONCAKE), "--limit", "60",
+    subprocess.run([sys.executable, "-m", "kvrelay.cli", "sim", "--trace", str(SAMPLE_MOONCAKE), "--limit", "60",
                     "--length-scale", "0.25", "--profile", "a100:llama-3.1-8b", "--config", "examples/two-sites.yaml",
                     "--seed", str(seed), "--no-plots", "--out", str(out)],
                    check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": hashseed},
@@ -244,7 +244,7 @@ def _two_sites() -> dict:
 
 # -------------------------------------------------------------------- CLI
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=600,
+    return subprocess.run([sys.executable, "-m", "kvrelay.cli", *args], capture_output=True, text=True, timeout=600,
                           cwd=cwd or Path(__file__).resolve().parents[2])
 
 
@@ -305,7 +305,7 @@ def test_a_request_longer_than_a_worker_holds_is_refused_not_queued():
 
 
 def test_what_the_simulator_does_not_model_is_refused():
-    from benchmarks.sim.cluster import SimInputError
+    from kvrelay.benchmarks.sim.cluster import SimInputError
 
     dedicated = one_site(1, 1)
     dedicated["tenants"] = [{"name": "lab", "token_sha256": "0" * 64}]

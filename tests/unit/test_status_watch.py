@@ -9,12 +9,12 @@ import re
 
 import grpc
 import pytest
+
+from kvrelay.cli import admin as cli_admin
+from kvrelay.cli.main import main
+from kvrelay.cli.watch import CLEAR, frame, human_bytes, latency_line, render_status, watch
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import worker_pb2 as wpb
-
-import cli.admin
-from cli.main import main
-from cli.watch import CLEAR, frame, human_bytes, latency_line, render_status, watch
 
 
 def _workers(requests: int = 14) -> wpb.ListWorkersResponse:
@@ -121,8 +121,8 @@ def test_status_watch_command(monkeypatch, capsys):
     class Dialer:
         def sync(self, address: str):
             return contextlib.nullcontext()
-    monkeypatch.setattr(cli.admin, "operator_dialer", lambda args: Dialer())
-    monkeypatch.setattr(cli.admin, "fetch_status", fetch)
+    monkeypatch.setattr(cli_admin, "operator_dialer", lambda args: Dialer())
+    monkeypatch.setattr(cli_admin, "fetch_status", fetch)
     assert main(["status", "--count", "2", "--interval", "0.01"]) == 0
     out = capsys.readouterr().out
     assert out.count("== kvrelay status") == 2 and "KV USED" in out

@@ -14,11 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.observe import RETRIES, LinkRates, RecentWindow, RouterTelemetry
-from router.usage import UsageLedger
-from runtime.config import ConfigError, TelemetrySection, TraceExport, parse_config
-from runtime.metrics import METRIC_NAMES, FailureReason, failure_reason
-from runtime.tracing import (
+from kvrelay.router.observe import RETRIES, LinkRates, RecentWindow, RouterTelemetry
+from kvrelay.router.usage import UsageLedger
+from kvrelay.runtime.config import ConfigError, TelemetrySection, TraceExport, parse_config
+from kvrelay.runtime.metrics import METRIC_NAMES, FailureReason, failure_reason
+from kvrelay.runtime.tracing import (
     Tracing,
     metadata_for,
     parse_traceparent,

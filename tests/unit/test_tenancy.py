@@ -9,11 +9,11 @@ import asyncio
 
 import pytest
 
-from router.admission import PUMP_TRIES, FairQueue
-from router.auth import TenantSalts
-from router.errors import ErrorKind, RouterError
-from router.jobs_store import JobStore
-from router.placement import (
+from kvrelay.router.admission import PUMP_TRIES, FairQueue
+from kvrelay.router.auth import TenantSalts
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.router.jobs_store import JobStore
+from kvrelay.router.placement import (
     ClusterView,
     LinkView,
     PlacementError,
@@ -24,11 +24,11 @@ from router.placement import (
     make_policy,
     place,
 )
-from router.quotas import QuotaExceeded, Quotas
-from router.tenancy import TenantPolicies
-from runtime.config import ConfigError, parse_config
-from runtime.tenants import TenantSection
-from runtime.topology import Role
+from kvrelay.router.quotas import QuotaExceeded, Quotas
+from kvrelay.router.tenancy import TenantPolicies
+from kvrelay.runtime.config import ConfigError, parse_config
+from kvrelay.runtime.tenants import TenantSection
+from kvrelay.runtime.topology import Role
 
 SITES = [{"name": "montreal", "jurisdiction": "CA-QC"}, {"name": "toronto", "jurisdiction": "CA-ON"}]
 

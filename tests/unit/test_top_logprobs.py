@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvrelay.v1 import inference_pb2 as ipb
 
-from engine.errors import InvalidRequestError
-from engine.sampler import Sampler, SampleRequest, TopLogprobs
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from router.logprobs import openai_logprobs
-from runtime.convert import output_to_proto, sampling_params
+from kvrelay.engine.errors import InvalidRequestError
+from kvrelay.engine.sampler import Sampler, SampleRequest, TopLogprobs
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.router.logprobs import openai_logprobs
+from kvrelay.runtime.convert import output_to_proto, sampling_params
+from kvrelay.v1 import inference_pb2 as ipb
 
 TEXT = "Zürich 東京 🙂"
 

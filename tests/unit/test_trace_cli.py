@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import main
-from cli.trace import bar, json_spans, tree_order, waterfall
-from runtime.config import TelemetrySection
-from runtime.tracing import Tracing, remote_parent, traceparent, within
+from kvrelay.cli.main import main
+from kvrelay.cli.trace import bar, json_spans, tree_order, waterfall
+from kvrelay.runtime.config import TelemetrySection
+from kvrelay.runtime.tracing import Tracing, remote_parent, traceparent, within
 
 T0 = 1_700_000_000_000_000_000
 MS = 1_000_000
@@ -164,7 +164,7 @@ def test_a_run_of_same_named_events_is_one_line():
 
 def test_hostile_span_files_are_refused_or_shown_harmlessly(tmp_path, capsys):
     """A record of the wrong shape is refused naming its line; terminal escapes in names are not printed."""
-    from cli.main import main as kvrelay_main
+    from kvrelay.cli.main import main as kvrelay_main
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "x.jsonl").write_text('{"trace_id": "a", "span_id": [1], "name": "n", "start_unix_nano": 1}\n'

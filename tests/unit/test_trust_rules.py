@@ -7,15 +7,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvrelay.v1 import worker_pb2 as wpb
 
-from router.auth import ANONYMOUS, CallerAuth, TenantSalts, token_sha256
-from router.errors import ErrorKind, RouterError
-from router.registry import worker_identity
-from runtime.config import ConfigError, parse_config
-from runtime.kvsecret import read_secret
-from runtime.pki import CertRole, Identity
-from runtime.rpc import bind, create_server
+from kvrelay.router.auth import ANONYMOUS, CallerAuth, TenantSalts, token_sha256
+from kvrelay.router.errors import ErrorKind, RouterError
+from kvrelay.router.registry import worker_identity
+from kvrelay.runtime.config import ConfigError, parse_config
+from kvrelay.runtime.kvsecret import read_secret
+from kvrelay.runtime.pki import CertRole, Identity
+from kvrelay.runtime.rpc import bind, create_server
+from kvrelay.v1 import worker_pb2 as wpb
 
 
 @pytest.mark.parametrize("section", [{"tls": {"enabled": False}}, {"auth": {"allow_anonymous": True}}])
@@ -112,7 +112,7 @@ def test_a_registration_claims_its_own_site_and_role():
 
 
 def test_plaintext_with_a_certificate_or_ca_is_refused_not_ignored(tmp_path, capsys):
-    from cli.main import main
+    from kvrelay.cli.main import main
 
     assert main(["--cache-dir", str(tmp_path), "generate", "--plaintext", "--ca", str(tmp_path / "ca.pem"), "hi"]) == 2
     assert "--plaintext presents no certificate" in capsys.readouterr().err

@@ -11,12 +11,12 @@ import sqlite3
 import stat
 
 import pytest
-from kvrelay.v1 import worker_pb2 as wpb
 
-from cli.usage import parse_since
-from engine.sampling_params import SamplingParams
-from router.usage import UsageLedger, grouping, usage_response
-from runtime.usage_meter import UsageKey, UsageMeter, kv_link, split_ns
+from kvrelay.cli.usage import parse_since
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.router.usage import UsageLedger, grouping, usage_response
+from kvrelay.runtime.usage_meter import UsageKey, UsageMeter, kv_link, split_ns
+from kvrelay.v1 import worker_pb2 as wpb
 
 A, B = UsageKey("lab-a", "toronto-montreal"), UsageKey("lab-b", "")
 
