@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvrelay.launch.credentials import CLIENT_TOKEN, LOCAL_PKI
+from kvrelay.runtime.files import write_private
 from kvrelay.runtime.pki import CA_CERT, PKIError, check_pair, read_pem
 from kvrelay.runtime.rpc import Dialer
 from kvrelay.runtime.tls import TLSMaterial
@@ -115,10 +116,5 @@ def default_token_file() -> Path:
 
 
 def write_secret(path: Path, value: str) -> None:
-    """Writes ``value`` to ``path``, readable by this user only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(value + "\n")
-    tmp.rename(path)
+    """Writes ``value`` (one line) to ``path``, readable by this user only."""
+    write_private(path, (value + "\n").encode())

@@ -19,16 +19,16 @@ share the store: calls are serialized, never interleaved in one connection."""
 from __future__ import annotations
 
 import builtins
-import contextlib
 import functools
 import itertools
-import os
 import sqlite3
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvrelay.runtime.files import create_private, private_sqlite_sides
 
 PENDING, RUNNING, DONE, FAILED, CANCELLED = range(5)
 JOB_QUEUED, JOB_RUNNING, JOB_DONE, JOB_CANCELLED = 1, 2, 3, 4  # = kvrelay.v1.JobState
@@ -76,30 +76,19 @@ def _serialized(method):
     return locked
 
 
-def _private_file(path: Path) -> None:
-    """Creates the database file empty (mode 0600; SQLite takes an empty file as a new database)
-    and its folder (0700) if missing."""
-    if not path.parent.exists():
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(path.parent, 0o700)  # mkdir's mode is cut by the umask
-    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
-
-
 class JobStore:
     def __init__(self, path: str | Path) -> None:
         """Opens (creating if needed) the database at ``path`` (":memory:" = not durable)."""
         self._lock = threading.RLock()
         durable = str(path) != ":memory:"
         if durable:
-            _private_file(Path(path))
+            create_private(Path(path))
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("PRAGMA secure_delete=ON")  # a deleted prompt does not stay in a free page
         if durable:
-            for side in ("", "-wal", "-shm"):  # SQLite makes the side files with the database's mode
-                with contextlib.suppress(FileNotFoundError):
-                    os.chmod(f"{path}{side}", 0o600)
+            private_sqlite_sides(Path(path))
         self.db.executescript(_SCHEMA)
         if "owner" not in {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}:
             self.db.execute(_OWNER)

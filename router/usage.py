@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -28,6 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from kvrelay.runtime.files import create_private
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import worker_pb2 as wpb
 
@@ -136,10 +136,7 @@ def open_private_db(path: str | None) -> sqlite3.Connection:
     if path is None:
         return sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
     p = Path(path)
-    if not p.parent.exists():
-        p.parent.mkdir(parents=True, mode=0o700)
-    os.close(os.open(p, os.O_CREAT | os.O_RDWR, 0o600))
-    os.chmod(p, 0o600)  # SQLite gives its -wal and -shm files the database's mode
+    create_private(p)  # SQLite gives its -wal and -shm files the database's mode
     db = sqlite3.connect(str(p), isolation_level=None, check_same_thread=False)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")

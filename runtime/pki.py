@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 import re
 from dataclasses import dataclass
 from enum import StrEnum
@@ -28,6 +27,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from kvrelay.runtime.files import write_private
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 """File names of the CA inside a PKI folder (``kvrelay pki init DIR``)."""
@@ -308,16 +309,6 @@ def check_pair(cert_pem: bytes, key_pem: bytes, ca_pem: bytes, where: str) -> Ce
     if info.identity is None:
         raise PKIError(f"{where}: the certificate names no kvrelay identity (no kvrelay:// URI)")
     return info
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` readable by this user only (folder 0700)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    tmp.rename(path)
 
 
 def init_ca_dir(folder: Path, days: float = CA_DAYS) -> CA:

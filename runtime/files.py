@@ -1,0 +1,45 @@
+"""Files only this user may read: secrets, keys, tokens, and the databases
+that hold prompts, results and usage. One place for the modes, so no writer
+forgets one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+SQLITE_SIDE_FILES = ("", "-wal", "-shm")
+"""A SQLite database and the side files WAL mode makes (with the database's mode)."""
+
+
+def private_folder(folder: Path) -> None:
+    """Makes ``folder`` (and its parents) if missing; one made here is 0700 (whatever the umask)."""
+    if not folder.exists():
+        folder.mkdir(parents=True, mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)  # mkdir's mode is cut by the umask
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` readable by this user only (folder 0700 if made
+    here), through a temporary file renamed into place."""
+    private_folder(path.parent)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    tmp.rename(path)
+
+
+def create_private(path: Path) -> None:
+    """Creates ``path`` empty if missing, mode 0600 in any case (folder 0700 if made
+    here): SQLite takes an empty file as a new database and keeps its mode."""
+    private_folder(path.parent)
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    os.chmod(path, 0o600)
+
+
+def private_sqlite_sides(path: Path) -> None:
+    """The database at ``path`` and the side files SQLite made beside it: 0600."""
+    for side in SQLITE_SIDE_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(f"{path}{side}", 0o600)
