@@ -7,10 +7,15 @@ from __future__ import annotations
 import contextlib
 import ssl
 import time
+from collections.abc import AsyncIterator
+
+import grpc
 
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.launch.local import LocalCluster
+from kvrelay.router.jobs import JobService, add_jobs_to_server
 from kvrelay.runtime.config import parse_config
+from kvrelay.runtime.rpc import PLAINTEXT, bind, create_server
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
@@ -91,3 +96,17 @@ def collect(stub, req, timeout=120):
 def reference(engine, text, max_tokens=24):
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
     return engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0].token_ids
+
+
+@contextlib.asynccontextmanager
+async def jobs_server(svc: JobService) -> AsyncIterator[grpc.aio.Channel]:
+    """``svc``'s Jobs API on a free loopback port (plaintext) and a channel to it; the server stops after."""
+    server = create_server()
+    add_jobs_to_server(svc, server)
+    port = bind(server, "127.0.0.1", 0, None)
+    await server.start()
+    try:
+        async with PLAINTEXT.aio(f"127.0.0.1:{port}") as ch:
+            yield ch
+    finally:
+        await server.stop(None)

@@ -19,12 +19,12 @@ import pytest
 import kvrelay.router.job_limits as limits
 import kvrelay.router.jobs as jobs_mod
 from kvrelay.router.errors import ErrorKind, RouterError
-from kvrelay.router.jobs import JobService, add_jobs_to_server
+from kvrelay.router.jobs import JobService
 from kvrelay.router.jobs_store import DONE, JobStore
-from kvrelay.runtime.rpc import PLAINTEXT, bind, create_server
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
+from tests.integration.helpers import jobs_server
 
 VOCAB = 1000
 
@@ -87,16 +87,11 @@ async def serving() -> AsyncIterator[tuple[JobService, jgrpc.JobsStub]]:
     """A Jobs server on a free loopback port (its runner not started) and a stub for it."""
     svc = JobService(_Core(), ":memory:", 1, _Auth())
     svc.store = CountingStore(":memory:")
-    server = create_server()
-    add_jobs_to_server(svc, server)
-    port = bind(server, "127.0.0.1", 0, None)
-    await server.start()
     try:
-        async with PLAINTEXT.aio(f"127.0.0.1:{port}") as ch:
+        async with jobs_server(svc) as ch:
             svc.channel = ch
             yield svc, jgrpc.JobsStub(ch)
     finally:
-        await server.stop(None)
         svc._pool.shutdown(wait=True)
         svc.core.tokenizers.shutdown(wait=True)
 

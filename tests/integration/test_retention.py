@@ -25,14 +25,14 @@ import grpc
 import pytest
 
 from kvrelay.router.audit import AuditLog, RecordKind, query, verify
-from kvrelay.router.jobs import JobService, add_jobs_to_server
+from kvrelay.router.jobs import JobService
 from kvrelay.router.jobs_store import JOB_CANCELLED, JOB_DONE, JOB_QUEUED, JOB_RUNNING, JobStore
 from kvrelay.router.retention import DAY_S, RetentionSweeper
 from kvrelay.runtime.config import parse_config
-from kvrelay.runtime.rpc import PLAINTEXT, bind, create_server
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
+from tests.integration.helpers import jobs_server
 
 CONFIG = {
     "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
@@ -255,15 +255,10 @@ class _Core:
 async def serving(tmp_path: Path, audit: AuditLog | None):
     svc = JobService(_Core(audit), str(tmp_path / "jobs.sqlite"), 2, _Auth())
     await svc.start()
-    server = create_server()
-    add_jobs_to_server(svc, server)
-    port = bind(server, "127.0.0.1", 0, None)
-    await server.start()
     try:
-        async with PLAINTEXT.aio(f"127.0.0.1:{port}") as ch:
+        async with jobs_server(svc) as ch:
             yield svc, jgrpc.JobsStub(ch)
     finally:
-        await server.stop(None)
         await svc.stop()
 
 
