@@ -258,8 +258,8 @@ class SendStream:
         once, the transfers in flight on the connection fail as on any lost
         connection (the caller's policy retries them), and the next item
         connects afresh. Whether it closed one."""
-        with self._slock:
-            sock = self.sock if self._sending is h else None
+        with self._slock:  # not when the receiver refused h: its ack took h out of inflight first
+            sock = self.sock if self._sending is h and h.transfer_id in self.inflight else None
         if sock is None:
             return False
         log.warning("KV connection to %s retired: transfer %s failed while its frame was being sent",
