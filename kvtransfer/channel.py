@@ -28,7 +28,7 @@ from kvrelay.kvtransfer.config import TransferConfig
 from kvrelay.kvtransfer.handles import StateHandle
 from kvrelay.kvtransfer.handshake import SenderHello, Session, client_handshake
 from kvrelay.kvtransfer.memory import KVBytes, coalesce, paired_runs
-from kvrelay.kvtransfer.wire import ProtocolError, tune_socket
+from kvrelay.kvtransfer.wire import ProtocolError, retransmitting, tune_socket
 from kvrelay.v1 import kv_wire_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class SendStream:
         """The receiver pulls from our memory (shared memory, NIXL): frames carry block ids only."""
         self.inflight: set[str] = set()
         self._sending: ChannelSendHandle | None = None
-        """The transfer whose frame the writer is sending now (see :meth:`retire_if_sending`)."""
+        """The transfer whose frame the writer is sending now (see :meth:`retire_if_stuck`)."""
         self._slock = threading.Lock()
         self._reader: threading.Thread | None = None
         threading.Thread(target=self._write_loop, name=f"kv-send-{index}", daemon=True).start()
@@ -249,21 +249,23 @@ class SendStream:
         with self._slock:
             return self._sending.transfer_id if self._sending is not None else None
 
-    def retire_if_sending(self, h: TransferHandle) -> bool:
-        """Closes the connection when its writer is in the middle of a frame of
-        ``h``, which failed: the rest of that frame is of no use, and whatever
-        holds the send up (a link cut and restored, whose connection is still
-        in TCP's retransmission backoff; a receiver that stopped reading) would
-        hold up every transfer queued behind it. The writer's send fails at
-        once, the transfers in flight on the connection fail as on any lost
-        connection (the caller's policy retries them), and the next item
-        connects afresh. Whether it closed one."""
+    def retire_if_stuck(self, h: TransferHandle) -> bool:
+        """Closes the connection that carried ``h``, which failed with frames on
+        it, when that connection is stuck: its writer is in the middle of a
+        frame of ``h`` (the rest of it is of no use), or the kernel is resending
+        its data on the retransmission timer (a link that was cut: once the link
+        is back, such a connection stays in its backoff for seconds). Either way
+        it would hold up every transfer queued behind it. The writer's send
+        fails at once, the transfers in flight on the connection fail as on any
+        lost connection (the caller's policy retries them), and the next item
+        connects afresh. A healthy connection is kept. Whether it closed one."""
         with self._slock:  # not when the receiver refused h: its ack took h out of inflight first
-            sock = self.sock if self._sending is h and h.transfer_id in self.inflight else None
-        if sock is None:
+            sock = self.sock if h.transfer_id in self.inflight else None
+            mid_frame = self._sending is h
+        if sock is None or not (mid_frame or retransmitting(sock)):
             return False
-        log.warning("KV connection to %s retired: transfer %s failed while its frame was being sent",
-                    self.pool.endpoint, h.transfer_id)
+        log.warning("KV connection to %s retired: transfer %s failed %s", self.pool.endpoint, h.transfer_id,
+                    "while its frame was being sent" if mid_frame else "and the connection is retransmitting")
         try:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -349,11 +351,11 @@ class PeerChannel:
         return min(self.streams, key=lambda s: s.queued)
 
     def ended(self, h: TransferHandle) -> None:
-        """``h`` is DONE or FAILED: forgotten here; if it failed mid-frame, that connection is retired."""
+        """``h`` is DONE or FAILED: forgotten here; if it failed on a stuck connection, that one is retired."""
         self.handles.pop(h.transfer_id, None)
         if h.poll() is TransferState.FAILED:
             for s in self.streams:
-                s.retire_if_sending(h)
+                s.retire_if_stuck(h)
 
     def close(self) -> None:
         for s in self.streams:

@@ -111,6 +111,25 @@ def autotune_max(which: str) -> int:
         return 0
 
 
+_TCP_INFO_HEAD = struct.Struct("5B")
+"""struct tcp_info's first bytes: state, ca_state, retransmits, probes, backoff."""
+
+
+def retransmitting(sock: socket.socket) -> bool:
+    """Whether the kernel is resending this connection's data on its
+    retransmission timer (``tcpi_retransmits`` or ``tcpi_backoff`` > 0): the
+    peer has acknowledged nothing for at least one timeout, as after a link
+    cut; a healthy connection, however busy, reads 0. False when unknown."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except OSError:
+        return False
+    if len(info) < _TCP_INFO_HEAD.size:
+        return False
+    _, _, retransmits, _, backoff = _TCP_INFO_HEAD.unpack_from(info)
+    return retransmits > 0 or backoff > 0
+
+
 def tune_socket(sock: socket.socket, buffer_bytes: int | None) -> None:
     """No Nagle delay; socket buffers of ``buffer_bytes`` when given (else the
     kernel autotunes). Buffers above net.core.[rw]mem_max need CAP_NET_ADMIN
