@@ -24,7 +24,7 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
-from tests.integration.helpers import wait_until, worker_stats
+from tests.integration.helpers import wait_until, worker_stats, workers
 
 RTT_MS, GBPS = 20.0, 0.5
 RTT_FLOOR_MS = RTT_MS - 5.0
@@ -217,8 +217,11 @@ def test_link_cut_is_detected_within_a_heartbeat_and_avoided(emulated, smollm_pa
         cities.link_signal(state_dir, "toronto", "montreal", cut=False)
         cut = False
         assert wait_until(lambda: _link(lc).up, 10, 0.05)
-        # once restored the link carries KV again, from the first request on: the connections
-        # the cut left stuck mid-frame were retired when their transfer failed (kvtransfer/channel.py)
+        # and the router hears from the prefill worker again (its heartbeats crossed the cut link too:
+        # until one arrives, placement has no prefill worker and computes at the decode worker)
+        assert wait_until(lambda: workers(lc)["toronto/prefill/0"].healthy, 30, 0.05)
+        # once restored the link carries KV again, from the first request on: the connections the cut
+        # left stuck were retired when their transfer failed (kvtransfer/channel.py)
         msgs = _generate(lc, list(range(4000, 4600)), 4)
         assert sum(len(m.token_ids) for m in msgs) == 4
         placed = msgs[-1].finish.placement
