@@ -29,6 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
 from tests.dashboard import exprs, load_dashboard, substitute
 from tests.integration.helpers import (
     CLUSTER_YAML,
@@ -223,13 +224,20 @@ def up_targets(prometheus) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def traffic(stub, prometheus, up_targets) -> Traffic:
+def metrics_stub(metrics_cluster):
+    """The public gRPC API of this module's cluster."""
+    with metrics_cluster.channel() as ch:
+        yield igrpc.InferenceStub(ch)
+
+
+@pytest.fixture(scope="module")
+def traffic(metrics_stub, prometheus, up_targets) -> Traffic:
     """One warm-up request, scraped before the workload (its TTFT series then already
     exists in Prometheus, so ``rate`` over the window counts exactly the workload's
     observations, and the cold first request is not among them); then the workload;
     then until Prometheus has scraped its end."""
     rng = random.Random(RUN)
-    traffic = Traffic(generate(stub, WARMUP_ID, prompt(rng)))
+    traffic = Traffic(generate(metrics_stub, WARMUP_ID, prompt(rng)))
     assert wait_until(lambda: prometheus.scalar("sum(kvrelay_time_to_first_token_seconds_count)") == 1
                       and prometheus.scalar('sum(kvrelay_requests_total{outcome="ok"})') == 1, 30, 0.5), \
         "Prometheus never saw the warm-up request"
@@ -238,7 +246,7 @@ def traffic(stub, prometheus, up_targets) -> Traffic:
     lock = threading.Lock()
 
     def one(i: int) -> None:
-        reply = generate(stub, REQUEST_IDS[i], prompts[i])
+        reply = generate(metrics_stub, REQUEST_IDS[i], prompts[i])
         with lock:
             traffic.replies.append(reply)
     with ThreadPoolExecutor(CONCURRENCY) as pool:

@@ -21,6 +21,7 @@ import pytest
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.router.auth import token_sha256
 from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
 from tests.integration.helpers import CLUSTER_YAML, running_cluster, tls_context
 
 pytestmark = pytest.mark.model
@@ -41,6 +42,13 @@ def http_cluster(smollm_path):
                       {"name": "lab-b", "token_sha256": token_sha256(OTHER)}]
     with running_cluster(raw, smollm_path, reconcile=False) as lc:
         yield lc
+
+
+@pytest.fixture(scope="module")
+def http_stub(http_cluster):
+    """The public gRPC API of this module's cluster (the tenant lab-a's token comes per call)."""
+    with http_cluster.channel() as ch:
+        yield igrpc.InferenceStub(ch)
 
 
 @pytest.fixture(scope="module")
