@@ -203,29 +203,28 @@ def _add_replay_parser(bench) -> None:
     br.set_defaults(func=local("cmd_bench_replay"))
 
 
+def _hardening_common(p: argparse.ArgumentParser, command: str) -> None:
+    """The flags every hardening benchmark takes, and its function (cli/bench_hardening.py)."""
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", help="checkpoint folder (default: the embedded model)")
+    p.add_argument("--json", help="also write the report to this file")
+    p.set_defaults(func=Lazy("kvrelay.cli.bench_hardening", command))
+
+
 def _add_hardening_parsers(bench) -> None:
     """bench fuzz, bench overload and bench fairness."""
     bfa = bench.add_parser("fairness", help="a tenant's interactive TTFT while another's batch job saturates")
     bfa.add_argument("--interactive", type=int, default=12, help="interactive requests per phase")
     bfa.add_argument("--job-requests", type=int, default=400, help="requests of the flooding batch job")
-    bfa.add_argument("--seed", type=int, default=0)
-    bfa.add_argument("--model", help="checkpoint folder (default: the embedded model)")
-    bfa.add_argument("--json", help="also write the report to this file")
-    bfa.set_defaults(func=Lazy("kvrelay.cli.bench_hardening", "cmd_bench_fairness"))
+    _hardening_common(bfa, "cmd_bench_fairness")
     bf = bench.add_parser("fuzz", help="fuzz the HTTP, gRPC and KV ports and the config loader; report leaks")
     bf.add_argument("--minutes", type=float, default=5.0)
-    bf.add_argument("--seed", type=int, default=0)
-    bf.add_argument("--model", help="checkpoint folder (default: the embedded model)")
-    bf.add_argument("--json", help="also write the report to this file")
-    bf.set_defaults(func=Lazy("kvrelay.cli.bench_hardening", "cmd_bench_fuzz"))
+    _hardening_common(bf, "cmd_bench_fuzz")
     bo = bench.add_parser("overload", help="offer several times the sustainable rate: shed vs admitted, TTFT, memory")
     bo.add_argument("--factor", type=float, default=5.0, help="offered rate in multiples of the sustainable one")
     bo.add_argument("--seconds", type=float, default=60.0, help="length of the overload")
     bo.add_argument("--capacity-seconds", type=float, default=30.0, help="length of the capacity measurement")
-    bo.add_argument("--seed", type=int, default=0)
-    bo.add_argument("--model", help="checkpoint folder (default: the embedded model)")
-    bo.add_argument("--json", help="also write the report to this file")
-    bo.set_defaults(func=Lazy("kvrelay.cli.bench_hardening", "cmd_bench_overload"))
+    _hardening_common(bo, "cmd_bench_overload")
 
 
 def _add_generate_local_parser(sub) -> None:

@@ -55,7 +55,7 @@ class CuttableLink:
         self.connections = 0
         self._generation = 0
         """Bumped by each cut: a connection of an older generation no longer forwards."""
-        self._cut = threading.Event()
+        self._closed = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def cut(self) -> None:
@@ -80,12 +80,12 @@ class CuttableLink:
         try:
             while self._generation == born and (data := a.recv(65536)):
                 b.sendall(data)
-            while self._generation != born and not self._cut.wait(0.1):
+            while self._generation != born and not self._closed.wait(0.1):
                 pass  # dead, not closed: a cut link says nothing
         except OSError:
             pass
         b.close()
 
     def close(self) -> None:
-        self._cut.set()
+        self._closed.set()
         self.listener.close()
