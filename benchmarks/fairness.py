@@ -25,7 +25,7 @@ import grpc
 from kvrelay.benchmarks.kv_bench import machine
 from kvrelay.benchmarks.overload import quantile
 from kvrelay.launch.local import LocalCluster
-from kvrelay.router.auth import token_sha256
+from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.config import parse_config
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc

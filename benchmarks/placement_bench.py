@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvrelay.engine.hashing import hash_blocks
-from kvrelay.router.placement import (
+from kvrelay.router.placement.place import (
     POLICIES,
     ClusterView,
     LinkView,
@@ -24,7 +24,7 @@ from kvrelay.router.placement import (
     WorkerView,
     make_policy,
 )
-from kvrelay.router.prefix_index import PrefixIndex
+from kvrelay.router.placement.prefix_index import PrefixIndex
 from kvrelay.runtime.topology import Role
 
 

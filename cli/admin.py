@@ -18,7 +18,7 @@ from kvrelay.cli.common import (
     table,
 )
 from kvrelay.cli.watch import pool_rows, render_status, watch
-from kvrelay.router.auth import token_sha256
+from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.rpc import Dialer
 from kvrelay.runtime.topology import Role
 from kvrelay.v1 import admin_pb2 as apb

@@ -1,5 +1,5 @@
 """`kvrelay audit` commands: verify the router's hash-chained audit log
-(router/audit.py), and query its records by tenant, site, time and kind.
+(router/governance/audit.py), and query its records by tenant, site, time and kind.
 
 ``kvrelay audit verify FILE`` prints ``ok: N records, head <hash>``; note
 the head somewhere else, and ``--head`` later finds the log's end edited or
@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from kvrelay.cli.common import table
-from kvrelay.router.audit import RecordKind, parse_time, query, verify
+from kvrelay.router.core.records import RecordKind
+from kvrelay.router.governance.audit import parse_time, query, verify
 
 AUDIT_FILE = "audit.jsonl"
 """The audit log's name in the cache folder (``kvrelay serve``'s default ``router.audit_log``)."""

@@ -1,5 +1,5 @@
 """`kvrelay governance`: the data-handling statement of the running deployment
-(router/governance.py, through the Admin API), as JSON or as a Markdown
+(router/governance/statement.py, through the Admin API), as JSON or as a Markdown
 document rendered from that JSON: one section per tenant, the eight
 questions as headings, each answer and the facts it was made from."""
 

@@ -26,7 +26,7 @@ import grpc
 from google.protobuf import descriptor, json_format
 
 from kvrelay.cli.common import add_connect_flags, client_dialer, grpc_error, table
-from kvrelay.router.job_limits import (
+from kvrelay.router.core.job_limits import (
     MAX_JOB_BYTES,
     MAX_JOB_REQUESTS,
     MAX_REQUEST_BYTES,

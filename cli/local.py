@@ -45,7 +45,7 @@ from kvrelay.launch.credentials import (
 )
 from kvrelay.launch.local import LocalCluster
 from kvrelay.launch.ray_backend import RayBackend
-from kvrelay.router.auth import token_sha256
+from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.config import ClusterConfig, ConfigError, load_config
 from kvrelay.runtime.tenants import TenantSection
 

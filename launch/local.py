@@ -30,7 +30,7 @@ import grpc
 
 from kvrelay.launch.cities import CitiesState
 from kvrelay.launch.credentials import LOCAL_TENANT, ClusterCredentials, router_identity
-from kvrelay.router.auth import token_sha256
+from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.config import ClusterConfig, Credential, dump_config
 from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.rpc import Dialer

@@ -4,12 +4,13 @@ serving, for the launcher: the public gRPC listener (TLS; clients present
 bearer tokens), the internal one (mutual TLS; workers, and operators and
 tenants with certificates), then the OpenAI-compatible HTTP API (TLS) when
 enabled. The same services answer on both gRPC listeners; each call is
-authorised by what its peer presented (router/peer.py)."""
+authorised by what its peer presented (router/frontends/peer.py)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -17,18 +18,20 @@ import sys
 import tempfile
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from kvrelay.engine.config import ModelConfig, effective_max_model_len
 from kvrelay.engine.tokenizer import Tokenizer
-from kvrelay.router.audit_writer import AuditWriter
-from kvrelay.router.core import RouterCore
-from kvrelay.router.grpc_api import add_router_to_server
-from kvrelay.router.http_server import serve_http
-from kvrelay.router.jobs import JobService, add_jobs_to_server
-from kvrelay.router.observe import TARGETS_REFRESH_S, prometheus_targets, write_targets
-from kvrelay.router.openai_http import OpenAIServer
-from kvrelay.router.peer import CallAuth
-from kvrelay.router.requests import ModelLimits
-from kvrelay.router.retention import RetentionSweeper
+from kvrelay.router.core.observe import TARGETS_REFRESH_S, write_targets
+from kvrelay.router.core.pipeline import RouterCore
+from kvrelay.router.core.requests import ModelLimits
+from kvrelay.router.frontends.grpc_api import add_router_to_server
+from kvrelay.router.frontends.http_server import serve_http
+from kvrelay.router.frontends.jobs import JobService, add_jobs_to_server
+from kvrelay.router.frontends.openai_http import OpenAIServer
+from kvrelay.router.frontends.peer import CallAuth
+from kvrelay.router.governance.audit_writer import AuditWriter
+from kvrelay.router.governance.retention import RetentionSweeper
 from kvrelay.runtime.config import ClusterConfig, load_config
 from kvrelay.runtime.health import HealthChecks, serve_health
 from kvrelay.runtime.kvsecret import pem_from_env, read_secret
@@ -85,7 +88,7 @@ async def keep_targets(core: RouterCore, path: str | None, stop: asyncio.Event) 
     /metrics, rewritten (atomically) whenever workers come or go."""
     last = None
     while path and not stop.is_set():
-        targets = prometheus_targets(core)
+        targets = core.metrics_targets()
         if targets != last:
             try:
                 write_targets(Path(path), targets)
@@ -98,27 +101,13 @@ async def keep_targets(core: RouterCore, path: str | None, stop: asyncio.Event) 
             pass
 
 
-def build_core(cfg: ClusterConfig, args: argparse.Namespace, tls: TLSMaterial | None, secret_env: str) -> RouterCore:
-    """The router's core: the model's tokenizer and limits, its tracer, its audit log."""
-    salt_key = read_secret(cfg.kv.secret_file, secret_env)
+def model_limits(cfg: ClusterConfig, args: argparse.Namespace) -> tuple[Tokenizer, ModelLimits]:
+    """The model's tokenizer and what a request may ask of it."""
     model_cfg = ModelConfig.from_file(f"{args.model_path}/config.json")
-    max_len = effective_max_model_len(model_cfg, cfg.scheduler)
     tok = Tokenizer(args.model_path)
-    limits = ModelLimits(name=args.model_name or model_cfg.name, max_model_len=max_len,
-                         vocab_size=model_cfg.vocab_size, chat=tok.has_chat_template)
-    tracing = Tracing(cfg.telemetry, "kvrelay-router", "router", {"kvrelay.site": cfg.router.site or ""},
-                      follow_remote=False)  # a client's sampled flag does not force tracing
-    return RouterCore(cfg, tok, limits, dialer=Dialer(tls), salt_key=salt_key, tracing=tracing,
-                      audit=audit_log(cfg))
-
-
-def close_files(core: RouterCore, metrics) -> None:
-    """The audit log, /metrics and the tracer (its last spans exported) at exit."""
-    if core.audit is not None:
-        core.audit.close()
-    if metrics is not None:
-        metrics.close()
-    core.telemetry.tracing.shutdown()
+    return tok, ModelLimits(name=args.model_name or model_cfg.name,
+                            max_model_len=effective_max_model_len(model_cfg, cfg.scheduler),
+                            vocab_size=model_cfg.vocab_size, chat=tok.has_chat_template)
 
 
 def router_health(cfg: ClusterConfig, loop: asyncio.AbstractEventLoop, stop: asyncio.Event):
@@ -127,24 +116,16 @@ def router_health(cfg: ClusterConfig, loop: asyncio.AbstractEventLoop, stop: asy
                         HealthChecks(loop, lambda: None, lambda: "stopping" if stop.is_set() else None))
 
 
-async def run(args: argparse.Namespace) -> None:
-    cfg = load_config(args.config)
-    tls = router_tls(cfg)
-    core = build_core(cfg, args, tls, os.environ.get("KVRELAY_KV_SECRET", ""))
-    metrics = serve_metrics(core.telemetry.registry, cfg.telemetry.metrics_host, cfg.telemetry.router_metrics_port)
-    core.metrics_address = metrics.advertised(cfg.router.host) if metrics is not None else ""
-    auth = CallAuth(core, tls)
+async def start_grpc(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: TLSMaterial | None,
+                     core: RouterCore, jobs: JobService, auth: CallAuth, audit: AuditWriter | None) -> str:
+    """Both gRPC listeners serving every service, stopped (2 s grace) when ``stack`` unwinds;
+    the READY line's addresses."""
     api = cfg.router.api
     # the public listener takes small messages and a bounded number of calls; the internal one, workers' sizes
     public = create_server(max_receive_bytes=api.max_message_bytes, max_concurrent_rpcs=api.max_concurrent_rpcs)
     internal_server = create_server()
-    jobs = JobService(core, args.jobs_db or cfg.router.jobs_db or ":memory:", cfg.router.job_concurrency, auth)
-    if not (args.jobs_db or cfg.router.jobs_db):
-        logging.getLogger(__name__).warning("router.jobs_db is not set: batch jobs live in memory only")
-    await jobs.start()
-    retention = RetentionSweeper(cfg, jobs.store, core.audit)
     for server in (public, internal_server):
-        add_router_to_server(core, server, auth)
+        add_router_to_server(core, server, auth, audit)
         add_jobs_to_server(jobs, server)
     host = cfg.router.host
     try:
@@ -154,38 +135,75 @@ async def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"router: {exc}") from None
     await public.start()
     await internal_server.start()
-    ready = f"READY {host}:{port} internal={host}:{internal}"
-    http = None
-    private = tempfile.TemporaryDirectory(prefix="kvrelay-router-")
-    if cfg.router.http_port is not None:
-        files = http_tls_files(tls, Path(private.name))
-        http, http_task, http_port = await serve_http(OpenAIServer(core, cfg.router.http).app, host,
-                                                      cfg.router.http_port, files, cfg.router.http)
-        ready += f" http={host}:{http_port}"
-    if metrics is not None:
-        ready += f" metrics={metrics.address}"
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    health = router_health(cfg, loop, stop)
-    print(ready + (f" health={cfg.health.host}:{health.port}" if health is not None else ""), flush=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    sweeping = asyncio.create_task(retention.run(stop))
-    targets = asyncio.create_task(keep_targets(core, cfg.telemetry.prometheus_targets, stop))
-    await stop.wait()
-    await _stopped(sweeping, 30.0, "the retention sweep")
-    await _stopped(targets, 5.0, "the Prometheus targets file")
-    if http is not None:
+    stack.push_async_callback(lambda: asyncio.gather(public.stop(grace=2.0), internal_server.stop(grace=2.0)))
+    return f"{host}:{port} internal={host}:{internal}"
+
+
+async def start_http(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: TLSMaterial | None,
+                     core: RouterCore) -> str:
+    """The OpenAI-compatible HTTP API when enabled (its certificate files in a private folder
+    removed at exit); the READY line's field ("" when off)."""
+    if cfg.router.http_port is None:
+        return ""
+    private = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvrelay-router-"))
+    files = http_tls_files(tls, Path(private))
+    http, http_task, http_port = await serve_http(OpenAIServer(core, cfg.router.http).app, cfg.router.host,
+                                                  cfg.router.http_port, files, cfg.router.http)
+
+    async def stop() -> None:
         http.should_exit = True
         await asyncio.wait_for(http_task, 5.0)
-    await asyncio.gather(public.stop(grace=2.0), internal_server.stop(grace=2.0))
-    await jobs.stop()
-    core.tokenizers.shutdown(wait=False, cancel_futures=True)
-    await core.registry.close()
-    close_files(core, metrics)
-    if health is not None:
-        health.close()
-    private.cleanup()
+
+    stack.push_async_callback(stop)
+    return f" http={cfg.router.host}:{http_port}"
+
+
+async def run(args: argparse.Namespace) -> None:
+    """The composition root: builds every part in the order they depend on each other and
+    tears them down in reverse (one AsyncExitStack) when SIGTERM or SIGINT arrives."""
+    cfg = load_config(args.config)
+    tls = router_tls(cfg)
+    salt_key = read_secret(cfg.kv.secret_file, os.environ.get("KVRELAY_KV_SECRET", ""))
+    tok, limits = model_limits(cfg, args)
+    async with contextlib.AsyncExitStack() as stack:
+        audit = audit_log(cfg)
+        if audit is not None:
+            stack.callback(audit.close)
+        tracing = Tracing(cfg.telemetry, "kvrelay-router", "router", {"kvrelay.site": cfg.router.site or ""},
+                          follow_remote=False)  # a client's sampled flag does not force tracing
+        stack.callback(tracing.shutdown)
+        registry = CollectorRegistry()
+        metrics = serve_metrics(registry, cfg.telemetry.metrics_host, cfg.telemetry.router_metrics_port)
+        if metrics is not None:
+            stack.callback(metrics.close)
+        core = RouterCore(cfg, tok, limits, dialer=Dialer(tls), salt_key=salt_key, tracing=tracing, audit=audit,
+                          metrics=registry, metrics_address=metrics.advertised(cfg.router.host) if metrics else "")
+        stack.push_async_callback(core.aclose)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        health = router_health(cfg, loop, stop)
+        if health is not None:
+            stack.callback(health.close)
+        auth = CallAuth(cfg, tls)
+        jobs = JobService(core, args.jobs_db or cfg.router.jobs_db or ":memory:", cfg.router.job_concurrency, auth,
+                          audit)
+        if not (args.jobs_db or cfg.router.jobs_db):
+            logging.getLogger(__name__).warning("router.jobs_db is not set: batch jobs live in memory only")
+        await jobs.start()
+        stack.push_async_callback(jobs.stop)
+        ready = "READY " + await start_grpc(stack, cfg, tls, core, jobs, auth, audit)
+        ready += await start_http(stack, cfg, tls, core)
+        if metrics is not None:
+            ready += f" metrics={metrics.address}"
+        print(ready + (f" health={cfg.health.host}:{health.port}" if health is not None else ""), flush=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        retention = RetentionSweeper(cfg, jobs.store, audit)
+        sweeping = asyncio.create_task(retention.run(stop))
+        targets = asyncio.create_task(keep_targets(core, cfg.telemetry.prometheus_targets, stop))
+        await stop.wait()
+        await _stopped(sweeping, 30.0, "the retention sweep")
+        await _stopped(targets, 5.0, "the Prometheus targets file")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -66,7 +66,7 @@ class ScalingOwner(StrEnum):
 
 
 class PlacementPolicy(StrEnum):
-    """The router's placement policies (router/placement.py implements them)."""
+    """The router's placement policies (router/placement/place.py implements them)."""
 
     ROUND_ROBIN = "round_robin"
     LEAST_LOADED = "least_loaded"
@@ -196,7 +196,7 @@ class ApiSection:
     """A prompt (or chat messages) over this many UTF-8 bytes is refused before tokenizing."""
     max_message_bytes: int = 16 << 20
     """Largest gRPC message the public listener takes (the internal one takes 64 MiB);
-    a batch job's requests travel in one message (at most 15 MiB, router/jobs.py)."""
+    a batch job's requests travel in one message (at most 15 MiB, router/frontends/jobs.py)."""
     max_concurrent_rpcs: int = 1024
     """gRPC calls the public listener serves at once; more get RESOURCE_EXHAUSTED."""
     tokenizer_threads: int = 2

@@ -12,7 +12,7 @@ its engine's state (:class:`EngineCollector`) and, on a decode worker (the
 side that knows a transfer landed), the KV transfers it received
 (:class:`TransferMetrics`). Counters are per process and start from zero when
 it starts, except ``kvrelay_retries_total`` and ``kvrelay_migrations_total``,
-which the router keeps in its usage database (router/observe.py)."""
+which the router keeps in its usage database (router/core/observe.py)."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def failure_reason(message: str) -> FailureReason:
 # -- the router's ---------------------------------------------------------------------------------------------------
 class RouterMetrics:
     """The router's request metrics, in its own registry (``kvrelay_link_up`` is
-    router/observe.py's collector, read from the registry at each scrape)."""
+    router/core/observe.py's collector, read from the registry at each scrape)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
@@ -101,7 +101,7 @@ class RouterMetrics:
         self.queue = Histogram("kvrelay_queue_time_seconds", "Time a request waited at the router for a placement",
                                ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("kvrelay_requests", "Requests finished, by outcome: ok, or the error kind "
-                                "the caller was told (router/errors.py ErrorKind)", ["tenant", "outcome"],
+                                "the caller was told (router/core/errors.py ErrorKind)", ["tenant", "outcome"],
                                 registry=r)
         self.tokens = Counter("kvrelay_tokens", "Tokens of finished requests: prompt (computed), cached "
                               "(prompt tokens a prefix cache held) and completion", ["tenant", "kind"], registry=r)

@@ -1,7 +1,7 @@
 """Tenant policy in the config (``tenants:``): one entry per tenant with its
 credential and what it may do. Parsed by runtime/config.py like every
-section; the router enforces it (router/tenancy.py, router/quotas.py,
-router/admission.py, placement).
+section; the router enforces it (router/core/tenancy.py, router/core/quotas.py,
+router/core/admission.py, placement).
 
 Example::
 

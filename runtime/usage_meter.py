@@ -3,7 +3,7 @@ prompt tokens computed and served by the prefix cache, tokens generated, KV
 bytes received, and engine time. Cumulative since the process started (its
 incarnation, a random id), they travel in every heartbeat and in the
 worker's ``Stats`` (``WorkerLoad.usage``); the router's ledger
-(router/usage.py) adds up the differences.
+(router/cluster/usage.py) adds up the differences.
 
 Engine time: each step's wall time is split among the tenants of the
 sequences in it in proportion to the tokens each computed (a prefill chunk's

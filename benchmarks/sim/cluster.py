@@ -1,5 +1,5 @@
 """A simulated kvrelay deployment: the router's admission and its real
-``place()`` (router/placement.py) and prefix index (router/prefix_index.py)
+``place()`` (router/placement/place.py) and prefix index (router/placement/prefix_index.py)
 over the simulated workers' exact state, KV transfers as flows on links,
 and failures with the router's recovery.
 
@@ -34,7 +34,7 @@ from kvrelay.benchmarks.sim.workload import SimArrival
 from kvrelay.engine.blocks import blocks_for
 from kvrelay.engine.scheduler import SchedulerOutput
 from kvrelay.engine.sequence import Sequence
-from kvrelay.router.placement import (
+from kvrelay.router.placement.place import (
     ClusterView,
     LinkView,
     PlacementError,
@@ -43,7 +43,7 @@ from kvrelay.router.placement import (
     make_policy,
     place,
 )
-from kvrelay.router.prefix_index import PrefixIndex
+from kvrelay.router.placement.prefix_index import PrefixIndex
 from kvrelay.runtime.config import ClusterConfig
 from kvrelay.runtime.topology import LOCAL_LINK, Role, link_name
 

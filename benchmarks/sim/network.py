@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrelay.benchmarks.sim.clock import Clock
-from kvrelay.router.placement import LinkView
+from kvrelay.router.placement.place import LinkView
 
 DRAINED_S = 1e-9
 """A flow with less than this many seconds of the link's rate left is drained

@@ -22,7 +22,7 @@ from kvrelay.engine.errors import OutOfBlocksError
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
 from kvrelay.engine.sequence import Sequence, SequenceStatus
-from kvrelay.router.placement import WorkerView
+from kvrelay.router.placement.place import WorkerView
 from kvrelay.runtime.topology import Role
 
 HASH_MASK = (1 << 64) - 1

@@ -13,7 +13,7 @@ import grpc
 
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.launch.local import LocalCluster
-from kvrelay.router.jobs import JobService, add_jobs_to_server
+from kvrelay.router.frontends.jobs import JobService, add_jobs_to_server
 from kvrelay.runtime.config import parse_config
 from kvrelay.runtime.rpc import PLAINTEXT, bind, create_server
 from kvrelay.v1 import inference_pb2 as ipb

@@ -26,7 +26,7 @@ from schemathesis.checks import (
 
 from kvrelay.benchmarks.fuzz import FUZZ_CLUSTER, format_fuzz, fuzz_cluster
 from kvrelay.benchmarks.fuzz_targets import HttpTarget, http_failure
-from kvrelay.router.openai_schema import openapi
+from kvrelay.router.frontends.openai_schema import openapi
 from tests.integration.helpers import running_cluster
 
 pytestmark = pytest.mark.model

@@ -13,7 +13,7 @@ import stat
 import pytest
 
 from kvrelay.cli.main import main
-from kvrelay.router.auth import token_sha256
+from kvrelay.router.core.auth import token_sha256
 from tests.integration.helpers import running_cluster
 
 pytestmark = pytest.mark.model

@@ -24,7 +24,7 @@ from kvrelay.benchmarks.probes import (
     router_pid,
     tls_socket,
 )
-from kvrelay.router.auth import token_sha256
+from kvrelay.router.core.auth import token_sha256
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb

@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from kvrelay.router.admin import external_scaling_hint
-from kvrelay.router.pools import PoolManager
-from kvrelay.router.registry import WorkerRegistry
+from kvrelay.router.cluster.pools import PoolManager
+from kvrelay.router.cluster.registry import WorkerRegistry
+from kvrelay.router.frontends.admin import external_scaling_hint
 from kvrelay.runtime.config import ConfigError, ScalingOwner, parse_config
 from kvrelay.runtime.health import HealthChecks, serve_health
 from kvrelay.runtime.topology import Role

@@ -1,4 +1,4 @@
-"""The router's HTTP server (router/http_server.py) against slow and greedy
+"""The router's HTTP server (router/frontends/http_server.py) against slow and greedy
 clients, on real sockets: connections that never finish a request head are
 closed at the header deadline (first request and keep-alive ones), the
 bounds on connections per client address and in all answer 429 / 503 in
@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from kvrelay.router.http_server import serve_http
+from kvrelay.router.frontends.http_server import serve_http
 from kvrelay.runtime.config import HttpSection
 from kvrelay.runtime.pki import CertRole, Identity, issue, new_ca
 

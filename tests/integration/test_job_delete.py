@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from kvrelay.cli.main import main
-from kvrelay.router.audit import query, verify
+from kvrelay.router.governance.audit import query, verify
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 from tests.integration.helpers import cluster_user, wait_until

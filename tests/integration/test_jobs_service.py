@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-import kvrelay.router.job_limits as limits
-import kvrelay.router.jobs as jobs_mod
-from kvrelay.router.errors import ErrorKind, RouterError
-from kvrelay.router.jobs import JobService
-from kvrelay.router.jobs_store import DONE, JobStore
+import kvrelay.router.core.job_limits as limits
+import kvrelay.router.frontends.jobs as jobs_mod
+from kvrelay.router.core.errors import ErrorKind, RouterError
+from kvrelay.router.core.jobs_store import DONE, JobStore
+from kvrelay.router.frontends.jobs import JobService
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from kvrelay.engine.tokenizer import Tokenizer
-from kvrelay.router.auth import token_sha256
+from kvrelay.router.core.auth import token_sha256
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from tests.integration.helpers import CLUSTER_YAML, running_cluster, tls_context

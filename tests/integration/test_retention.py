@@ -16,7 +16,6 @@ import sqlite3
 import stat
 import threading
 import time
-import types
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +23,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvrelay.router.audit import AuditLog, RecordKind, query, verify
-from kvrelay.router.jobs import JobService
-from kvrelay.router.jobs_store import JOB_CANCELLED, JOB_DONE, JOB_QUEUED, JOB_RUNNING, JobStore
-from kvrelay.router.retention import DAY_S, RetentionSweeper
+from kvrelay.router.core.jobs_store import JOB_CANCELLED, JOB_DONE, JOB_QUEUED, JOB_RUNNING, JobStore
+from kvrelay.router.core.records import RecordKind
+from kvrelay.router.frontends.jobs import JobService
+from kvrelay.router.governance.audit import AuditLog, query, verify
+from kvrelay.router.governance.retention import DAY_S, RetentionSweeper
 from kvrelay.runtime.config import parse_config
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
@@ -202,7 +202,7 @@ def test_run_sweeps_periodically_and_goes_on_after_a_failure(world, caplog):
                 await asyncio.sleep(0.02)
         stop.set()
         await asyncio.wait_for(task, 5)
-    with caplog.at_level(logging.ERROR, logger="kvrelay.router.retention"):
+    with caplog.at_level(logging.ERROR, logger="kvrelay.router.governance.retention"):
         asyncio.run(go())
     assert sweeper.jobs.failed and "retention sweep failed" in caplog.text and "disk I/O error" in caplog.text
     assert store.state(jobs["b"]) == JOB_DONE
@@ -222,21 +222,18 @@ class _Auth:
         return _Caller(dict(context.invocation_metadata()).get("tenant", ""))
 
 
-class _Registry:
-    def candidates(self, role) -> list[str]:
-        return ["decode-0"]
-
-
 class _Core:
     """The router core as the job runner sees it; every request runs until cancelled."""
 
-    def __init__(self, audit: AuditLog | None) -> None:
-        self.audit = audit
-        self.waiting_interactive = 0
-        self.registry = _Registry()
-        self.tenants = types.SimpleNamespace(known=lambda tenant: True)  # every owner is a configured tenant
+    waiting_interactive = 0
+    can_decode = True  # a decode worker is up
+
+    def __init__(self) -> None:
         self.started: list[str] = []
         self.cancelled: list[str] = []
+
+    def tenant_known(self, tenant: str) -> bool:
+        return True  # every owner is a configured tenant
 
     async def admit(self, req, caller):
         return req
@@ -253,7 +250,7 @@ class _Core:
 
 @contextlib.asynccontextmanager
 async def serving(tmp_path: Path, audit: AuditLog | None):
-    svc = JobService(_Core(audit), str(tmp_path / "jobs.sqlite"), 2, _Auth())
+    svc = JobService(_Core(), str(tmp_path / "jobs.sqlite"), 2, _Auth(), audit)
     await svc.start()
     try:
         async with jobs_server(svc) as ch:

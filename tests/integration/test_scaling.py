@@ -15,7 +15,7 @@ import pytest
 
 from kvrelay.cli.main import main
 from kvrelay.launch.local import LocalCluster
-from kvrelay.router.auth import BearerAuth, token_sha256
+from kvrelay.router.core.auth import BearerAuth, token_sha256
 from kvrelay.runtime.config import parse_config
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from kvrelay.cli.main import main as kvrelay
-from kvrelay.router.auth import token_sha256
+from kvrelay.router.core.auth import token_sha256
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import inference_pb2 as ipb

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.router.logprobs import openai_logprobs
+from kvrelay.router.frontends.logprobs import openai_logprobs
 from kvrelay.v1 import inference_pb2 as ipb
 
 pytestmark = pytest.mark.model

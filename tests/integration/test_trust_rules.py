@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from kvrelay.router.auth import ANONYMOUS, CallerAuth, TenantSalts, token_sha256
-from kvrelay.router.errors import ErrorKind, RouterError
-from kvrelay.router.registry import worker_identity
+from kvrelay.router.cluster.registry import worker_identity
+from kvrelay.router.core.auth import ANONYMOUS, CallerAuth, TenantSalts, token_sha256
+from kvrelay.router.core.errors import ErrorKind, RouterError
 from kvrelay.runtime.config import ConfigError, parse_config
 from kvrelay.runtime.kvsecret import read_secret
 from kvrelay.runtime.pki import CertRole, Identity

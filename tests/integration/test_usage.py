@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvrelay.cli.main import main
-from kvrelay.router.auth import token_sha256
+from kvrelay.router.core.auth import token_sha256
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from tests.integration.helpers import (

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-import kvrelay.router.audit as audit
+import kvrelay.router.governance.audit as audit
 from kvrelay.cli.main import main
-from kvrelay.router.audit import (
+from kvrelay.router.governance.audit import (
     GENESIS,
     OTHER_TENANTS,
     AuditError,
@@ -37,7 +37,7 @@ from kvrelay.router.audit import (
     query,
     verify,
 )
-from kvrelay.router.retention import DAY_S, RetentionSweeper
+from kvrelay.router.governance.retention import DAY_S, RetentionSweeper
 from kvrelay.runtime.config import parse_config
 
 T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z

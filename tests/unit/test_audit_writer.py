@@ -12,8 +12,9 @@ import threading
 
 import pytest
 
-from kvrelay.router.audit import AuditError, RecordKind, head_path, verify
-from kvrelay.router.audit_writer import AuditWriter
+from kvrelay.router.core.records import RecordKind
+from kvrelay.router.governance.audit import AuditError, head_path, verify
+from kvrelay.router.governance.audit_writer import AuditWriter
 
 
 def test_queued_records_are_written_in_batches_and_verify(tmp_path):
@@ -69,7 +70,7 @@ def test_an_unexpected_error_never_stops_the_writer(tmp_path, monkeypatch, caplo
             raise RuntimeError("a bug")
         return real_append(kind, fields)
     monkeypatch.setattr(w.log, "append", buggy)
-    with caplog.at_level(logging.ERROR, logger="kvrelay.router.audit_writer"):
+    with caplog.at_level(logging.ERROR, logger="kvrelay.router.governance.audit_writer"):
         w.append(RecordKind.REQUEST, {"boom": True, "request_id": "r1"})
         with pytest.raises(AuditError, match="the job record was not written: RuntimeError"):
             w.append_durable(RecordKind.JOB, {"boom": True, "job": "j1"}, timeout_s=5)
@@ -104,7 +105,7 @@ def test_a_full_queue_drops_records_counts_them_and_notes_them(tmp_path, monkeyp
     monkeypatch.setattr(w.log, "append", slow)
     w.append(RecordKind.REQUEST, {"first": True})
     assert inside.wait(10)  # the writer is busy with it: what comes now waits in the queue
-    with caplog.at_level(logging.ERROR, logger="kvrelay.router.audit_writer"):
+    with caplog.at_level(logging.ERROR, logger="kvrelay.router.governance.audit_writer"):
         for i in range(8):
             w.append(RecordKind.REQUEST, {"request_id": f"r{i}"})
     assert w.dropped == 3

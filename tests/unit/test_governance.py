@@ -1,4 +1,4 @@
-"""The data-handling statement (router/governance.py) is derived from the
+"""The data-handling statement (router/governance/statement.py) is derived from the
 config and the live state: changing a jurisdiction, a dedicated pool, a
 retention period, a link's protection, the router's site, the operators,
 the interactive reserve or the router's files on disk changes the answer
@@ -15,8 +15,9 @@ import os
 import pytest
 
 from kvrelay.cli.governance import render_markdown
-from kvrelay.router.deployment import LinkState, LiveWorker, file_states
-from kvrelay.router.governance import (
+from kvrelay.router.cluster.registry import WorkerRegistry
+from kvrelay.router.governance.deployment import LinkState, LiveWorker, file_states
+from kvrelay.router.governance.statement import (
     NOT_RECORDED,
     DeploymentState,
     Question,
@@ -24,7 +25,6 @@ from kvrelay.router.governance import (
     deployment_state,
     statement,
 )
-from kvrelay.router.registry import WorkerRegistry
 from kvrelay.runtime.config import ClusterConfig, parse_config
 from kvrelay.runtime.topology import Role
 from kvrelay.v1 import worker_pb2 as wpb
@@ -409,6 +409,6 @@ def test_the_statement_lists_exactly_the_admin_calls_that_are_audited():
     import re
     from pathlib import Path
 
-    from kvrelay.router.governance import AUDITED_ACTIONS
-    source = (Path(__file__).parents[2] / "router" / "admin.py").read_text()
+    from kvrelay.router.governance.statement import AUDITED_ACTIONS
+    source = (Path(__file__).parents[2] / "router" / "frontends" / "admin.py").read_text()
     assert set(re.findall(r'self\._audit\(who, "([^"]+)"', source)) == set(AUDITED_ACTIONS)

@@ -7,7 +7,8 @@ Installed, each is ``kvrelay.<package>`` (pyproject's package-dir; the
 folders stay at the top of the repository): an import of a bare top-level
 name (``from router.core import ...``, the old layout) is refused, as it
 would load a second copy of the module from the working directory, or
-nothing at all once installed elsewhere.
+nothing at all once installed elsewhere. Inside the router, its subpackages
+are layers of their own (:data:`ROUTER_LAYERS`).
 
 The graph is built from the source with ast, so it sees every import, also
 those inside functions, whether or not that code runs."""
@@ -157,6 +158,63 @@ def test_the_checks_catch_a_cycle_and_a_forbidden_import(tmp_path: Path):
     assert [b.split(": ", 1)[1] for b in bad if "bare name" in b] == [
         "router imports bare:router (by its bare name: import kvrelay.<package>)",
         "router imports bare:engine (by its bare name: import kvrelay.<package>)"]
+
+
+ROUTER_LAYERS = [{"placement"}, {"cluster"}, {"core"}, {"governance"}, {"frontends"}, {"main"}, {"__main__"}]
+"""The router's own layers, bottom to top (router/README.md): placement is a pure function of a view,
+cluster the state the workers feed, core the request's path, governance (audit, retention, the
+statement) and the front ends on top, main the composition root. A subpackage imports only from
+itself and the ones below; nothing but main sits beside them."""
+ROUTER_LAYER = {name: i for i, layer in enumerate(ROUTER_LAYERS) for name in layer}
+ROUTER_PURE = {"placement": {"grpc", "asyncio", "socket", "sqlite3", "threading", "time", "kvrelay.v1"}}
+"""What a pure layer may not import: no I/O, no clock, no RPC (placement runs in the simulator unchanged)."""
+
+
+def router_layer_violations(router: Path) -> list[str]:
+    """Every router module outside the layers, and every import that points up or into I/O from a pure layer."""
+    bad = []
+    for path in sorted(router.rglob("*.py")):
+        rel = path.relative_to(router)
+        own = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        if own == "__init__":
+            continue
+        if own not in ROUTER_LAYER:
+            bad.append(f"router/{rel}: outside the router's layers {sorted(ROUTER_LAYER)}")
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for name in names:
+                parts = name.split(".")
+                if parts[:2] == ["kvrelay", "router"] and len(parts) > 2:
+                    target = parts[2]
+                    if target not in ROUTER_LAYER or ROUTER_LAYER[target] > ROUTER_LAYER[own] or (
+                            target != own and ROUTER_LAYER[target] == ROUTER_LAYER[own]):
+                        bad.append(f"router/{rel}:{node.lineno}: {own} imports router.{target} (not below {own})")
+                elif any(name == f or name.startswith(f + ".") for f in ROUTER_PURE.get(own, ())):
+                    bad.append(f"router/{rel}:{node.lineno}: {own} imports {name} (a pure layer)")
+    return bad
+
+
+def test_the_router_is_layered():
+    assert router_layer_violations(ROOT / "router") == []
+
+
+def test_the_router_layer_check_fails_on_a_flat_router(tmp_path: Path):
+    """The checker itself, on the flat router/ this layout replaced (39 modules side by side, core.py
+    importing audit_writer) and on a placement that reaches up and into the clock."""
+    (tmp_path / "placement").mkdir()
+    (tmp_path / "core.py").write_text("from kvrelay.router.audit_writer import AuditWriter\n")
+    (tmp_path / "relay.py").write_text("")
+    (tmp_path / "placement" / "place.py").write_text("import time\nfrom kvrelay.router.core.errors import X\n")
+    (tmp_path / "main.py").write_text("from kvrelay.router.placement.place import place\n")
+    assert router_layer_violations(tmp_path) == [
+        "router/core.py:1: core imports router.audit_writer (not below core)",
+        "router/placement/place.py:1: placement imports time (a pure layer)",
+        "router/placement/place.py:2: placement imports router.core (not below placement)",
+        "router/relay.py: outside the router's layers ['__main__', 'cluster', 'core', 'frontends', 'governance', "
+        "'main', 'placement']"]
 
 
 @pytest.mark.parametrize("pkg", sorted(p for p in LAYER if p != "kvrelay"))

@@ -12,7 +12,7 @@ import pytest
 
 from kvrelay.cli.jobs import JobFileError, parse_job_file
 from kvrelay.cli.main import main
-from kvrelay.router.job_limits import MAX_JOB_REQUESTS, MAX_REQUEST_BYTES, job_limit_error
+from kvrelay.router.core.job_limits import MAX_JOB_REQUESTS, MAX_REQUEST_BYTES, job_limit_error
 from kvrelay.v1 import inference_pb2 as ipb
 
 GOOD = '{"prompt": "ok", "max_tokens": 4}'

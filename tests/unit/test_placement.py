@@ -1,5 +1,5 @@
-"""Placement policies on constructed cluster views (router/placement.py),
-and the prefix index they read (router/prefix_index.py)."""
+"""Placement policies on constructed cluster views (router/placement/place.py),
+and the prefix index they read (router/placement/prefix_index.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrelay.router.placement import (
+from kvrelay.router.placement.place import (
     POLICIES,
     ClusterView,
     LinkView,
@@ -18,7 +18,7 @@ from kvrelay.router.placement import (
     make_policy,
     place,
 )
-from kvrelay.router.prefix_index import PrefixIndex
+from kvrelay.router.placement.prefix_index import PrefixIndex
 
 KV_BLOCK = 2 * 30 * 12288  # SmolLM2-135M fp32: 720 KiB per 16-token block
 
@@ -255,7 +255,7 @@ def test_prefix_index_matches_a_direct_scan(holdings, prompt):
 def test_registry_applies_cache_events_only_after_a_snapshot():
     import asyncio
 
-    from kvrelay.router.registry import WorkerRegistry
+    from kvrelay.router.cluster.registry import WorkerRegistry
     from kvrelay.runtime.config import parse_config
     from kvrelay.v1 import worker_pb2 as wpb
 
@@ -286,7 +286,7 @@ def test_the_registry_view_follows_workers_coming_going_and_falling_silent():
     until it heartbeats again."""
     import asyncio
 
-    from kvrelay.router.registry import WorkerRegistry
+    from kvrelay.router.cluster.registry import WorkerRegistry
     from kvrelay.runtime.config import parse_config
     from kvrelay.v1 import worker_pb2 as wpb
 

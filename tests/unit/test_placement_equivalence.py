@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from kvrelay.router import placement as new
+from kvrelay.router.placement import place as new
 from kvrelay.runtime.topology import Role
 from tests.unit import placement_reference as old
 
@@ -94,7 +94,7 @@ def test_decode_pairs_are_np_unique_in_both_regimes():
     when that space is small, np.unique otherwise; both give np.unique's answer."""
     import numpy as np
 
-    from kvrelay.router.cost_model import _pairs
+    from kvrelay.router.placement.cost_model import _pairs
 
     rng = np.random.default_rng(3)
     for n, sites, deepest in ((5000, 10, 300), (50, 10, 2000), (1, 1, 0), (300, 100, 40)):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvrelay.router.planner import PoolFigures, plan, plan_decode, plan_prefill
+from kvrelay.router.cluster.planner import PoolFigures, plan, plan_decode, plan_prefill
 
 SLO_TTFT, SLO_TPOT = 2.0, 0.2
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from kvrelay.router.prefix_index import PrefixIndex
+from kvrelay.router.placement.prefix_index import PrefixIndex
 from tests.unit.prefix_index_reference import PrefixIndex as Reference
 
 
@@ -59,7 +59,7 @@ def test_a_match_keeps_its_names_and_maps_to_view_rows_as_a_dict_would():
     """A PrefixMatch is read by bit position; it must name the workers the
     index had when it answered, even after a bit is freed and reused, and a
     view must read the same depths from it as from the equivalent dict."""
-    from kvrelay.router.views import ClusterView, WorkerView
+    from kvrelay.router.placement.views import ClusterView, WorkerView
 
     rng = random.Random(11)
     chain = [rng.getrandbits(64) for _ in range(30)]

@@ -1,4 +1,4 @@
-"""Link health from the workers' probes (router/registry.py): a link goes down
+"""Link health from the workers' probes (router/cluster/registry.py): a link goes down
 on a failed probe and up on a successful one, and a probe that was already
 running when the link changed cannot undo that change."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvrelay.router.registry import WorkerRegistry
+from kvrelay.router.cluster.registry import WorkerRegistry
 from kvrelay.runtime.config import parse_config
 from kvrelay.runtime.topology import Role
 from kvrelay.v1 import worker_pb2 as wpb

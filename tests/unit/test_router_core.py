@@ -10,12 +10,12 @@ import grpc
 import pytest
 
 from kvrelay.engine.tokenizer import Tokenizer
-from kvrelay.router.core import AdmissionWait, RouterCore, refusal
-from kvrelay.router.errors import ErrorKind, RouterError
-from kvrelay.router.grpc_api import STATUS
-from kvrelay.router.openai_http import HTTP_STATUS, api_error
-from kvrelay.router.placement import PlacementError, PlacementFailure, Wait
-from kvrelay.router.requests import Caller, ModelLimits, Priority, parse_request
+from kvrelay.router.core.errors import ErrorKind, RouterError
+from kvrelay.router.core.pipeline import AdmissionWait, RouterCore, refusal
+from kvrelay.router.core.requests import Caller, ModelLimits, Priority, parse_request
+from kvrelay.router.frontends.grpc_api import STATUS
+from kvrelay.router.frontends.openai_http import HTTP_STATUS, api_error
+from kvrelay.router.placement.place import PlacementError, PlacementFailure, Wait
 from kvrelay.runtime.config import parse_config
 from kvrelay.runtime.topology import Role, Topology, link_name
 from kvrelay.v1 import inference_pb2 as ipb

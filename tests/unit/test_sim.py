@@ -21,7 +21,7 @@ from kvrelay.benchmarks.sim.profiler import Point, fit
 from kvrelay.benchmarks.sim.run import Objectives, simulate
 from kvrelay.benchmarks.sim.workload import SimArrival, arrivals
 from kvrelay.benchmarks.traces import SAMPLE_AZURE, SAMPLE_MOONCAKE, load_trace
-from kvrelay.router.placement import LinkView
+from kvrelay.router.placement.place import LinkView
 from kvrelay.runtime.config import parse_config
 
 H100 = "h100:llama-3.1-8b"

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvrelay.router.observe import RETRIES, LinkRates, RecentWindow, RouterTelemetry
-from kvrelay.router.usage import UsageLedger
+from kvrelay.router.cluster.usage import UsageLedger
+from kvrelay.router.core.observe import RETRIES, LinkRates, RecentWindow, RouterTelemetry
 from kvrelay.runtime.config import ConfigError, TelemetrySection, TraceExport, parse_config
 from kvrelay.runtime.metrics import METRIC_NAMES, FailureReason, failure_reason
 from kvrelay.runtime.tracing import (

@@ -9,11 +9,13 @@ import asyncio
 
 import pytest
 
-from kvrelay.router.admission import PUMP_TRIES, FairQueue
-from kvrelay.router.auth import TenantSalts
-from kvrelay.router.errors import ErrorKind, RouterError
-from kvrelay.router.jobs_store import JobStore
-from kvrelay.router.placement import (
+from kvrelay.router.core.admission import PUMP_TRIES, FairQueue
+from kvrelay.router.core.auth import TenantSalts
+from kvrelay.router.core.errors import ErrorKind, RouterError
+from kvrelay.router.core.jobs_store import JobStore
+from kvrelay.router.core.quotas import QuotaExceeded, Quotas
+from kvrelay.router.core.tenancy import TenantPolicies
+from kvrelay.router.placement.place import (
     ClusterView,
     LinkView,
     PlacementError,
@@ -24,8 +26,6 @@ from kvrelay.router.placement import (
     make_policy,
     place,
 )
-from kvrelay.router.quotas import QuotaExceeded, Quotas
-from kvrelay.router.tenancy import TenantPolicies
 from kvrelay.runtime.config import ConfigError, parse_config
 from kvrelay.runtime.tenants import TenantSection
 from kvrelay.runtime.topology import Role

@@ -1,5 +1,5 @@
 """top_logprobs: validation, the sampler's and the engine's top-k, the wire
-form, and the OpenAI shapes of router/logprobs.py with real tokenizers."""
+form, and the OpenAI shapes of router/frontends/logprobs.py with real tokenizers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.sampler import Sampler, SampleRequest, TopLogprobs
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.tokenizer import Tokenizer
-from kvrelay.router.logprobs import openai_logprobs
+from kvrelay.router.frontends.logprobs import openai_logprobs
 from kvrelay.runtime.convert import output_to_proto, sampling_params
 from kvrelay.v1 import inference_pb2 as ipb
 

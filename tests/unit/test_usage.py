@@ -14,7 +14,7 @@ import pytest
 
 from kvrelay.cli.usage import parse_since
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.router.usage import UsageLedger, grouping, usage_response
+from kvrelay.router.cluster.usage import UsageLedger, grouping, usage_response
 from kvrelay.runtime.usage_meter import UsageKey, UsageMeter, kv_link, split_ns
 from kvrelay.v1 import worker_pb2 as wpb
 

@@ -1,0 +1,383 @@
+"""The router's core, which knows no front end: one entry,
+:meth:`RouterCore.generate`, takes a validated :class:`~router.requests.Request`
+and its :class:`~router.requests.Caller` and yields the messages of its
+answer (``kvrelay.v1.GenerateResponse``: tokens, and a last one with the
+finish reason, usage and placement). Every failure is a
+:class:`~router.errors.RouterError`; the gRPC API, the HTTP API and batch
+jobs are thin adapters over this.
+
+Per request: ask the prefix index what each worker caches of the prompt ->
+the placement policy picks a decode worker D and a prefill worker P, or
+colocated at D (router/placement/place.py) -> one attempt on it (router/core/relay.py).
+When nothing can take it yet (every eligible worker full, or none
+registered), it waits, holding nothing, within its deadline and the
+configured waits. When a worker fails it, recovery (router/core/recovery.py)
+places it again or migrates the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry
+
+from kvrelay.engine.hashing import hash_blocks
+from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.router.cluster.pools import PoolManager
+from kvrelay.router.cluster.registry import WorkerRegistry
+from kvrelay.router.core.admission import FairQueue
+from kvrelay.router.core.auth import TenantSalts
+from kvrelay.router.core.errors import ErrorKind, RouterError
+from kvrelay.router.core.observe import RequestObservation, RouterTelemetry, prometheus_targets
+from kvrelay.router.core.quotas import Quotas, TokenBucket
+from kvrelay.router.core.records import Auditor, RecordKind
+from kvrelay.router.core.recovery import Failover, Recovery
+from kvrelay.router.core.relay import Relay, placement_proto
+from kvrelay.router.core.request_record import RequestRecord, prompt_text
+from kvrelay.router.core.requests import (
+    MAX_JURISDICTIONS,
+    Caller,
+    ModelLimits,
+    Priority,
+    Request,
+    parse_request,
+)
+from kvrelay.router.core.tenancy import TenantPolicies
+from kvrelay.router.placement.place import (
+    PlacementError,
+    PlacementFailure,
+    PlacementRequest,
+    Wait,
+    make_policy,
+    place,
+)
+from kvrelay.runtime.config import ClusterConfig, RouterSection
+from kvrelay.runtime.rpc import PLAINTEXT, Dialer
+from kvrelay.runtime.topology import Role, Topology
+from kvrelay.runtime.tracing import NO_TRACING, Tracing
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import worker_pb2 as wpb
+
+log = logging.getLogger(__name__)
+
+ADMISSION_BACKOFF_S = (0.05, 1.0)
+"""First and longest pause of a request waiting at the router for a decode worker with room, or for one to come back."""
+
+REFUSALS_PER_S = 20.0
+"""Audit records of calls refused for their credentials, at most (the rest are counted)."""
+
+
+class RateLimit:
+    """At most ``per_s`` events a second (a burst of five seconds' worth); counts the ones it drops."""
+
+    def __init__(self, per_s: float) -> None:
+        self.bucket = TokenBucket(per_s * 5, per_s, per_s * 5, time.monotonic())
+        self.dropped = 0
+
+    def allow(self) -> int | None:
+        """None: drop this one; else the number dropped since the last one allowed."""
+        if self.bucket.wait_s(1, time.monotonic()) > 0:
+            self.dropped += 1
+            return None
+        self.bucket.take(1)
+        dropped, self.dropped = self.dropped, 0
+        return dropped
+
+
+PLACEMENT_KIND = {PlacementFailure.CONSTRAINT: ErrorKind.CONSTRAINT, PlacementFailure.CAPACITY: ErrorKind.OVERLOADED,
+                  PlacementFailure.UNAVAILABLE: ErrorKind.UNAVAILABLE}
+
+
+class AdmissionWait:
+    """How long one request may still wait at the router, for room or for workers."""
+
+    def __init__(self, r: RouterSection, caller: Caller) -> None:
+        self.loop = asyncio.get_running_loop()
+        remaining = caller.time_remaining()
+        now, left = self.loop.time(), float("inf") if remaining is None else remaining
+        self.until = {Wait.ROOM: now + min(r.admission_wait_s, left),
+                      Wait.WORKERS: now + min(r.unavailable_wait_s, left), Wait.NOTHING: 0.0}
+        self.backoff = ADMISSION_BACKOFF_S[0]
+
+    def allows(self, wait: Wait) -> bool:
+        """Waiting the next backoff still ends before the wait's limit."""
+        return self.loop.time() + self.backoff < self.until[wait]
+
+    async def pause(self) -> None:
+        await asyncio.sleep(self.backoff)
+        self.backoff = min(ADMISSION_BACKOFF_S[1], self.backoff * 2)
+
+
+def refusal(exc: PlacementError) -> RouterError:
+    """What the caller is told when no placement is possible and waiting cannot help."""
+    kind = PLACEMENT_KIND[exc.kind]
+    if kind is not ErrorKind.OVERLOADED:
+        return RouterError(kind, exc.message)
+    ms = max(1, int(exc.retry_after_s * 1e3))
+    return RouterError(kind, f"{exc.message}; retry in {ms} ms", retry_after_s=ms / 1e3)
+
+
+class RouterCore:
+    """Admission, placement, the P/D relay and recovery for every front end."""
+
+    def __init__(self, cfg: ClusterConfig, tokenizer: Tokenizer, limits: ModelLimits,
+                 policy_seed: int | None = None, dialer: Dialer = PLAINTEXT, salt_key: bytes | None = None,
+                 tracing: Tracing = NO_TRACING, audit: Auditor | None = None,
+                 metrics: CollectorRegistry | None = None, metrics_address: str = "") -> None:
+        """``dialer``: how to reach workers (the router's certificate).
+        ``salt_key``: keys tenants' prefix-cache salts (the KV secret; None:
+        a random key for this process's life). ``tracing``: the process's tracer.
+        ``audit``: the audit log's writer (None: nothing is audited).
+        ``metrics``: the registry the process serves as /metrics, at ``metrics_address``
+        ("" when it serves none; None: a registry of the core's own)."""
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.limits = limits
+        self.salts = TenantSalts(salt_key or secrets.token_bytes(32), cfg.tenants)
+        self.tenants = TenantPolicies(cfg)
+        self.quotas = Quotas()
+        self.queue = FairQueue()
+        """Requests waiting for room, served by tenant class, priority and weight (router/core/admission.py)."""
+        self.topology = Topology(cfg)
+        self.registry = WorkerRegistry(cfg, dialer)
+        self.pools = PoolManager(cfg, self.registry)
+        self.policy = make_policy(cfg.router.policy, policy_seed)
+        self._refusals = RateLimit(REFUSALS_PER_S)
+        self.audit = audit
+        """The audit log's writer (router/governance/audit_writer.py); None: no audit log."""
+        self.telemetry = RouterTelemetry(tracing, metrics, durable=self.registry.usage, links=self._links)
+        """Traces, metrics and the last minute's latency (router/core/observe.py)."""
+        self.metrics_address = metrics_address
+        """Where the router serves /metrics ("" when off)."""
+        self.tokenizers = concurrent.futures.ThreadPoolExecutor(cfg.router.api.tokenizer_threads,
+                                                                thread_name_prefix="tokenize")
+        """Where prompts are tokenized, off the event loop (the tokenizer lets go of the GIL)."""
+
+    @property
+    def can_decode(self) -> bool:
+        """Some decode worker is healthy and takes work (a batch job waits otherwise)."""
+        return bool(self.registry.candidates(Role.DECODE))
+
+    def metrics_targets(self) -> list[dict]:
+        """Every process's /metrics as Prometheus ``file_sd`` entries (the router's and its workers')."""
+        return prometheus_targets(self.metrics_address, self.cfg.router.site or "",
+                                  [w.info for w in self.registry.workers.values()])
+
+    async def aclose(self) -> None:
+        """Stops the tokenizer threads and closes the channels to workers and the usage ledger."""
+        self.tokenizers.shutdown(wait=False, cancel_futures=True)
+        await self.registry.close()
+
+    def tenant_known(self, tenant: str) -> bool:
+        """``tenant`` is configured (a job's owner removed from the config since gets no service)."""
+        return self.tenants.known(tenant)
+
+    def _links(self) -> list[tuple[str, bool]]:
+        return [(lv.name, lv.up) for lv in self.registry.links.values()]
+
+    @property
+    def waiting_interactive(self) -> int:
+        """Interactive requests waiting at the router for room (batch jobs hold back meanwhile)."""
+        return self.queue.interactive_waiting
+
+    def prepare(self, msg: ipb.GenerateRequest, caller: Caller) -> Request:
+        """Validates and tokenizes a request under its tenant's policy: its prompts
+        hash into the tenant's prefix-cache domain, its jurisdictions are narrowed
+        to the tenant's (never widened), its length is held to ``max_context``."""
+        req = parse_request(msg, self.tok, self.limits, salt=self.salts.of(caller.tenant),
+                            max_prompt_bytes=self.cfg.router.api.max_prompt_bytes)
+        req.work.tenant = caller.tenant
+        req.work.batch = caller.priority is Priority.BATCH  # engines admit it after waiting interactive ones
+        req.allowed_jurisdictions = self.tenants.jurisdictions(caller.tenant, req.allowed_jurisdictions)
+        self.tenants.check_context(caller.tenant, len(req.work.prompt_token_ids), req.work.max_tokens)
+        req.block_hashes = hash_blocks(req.work.prompt_token_ids, self.cfg.cache.block_size, req.work.salt)
+        return req
+
+    def _block_hashes(self, req: Request, work: wpb.WorkRequest) -> list[int]:
+        """The block hashes of an attempt's prompt: the request's own, extended
+        over the tokens already sent when a migration re-prefills them."""
+        bs, have = self.cfg.cache.block_size, req.block_hashes
+        if have is None:
+            return hash_blocks(work.prompt_token_ids, bs, work.salt)
+        if len(work.prompt_token_ids) // bs <= len(have):
+            return have
+        return have + hash_blocks(work.prompt_token_ids, bs, work.salt, have[-1] if have else None, len(have))
+
+    async def admit(self, msg: ipb.GenerateRequest, caller: Caller) -> Request:
+        """:meth:`prepare` in the tokenizer threads, so a long prompt holds up no one
+        else (a prompt over ``router.api.max_prompt_bytes`` is refused there before
+        tokenizing). A refused request is audited here; an admitted one by :meth:`generate`."""
+        t0 = time.perf_counter()
+        try:
+            early = self.quotas.refusal(self.tenants.of(caller.tenant), 0)  # rate and concurrency: before tokenizing
+            if early is not None:
+                raise early
+            req = await asyncio.get_running_loop().run_in_executor(self.tokenizers, self.prepare, msg, caller)
+        except RouterError as exc:
+            record = self._record(msg, caller)
+            self._audit(record.record(exc))
+            self.telemetry.refused(caller, exc)
+            raise
+        except asyncio.CancelledError as exc:  # the caller left while it was tokenized
+            self.telemetry.refused(caller, exc)
+            raise
+        req.arrived, req.tokenized_s = t0, time.perf_counter() - t0
+        req.chat = msg.WhichOneof("input") == "messages"
+        return req
+
+    def _record(self, msg: ipb.GenerateRequest, caller: Caller) -> RequestRecord:
+        logged = prompt_text(msg) if self.tenants.of(caller.tenant).log_prompts else None
+        # what the client sent, bounded as the checks bound it (a refused request may be larger)
+        requested = frozenset(j[:32] for j in msg.allowed_jurisdictions[:MAX_JURISDICTIONS]) or None
+        return RequestRecord(caller, (msg.model or self.limits.name)[:128], msg.request_id[:128], requested, logged)
+
+    def _audit(self, record: dict, kind: RecordKind = RecordKind.REQUEST) -> None:
+        """Queues one record (the writer logs one it cannot write; serving goes on)."""
+        if self.audit is not None:
+            self.audit.append(kind, record)
+
+    def audit_refused(self, caller_api: str, error: RouterError, credential: str) -> None:
+        """A call refused before it had a tenant (missing or wrong credentials), at most
+        REFUSALS_PER_S a second in the log (a flood of them is counted, not written one by one)."""
+        suppressed = self._refusals.allow()
+        if suppressed is not None:
+            self._audit({"api": caller_api, "credential": credential, "outcome": error.kind.value,
+                         "error": error.message[:300], "suppressed_before": suppressed}, RecordKind.REFUSAL)
+
+    def health(self) -> ipb.HealthResponse:
+        p = len(self.registry.candidates(Role.PREFILL))
+        d = len(self.registry.candidates(Role.DECODE))
+        return ipb.HealthResponse(serving=d > 0, prefill_workers=p, decode_workers=d)
+
+    async def generate(self, req: Request, caller: Caller,
+                       msg: ipb.GenerateRequest | None = None) -> AsyncIterator[ipb.GenerateResponse]:
+        """The answer to ``req``, message by message, within its tenant's quotas
+        (over one: QuotaExceeded, an OVERLOADED RouterError naming it); every
+        request ends with one audit record. ``msg``: the
+        request as the client sent it (for a tenant whose prompts may be logged)."""
+        policy = self.tenants.of(caller.tenant)
+        record = self._record(msg or ipb.GenerateRequest(request_id=req.client_id), caller)
+        record.admitted(req)
+        record.fields["jurisdictions_requested"] = sorted(req.requested_jurisdictions or ()) or None
+        cost = len(req.work.prompt_token_ids) + req.work.max_tokens
+        error: BaseException | None = None
+        grant = None
+        obs = self.telemetry.observe(req, caller, self.limits.name)
+        try:
+            grant = self.quotas.admit(policy, cost)
+            async for out in self._generate(req, caller, obs):
+                obs.message(out)
+                record.saw(out)
+                yield out
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if grant is not None:
+                self.quotas.release(grant, len(req.work.prompt_token_ids) + record.completion)
+            self._audit(record.record(error))
+            obs.finish(error)
+
+    async def _generate(self, req: Request, caller: Caller,
+                        obs: RequestObservation) -> AsyncIterator[ipb.GenerateResponse]:
+        run = Recovery(req.work)
+        admission = AdmissionWait(self.cfg.router, caller)
+        while True:
+            work = run.work_request()
+            if work is None:  # every token was sent before the decode worker failed
+                yield run.finish_without_worker(req.client_id)
+                return
+            hashes = self._block_hashes(req, work)
+            try:
+                async for msg in self._placed(req, work, hashes, run, caller, admission, obs):
+                    yield run.passed(msg)
+                return
+            except Failover as f:
+                if f.suspect:
+                    self.registry.suspect(f.worker_id)
+                why = run.failed(f)
+                obs.attempt_failed(f.stage, f.worker_id, why)
+                log.warning("%s: %s", req.client_id, why)
+                if run.exhausted:
+                    raise RouterError(ErrorKind.UNAVAILABLE, why) from None
+
+    async def _placed(self, req: Request, work: wpb.WorkRequest, hashes: list, run: Recovery, caller: Caller,
+                      admission: AdmissionWait, obs: RequestObservation) -> AsyncIterator[ipb.GenerateResponse]:
+        """One attempt, placed as soon as a placement is possible (waiting for one when that can help)."""
+        while True:
+            preq = PlacementRequest(len(work.prompt_token_ids), self.registry.index.leading_blocks(hashes),
+                                    req.allowed_jurisdictions, caller.time_remaining(), frozenset(run.exclude),
+                                    run.colocated_only, caller.tenant,
+                                    self.cfg.router.interactive_reserve if caller.priority is Priority.BATCH else 0)
+            relay = await self._admitted(work, req.client_id, preq, caller, admission, obs)
+            try:
+                async for msg in relay.run():
+                    yield msg
+                return
+            except PlacementError as exc:  # the decode worker had no room after all (nothing was sent)
+                if not admission.allows(exc.wait):
+                    raise refusal(exc) from None
+                await admission.pause()
+
+    async def _admitted(self, work: wpb.WorkRequest, client_id: str, preq: PlacementRequest, caller: Caller,
+                        admission: AdmissionWait, obs: RequestObservation) -> Relay:
+        """A placement holding its workers' capacity: at once when there is room and
+        nobody waits, else in the fair queue's order (router/core/admission.py)."""
+        def try_place() -> Relay:
+            t0 = time.time_ns()
+            pl = place(preq, self.registry.view(), self.policy)
+            return self._relay(work, client_id, pl, caller, obs, (t0, time.time_ns()))
+
+        if not self.queue.waiting:
+            try:
+                return try_place()
+            except PlacementError as exc:
+                if not admission.allows(exc.wait):
+                    raise refusal(exc) from None
+        obs.waiting()
+        policy = self.tenants.of(caller.tenant)
+        ticket = self.queue.ticket(
+            caller.tenant, policy.priority.rank, caller.priority is Priority.INTERACTIVE, policy.weight,
+            preq.prompt_tokens + work.max_tokens,
+            (preq.allowed_jurisdictions, self.registry.pools_of(caller.tenant), preq.exclude, preq.colocated_only,
+             preq.reserve), try_place)
+        try:
+            return await self._turn(ticket, admission)
+        except PlacementError as exc:
+            raise refusal(exc) from None
+        except asyncio.CancelledError:
+            self.queue.withdraw(ticket)
+            if ticket.future.done() and not ticket.future.cancelled() and ticket.future.exception() is None:
+                ticket.future.result().release()  # placed just as its caller left
+            raise
+
+    async def _turn(self, ticket, admission: AdmissionWait) -> Relay:
+        """Waits for ``ticket``'s placement within the admission wait of what it last lacked."""
+        loop = asyncio.get_running_loop()
+        while not ticket.future.done():
+            wait = ticket.last_error.wait if ticket.last_error is not None else Wait.ROOM
+            left = admission.until[wait] - loop.time()
+            if left <= 0:
+                self.queue.withdraw(ticket)
+                raise ticket.last_error or PlacementError(PlacementFailure.CAPACITY, "no room", 1.0, Wait.ROOM)
+            try:
+                await asyncio.wait_for(asyncio.shield(ticket.future), min(left, 1.0))
+            except TimeoutError:
+                continue
+        return ticket.future.result()
+
+    def _relay(self, work: wpb.WorkRequest, client_id: str, pl, caller: Caller, obs: RequestObservation,
+               placed_ns: tuple[int, int]) -> Relay:
+        """An attempt on placement ``pl``, holding its workers' capacity from now on."""
+        d = self.registry.workers[pl.decode.worker_id]
+        p = self.registry.workers[pl.prefill.worker_id] if pl.prefill is not None else None
+        shown = placement_proto(pl.est_ttft_s, pl.policy, pl.cached_blocks_prefill, pl.cached_blocks_decode, p, d)
+        relay = Relay(work, client_id, p, d, shown, caller, registry=self.registry, topology=self.topology,
+                      window=self.pools.window, lease_s=self.cfg.router.kv_lease_s, on_release=self.queue.pump,
+                      span=obs.placed(pl, shown.link, placed_ns))
+        relay.hold()
+        return relay

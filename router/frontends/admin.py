@@ -1,0 +1,127 @@
+"""The operator API (``kvrelay.v1.Admin``), a thin gRPC adapter over the
+pools (router/cluster/pools.py) and the planner (router/cluster/planner.py); every call needs
+operator credentials: a token in ``auth.operators`` or an operator certificate."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvrelay.router.cluster.planner import plan
+from kvrelay.router.cluster.pools import PoolManager
+from kvrelay.router.cluster.usage import grouping, usage_response
+from kvrelay.router.core.errors import RouterError
+from kvrelay.router.core.records import Auditor, RecordKind
+from kvrelay.router.frontends.peer import STATUS, CallAuth, authorization
+from kvrelay.router.governance.statement import UnknownTenant, deployment_state, statement
+from kvrelay.v1 import admin_pb2 as apb
+from kvrelay.v1 import admin_pb2_grpc as agrpc
+
+if TYPE_CHECKING:
+    from kvrelay.router.core.pipeline import RouterCore
+
+log = logging.getLogger(__name__)
+
+
+def external_scaling_hint(request: apb.ScaleRequest) -> str:
+    """Why Scale is refused under ``router.scaling: external``, and what to change instead."""
+    return (f"pool sizes are set by the orchestrator here (router.scaling: external), not by the router: "
+            f"scale {request.site}/{request.role} with the Helm chart (sites[].{request.role}.replicas of "
+            f"site {request.site}, then helm upgrade) or kubectl scale deployment of that pool; "
+            "the router takes every worker that registers")
+
+
+class AdminService(agrpc.AdminServicer):
+    def __init__(self, core: RouterCore, auth: CallAuth, audit: Auditor | None) -> None:
+        """``audit``: where operator actions are recorded (None: nowhere)."""
+        self.auth = auth
+        self.core = core
+        self.audit = audit
+        self.pools: PoolManager = core.pools
+
+    def _audit(self, who: str, action: str, **fields) -> None:
+        """One audit record of an operator action (router/governance/audit.py; none when there is no audit log)."""
+        if self.audit is not None:
+            self.audit.append(RecordKind.OPERATOR, {"operator": who, "action": action, **fields})
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> str:
+        try:
+            return self.auth.operator(context)
+        except RouterError as exc:
+            self.core.audit_refused("admin", exc, "token" if authorization(context) else "none")
+            await context.abort(STATUS[exc.kind], exc.message)
+
+    async def Scale(self, request: apb.ScaleRequest, context) -> apb.ScaleResponse:
+        who = await self._authorize(context)
+        problem = self.pools.check_pool(request.site, request.role)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if self.pools.external:
+            self._audit(who, "scale", site=request.site, role=request.role, replicas=request.replicas,
+                        outcome="refused: router.scaling is external")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, external_scaling_hint(request))
+        limit = self.pools.limits[(request.site, request.role)]
+        if not 0 <= request.replicas <= limit:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"replicas must be in [0, {limit}] for {request.site}/{request.role} "
+                                f"(max_replicas in the config), got {request.replicas}")
+        pool, drained = self.pools.scale(request.site, request.role, request.replicas)
+        self._audit(who, "scale", site=request.site, role=request.role, replicas=request.replicas,
+                    draining=list(drained))
+        log.info("%s scaled %s/%s to %d (draining: %s)", who, request.site, request.role, request.replicas,
+                 ", ".join(drained) or "none")
+        return apb.ScaleResponse(pool=pool, draining=drained)
+
+    async def Drain(self, request: apb.DrainRequest, context) -> apb.DrainResponse:
+        who = await self._authorize(context)
+        if request.worker_id not in self.pools.registry.workers:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r} is registered")
+        log.info("%s drains %s", who, request.worker_id)
+        self._audit(who, "drain", worker=request.worker_id, site=request.worker_id.partition("/")[0])
+        return apb.DrainResponse(pool=self.pools.drain(request.worker_id))
+
+    async def ListPools(self, request, context) -> apb.ListPoolsResponse:
+        await self._authorize(context)
+        return apb.ListPoolsResponse(pools=self.pools.list())
+
+    async def Plan(self, request: apb.PlanRequest, context) -> apb.PlanResponse:
+        who = await self._authorize(context)
+        r = self.pools.cfg.router
+        plans = plan(self.pools.figures(), r.slo_ttft_s, r.slo_tpot_s)
+        if request.apply:
+            for p in plans:
+                if p.recommended != p.current:
+                    self.pools.scale(p.site, p.role, p.recommended)
+                    self._audit(who, "plan apply", site=p.site, role=p.role, replicas=p.recommended,
+                                previous=p.current, reasons=list(p.reasons))
+                    log.info("%s applied the plan: %s/%s %d -> %d (%s)", who, p.site, p.role, p.current,
+                             p.recommended, "; ".join(p.reasons))
+        return apb.PlanResponse(plans=[apb.PoolPlan(site=p.site, role=p.role, current=p.current,
+                                                    recommended=p.recommended, reasons=p.reasons) for p in plans],
+                                window_s=self.pools.window.window_s, applied=request.apply)
+
+    async def Governance(self, request: apb.GovernanceRequest, context) -> apb.GovernanceResponse:
+        """The data-handling statement (router/governance/statement.py) of one tenant or all, from the live state."""
+        who = await self._authorize(context)
+        self._audit(who, "governance", tenant=request.tenant[:64] or None)
+        state = deployment_state(self.pools.registry, self.pools.desired)
+        try:
+            doc = statement(self.pools.cfg, state, request.tenant or None)
+        except UnknownTenant as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return apb.GovernanceResponse(statement_json=json.dumps(doc))
+
+    async def Usage(self, request: apb.UsageRequest, context) -> apb.UsageResponse:
+        """Usage totals per group from the workers' own counters (router/cluster/usage.py);
+        INVALID_ARGUMENT naming a group-by that is not one of tenant, site, link, role, worker."""
+        who = await self._authorize(context)
+        self._audit(who, "usage", tenant=request.tenant[:64] or None)
+        try:
+            by = grouping(request.by)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        report = await self.pools.registry.usage.report(request.since_unix, by, request.tenant)
+        return usage_response(report)

@@ -1,0 +1,152 @@
+"""The worker Registry (``kvrelay.v1.Registry``): workers register, heartbeat
+their load, prefix-cache events and link probes, and leave; ``ListWorkers``
+is what ``kvrelay status`` shows. A thin gRPC adapter over
+router/cluster/registry.py and router/cluster/pools.py; the usage counters of heartbeats
+(and of a leaving worker's Deregister) go to the ledger (router/cluster/usage.py).
+
+Who may call what (with TLS on; these calls come over the mutual-TLS
+listener): ``Register`` only with a prefill or decode certificate naming
+exactly the worker id, site and role it registers, and never for an id a
+live worker holds; ``Heartbeat`` and ``Deregister`` only for the caller's
+own id; ``ListWorkers`` only for operators (token or certificate). Nothing
+changes in the registry for a call that is refused."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvrelay.router.cluster.registry import worker_identity
+from kvrelay.router.core.errors import ErrorKind, RouterError
+from kvrelay.router.core.pipeline import RouterCore
+from kvrelay.router.core.records import Auditor, RecordKind
+from kvrelay.router.frontends.peer import STATUS, CallAuth
+from kvrelay.runtime.config import LinkSection
+from kvrelay.runtime.pki import CertRole, Identity
+from kvrelay.runtime.topology import Role
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+
+log = logging.getLogger(__name__)
+
+
+class RegistryService(wgrpc.RegistryServicer):
+    def __init__(self, core: RouterCore, auth: CallAuth, audit: Auditor | None) -> None:
+        """``audit``: where registrations (and refused ones) are recorded (None: nowhere)."""
+        self.core = core
+        self.registry = core.registry
+        self.pools = core.pools
+        self.topology = core.topology
+        self.cfg = core.cfg
+        self.telemetry = core.telemetry
+        self.auth = auth
+        self.audit = audit
+
+    def _own(self, context, worker_id: str, what: str) -> None:
+        """RouterError unless the caller's certificate is worker ``worker_id``'s (TLS off: no check)."""
+        if self.auth.tls is None:
+            return
+        cert = self.auth.cert(context)
+        if cert is None or cert.role not in (CertRole.PREFILL, CertRole.DECODE):
+            raise RouterError(ErrorKind.UNAUTHENTICATED if cert is None else ErrorKind.PERMISSION_DENIED,
+                              f"{what} needs a prefill or decode worker certificate from the cluster CA "
+                              f"(mutual TLS, the router's internal port); got {cert or 'none'}")
+        if cert.path != worker_id:
+            raise RouterError(ErrorKind.PERMISSION_DENIED,
+                              f"{what} for {worker_id!r} refused: the caller's certificate is for {cert.path!r}")
+
+    def _check_register(self, info: wpb.WorkerInfo, context) -> Role:
+        if info.site not in self.topology.jurisdiction:
+            raise RouterError(ErrorKind.INVALID, f"unknown site {info.site!r}")
+        try:
+            role = Role.of(info.role)
+        except ValueError:
+            raise RouterError(ErrorKind.INVALID, "role must be prefill or decode") from None
+        if worker_identity(info) is None:
+            raise RouterError(ErrorKind.INVALID, f"worker id {info.worker_id!r} must be <site>/<role>/<name> "
+                                                 f"with site {info.site!r} and role {role}")
+        self._own(context, info.worker_id, "Register")
+        holder = self.registry.holder(info.worker_id)
+        if holder is not None and holder.info.address != info.address:
+            age = time.monotonic() - holder.last_seen
+            raise RouterError(ErrorKind.ALREADY_EXISTS,
+                              f"worker {info.worker_id} is registered and alive at {holder.info.address} (last "
+                              f"heartbeat {age:.1f} s ago); a second registration cannot take it over")
+        return role
+
+    async def Register(self, request: wpb.RegisterRequest, context) -> wpb.RegisterResponse:
+        info = request.info
+        try:
+            role = self._check_register(info, context)
+        except RouterError as exc:
+            log.warning("refused to register %s from %s: %s", info.worker_id, context.peer(), exc.message)
+            self._audit(info, context, exc.kind.value)
+            await context.abort(STATUS[exc.kind], exc.message)
+        self._audit(info, context, "ok")
+        await self.registry.register(info)
+        log.info("worker %s registered at %s", info.worker_id, info.address)
+        drained = self.pools.trim(info.site, role)  # a pool scaled down while this worker was starting
+        if drained:
+            log.info("%s/%s is above its desired size: draining %s", info.site, role, ", ".join(drained))
+        return wpb.RegisterResponse(heartbeat_interval_s=self.cfg.router.heartbeat_interval_s)
+
+    def _audit(self, info: wpb.WorkerInfo, context, outcome: str) -> None:
+        """A registration and the certificate it came with, accepted or refused, in the audit log."""
+        if self.core.audit is None:
+            return
+        cert: Identity | str | None
+        try:
+            cert = self.auth.cert(context) if self.auth.tls is not None else None
+        except RouterError as exc:
+            cert = f"refused: {exc.message}"
+        self.core.audit.append(RecordKind.REGISTRATION, {
+            "worker": info.worker_id[:200], "site": info.site[:64], "address": info.address[:200],
+            "certificate": str(cert) if cert is not None else "none (TLS off)", "outcome": outcome})
+
+    async def _refuse_unless_own(self, context, worker_id: str, what: str) -> None:
+        try:
+            self._own(context, worker_id, what)
+        except RouterError as exc:
+            await context.abort(STATUS[exc.kind], exc.message)
+
+    async def Heartbeat(self, request: wpb.HeartbeatRequest, context) -> wpb.HeartbeatResponse:
+        await self._refuse_unless_own(context, request.load.worker_id, "Heartbeat")
+        return self.registry.heartbeat(request)
+
+    async def Deregister(self, request: wpb.DeregisterRequest, context) -> wpb.DeregisterResponse:
+        await self._refuse_unless_own(context, request.worker_id, "Deregister")
+        final = request.load if request.HasField("load") else None  # its last usage counters
+        if await self.registry.deregister(request.worker_id, final):
+            log.info("worker %s left", request.worker_id)
+        return wpb.DeregisterResponse()
+
+    def _link_status(self, lc: LinkSection, now: float) -> wpb.LinkStatus:
+        topo, reg = self.core.topology, self.registry
+        if not lc.between:
+            lv = reg.local_link
+            return wpb.LinkStatus(name=lv.name, rtt_ms=lv.rtt_ms, gbps=lv.gbps, up=True,
+                                  transport=topo.transport(lc), protection=topo.protection(lc))
+        key = frozenset(lc.between)
+        lv, health = reg.links[key], reg.link_health[key]
+        return wpb.LinkStatus(name=lv.name, rtt_ms=lv.rtt_ms, gbps=lv.gbps, up=lv.up, transport=topo.transport(lc),
+                              protection=topo.protection(lc), down_reason=health.reason,
+                              changed_s_ago=now - health.changed_at if health.changed_at else 0.0)
+
+    async def ListWorkers(self, request, context) -> wpb.ListWorkersResponse:
+        try:
+            self.auth.operator(context)
+        except RouterError as exc:
+            await context.abort(STATUS[exc.kind], exc.message)
+        now = time.monotonic()
+        reg, cfg = self.registry, self.cfg
+        links = [self._link_status(lc, now) for lc in [cfg.local_link, *cfg.links]]
+        rates = self.telemetry.link_rates.per_s()
+        for lk in links:
+            lk.kv_bytes_per_s = rates.get(lk.name, 0.0)
+        return wpb.ListWorkersResponse(workers=[
+            wpb.WorkerStatus(info=w.info, load=w.load, healthy=reg.healthy(w), last_heartbeat_age_s=now - w.last_seen,
+                             draining=w.draining, inflight=w.inflight,
+                             cached_blocks=reg.index.blocks_of(w.info.worker_id))
+            for w in sorted(reg.workers.values(), key=lambda w: w.info.worker_id)], links=links,
+            policy=self.core.policy.name, latency=self.telemetry.latency(),
+            router_metrics_address=self.core.metrics_address)
