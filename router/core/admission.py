@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.router.placement.place import PlacementError, Wait
+from kvrelay.router.placement.errors import PlacementError, Wait
 
 log = logging.getLogger(__name__)
 

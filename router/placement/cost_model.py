@@ -1,8 +1,7 @@
-"""Placement's hot path as vector operations over the view's columns
-(router/placement/views.py): which workers are eligible, and the ``cost_model``
-policy's choice, with exactly the arithmetic, candidate order and random
-draws of the per-worker formulas in router/placement/place.py's docstring (a test
-keeps the choices identical to the earlier one-worker-at-a-time code).
+"""The ``cost_model`` policy's choice as vector operations over the view's columns
+(router/placement/views.py): the TTFT model's terms (router/placement/estimate.py)
+over every candidate at once, with the candidate order and random draws of the
+earlier one-worker-at-a-time code (a test keeps the choices identical to it).
 
 For N workers over S sites: eligibility is a few masks over N rows; the
 best prefill per site is one scatter-min; the disaggregated cost of every
@@ -13,57 +12,19 @@ site is one S x K matrix; each decode worker then costs O(1) vector work.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import numpy as np
 
-from kvrelay.engine.blocks import blocks_for
+from kvrelay.router.placement.estimate import (
+    admission_s,
+    colocated_s,
+    disaggregated_s,
+    exposed_s,
+    prefill_s,
+    throughputs,
+)
+from kvrelay.router.placement.filters import Eligible
 from kvrelay.router.placement.views import ClusterView
-
-DISAGG_OVERHEAD_S = 0.002
-"""Extra RPCs of a disaggregated request (reservation, prefill call), measured
-on loopback at ~1-3 ms; charged to every disaggregated candidate."""
-_EMPTY = np.zeros(0, np.int64)
-
-
-@dataclass(slots=True)
-class Eligible:
-    """Rows (in view order) the request may use, and the prompt's leading
-    blocks each row holds (from the prefix index)."""
-
-    prefill: np.ndarray
-    decode: np.ndarray
-    cached: np.ndarray
-
-
-def _throughput(view: ClusterView) -> np.ndarray:
-    tps = view.table.cols.prefill_tokens_per_s
-    return np.where(tps != 0, tps, view.default_prefill_tokens_per_s)
-
-
-def eligible_rows(req, view: ClusterView) -> Eligible:
-    """The hard constraints: health, draining, exclusions, dedicated pools,
-    jurisdiction, room, the prefill queue's bound, free blocks at the decode worker."""
-    t = view.table
-    c = t.cols
-    cached = t.cached(req.cached_blocks)
-    ok = c.healthy & ~c.draining
-    for wid in req.exclude:
-        r = t.row.get(wid)
-        if r is not None:
-            ok[r] = False
-    if t.dedicated.any():
-        ok &= t.serves(req.tenant)
-    if req.allowed_jurisdictions is not None:
-        site_ok = np.array([view.jurisdiction.get(s) in req.allowed_jurisdictions for s in t.sites], np.bool_)
-        ok &= site_ok[t.site] if len(site_ok) else ok
-    ok &= c.inflight + req.reserve < c.max_inflight
-    need = blocks_for(req.prompt_tokens + 1, view.block_size)
-    decode = np.flatnonzero(t.decode & ok & (c.free_blocks >= need - cached))
-    if req.colocated_only:
-        return Eligible(_EMPTY, decode, cached)
-    queue_ok = c.queued_prefill_tokens / _throughput(view) <= view.max_prefill_queue_s
-    return Eligible(np.flatnonzero(t.prefill & ok & queue_ok), decode, cached)
 
 
 def _pairs(d_site: np.ndarray, d_cached: np.ndarray, n_sites: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -88,17 +49,15 @@ def _pairs(d_site: np.ndarray, d_cached: np.ndarray, n_sites: int) -> tuple[np.n
 
 def _disaggregated(req, view: ClusterView, a_site: np.ndarray, p_sites: np.ndarray, d_site: np.ndarray,
                    d_cached: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each decode row (its site, its cached blocks): the best disaggregated
-    cost over the prefill sites (in their first-seen order: the first of equal
+    """For each decode row (its site, its cached blocks): the best queue(P) + compute(P) +
+    exposed transfer over the prefill sites (in their first-seen order: the first of equal
     costs wins) and that site (-1: none linked)."""
     pair_site, pair_cached, inverse = _pairs(d_site, d_cached, len(view.table.sites))
     gbps, rtt = view.link_matrix()
     g, r = gbps[np.ix_(p_sites, pair_site)], rtt[np.ix_(p_sites, pair_site)]
-    blocks = np.maximum(0, blocks_for(req.prompt_tokens, view.block_size) - pair_cached)
     with np.errstate(invalid="ignore"):
-        transfer = blocks * view.kv_block_bytes * 8 / (g * 1e9)
         a = a_site[:, None]
-        cost = a + (np.maximum(transfer / view.num_layers, transfer - a) + r / 1e3) + DISAGG_OVERHEAD_S
+        cost = a + exposed_s(req.prompt_tokens, pair_cached, view, g, r, a)
     cost = np.where(np.isnan(cost), np.inf, cost)
     best = np.argmin(cost, axis=0)
     best_cost = cost[best, np.arange(cost.shape[1])]
@@ -119,16 +78,16 @@ def choose_cost_model(req, view: ClusterView, rows: Eligible, rng: random.Random
                       disaggregate: bool) -> tuple[int, int | None]:
     """(decode row, prefill row or None for colocated) of the cheapest candidate."""
     c, bs, prompt = view.table.cols, view.block_size, req.prompt_tokens
-    tput = _throughput(view)
+    tput = throughputs(view)
     d = rows.decode
-    own = (prompt - np.minimum(rows.cached[d] * bs, prompt - 1)) / tput[d]
-    admit = c.waiting[d] * c.decode_step_s[d]
-    colocated = own + own * c.running[d] + c.queued_prefill_tokens[d] / tput[d] + admit
+    own = prefill_s(0, prompt, rows.cached[d], bs, tput[d])
+    admit = admission_s(c.waiting[d], c.decode_step_s[d])
+    colocated = colocated_s(own, c.running[d], c.queued_prefill_tokens[d], tput[d], admit)
     p = rows.prefill
     dis = np.full(len(d), np.inf)
     dis_site = np.full(len(d), -1)
     if disaggregate and len(p):
-        a = (c.queued_prefill_tokens[p] + prompt - np.minimum(rows.cached[p] * bs, prompt - 1)) / tput[p]
+        a = prefill_s(c.queued_prefill_tokens[p], prompt, rows.cached[p], bs, tput[p])
         site_of = view.table.site[p]
         a_best = np.full(len(view.table.sites), np.inf)
         np.minimum.at(a_best, site_of, a)
@@ -137,7 +96,7 @@ def choose_cost_model(req, view: ClusterView, rows: Eligible, rng: random.Random
         seen = np.flatnonzero(first < len(site_of))
         p_sites = seen[np.argsort(first[seen], kind="stable")]  # in first-seen order
         cost, dis_site = _disaggregated(req, view, a_best[p_sites], p_sites, view.table.site[d], rows.cached[d])
-        dis = cost + admit
+        dis = disaggregated_s(cost, admit)
     best = min(colocated.min(), dis.min())
     j_col = np.flatnonzero(_near(colocated, best, view.herd_tolerance))
     j_dis = np.flatnonzero(_near(dis, best, view.herd_tolerance) & (dis_site >= 0))

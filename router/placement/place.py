@@ -35,7 +35,6 @@ the site's local link.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import random
 from collections.abc import Mapping
@@ -43,11 +42,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvrelay.engine.blocks import blocks_for
-from kvrelay.router.placement.cost_model import DISAGG_OVERHEAD_S, Eligible, choose_cost_model, eligible_rows
+from kvrelay.router.placement.cost_model import choose_cost_model
+from kvrelay.router.placement.errors import PlacementError, PlacementFailure, Wait
+from kvrelay.router.placement.estimate import admission_s, colocated_s, disaggregated_s, exposed_s, prefill_s
+from kvrelay.router.placement.filters import Eligible, eligible
 from kvrelay.router.placement.views import ClusterView, LinkView, WorkerView
 from kvrelay.runtime.config import PlacementPolicy
-from kvrelay.runtime.topology import Role
 
 __all__ = [
     "POLICIES",
@@ -66,52 +66,6 @@ __all__ = [
 
 POLICIES = tuple(PlacementPolicy)
 """Every policy's name."""
-class PlacementFailure(enum.StrEnum):
-    """Why no placement is possible."""
-
-    CONSTRAINT = "constraint"
-    """The request's constraints exclude every worker (it is not served elsewhere)."""
-    CAPACITY = "capacity"
-    """Eligible workers exist but are full, or the estimated time to first token
-    exceeds the deadline; retry after ``retry_after_s``."""
-    UNAVAILABLE = "unavailable"
-    """No healthy worker of a needed role."""
-
-
-class Wait(enum.Enum):
-    """What waiting at the router (holding nothing) can bring back."""
-
-    NOTHING = enum.auto()
-    """Waiting does not help: answer now."""
-    ROOM = enum.auto()
-    """Capacity is momentarily used up; running requests free it."""
-    WORKERS = enum.auto()
-    """Workers that could serve it may come back (restarting, or not yet
-    registered with a router that just restarted)."""
-
-
-class PlacementError(Exception):
-    """No placement is possible: ``kind`` says why, ``wait`` whether waiting can help."""
-
-    def __init__(self, kind: PlacementFailure, message: str, retry_after_s: float = 0.0,
-                 wait: Wait = Wait.NOTHING) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.retry_after_s = retry_after_s
-        self.wait = wait
-
-    @property
-    def absent(self) -> bool:
-        """Workers that could serve it may come back."""
-        return self.wait is Wait.WORKERS
-
-    @property
-    def full(self) -> bool:
-        """Capacity is momentarily used up."""
-        return self.wait is Wait.ROOM
-
-
 @dataclass(slots=True)
 class PlacementRequest:
     prompt_tokens: int
@@ -150,51 +104,6 @@ class Placement:
         return self.prefill is None
 
 
-# ------------------------------------------------------------ constraints
-def _eligible(req: PlacementRequest, view: ClusterView) -> tuple[list[WorkerView], list[WorkerView]]:
-    """Prefill and decode workers the request may use, or PlacementError (one
-    worker at a time: it names why nothing is eligible; ``eligible_rows`` decides)."""
-    allowed = req.allowed_jurisdictions
-    prefills, decodes, any_decode, any_allowed_decode = [], [], False, False
-    need = blocks_for(req.prompt_tokens + 1, view.block_size)
-    for w in view.workers:
-        if not w.healthy or w.draining or w.worker_id in req.exclude or not w.serves(req.tenant):
-            continue
-        if w.role == Role.DECODE:
-            any_decode = True
-        if allowed is not None and view.jurisdiction.get(w.site) not in allowed:
-            continue
-        if w.role == Role.PREFILL:
-            if not req.colocated_only and w.inflight + req.reserve < w.max_inflight and \
-                    w.queued_prefill_tokens / view.throughput(w) <= view.max_prefill_queue_s:
-                prefills.append(w)
-        elif w.role == Role.DECODE:
-            any_allowed_decode = True
-            if w.inflight + req.reserve < w.max_inflight and \
-                    w.free_blocks >= need - req.cached_blocks.get(w.worker_id, 0):
-                decodes.append(w)
-    if not decodes:
-        if not any_decode:
-            raise PlacementError(PlacementFailure.UNAVAILABLE, "no healthy decode worker is registered"
-                                 + (f" in a pool open to tenant {req.tenant!r} (the others are dedicated to other "
-                                    "tenants)" if any(w.tenants for w in view.workers) else ""),
-                                 wait=Wait.WORKERS)
-        if not any_allowed_decode:
-            # sites whose decode pool is dedicated to other tenants cannot serve it, however long it waits
-            closed = {w.site for w in view.workers if w.role == Role.DECODE and not w.serves(req.tenant)}
-            sites = sorted(s for s, j in view.jurisdiction.items() if j in (allowed or ()) and s not in closed)
-            dedicated = sorted(s for s, j in view.jurisdiction.items() if j in (allowed or ()) and s in closed)
-            raise PlacementError(PlacementFailure.CONSTRAINT,
-                                 f"no healthy decode worker in the allowed jurisdictions {sorted(allowed or ())} "
-                                 f"(sites there: {sites or 'none'}"
-                                 + (f"; dedicated to other tenants: {dedicated}" if dedicated else "")
-                                 + "); the request is not served elsewhere",
-                                 wait=Wait.WORKERS if sites else Wait.NOTHING)
-        raise PlacementError(PlacementFailure.CAPACITY, "every eligible decode worker is full", retry_after_s=1.0,
-                         wait=Wait.ROOM)
-    return prefills, decodes
-
-
 # ---------------------------------------------------------------- policies
 class Policy:
     """Chooses among eligible workers. Stateless apart from a turn counter
@@ -207,9 +116,7 @@ class Policy:
         self._turn = itertools.count()
 
     def place(self, req: PlacementRequest, view: ClusterView) -> Placement:
-        rows = eligible_rows(req, view)
-        if not len(rows.decode):
-            _eligible(req, view)  # raises the PlacementError that says why
+        rows = eligible(req, view)  # the hard constraints; PlacementError naming the one that left nothing
         placement = self.choose_rows(req, view, rows)
         placement.policy = self.name
         placement.cached_blocks_decode = req.cached_blocks.get(placement.decode.worker_id, 0)
@@ -299,40 +206,22 @@ class PrefixAware(LeastLoaded):
         return Placement(ws[d], ws[self._best(view, linked, rows.cached)])
 
 
-def _compute_s(req: PlacementRequest, view: ClusterView, w: WorkerView) -> float:
-    cached = min(req.cached_blocks.get(w.worker_id, 0) * view.block_size, req.prompt_tokens - 1)
-    tput = view.throughput(w)
-    return (w.queued_prefill_tokens + req.prompt_tokens - cached) / tput
-
-
-def _exposed_s(req: PlacementRequest, view: ClusterView, link: LinkView, compute_s: float, d_cached: int) -> float:
-    blocks = max(0, blocks_for(req.prompt_tokens, view.block_size) - d_cached)
-    transfer = blocks * view.kv_block_bytes * 8 / (link.gbps * 1e9)
-    return max(transfer / view.num_layers, transfer - compute_s) + link.rtt_ms / 1e3
-
-
-def _admission_s(d: WorkerView) -> float:
-    return d.waiting * d.decode_step_s
-
-
-def _colocated_s(req: PlacementRequest, view: ClusterView, d: WorkerView, interference: bool = True) -> float:
-    """Colocated at D; with ``interference``, plus the stall it imposes on D's running sequences."""
-    cached = min(req.cached_blocks.get(d.worker_id, 0) * view.block_size, req.prompt_tokens - 1)
-    own = (req.prompt_tokens - cached) / view.throughput(d)
-    stall = own * d.running if interference else 0.0
-    return own + stall + d.queued_prefill_tokens / view.throughput(d) + _admission_s(d)
-
-
 def estimate(req: PlacementRequest, view: ClusterView, p: WorkerView | None, d: WorkerView) -> float:
-    """Estimated time to first token of one candidate (see the module docstring)."""
-    if p is None:
-        return _colocated_s(req, view, d, interference=False)
+    """Estimated time to first token of one candidate (see the module docstring; the terms
+    are router/placement/estimate.py's, which the ``cost_model`` policy scores every candidate with)."""
+    bs, prompt = view.block_size, req.prompt_tokens
+    d_cached = req.cached_blocks.get(d.worker_id, 0)
+    admission = admission_s(d.waiting, d.decode_step_s)
+    if p is None:  # what the request itself waits: D's running sequences do not delay it
+        own = prefill_s(0, prompt, d_cached, bs, view.throughput(d))
+        return float(colocated_s(own, 0, d.queued_prefill_tokens, view.throughput(d), admission))
     link = view.link(p.site, d.site)
     if link is None:
         return float("inf")
-    compute = _compute_s(req, view, p)
-    return (compute + _exposed_s(req, view, link, compute, req.cached_blocks.get(d.worker_id, 0))
-            + _admission_s(d) + DISAGG_OVERHEAD_S)
+    compute = prefill_s(p.queued_prefill_tokens, prompt, req.cached_blocks.get(p.worker_id, 0), bs,
+                        view.throughput(p))
+    return float(disaggregated_s(compute + exposed_s(prompt, d_cached, view, link.gbps, link.rtt_ms, compute),
+                                 admission))
 
 
 class CostModel(Policy):

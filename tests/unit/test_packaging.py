@@ -21,8 +21,9 @@ def test_the_wheel_holds_only_kvrelay(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"kvrelay"}, sorted(top)
-    for must in ("kvrelay/router/core/pipeline.py", "kvrelay/router/frontends/jobs.py", "kvrelay/engine/llm_engine.py", "kvrelay/cli/main.py",
-                 "kvrelay/v1/inference_pb2.py", "kvrelay/v1/inference.proto", "kvrelay/benchmarks/sim/run.py"):
+    for must in ("kvrelay/router/core/pipeline.py", "kvrelay/router/frontends/jobs.py", "kvrelay/engine/llm_engine.py",
+                 "kvrelay/cli/main.py", "kvrelay/v1/inference_pb2.py", "kvrelay/v1/inference.proto",
+                 "kvrelay/benchmarks/sim/run.py"):
         assert must in names, must
     assert any(n.startswith("kvrelay/benchmarks/data/") and n.endswith(".csv") for n in names)
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
