@@ -25,7 +25,7 @@ from kvrelay.router.placement.place import (
     make_policy,
 )
 from kvrelay.router.placement.prefix_index import PrefixIndex
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 
 
 @dataclass(slots=True)

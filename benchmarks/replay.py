@@ -21,8 +21,8 @@ import grpc
 from kvrelay.benchmarks.metrics import RequestRecord, per_link, per_site, summarize
 from kvrelay.benchmarks.plots import write_plots
 from kvrelay.benchmarks.traces import ScaledRequest, TraceRequest, scale_lengths
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import Dialer
-from kvrelay.runtime.topology import Role
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb

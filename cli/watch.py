@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import worker_pb2 as wpb
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvrelay.decode_worker.server import DecodeService
 from kvrelay.kvtransfer.select import make_receiver
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.worker import (
     WorkerSetup,
     listening_server,

@@ -33,10 +33,10 @@ from kvrelay.launch.credentials import LOCAL_TENANT, ClusterCredentials, router_
 from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.config import ClusterConfig, Credential, dump_config
 from kvrelay.runtime.pki import CertRole, Identity
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import Dialer
 from kvrelay.runtime.tenants import TenantSection
 from kvrelay.runtime.tls import TLSMaterial
-from kvrelay.runtime.topology import Role
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import worker_pb2 as wpb
@@ -258,7 +258,7 @@ class LocalCluster:
             expected = 0
             for site in self.cfg.sites:
                 for role in Role:
-                    for _ in range(getattr(site, role).replicas):
+                    for _ in range(site.pool(role).replicas):
                         self._start_worker(site.name, role)
                         expected += 1
             self._await_workers(expected, deadline)

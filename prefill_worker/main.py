@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 
+from kvrelay.kvtransfer.base import Transport
 from kvrelay.kvtransfer.local import shm_path_for
 from kvrelay.kvtransfer.select import make_sender
 from kvrelay.prefill_worker.server import PrefillService
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.worker import (
     WorkerSetup,
     listening_server,
@@ -24,7 +25,7 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 async def run(setup: WorkerSetup) -> None:
     # the local transport shares this worker's KV memory with decode workers on the same host
-    shm = shm_path_for(setup.ident.worker_id, os.getpid()) if setup.transport == "local" else None
+    shm = shm_path_for(setup.ident.worker_id, os.getpid()) if setup.transport is Transport.LOCAL else None
     aengine = await start_engine(setup, shm)
     server, port = listening_server(setup)
     sender = make_sender(setup.transport, aengine.engine.cache, setup.transfer)

@@ -27,7 +27,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.blocks import blocks_for
 from kvrelay.engine.errors import InvalidRequestError
-from kvrelay.kvtransfer.base import KVSender, TransferTarget
+from kvrelay.kvtransfer.base import KVSender, TransferTarget, Transport
 from kvrelay.kvtransfer.errors import KVTransferError
 from kvrelay.kvtransfer.handles import wait_async
 from kvrelay.kvtransfer.wire import link_socket_buffer
@@ -154,7 +154,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         handle = self.sender.open(TransferTarget(
             target.endpoint, target.transfer_id, tuple(target.block_ids), target.layout_hash,
             socket_buffer_bytes=link_socket_buffer(target.link_gbps, target.link_rtt_ms),
-            protection=target.protection or None, pull=False if target.transport == "tcp" else None,
+            protection=target.protection or None, pull=False if target.transport == Transport.TCP else None,
             receiver=target.receiver or None, traceparent=traceparent(send)))
         self.streamer.add(rid, handle, target.start_block, len(target.block_ids), send)
         self.chunks.add(rid, span, time.time_ns())

@@ -49,6 +49,7 @@ import yaml
 from kvrelay.engine.config import CacheConfig, DType, SchedulerConfig
 from kvrelay.kvtransfer.base import AUTO, Transport
 from kvrelay.kvtransfer.protection import Protection
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.tenants import FieldError as TenantFieldError
 from kvrelay.runtime.tenants import TenantSection, check_tenants
 
@@ -375,6 +376,10 @@ class SiteSection:
     """Where data at this site is processed, e.g. CA-ON."""
     prefill: PoolSection = field(default_factory=PoolSection)
     decode: PoolSection = field(default_factory=PoolSection)
+
+    def pool(self, role: Role) -> PoolSection:
+        """The site's pool of ``role`` workers."""
+        return self.prefill if role is Role.PREFILL else self.decode
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -926,8 +931,8 @@ def _check_tenants(cfg: ClusterConfig) -> None:
         raise ConfigError(str(exc)) from None
     names = {t.name for t in cfg.tenants} | ({"anonymous"} if cfg.auth.allow_anonymous else set())
     for i, site in enumerate(cfg.sites):
-        for role in ("prefill", "decode"):
-            dedicated = getattr(site, role).tenants
+        for role in Role:
+            dedicated = site.pool(role).tenants
             for name in dedicated:
                 if name not in names:
                     raise ConfigError(f"sites[{i}].{role}.tenants: {name!r} is not a tenant "

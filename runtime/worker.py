@@ -33,9 +33,10 @@ from kvrelay.runtime.kvcreds import CertCredentials
 from kvrelay.runtime.kvsecret import pem_from_env, read_secret
 from kvrelay.runtime.lifetime import die_with_parent
 from kvrelay.runtime.pki import CertRole, PKIError, role_dns
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import Dialer, bind, create_server
 from kvrelay.runtime.tls import TLSMaterial, load_material
-from kvrelay.runtime.topology import Role, Topology
+from kvrelay.runtime.topology import Topology
 from kvrelay.runtime.usage_meter import UsageMeter
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
@@ -353,7 +354,7 @@ def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str,
     if host == "auto":
         host = local_address_towards(args.router)
     return WorkerSetup(cfg, WorkerIdentity(f"{args.site}/{role}/{args.index}", role, args.site),
-                       getattr(site, role), choose_transport(cfg.kv.transport), transfer, host, args.router,
+                       site.pool(role), choose_transport(cfg.kv.transport), transfer, host, args.router,
                        args.model_path, tls)
 
 

@@ -29,7 +29,7 @@ from kvrelay.runtime.metrics import (
     TransferMetrics,
     serve_metrics,
 )
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.tracing import NO_TRACING, Tracing, process_name, within
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,8 @@ from kvrelay.router.placement.place import (
 )
 from kvrelay.router.placement.prefix_index import PrefixIndex
 from kvrelay.runtime.config import ClusterConfig
-from kvrelay.runtime.topology import LOCAL_LINK, Role, link_name
+from kvrelay.runtime.roles import Role
+from kvrelay.runtime.topology import LOCAL_LINK, link_name
 
 LAYER_PIECES = 8
 """A chunk's KV is handed to the link in this many pieces over its step (layer-wise streaming)."""
@@ -180,8 +181,7 @@ class SimCluster:
     def _check(self, failures: list[Failure]) -> None:
         """No dedicated pools (not simulated), and every failure names a worker or
         link of this deployment (SimInputError otherwise)."""
-        dedicated = [f"{s.name}.{role}" for s in self.cfg.sites for role in ("prefill", "decode")
-                     if getattr(s, role).tenants]
+        dedicated = [f"{s.name}.{role}" for s in self.cfg.sites for role in Role if s.pool(role).tenants]
         if dedicated:
             raise SimInputError(f"dedicated pools ({', '.join(dedicated)}: tenants) are not simulated: every "
                                 "simulated request is one anonymous tenant's; remove their tenants lists")

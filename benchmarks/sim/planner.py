@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.runtime.config import ClusterConfig
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 
 
 class Shape(enum.StrEnum):

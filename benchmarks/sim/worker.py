@@ -23,7 +23,7 @@ from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
 from kvrelay.engine.sequence import Sequence, SequenceStatus
 from kvrelay.router.placement.place import WorkerView
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 
 HASH_MASK = (1 << 64) - 1
 """Block hashes are 64-bit, as the engine's."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 
 TARGET_UTILIZATION = 0.7
 KV_HIGH, KV_LOW = 0.85, 0.3

@@ -23,7 +23,7 @@ import time
 from kvrelay.router.cluster.planner import PoolFigures, RequestWindow, p90
 from kvrelay.router.cluster.registry import WorkerRecord, WorkerRegistry
 from kvrelay.runtime.config import ClusterConfig, ScalingOwner
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 from kvrelay.v1 import admin_pb2 as apb
 
 log = logging.getLogger(__name__)
@@ -35,12 +35,12 @@ class PoolManager:
     def __init__(self, cfg: ClusterConfig, registry: WorkerRegistry) -> None:
         self.cfg = cfg
         self.registry = registry
-        self.desired: dict[tuple[str, str], int] = {}
-        self.limits: dict[tuple[str, str], int] = {}
-        self.minimum: dict[tuple[str, str], int] = {}
+        self.desired: dict[tuple[str, Role], int] = {}
+        self.limits: dict[tuple[str, Role], int] = {}
+        self.minimum: dict[tuple[str, Role], int] = {}
         for s in cfg.sites:
             for role in Role:
-                pool = getattr(s, role)
+                pool = s.pool(role)
                 self.desired[(s.name, role)] = pool.replicas
                 self.limits[(s.name, role)] = pool.max_replicas
                 self.minimum[(s.name, role)] = pool.min_replicas
@@ -49,17 +49,16 @@ class PoolManager:
         self.external = cfg.router.scaling is ScalingOwner.EXTERNAL
         """An orchestrator sets pool sizes (router.scaling: external)."""
 
-    def _members(self, site: str, role: str) -> list[WorkerRecord]:
-        return [w for w in self.registry.workers.values()
-                if w.info.site == site and w.info.role == Role(role).proto]
+    def _members(self, site: str, role: Role) -> list[WorkerRecord]:
+        return [w for w in self.registry.workers.values() if w.info.site == site and w.info.role == role.proto]
 
-    def wanted(self, site: str, role: str) -> int:
+    def wanted(self, site: str, role: Role) -> int:
         """The pool's desired size: the router's, or (scaling: external) what the orchestrator runs."""
         if self.external:
             return sum(not w.draining for w in self._members(site, role))
         return self.desired[(site, role)]
 
-    def status(self, site: str, role: str) -> apb.PoolStatus:
+    def status(self, site: str, role: Role) -> apb.PoolStatus:
         members = self._members(site, role)
         active = [w for w in members if not w.draining and self.registry.healthy(w)]
         return apb.PoolStatus(
@@ -69,18 +68,18 @@ class PoolManager:
             workers=sorted(w.info.worker_id for w in active))
 
     def check_pool(self, site: str, role: str) -> str | None:
-        """None if (site, role) names a pool, else what is wrong."""
+        """None if (site, role) names a pool (``role`` as the API spells it), else what is wrong."""
         if role not in tuple(Role):
             return f"role must be prefill or decode, got {role!r}"
-        if (site, role) not in self.desired:
+        if (site, Role(role)) not in self.desired:
             return f"unknown site {site!r} (sites: {', '.join(s.name for s in self.cfg.sites)})"
         return None
 
-    def scale(self, site: str, role: str, replicas: int) -> tuple[apb.PoolStatus, list[str]]:
+    def scale(self, site: str, role: Role, replicas: int) -> tuple[apb.PoolStatus, list[str]]:
         self.desired[(site, role)] = replicas
         return self.status(site, role), self.trim(site, role)
 
-    def trim(self, site: str, role: str) -> list[str]:
+    def trim(self, site: str, role: Role) -> list[str]:
         """Drains the least busy active workers of a pool above its desired size
         (never with scaling: external)."""
         if self.external:
@@ -121,7 +120,7 @@ class PoolManager:
         for site, role in self.desired:
             desired = self.wanted(site, role)
             members = [w for w in self._members(site, role) if not w.draining and self.registry.healthy(w)]
-            f = PoolFigures(site, Role(role), desired, len(members), self.minimum[(site, role)],
+            f = PoolFigures(site, role, desired, len(members), self.minimum[(site, role)],
                             self.limits[(site, role)])
             if role == Role.PREFILL:
                 mine = [s for s in served if s.prefill_site == site and s.prefill_role == Role.PREFILL]

@@ -18,8 +18,9 @@ from kvrelay.router.placement.place import ClusterView, LinkView, WorkerView
 from kvrelay.router.placement.prefix_index import PrefixIndex
 from kvrelay.runtime.config import ClusterConfig
 from kvrelay.runtime.pki import CertRole, Identity
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import PLAINTEXT, Dialer
-from kvrelay.runtime.topology import LOCAL_LINK, Role, link_name
+from kvrelay.runtime.topology import LOCAL_LINK, link_name
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
@@ -144,8 +145,8 @@ class WorkerRegistry:
         self.usage = UsageLedger(cfg.router.usage_db)
         """Usage accounting from the workers' own counters (fed by heartbeats)."""
         self.jurisdiction = {s.name: s.jurisdiction for s in cfg.sites}
-        self.dedicated = {(s.name, role): frozenset(getattr(s, role.value).tenants)
-                          for s in cfg.sites for role in Role if getattr(s, role.value).tenants}
+        self.dedicated = {(s.name, role): frozenset(s.pool(role).tenants)
+                          for s in cfg.sites for role in Role if s.pool(role).tenants}
         """(site, role) -> the tenants a dedicated pool serves (shared pools are absent)."""
         self.links: dict[frozenset, LinkView] = {
             frozenset(link.between): LinkView(link.rtt_ms, link.gbps, True, link_name(*link.between))
@@ -330,7 +331,7 @@ class WorkerRegistry:
         return view
 
     def _observe_usage(self, rec: WorkerRecord, load: wpb.WorkerLoad) -> None:
-        self.usage.observe(rec.info.worker_id, rec.info.site, Role.of(rec.info.role).value, load)
+        self.usage.observe(rec.info.worker_id, rec.info.site, Role.of(rec.info.role), load)
         self.usage.flush_soon()
 
     async def close(self) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from kvrelay.runtime.files import create_private
+from kvrelay.runtime.roles import Role
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import worker_pb2 as wpb
 
@@ -173,7 +174,7 @@ class UsageLedger:
             self._touched[key[:2]] = max(updated, self._touched.get(key[:2], 0.0))
 
     # -- heartbeats -----------------------------------------------------------------------------------------------
-    def observe(self, worker_id: str, site: str, role: str, load: wpb.WorkerLoad) -> None:
+    def observe(self, worker_id: str, site: str, role: Role, load: wpb.WorkerLoad) -> None:
         """Takes one heartbeat's (or a leaving worker's final) counters from
         ``worker_id`` at ``site`` (``role``: prefill or decode). Memory only."""
         now = self.clock()

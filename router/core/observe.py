@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from kvrelay.router.core.errors import RouterError
 from kvrelay.router.core.requests import Caller, Priority, Request
 from kvrelay.runtime.metrics import Mode, RouterMetrics, TokenKind
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.tracing import NO_TRACING, Tracing, remote_parent, trace_id_of, within
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb

@@ -56,8 +56,9 @@ from kvrelay.router.placement.place import (
     place,
 )
 from kvrelay.runtime.config import ClusterConfig, RouterSection
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import PLAINTEXT, Dialer
-from kvrelay.runtime.topology import Role, Topology
+from kvrelay.runtime.topology import Topology
 from kvrelay.runtime.tracing import NO_TRACING, Tracing
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb

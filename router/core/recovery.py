@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
 

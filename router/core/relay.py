@@ -32,7 +32,8 @@ from kvrelay.router.core.errors import ErrorKind, RouterError
 from kvrelay.router.core.recovery import Failover
 from kvrelay.router.core.requests import Caller
 from kvrelay.router.placement.errors import PlacementError, PlacementFailure, Wait
-from kvrelay.runtime.topology import Role, Topology, link_name
+from kvrelay.runtime.roles import Role
+from kvrelay.runtime.topology import Topology, link_name
 from kvrelay.runtime.tracing import metadata_for
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb

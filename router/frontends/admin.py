@@ -17,6 +17,7 @@ from kvrelay.router.core.errors import RouterError
 from kvrelay.router.core.records import Auditor, RecordKind
 from kvrelay.router.frontends.peer import STATUS, CallAuth, authorization
 from kvrelay.router.governance.statement import UnknownTenant, deployment_state, statement
+from kvrelay.runtime.roles import Role
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 
@@ -63,12 +64,13 @@ class AdminService(agrpc.AdminServicer):
             self._audit(who, "scale", site=request.site, role=request.role, replicas=request.replicas,
                         outcome="refused: router.scaling is external")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, external_scaling_hint(request))
-        limit = self.pools.limits[(request.site, request.role)]
+        role = Role(request.role)
+        limit = self.pools.limits[(request.site, role)]
         if not 0 <= request.replicas <= limit:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"replicas must be in [0, {limit}] for {request.site}/{request.role} "
+                                f"replicas must be in [0, {limit}] for {request.site}/{role} "
                                 f"(max_replicas in the config), got {request.replicas}")
-        pool, drained = self.pools.scale(request.site, request.role, request.replicas)
+        pool, drained = self.pools.scale(request.site, role, request.replicas)
         self._audit(who, "scale", site=request.site, role=request.role, replicas=request.replicas,
                     draining=list(drained))
         log.info("%s scaled %s/%s to %d (draining: %s)", who, request.site, request.role, request.replicas,

@@ -23,7 +23,7 @@ from kvrelay.router.core.records import Auditor, RecordKind
 from kvrelay.router.frontends.peer import STATUS, CallAuth
 from kvrelay.runtime.config import LinkSection
 from kvrelay.runtime.pki import CertRole, Identity
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 

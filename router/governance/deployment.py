@@ -23,8 +23,9 @@ from kvrelay.router.cluster.registry import WorkerRegistry
 from kvrelay.router.core.auth import ANONYMOUS
 from kvrelay.router.core.tenancy import TenantPolicies
 from kvrelay.runtime.config import ClusterConfig, LinkSection
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.tenants import TenantSection
-from kvrelay.runtime.topology import LOCAL_LINK, Role, Topology, link_name
+from kvrelay.runtime.topology import LOCAL_LINK, Topology, link_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +34,7 @@ class LiveWorker:
 
     worker_id: str
     site: str
-    role: str
-    """prefill or decode (:class:`Role`'s value)."""
+    role: Role
     device: str = ""
     healthy: bool = True
     draining: bool = False
@@ -105,7 +105,7 @@ class DeploymentState:
     workers: list[LiveWorker] = field(default_factory=list)
     links: dict[str, LinkState] = field(default_factory=dict)
     """Link name ("a-b") -> its probed state; a link absent here has not been probed."""
-    desired: dict[tuple[str, str], int] = field(default_factory=dict)
+    desired: dict[tuple[str, Role], int] = field(default_factory=dict)
     """(site, role) -> the pool's desired size now (`kvrelay scale` changes it); absent: the config's replicas."""
     version: str = "unknown"
     """kvrelay's version (the installed distribution's)."""
@@ -126,16 +126,16 @@ def kvrelay_version() -> str:
         return "unknown"
 
 
-def deployment_state(registry: WorkerRegistry, desired: dict[tuple[str, str], int] | None = None,
+def deployment_state(registry: WorkerRegistry, desired: dict[tuple[str, Role], int] | None = None,
                      model_path: str | None = None, now: float | None = None) -> DeploymentState:
     """A snapshot of ``registry`` (workers, link health) with the pools' desired sizes
     (router/cluster/pools.py ``PoolManager.desired``; None: the config's replicas), and
     the router's files (its config's) as read on disk now: call it in the router."""
-    workers = [LiveWorker(r.info.worker_id, r.info.site, Role.of(r.info.role).value, r.info.device,
+    workers = [LiveWorker(r.info.worker_id, r.info.site, Role.of(r.info.role), r.info.device,
                           registry.healthy(r), r.draining, r.info.transport, r.info.model)
                for r in sorted(registry.workers.values(), key=lambda r: r.info.worker_id)]
     links = {lv.name: LinkState(lv.up, registry.link_health[key].reason) for key, lv in registry.links.items()}
-    return DeploymentState(workers, links, {(s, str(r)): n for (s, r), n in (desired or {}).items()},
+    return DeploymentState(workers, links, dict(desired or {}),
                            kvrelay_version(), model_path, time.time() if now is None else now,
                            file_states(registry.cfg))
 
@@ -146,7 +146,7 @@ class Pool:
 
     site: str
     jurisdiction: str
-    role: str
+    role: Role
     desired: int
     min_replicas: int
     max_replicas: int
@@ -206,10 +206,10 @@ def pools_of(cfg: ClusterConfig, state: DeploymentState) -> list[Pool]:
     out = []
     for s in cfg.sites:
         for role in Role:
-            sec = getattr(s, role.value)
-            live = [w for w in state.workers if w.site == s.name and w.role == role.value]
-            desired = state.desired.get((s.name, role.value), sec.replicas)
-            out.append(Pool(s.name, s.jurisdiction, role.value, desired, sec.min_replicas, sec.max_replicas,
+            sec = s.pool(role)
+            live = [w for w in state.workers if w.site == s.name and w.role == role]
+            desired = state.desired.get((s.name, role), sec.replicas)
+            out.append(Pool(s.name, s.jurisdiction, role, desired, sec.min_replicas, sec.max_replicas,
                             sec.device or cfg.model.device, list(sec.tenants), live))
     return out
 

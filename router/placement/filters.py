@@ -22,7 +22,7 @@ from kvrelay.engine.blocks import blocks_for
 from kvrelay.router.placement.errors import PlacementError, PlacementFailure, Wait
 from kvrelay.router.placement.estimate import throughputs
 from kvrelay.router.placement.views import ClusterView
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 
 if TYPE_CHECKING:
     from kvrelay.router.placement.place import PlacementRequest

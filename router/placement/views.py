@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvrelay.router.placement.prefix_index import PrefixMatch
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 
 _COLUMNS: dict[str, tuple[type, object]] = {
     "healthy": (bool, np.bool_), "draining": (bool, np.bool_), "inflight": (int, np.int64),

@@ -14,7 +14,7 @@ from kvrelay.router.cluster.registry import WorkerRegistry
 from kvrelay.router.frontends.admin import external_scaling_hint
 from kvrelay.runtime.config import ConfigError, ScalingOwner, parse_config
 from kvrelay.runtime.health import HealthChecks, serve_health
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.worker import WorkerStatus, parse_args
 from kvrelay.v1 import worker_pb2 as wpb
 from tests.probes import probe

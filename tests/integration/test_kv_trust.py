@@ -22,8 +22,8 @@ from kvrelay.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 from kvrelay.runtime.config import parse_config
 from kvrelay.runtime.kvcreds import CertCredentials
 from kvrelay.runtime.pki import CertRole, Identity, issue, new_ca
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.tls import TLSMaterial
-from kvrelay.runtime.topology import Role
 from kvrelay.runtime.worker import kv_transfer_config
 from tests.integration.helpers import wait_until
 from tests.integration.kv_tap import Tap

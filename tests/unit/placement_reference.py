@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.engine.blocks import blocks_for
 from kvrelay.runtime.config import PlacementPolicy
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 
 POLICIES = tuple(PlacementPolicy)
 """Every policy's name."""

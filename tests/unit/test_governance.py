@@ -26,7 +26,7 @@ from kvrelay.router.governance.statement import (
     statement,
 )
 from kvrelay.runtime.config import ClusterConfig, parse_config
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 from kvrelay.v1 import worker_pb2 as wpb
 
 BASE = {
@@ -41,10 +41,10 @@ BASE = {
                 {"name": "uni-on", "token_sha256": "b" * 64, "requests_per_minute": 60}],
 }
 STATE = DeploymentState(
-    workers=[LiveWorker("toronto/prefill/0", "toronto", "prefill", "cuda:0", True, False, "tcp", "SmolLM2"),
-             LiveWorker("toronto/decode/0", "toronto", "decode", "cuda:1", True, False, "tcp", "SmolLM2"),
-             LiveWorker("montreal/prefill/0", "montreal", "prefill", "cpu", True, False, "tcp", "SmolLM2"),
-             LiveWorker("montreal/decode/0", "montreal", "decode", "cpu", False, False, "tcp", "SmolLM2")],
+    workers=[LiveWorker("toronto/prefill/0", "toronto", Role.PREFILL, "cuda:0", True, False, "tcp", "SmolLM2"),
+             LiveWorker("toronto/decode/0", "toronto", Role.DECODE, "cuda:1", True, False, "tcp", "SmolLM2"),
+             LiveWorker("montreal/prefill/0", "montreal", Role.PREFILL, "cpu", True, False, "tcp", "SmolLM2"),
+             LiveWorker("montreal/decode/0", "montreal", Role.DECODE, "cpu", False, False, "tcp", "SmolLM2")],
     links={"montreal-toronto": LinkState(True)}, version="9.9.9", generated_at=1_700_000_000.0)
 
 
@@ -101,7 +101,7 @@ def test_jurisdiction_changes_the_sites_answer():
     anywhere = _answer(_doc(), "uni-on", Question.JURISDICTIONS)
     assert [s["site"] for s in anywhere["facts"]["processing_sites"]] == ["toronto", "montreal"]
     assert [lk["link"] for lk in anywhere["facts"]["kv_links"]] == ["local", "montreal-toronto"]
-    scaled = dataclasses.replace(STATE, desired={("vancouver", "decode"): 1})
+    scaled = dataclasses.replace(STATE, desired={("vancouver", Role.DECODE): 1})
     assert "vancouver" in [s["site"] for s in _answer(_doc(state=scaled), "uni-on", Question.JURISDICTIONS)
                            ["facts"]["processing_sites"]]
 
@@ -240,7 +240,8 @@ def test_deployment_state_from_a_registry(tmp_path):
         finally:
             await reg.close()
     state = asyncio.run(run())
-    assert state.workers == [LiveWorker("montreal/decode/0", "montreal", "decode", "cuda:0", True, False, "tcp", "m")]
+    assert state.workers == [
+        LiveWorker("montreal/decode/0", "montreal", Role.DECODE, "cuda:0", True, False, "tcp", "m")]
     assert state.desired == {("montreal", "decode"): 2} and state.links == {"montreal-toronto": LinkState(True, "")}
     assert state.generated_at == 5.0 and state.version != ""
     # the router's files as read on disk: the ledger's is 0600, the others not written yet

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from kvrelay.router.placement import place as new
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 from tests.unit import placement_reference as old
 
 JURISDICTIONS = ("CA-ON", "CA-QC", "EU", "US")

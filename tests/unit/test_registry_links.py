@@ -9,7 +9,7 @@ import time
 
 from kvrelay.router.cluster.registry import WorkerRegistry
 from kvrelay.runtime.config import parse_config
-from kvrelay.runtime.topology import Role
+from kvrelay.runtime.roles import Role
 from kvrelay.v1 import worker_pb2 as wpb
 
 CONFIG = {"sites": [{"name": "toronto"}, {"name": "montreal"}],

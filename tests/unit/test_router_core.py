@@ -17,7 +17,8 @@ from kvrelay.router.frontends.grpc_api import STATUS
 from kvrelay.router.frontends.openai_http import HTTP_STATUS, api_error
 from kvrelay.router.placement.place import PlacementError, PlacementFailure, Wait
 from kvrelay.runtime.config import parse_config
-from kvrelay.runtime.topology import Role, Topology, link_name
+from kvrelay.runtime.roles import Role
+from kvrelay.runtime.topology import Topology, link_name
 from kvrelay.v1 import inference_pb2 as ipb
 
 

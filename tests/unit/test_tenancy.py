@@ -27,8 +27,8 @@ from kvrelay.router.placement.place import (
     place,
 )
 from kvrelay.runtime.config import ConfigError, parse_config
+from kvrelay.runtime.roles import Role
 from kvrelay.runtime.tenants import TenantSection
-from kvrelay.runtime.topology import Role
 
 SITES = [{"name": "montreal", "jurisdiction": "CA-QC"}, {"name": "toronto", "jurisdiction": "CA-ON"}]
 
