@@ -22,6 +22,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
@@ -47,14 +48,8 @@ from kvrelay.router.core.requests import (
     parse_request,
 )
 from kvrelay.router.core.tenancy import TenantPolicies
-from kvrelay.router.placement.place import (
-    PlacementError,
-    PlacementFailure,
-    PlacementRequest,
-    Wait,
-    make_policy,
-    place,
-)
+from kvrelay.router.placement.errors import PlacementError, PlacementFailure, Wait
+from kvrelay.router.placement.place import Placement, PlacementRequest, make_policy, place
 from kvrelay.runtime.config import ClusterConfig, RouterSection
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import PLAINTEXT, Dialer
@@ -111,6 +106,19 @@ class AdmissionWait:
     async def pause(self) -> None:
         await asyncio.sleep(self.backoff)
         self.backoff = min(ADMISSION_BACKOFF_S[1], self.backoff * 2)
+
+
+@dataclass(slots=True)
+class Flight:
+    """One admitted request on its way through the core: what every step of it reads
+    (the request, who sent it, its trace and metrics, its attempts so far, how long it
+    may still wait), carried as one object instead of threaded through each call."""
+
+    req: Request
+    caller: Caller
+    obs: RequestObservation
+    run: Recovery
+    admission: AdmissionWait
 
 
 def refusal(exc: PlacementError) -> RouterError:
@@ -270,7 +278,8 @@ class RouterCore:
         obs = self.telemetry.observe(req, caller, self.limits.name)
         try:
             grant = self.quotas.admit(policy, cost)
-            async for out in self._generate(req, caller, obs):
+            flight = Flight(req, caller, obs, Recovery(req.work), AdmissionWait(self.cfg.router, caller))
+            async for out in self._attempts(flight):
                 obs.message(out)
                 record.saw(out)
                 yield out
@@ -283,71 +292,68 @@ class RouterCore:
             self._audit(record.record(error))
             obs.finish(error)
 
-    async def _generate(self, req: Request, caller: Caller,
-                        obs: RequestObservation) -> AsyncIterator[ipb.GenerateResponse]:
-        run = Recovery(req.work)
-        admission = AdmissionWait(self.cfg.router, caller)
+    async def _attempts(self, f: Flight) -> AsyncIterator[ipb.GenerateResponse]:
+        """One attempt after another until the answer is complete: a worker failure
+        (``Failover``) makes the next attempt (router/core/recovery.py) until none is left."""
         while True:
-            work = run.work_request()
+            work = f.run.work_request()
             if work is None:  # every token was sent before the decode worker failed
-                yield run.finish_without_worker(req.client_id)
+                yield f.run.finish_without_worker(f.req.client_id)
                 return
-            hashes = self._block_hashes(req, work)
             try:
-                async for msg in self._placed(req, work, hashes, run, caller, admission, obs):
-                    yield run.passed(msg)
+                async for msg in self._attempt(f, work):
+                    yield f.run.passed(msg)
                 return
-            except Failover as f:
-                if f.suspect:
-                    self.registry.suspect(f.worker_id)
-                why = run.failed(f)
-                obs.attempt_failed(f.stage, f.worker_id, why)
-                log.warning("%s: %s", req.client_id, why)
-                if run.exhausted:
+            except Failover as fo:
+                if fo.suspect:
+                    self.registry.suspect(fo.worker_id)
+                why = f.run.failed(fo)
+                f.obs.attempt_failed(fo.stage, fo.worker_id, why)
+                log.warning("%s: %s", f.req.client_id, why)
+                if f.run.exhausted:
                     raise RouterError(ErrorKind.UNAVAILABLE, why) from None
 
-    async def _placed(self, req: Request, work: wpb.WorkRequest, hashes: list, run: Recovery, caller: Caller,
-                      admission: AdmissionWait, obs: RequestObservation) -> AsyncIterator[ipb.GenerateResponse]:
+    async def _attempt(self, f: Flight, work: wpb.WorkRequest) -> AsyncIterator[ipb.GenerateResponse]:
         """One attempt, placed as soon as a placement is possible (waiting for one when that can help)."""
+        hashes = self._block_hashes(f.req, work)
         while True:
             preq = PlacementRequest(len(work.prompt_token_ids), self.registry.index.leading_blocks(hashes),
-                                    req.allowed_jurisdictions, caller.time_remaining(), frozenset(run.exclude),
-                                    run.colocated_only, caller.tenant,
-                                    self.cfg.router.interactive_reserve if caller.priority is Priority.BATCH else 0)
-            relay = await self._admitted(work, req.client_id, preq, caller, admission, obs)
+                                    f.req.allowed_jurisdictions, f.caller.time_remaining(), frozenset(f.run.exclude),
+                                    f.run.colocated_only, f.caller.tenant,
+                                    self.cfg.router.interactive_reserve if f.caller.priority is Priority.BATCH else 0)
+            relay = await self._admitted(f, work, preq)
             try:
                 async for msg in relay.run():
                     yield msg
                 return
             except PlacementError as exc:  # the decode worker had no room after all (nothing was sent)
-                if not admission.allows(exc.wait):
+                if not f.admission.allows(exc.wait):
                     raise refusal(exc) from None
-                await admission.pause()
+                await f.admission.pause()
 
-    async def _admitted(self, work: wpb.WorkRequest, client_id: str, preq: PlacementRequest, caller: Caller,
-                        admission: AdmissionWait, obs: RequestObservation) -> Relay:
+    async def _admitted(self, f: Flight, work: wpb.WorkRequest, preq: PlacementRequest) -> Relay:
         """A placement holding its workers' capacity: at once when there is room and
         nobody waits, else in the fair queue's order (router/core/admission.py)."""
         def try_place() -> Relay:
             t0 = time.time_ns()
             pl = place(preq, self.registry.view(), self.policy)
-            return self._relay(work, client_id, pl, caller, obs, (t0, time.time_ns()))
+            return self._relay(f, work, pl, (t0, time.time_ns()))
 
         if not self.queue.waiting:
             try:
                 return try_place()
             except PlacementError as exc:
-                if not admission.allows(exc.wait):
+                if not f.admission.allows(exc.wait):
                     raise refusal(exc) from None
-        obs.waiting()
-        policy = self.tenants.of(caller.tenant)
+        f.obs.waiting()
+        policy = self.tenants.of(f.caller.tenant)
         ticket = self.queue.ticket(
-            caller.tenant, policy.priority.rank, caller.priority is Priority.INTERACTIVE, policy.weight,
+            f.caller.tenant, policy.priority.rank, f.caller.priority is Priority.INTERACTIVE, policy.weight,
             preq.prompt_tokens + work.max_tokens,
-            (preq.allowed_jurisdictions, self.registry.pools_of(caller.tenant), preq.exclude, preq.colocated_only,
+            (preq.allowed_jurisdictions, self.registry.pools_of(f.caller.tenant), preq.exclude, preq.colocated_only,
              preq.reserve), try_place)
         try:
-            return await self._turn(ticket, admission)
+            return await self._turn(ticket, f.admission)
         except PlacementError as exc:
             raise refusal(exc) from None
         except asyncio.CancelledError:
@@ -371,14 +377,13 @@ class RouterCore:
                 continue
         return ticket.future.result()
 
-    def _relay(self, work: wpb.WorkRequest, client_id: str, pl, caller: Caller, obs: RequestObservation,
-               placed_ns: tuple[int, int]) -> Relay:
+    def _relay(self, f: Flight, work: wpb.WorkRequest, pl: Placement, placed_ns: tuple[int, int]) -> Relay:
         """An attempt on placement ``pl``, holding its workers' capacity from now on."""
         d = self.registry.workers[pl.decode.worker_id]
         p = self.registry.workers[pl.prefill.worker_id] if pl.prefill is not None else None
         shown = placement_proto(pl.est_ttft_s, pl.policy, pl.cached_blocks_prefill, pl.cached_blocks_decode, p, d)
-        relay = Relay(work, client_id, p, d, shown, caller, registry=self.registry, topology=self.topology,
+        relay = Relay(work, f.req.client_id, p, d, shown, f.caller, registry=self.registry, topology=self.topology,
                       window=self.pools.window, lease_s=self.cfg.router.kv_lease_s, on_release=self.queue.pump,
-                      span=obs.placed(pl, shown.link, placed_ns))
+                      span=f.obs.placed(pl, shown.link, placed_ns))
         relay.hold()
         return relay
