@@ -37,7 +37,7 @@ from kvrelay.router.core.observe import RequestObservation, RouterTelemetry, pro
 from kvrelay.router.core.quotas import Quotas, TokenBucket
 from kvrelay.router.core.records import Auditor, RecordKind
 from kvrelay.router.core.recovery import Failover, Recovery
-from kvrelay.router.core.relay import Relay, placement_proto
+from kvrelay.router.core.relay import Relay, RelayContext, placement_proto
 from kvrelay.router.core.request_record import RequestRecord, prompt_text
 from kvrelay.router.core.requests import (
     MAX_JURISDICTIONS,
@@ -162,6 +162,8 @@ class RouterCore:
         """Traces, metrics and the last minute's latency (router/core/observe.py)."""
         self.metrics_address = metrics_address
         """Where the router serves /metrics ("" when off)."""
+        self._relaying = RelayContext(self.registry, self.topology, self.pools.window, cfg.router.kv_lease_s,
+                                      self.queue.pump)
         self.tokenizers = concurrent.futures.ThreadPoolExecutor(cfg.router.api.tokenizer_threads,
                                                                 thread_name_prefix="tokenize")
         """Where prompts are tokenized, off the event loop (the tokenizer lets go of the GIL)."""
@@ -382,8 +384,7 @@ class RouterCore:
         d = self.registry.workers[pl.decode.worker_id]
         p = self.registry.workers[pl.prefill.worker_id] if pl.prefill is not None else None
         shown = placement_proto(pl.est_ttft_s, pl.policy, pl.cached_blocks_prefill, pl.cached_blocks_decode, p, d)
-        relay = Relay(work, f.req.client_id, p, d, shown, f.caller, registry=self.registry, topology=self.topology,
-                      window=self.pools.window, lease_s=self.cfg.router.kv_lease_s, on_release=self.queue.pump,
+        relay = Relay(self._relaying, work, f.req.client_id, p, d, shown, f.caller,
                       span=f.obs.placed(pl, shown.link, placed_ns))
         relay.hold()
         return relay

@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry.trace import INVALID_SPAN, Span
@@ -74,21 +75,33 @@ def _worker_error(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, str(exc)
 
 
+@dataclass(frozen=True, slots=True)
+class RelayContext:
+    """What every attempt relays through, the same for all of them (built once by the core)."""
+
+    registry: WorkerRegistry
+    topology: Topology
+    window: RequestWindow
+    """Finished requests, the planner's figures."""
+    lease_s: float
+    """How long D holds KV blocks reserved for a transfer that has not arrived (router.kv_lease_s)."""
+    on_release: Callable[[], None] | None = None
+    """Called (soon after) when an attempt gives its workers' capacity back."""
+
+
 class Relay:
     """Runs one attempt: ``async for msg in Relay(...).run()``."""
 
-    def __init__(self, wr: wpb.WorkRequest, client_id: str, p: WorkerRecord | None, d: WorkerRecord,
-                 placement: ipb.Placement, caller: Caller, *, registry: WorkerRegistry, topology: Topology,
-                 window: RequestWindow, lease_s: float, on_release=None, span: Span = INVALID_SPAN) -> None:
-        """``on_release``: called (soon after) when the attempt gives its workers' capacity back;
-        ``span``: the attempt's (the workers' spans become its children)."""
+    def __init__(self, ctx: RelayContext, wr: wpb.WorkRequest, client_id: str, p: WorkerRecord | None,
+                 d: WorkerRecord, placement: ipb.Placement, caller: Caller, span: Span = INVALID_SPAN) -> None:
+        """``span``: the attempt's (the workers' spans become its children)."""
         self.span = span
         self.metadata = metadata_for(span)
         self.wr, self.client_id, self.p, self.d = wr, client_id, p, d
-        self.on_release = on_release
+        self.on_release = ctx.on_release
         self.held = False
         self.placement, self.caller = placement, caller
-        self.registry, self.topology, self.window, self.lease_s = registry, topology, window, lease_s
+        self.registry, self.topology, self.window, self.lease_s = ctx.registry, ctx.topology, ctx.window, ctx.lease_s
         self.n_out = 0
         self.t0 = self.t_first = time.perf_counter()
         self.prefiller = p or d
