@@ -8,12 +8,12 @@ import asyncio
 import logging
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 
-from kvrelay.router.cluster.usage import UsageLedger
 from kvrelay.router.placement.place import ClusterView, LinkView, WorkerView
 from kvrelay.router.placement.prefix_index import PrefixIndex
 from kvrelay.runtime.config import ClusterConfig
@@ -134,16 +134,20 @@ def worker_identity(info: wpb.WorkerInfo) -> Identity | None:
     return ident
 
 
+LoadSink = Callable[[str, str, Role, wpb.WorkerLoad], None]
+"""(worker id, site, role, load): what a worker reported (the usage ledger's ``observe``)."""
+
+
 class WorkerRegistry:
-    def __init__(self, cfg: ClusterConfig, dialer: Dialer = PLAINTEXT) -> None:
-        """``dialer``: how the router connects to workers (its certificate)."""
+    def __init__(self, cfg: ClusterConfig, dialer: Dialer = PLAINTEXT, on_load: LoadSink | None = None) -> None:
+        """``dialer``: how the router connects to workers (its certificate); ``on_load``: where each
+        worker's reported load (its usage counters) goes, from heartbeats and a leaving worker's last."""
         self.cfg = cfg
         self.dialer = dialer
         self.timeout_s = cfg.router.worker_timeout_s
         self.workers: dict[str, WorkerRecord] = {}
         self.index = PrefixIndex()
-        self.usage = UsageLedger(cfg.router.usage_db)
-        """Usage accounting from the workers' own counters (fed by heartbeats)."""
+        self.on_load = on_load
         self.jurisdiction = {s.name: s.jurisdiction for s in cfg.sites}
         self.dedicated = {(s.name, role): frozenset(s.pool(role).tenants)
                           for s in cfg.sites for role in Role if s.pool(role).tenants}
@@ -331,10 +335,9 @@ class WorkerRegistry:
         return view
 
     def _observe_usage(self, rec: WorkerRecord, load: wpb.WorkerLoad) -> None:
-        self.usage.observe(rec.info.worker_id, rec.info.site, Role.of(rec.info.role), load)
-        self.usage.flush_soon()
+        if self.on_load is not None:
+            self.on_load(rec.info.worker_id, rec.info.site, Role.of(rec.info.role), load)
 
     async def close(self) -> None:
         for rec in self.workers.values():
             await rec.channel.close()
-        await self.usage.close()

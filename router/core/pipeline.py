@@ -30,6 +30,7 @@ from kvrelay.engine.hashing import hash_blocks
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.router.cluster.pools import PoolManager
 from kvrelay.router.cluster.registry import WorkerRegistry
+from kvrelay.router.cluster.usage import UsageLedger
 from kvrelay.router.core.admission import FairQueue
 from kvrelay.router.core.auth import TenantSalts
 from kvrelay.router.core.errors import ErrorKind, RouterError
@@ -152,13 +153,15 @@ class RouterCore:
         self.queue = FairQueue()
         """Requests waiting for room, served by tenant class, priority and weight (router/core/admission.py)."""
         self.topology = Topology(cfg)
-        self.registry = WorkerRegistry(cfg, dialer)
+        self.usage = UsageLedger(cfg.router.usage_db)
+        """Usage accounting from the workers' own counters, which their heartbeats carry (router/cluster/usage.py)."""
+        self.registry = WorkerRegistry(cfg, dialer, on_load=self._worker_load)
         self.pools = PoolManager(cfg, self.registry)
         self.policy = make_policy(cfg.router.policy, policy_seed)
         self._refusals = RateLimit(REFUSALS_PER_S)
         self.audit = audit
         """The audit log's writer (router/governance/audit_writer.py); None: no audit log."""
-        self.telemetry = RouterTelemetry(tracing, metrics, durable=self.registry.usage, links=self._links)
+        self.telemetry = RouterTelemetry(tracing, metrics, durable=self.usage, links=self._links)
         """Traces, metrics and the last minute's latency (router/core/observe.py)."""
         self.metrics_address = metrics_address
         """Where the router serves /metrics ("" when off)."""
@@ -173,6 +176,11 @@ class RouterCore:
         """Some decode worker is healthy and takes work (a batch job waits otherwise)."""
         return bool(self.registry.candidates(Role.DECODE))
 
+    def _worker_load(self, worker_id: str, site: str, role: Role, load: wpb.WorkerLoad) -> None:
+        """A worker's reported load: its usage counters into the ledger (written to disk on a thread, in batches)."""
+        self.usage.observe(worker_id, site, role, load)
+        self.usage.flush_soon()
+
     def metrics_targets(self) -> list[dict]:
         """Every process's /metrics as Prometheus ``file_sd`` entries (the router's and its workers')."""
         return prometheus_targets(self.metrics_address, self.cfg.router.site or "",
@@ -182,6 +190,7 @@ class RouterCore:
         """Stops the tokenizer threads and closes the channels to workers and the usage ledger."""
         self.tokenizers.shutdown(wait=False, cancel_futures=True)
         await self.registry.close()
+        await self.usage.close()
 
     def tenant_known(self, tenant: str) -> bool:
         """``tenant`` is configured (a job's owner removed from the config since gets no service)."""

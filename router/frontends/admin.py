@@ -42,6 +42,7 @@ class AdminService(agrpc.AdminServicer):
         self.core = core
         self.audit = audit
         self.pools: PoolManager = core.pools
+        self.usage = core.usage
 
     def _audit(self, who: str, action: str, **fields) -> None:
         """One audit record of an operator action (router/governance/audit.py; none when there is no audit log)."""
@@ -125,5 +126,5 @@ class AdminService(agrpc.AdminServicer):
             by = grouping(request.by)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        report = await self.pools.registry.usage.report(request.since_unix, by, request.tenant)
+        report = await self.usage.report(request.since_unix, by, request.tenant)
         return usage_response(report)
