@@ -16,6 +16,7 @@ import pytest
 
 from kvrelay.cli.governance import render_markdown
 from kvrelay.router.cluster.registry import WorkerRegistry
+from kvrelay.router.cluster.usage import UsageLedger
 from kvrelay.router.governance.deployment import LinkState, LiveWorker, file_states
 from kvrelay.router.governance.statement import (
     NOT_RECORDED,
@@ -228,17 +229,19 @@ def test_markdown_has_all_eight_questions_per_tenant():
 def test_deployment_state_from_a_registry(tmp_path):
     raw = copy.deepcopy(BASE)
     raw["router"] |= {"audit_log": str(tmp_path / "audit.jsonl"), "jobs_db": str(tmp_path / "jobs.sqlite"),
-                      "usage_db": str(tmp_path / "usage.sqlite")}  # the registry's ledger makes the usage file
+                      "usage_db": str(tmp_path / "usage.sqlite")}  # the router's ledger makes the usage file
 
     async def run() -> DeploymentState:
         cfg = parse_config(raw)
-        reg = WorkerRegistry(cfg)
+        ledger = UsageLedger(cfg.router.usage_db)
+        reg = WorkerRegistry(cfg, on_load=ledger.observe)
         try:
             await reg.register(wpb.WorkerInfo(worker_id="montreal/decode/0", role=Role.DECODE.proto, site="montreal",
                                               address="127.0.0.1:1", device="cuda:0", transport="tcp", model="m"))
             return deployment_state(reg, {("montreal", Role.DECODE): 2}, now=5.0)
         finally:
             await reg.close()
+            await ledger.close()
     state = asyncio.run(run())
     assert state.workers == [
         LiveWorker("montreal/decode/0", "montreal", Role.DECODE, "cuda:0", True, False, "tcp", "m")]
