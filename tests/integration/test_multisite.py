@@ -6,7 +6,6 @@ from the workers' own prefix-cache statistics."""
 from __future__ import annotations
 
 import random
-import time
 
 import grpc
 import pytest
@@ -102,6 +101,11 @@ def test_unreachable_deadline_is_refused_with_a_retry_hint(multisite):
     assert dict(err.value.trailing_metadata())["retry-after-ms"].isdigit()
 
 
+def indexed_blocks(lc: LocalCluster) -> int:
+    """Prompt blocks the router's prefix index holds, over every worker."""
+    return sum(w.cached_blocks for w in workers(lc).values())
+
+
 def hit_rate(lc: LocalCluster, seed: int) -> float:
     """Four prompt groups, each sent twice in a row: shared 192-token prefix,
     distinct 40-token suffix. Hit rate over every worker's prefix cache."""
@@ -109,9 +113,12 @@ def hit_rate(lc: LocalCluster, seed: int) -> float:
     before = counters(lc)
     for _ in range(4):
         prefix = [rng.randrange(100, 40000) for _ in range(192)]
-        for _ in range(2):
-            generate(lc, token_request(prefix + [rng.randrange(100, 40000) for _ in range(40)]))
-            time.sleep(0.6)  # the prefix index learns of new blocks with the next heartbeat
+        known = indexed_blocks(lc)
+        generate(lc, token_request(prefix + [rng.randrange(100, 40000) for _ in range(40)]))
+        # the prefix index learns of new blocks with the worker's next heartbeat (not asserted here:
+        # the hit rates below say whether placement used what it learned)
+        wait_until(lambda known=known: indexed_blocks(lc) > known, 10, 0.05)
+        generate(lc, token_request(prefix + [rng.randrange(100, 40000) for _ in range(40)]))
     after = counters(lc)
     hits = sum(after[w][2] - before[w][2] for w in WORKERS)
     queries = sum(after[w][3] - before[w][3] for w in WORKERS)

@@ -30,7 +30,7 @@ def traced_cluster(smollm_path, span_dir):
         yield lc
 
 
-@pytest.mark.parametrize("trace,scale,limit", [(AZURE, 0.1, 40), (MOONCAKE, 0.01, 40)])
+@pytest.mark.parametrize("trace,scale,limit", [(AZURE, 0.1, 20), (MOONCAKE, 0.01, 20)])
 def test_replay_reports_every_request(traced_cluster, span_dir, tmp_path, trace, scale, limit, capsys,
                                       monkeypatch):
     out, user = tmp_path / "report", cluster_user(traced_cluster, monkeypatch)
