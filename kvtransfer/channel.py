@@ -150,6 +150,10 @@ class SendStream:
                 h.fail(reason)
         self.inflight.clear()
         if sock is not None:
+            try:  # shutdown first: it wakes the reader blocked on this socket and sends the FIN, which
+                sock.shutdown(socket.SHUT_RDWR)  # close alone does not while that read holds the socket
+            except OSError:
+                pass
             try:
                 sock.close()
             except OSError:

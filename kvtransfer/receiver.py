@@ -111,7 +111,9 @@ class _Conn:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.lock = threading.Lock()
-        self.transfers: set[str] = set()
+        self.transfers: dict[str, _Incoming | None] = {}
+        """Transfer id -> the expectation this connection carried blocks for (a loss of the
+        connection fails that one, not a later expectation of the same id)."""
         self.session: Session | None = None
         """Its records each way, once the handshake completed."""
         self.source: MemorySource | None = None
@@ -200,6 +202,11 @@ class ChannelReceiver(KVReceiver):
             conn.abort()
 
     @property
+    def connections(self) -> int:
+        """Sender connections open now (authenticated, or in their handshake)."""
+        return len(self._conns)
+
+    @property
     def refused(self) -> int:
         """Connections refused at the handshake (by the gate, or their memory could not be attached)."""
         return self.gate.refused + self._refused_after_auth
@@ -242,10 +249,10 @@ class ChannelReceiver(KVReceiver):
                 conn.send(pb.KVFrame(done_ack=pb.KVDoneAck(ok=False, reason=f"stream refused: {exc}")))
             who = conn.session.peer if conn.session and conn.session.peer else "the sender"
             if isinstance(exc, RecordError) and exc.transfer_id:
-                conn.transfers.add(exc.transfer_id)
-            for tid in list(conn.transfers):
+                conn.transfers.setdefault(exc.transfer_id, self._expected.get(exc.transfer_id))
+            for tid, seen in list(conn.transfers.items()):
                 inc = self._expected.get(tid)
-                if inc is not None:
+                if inc is not None and inc is seen:
                     inc.handle.fail(f"KV connection from {who} lost: {exc}")
                     self._maybe_complete(tid, inc)
         finally:
@@ -295,7 +302,7 @@ class ChannelReceiver(KVReceiver):
             views = [self.mem.run(layer, kind, first_id, n) for layer in layers for kind in (0, 1)
                      for _, first_id, n in coalesce(dest)]
         seq = conn.live.reader.last_seq
-        conn.transfers.add(hdr.transfer_id)
+        conn.transfers[hdr.transfer_id] = inc
         try:
             inc.handle.advance(TransferState.TRANSFERRING)
             if pulled:

@@ -98,8 +98,8 @@ def test_external_scaling_keeps_every_worker_the_orchestrator_runs():
         _, reg, pools = _pools(scaling)
         try:
             await _register(reg, 3)
-            drained = pools.trim("t", "decode")
-            return drained, pools.status("t", "decode")
+            drained = pools.trim("t", Role.DECODE)
+            return drained, pools.status("t", Role.DECODE)
         finally:
             await reg.close()
     drained, status = asyncio.run(run("external"))

@@ -101,6 +101,32 @@ def test_the_receiver_enforces_the_link_its_senders_certificate_names():
         rx.close()
 
 
+def test_a_lost_connection_fails_only_the_transfer_it_carried():
+    """A connection that ends after its transfer is done (here: its sender closes late, as on a busy
+    machine) must not fail a later transfer of the same id, which another connection will carry (a
+    retried request): the receiver remembers which expectation each connection carried blocks for."""
+    src, dst = cache(1), cache(None)
+    rx = receiver_at("a", dst)
+    tx = TcpKVSender(src, prefill_cfg("c"))
+    try:
+        rh = rx.expect("t", [2, 3])
+        h = tx.open(TransferTarget(rx.endpoint, "t", (2, 3), LAYOUT.compat_hash(), protection="integrity"))
+        for layer in range(LAYOUT.num_layers):
+            h.send_layer(layer, [0, 1], 0)
+        h.finish(3, 0.0)
+        assert h.wait(20) is TransferState.DONE and rh.wait(5) is TransferState.DONE
+        rx.cancel("t")
+        again = rx.expect("t", [2, 3])
+        tx.close()  # the first transfer's connection ends only now
+        assert wait_until(lambda: rx.connections == 0, 20)
+        assert again.poll() is not TransferState.FAILED, again.failure()
+        assert send(src, rx.endpoint, prefill_cfg("a"), protection="integrity").poll() is TransferState.DONE
+        assert again.wait(5) is TransferState.DONE
+    finally:
+        tx.close()
+        rx.close()
+
+
 @pytest.mark.parametrize("case, reason", [
     ("decode-role sender", "is a decode; only a prefill may do this"),
     ("revoked", "is revoked"),

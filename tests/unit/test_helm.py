@@ -198,7 +198,7 @@ def test_container_command_lines_are_accepted_by_the_entry_points():
     """Every container's command parses with the real argument parser of what it runs."""
     from kvrelay.cli.main import build_parser
     from kvrelay.router.main import parse_args as router_args
-    from kvrelay.runtime.topology import Role
+    from kvrelay.runtime.roles import Role
     from kvrelay.runtime.worker import parse_args as worker_args
     seen = set()
     for doc in rendered("three-cities"):
