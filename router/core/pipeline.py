@@ -304,17 +304,26 @@ class RouterCore:
             obs.finish(error)
 
     async def _attempts(self, f: Flight) -> AsyncIterator[ipb.GenerateResponse]:
-        """One attempt after another until the answer is complete: a worker failure
+        """One attempt after another until the answer is complete. Each is placed as soon as
+        a placement is possible (waiting for one when that can help); a worker failure
         (``Failover``) makes the next attempt (router/core/recovery.py) until none is left."""
         while True:
             work = f.run.work_request()
             if work is None:  # every token was sent before the decode worker failed
                 yield f.run.finish_without_worker(f.req.client_id)
                 return
+            hashes = self._block_hashes(f.req, work)
             try:
-                async for msg in self._attempt(f, work):
-                    yield f.run.passed(msg)
-                return
+                while True:
+                    relay = await self._admitted(f, work, self._placement_request(f, work, hashes))
+                    try:
+                        async for msg in relay.run():
+                            yield f.run.passed(msg)
+                        return
+                    except PlacementError as exc:  # the decode worker had no room after all (nothing was sent)
+                        if not f.admission.allows(exc.wait):
+                            raise refusal(exc) from None
+                        await f.admission.pause()
             except Failover as fo:
                 if fo.suspect:
                     self.registry.suspect(fo.worker_id)
@@ -324,23 +333,13 @@ class RouterCore:
                 if f.run.exhausted:
                     raise RouterError(ErrorKind.UNAVAILABLE, why) from None
 
-    async def _attempt(self, f: Flight, work: wpb.WorkRequest) -> AsyncIterator[ipb.GenerateResponse]:
-        """One attempt, placed as soon as a placement is possible (waiting for one when that can help)."""
-        hashes = self._block_hashes(f.req, work)
-        while True:
-            preq = PlacementRequest(len(work.prompt_token_ids), self.registry.index.leading_blocks(hashes),
-                                    f.req.allowed_jurisdictions, f.caller.time_remaining(), frozenset(f.run.exclude),
-                                    f.run.colocated_only, f.caller.tenant,
-                                    self.cfg.router.interactive_reserve if f.caller.priority is Priority.BATCH else 0)
-            relay = await self._admitted(f, work, preq)
-            try:
-                async for msg in relay.run():
-                    yield msg
-                return
-            except PlacementError as exc:  # the decode worker had no room after all (nothing was sent)
-                if not f.admission.allows(exc.wait):
-                    raise refusal(exc) from None
-                await f.admission.pause()
+    def _placement_request(self, f: Flight, work: wpb.WorkRequest, hashes: list[int]) -> PlacementRequest:
+        """What placement is asked for this attempt: its prompt, the workers holding its leading
+        blocks, the request's jurisdictions and deadline, the workers that failed it, the batch reserve."""
+        return PlacementRequest(len(work.prompt_token_ids), self.registry.index.leading_blocks(hashes),
+                                f.req.allowed_jurisdictions, f.caller.time_remaining(), frozenset(f.run.exclude),
+                                f.run.colocated_only, f.caller.tenant,
+                                self.cfg.router.interactive_reserve if f.caller.priority is Priority.BATCH else 0)
 
     async def _admitted(self, f: Flight, work: wpb.WorkRequest, preq: PlacementRequest) -> Relay:
         """A placement holding its workers' capacity: at once when there is room and
