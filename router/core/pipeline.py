@@ -1,9 +1,9 @@
 """The router's core, which knows no front end: one entry,
-:meth:`RouterCore.generate`, takes a validated :class:`~router.requests.Request`
-and its :class:`~router.requests.Caller` and yields the messages of its
+:meth:`RouterCore.generate`, takes a validated :class:`~kvrelay.router.core.requests.Request`
+and its :class:`~kvrelay.router.core.requests.Caller` and yields the messages of its
 answer (``kvrelay.v1.GenerateResponse``: tokens, and a last one with the
 finish reason, usage and placement). Every failure is a
-:class:`~router.errors.RouterError`; the gRPC API, the HTTP API and batch
+:class:`~kvrelay.router.core.errors.RouterError`; the gRPC API, the HTTP API and batch
 jobs are thin adapters over this.
 
 Per request: ask the prefix index what each worker caches of the prompt ->

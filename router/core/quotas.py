@@ -6,7 +6,7 @@ that much at once) and refills continuously. A request takes one request
 and ``prompt + max_tokens`` tokens; what it did not generate is returned
 when it ends. A request larger than a whole bucket is let through when the
 bucket is full and leaves it in debt, so no size is refused outright.
-Over a quota: :class:`~router.errors.RouterError` OVERLOADED (gRPC
+Over a quota: :class:`~kvrelay.router.core.errors.RouterError` OVERLOADED (gRPC
 RESOURCE_EXHAUSTED, HTTP 429 with ``Retry-After``) naming the quota and
 when to retry (:class:`QuotaExceeded`; the job runner pauses that tenant's
 jobs for that long, not everyone's)."""

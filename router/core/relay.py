@@ -10,9 +10,9 @@
 4. **finish**: complete the last message with P's figures, the placement and
    usage, and feed the planner.
 
-Failures become data: :class:`~router.recovery.Failover` (another worker may
-succeed), :class:`~router.placement.PlacementError` (D had no room: nothing
-was sent yet), or :class:`~router.errors.RouterError` (the request fails).
+Failures become data: :class:`~kvrelay.router.core.recovery.Failover` (another worker may
+succeed), :class:`~kvrelay.router.placement.errors.PlacementError` (D had no room: nothing
+was sent yet), or :class:`~kvrelay.router.core.errors.RouterError` (the request fails).
 Leaving the attempt, by any path, cancels both worker calls, which free their
 blocks."""
 

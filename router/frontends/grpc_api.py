@@ -1,7 +1,7 @@
 """The public gRPC API (``kvrelay.v1.Inference``), a thin adapter over the
 router core: it establishes the caller (tenant from the bearer token,
-deadline from the call), hands the request to :class:`~router.core.RouterCore`,
-streams its messages, and maps a :class:`~router.errors.RouterError` to a
+deadline from the call), hands the request to :class:`~kvrelay.router.core.pipeline.RouterCore`,
+streams its messages, and maps a :class:`~kvrelay.router.core.errors.RouterError` to a
 gRPC status (with ``retry-after-ms`` trailing metadata when overloaded).
 
 ``add_router_to_server`` registers it with the worker Registry

@@ -4,7 +4,7 @@
 Starlette on uvicorn, in the router's own event loop: a request becomes the
 same ``GenerateRequest`` a gRPC client would send and runs through the
 router core (router/core/pipeline.py), so validation, admission, placement and
-recovery have one implementation; each :class:`~router.errors.ErrorKind`
+recovery have one implementation; each :class:`~kvrelay.router.core.errors.ErrorKind`
 maps to an HTTP status and OpenAI's error shape (:data:`HTTP_STATUS`).
 
 Streaming uses server-sent events ending in ``data: [DONE]``; with
