@@ -29,7 +29,7 @@ from kvrelay.router.frontends.grpc_api import add_router_to_server
 from kvrelay.router.frontends.http_server import serve_http
 from kvrelay.router.frontends.jobs import JobService, add_jobs_to_server
 from kvrelay.router.frontends.openai_http import OpenAIServer
-from kvrelay.router.frontends.peer import CallAuth
+from kvrelay.router.frontends.peer import GrpcCaller
 from kvrelay.router.governance.audit_writer import AuditWriter
 from kvrelay.router.governance.retention import RetentionSweeper
 from kvrelay.runtime.config import ClusterConfig, load_config
@@ -117,7 +117,7 @@ def router_health(cfg: ClusterConfig, loop: asyncio.AbstractEventLoop, stop: asy
 
 
 async def start_grpc(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: TLSMaterial | None,
-                     core: RouterCore, jobs: JobService, auth: CallAuth, audit: AuditWriter | None) -> str:
+                     core: RouterCore, jobs: JobService, auth: GrpcCaller, audit: AuditWriter | None) -> str:
     """Both gRPC listeners serving every service, stopped (2 s grace) when ``stack`` unwinds;
     the READY line's addresses."""
     api = cfg.router.api
@@ -184,7 +184,7 @@ async def run(args: argparse.Namespace) -> None:
         health = router_health(cfg, loop, stop)
         if health is not None:
             stack.callback(health.close)
-        auth = CallAuth(cfg, tls)
+        auth = GrpcCaller(cfg, tls)
         jobs = JobService(core, args.jobs_db or cfg.router.jobs_db or ":memory:", cfg.router.job_concurrency, auth,
                           audit)
         if not (args.jobs_db or cfg.router.jobs_db):

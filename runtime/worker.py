@@ -27,12 +27,12 @@ from kvrelay.kvtransfer.base import Transport
 from kvrelay.kvtransfer.config import TransferConfig
 from kvrelay.kvtransfer.select import choose_transport, host_has_rdma
 from kvrelay.runtime.config import ClusterConfig, PoolSection, load_config
-from kvrelay.runtime.gate import PeerGate
 from kvrelay.runtime.health import HealthChecks, serve_health
 from kvrelay.runtime.kvcreds import CertCredentials
 from kvrelay.runtime.kvsecret import pem_from_env, read_secret
 from kvrelay.runtime.lifetime import die_with_parent
 from kvrelay.runtime.pki import CertRole, PKIError, role_dns
+from kvrelay.runtime.role_gate import PeerGate
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import Dialer, bind, create_server
 from kvrelay.runtime.tls import TLSMaterial, load_material

@@ -15,7 +15,7 @@ from kvrelay.router.cluster.pools import PoolManager
 from kvrelay.router.cluster.usage import grouping, usage_response
 from kvrelay.router.core.errors import RouterError
 from kvrelay.router.core.records import Auditor, RecordKind
-from kvrelay.router.frontends.peer import STATUS, CallAuth, authorization
+from kvrelay.router.frontends.peer import STATUS, GrpcCaller, authorization
 from kvrelay.router.governance.statement import UnknownTenant, deployment_state, statement
 from kvrelay.runtime.roles import Role
 from kvrelay.v1 import admin_pb2 as apb
@@ -36,7 +36,7 @@ def external_scaling_hint(request: apb.ScaleRequest) -> str:
 
 
 class AdminService(agrpc.AdminServicer):
-    def __init__(self, core: RouterCore, auth: CallAuth, audit: Auditor | None) -> None:
+    def __init__(self, core: RouterCore, auth: GrpcCaller, audit: Auditor | None) -> None:
         """``audit``: where operator actions are recorded (None: nowhere)."""
         self.auth = auth
         self.core = core

@@ -17,7 +17,7 @@ from kvrelay.router.core.errors import RouterError
 from kvrelay.router.core.pipeline import RouterCore
 from kvrelay.router.core.records import Auditor
 from kvrelay.router.frontends.admin import AdminService
-from kvrelay.router.frontends.peer import STATUS, CallAuth, authorization
+from kvrelay.router.frontends.peer import STATUS, GrpcCaller, authorization
 from kvrelay.router.frontends.registry_service import RegistryService
 from kvrelay.runtime.rpc import add_service
 from kvrelay.v1 import admin_pb2 as apb
@@ -36,7 +36,7 @@ async def abort(context: grpc.aio.ServicerContext, exc: RouterError, prefix: str
 class InferenceService(igrpc.InferenceServicer):
     """``kvrelay.v1.Inference`` over the router core."""
 
-    def __init__(self, core: RouterCore, auth: CallAuth) -> None:
+    def __init__(self, core: RouterCore, auth: GrpcCaller) -> None:
         self.core = core
         self.auth = auth
 
@@ -66,7 +66,7 @@ class InferenceService(igrpc.InferenceServicer):
         return self.core.health()
 
 
-def add_router_to_server(core: RouterCore, server: grpc.aio.Server, auth: CallAuth, audit: Auditor | None) -> None:
+def add_router_to_server(core: RouterCore, server: grpc.aio.Server, auth: GrpcCaller, audit: Auditor | None) -> None:
     """Registers the Inference, Registry and Admin services (``audit``: where registrations and
     operator actions are recorded); every request message parses leniently, so a malformed one
     gets INVALID_ARGUMENT, not INTERNAL."""

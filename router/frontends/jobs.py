@@ -22,7 +22,7 @@ from kvrelay.router.core.quotas import QuotaExceeded
 from kvrelay.router.core.records import Auditor, RecordKind
 from kvrelay.router.core.requests import Caller, Priority
 from kvrelay.router.frontends.grpc_api import STATUS, abort
-from kvrelay.router.frontends.peer import CallAuth, authorization
+from kvrelay.router.frontends.peer import GrpcCaller, authorization
 from kvrelay.router.governance.audit import AuditError
 from kvrelay.runtime.rpc import add_service
 from kvrelay.v1 import inference_pb2 as ipb
@@ -57,7 +57,7 @@ def add_jobs_to_server(jobs: JobService, server: grpc.aio.Server) -> None:
 
 
 class JobService(jgrpc.JobsServicer):
-    def __init__(self, core: RouterCore, db_path: str, concurrency: int, auth: CallAuth,
+    def __init__(self, core: RouterCore, db_path: str, concurrency: int, auth: GrpcCaller,
                  audit: Auditor | None = None) -> None:
         """``core``: the router core whose request path runs the jobs; ``auth`` names each caller's
         tenant; ``audit``: where job submissions and deletions are recorded (None: nowhere)."""

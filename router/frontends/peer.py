@@ -39,7 +39,7 @@ def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str:
     return value if isinstance(value, str) else ""
 
 
-class CallAuth:
+class GrpcCaller:
     """Who a gRPC call comes from: its token, and the certificate it
     presented on the mutual-TLS listener."""
 

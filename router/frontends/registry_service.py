@@ -20,7 +20,7 @@ from kvrelay.router.cluster.registry import worker_identity
 from kvrelay.router.core.errors import ErrorKind, RouterError
 from kvrelay.router.core.pipeline import RouterCore
 from kvrelay.router.core.records import Auditor, RecordKind
-from kvrelay.router.frontends.peer import STATUS, CallAuth
+from kvrelay.router.frontends.peer import STATUS, GrpcCaller
 from kvrelay.runtime.config import LinkSection
 from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.roles import Role
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class RegistryService(wgrpc.RegistryServicer):
-    def __init__(self, core: RouterCore, auth: CallAuth, audit: Auditor | None) -> None:
+    def __init__(self, core: RouterCore, auth: GrpcCaller, audit: Auditor | None) -> None:
         """``audit``: where registrations (and refused ones) are recorded (None: nowhere)."""
         self.core = core
         self.registry = core.registry
