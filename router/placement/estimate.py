@@ -7,7 +7,7 @@ those of router/placement/place.py's docstring."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -27,10 +27,19 @@ def throughputs(view: ClusterView) -> np.ndarray:
     return np.where(tps != 0, tps, view.default_prefill_tokens_per_s)
 
 
+def _least(a: Any, b: Any) -> Any:
+    """min over floats (one candidate: a builtin, ~20x cheaper than a numpy call), else elementwise."""
+    return min(a, b) if isinstance(a, (int, float)) and isinstance(b, (int, float)) else np.minimum(a, b)
+
+
+def _most(a: Any, b: Any) -> Any:
+    """max over floats, else elementwise (no NaN reaches either: a down link is no candidate)."""
+    return max(a, b) if isinstance(a, (int, float)) and isinstance(b, (int, float)) else np.maximum(a, b)
+
 
 def prefill_s(queued: N, prompt: int, cached_blocks: N, block_size: int, tput: N) -> N:
     """queue(P) + compute(P): P's queued prompt tokens, then this prompt's uncached ones, at P's throughput."""
-    return (queued + prompt - np.minimum(cached_blocks * block_size, prompt - 1)) / tput
+    return (queued + prompt - _least(cached_blocks * block_size, prompt - 1)) / tput
 
 
 def admission_s(waiting: N, decode_step_s: N) -> N:
@@ -47,9 +56,9 @@ def colocated_s(own_s: N, running: N, queued: N, tput: N, admission: N) -> N:
 def exposed_s(prompt: int, d_cached: N, view: ClusterView, gbps: N, rtt_ms: N, compute_s: N) -> N:
     """The KV transfer's exposed part plus the link's RTT: the blocks D does not hold over the
     link, less what layer-wise streaming overlaps with P's compute."""
-    blocks = np.maximum(0, blocks_for(prompt, view.block_size) - d_cached)
+    blocks = _most(0, blocks_for(prompt, view.block_size) - d_cached)
     transfer = blocks * view.kv_block_bytes * 8 / (gbps * 1e9)
-    return np.maximum(transfer / view.num_layers, transfer - compute_s) + rtt_ms / 1e3
+    return _most(transfer / view.num_layers, transfer - compute_s) + rtt_ms / 1e3
 
 
 def disaggregated_s(prefill_and_exposed: N, admission: N) -> N:

@@ -62,14 +62,20 @@ def in_jurisdiction(req: PlacementRequest, view: ClusterView) -> np.ndarray:
     return site_ok[t.site]
 
 
-def with_room(req: PlacementRequest, view: ClusterView, cached: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Stage 3, (decode rows, prefill rows) with room: a slot below ``max_inflight`` less the reserve;
-    a decode worker free blocks for the prompt it does not hold, a prefill worker a bounded queue."""
+def slot_free(req: PlacementRequest, view: ClusterView) -> np.ndarray:
+    """Stage 3, every row: a slot below ``max_inflight`` less the batch reserve."""
     c = view.table.cols
-    slot = c.inflight + req.reserve < c.max_inflight
-    need = blocks_for(req.prompt_tokens + 1, view.block_size)
-    queue_ok = c.queued_prefill_tokens / throughputs(view) <= view.max_prefill_queue_s
-    return slot & (c.free_blocks >= need - cached), slot & queue_ok
+    return c.inflight + req.reserve < c.max_inflight
+
+
+def blocks_free(req: PlacementRequest, view: ClusterView, cached: np.ndarray) -> np.ndarray:
+    """Stage 3, decode rows: free KV blocks for the prompt (and its first token) less what the row holds."""
+    return view.table.cols.free_blocks >= blocks_for(req.prompt_tokens + 1, view.block_size) - cached
+
+
+def queue_short(view: ClusterView) -> np.ndarray:
+    """Stage 3, prefill rows: queued prompt tokens within ``max_prefill_queue_s`` at the row's throughput."""
+    return view.table.cols.queued_prefill_tokens / throughputs(view) <= view.max_prefill_queue_s
 
 
 def eligible(req: PlacementRequest, view: ClusterView) -> Eligible:
@@ -82,14 +88,14 @@ def eligible(req: PlacementRequest, view: ClusterView) -> Eligible:
     ok &= in_jurisdiction(req, view)
     if not (t.decode & ok).any():
         raise outside_jurisdictions(req, view)
-    decode_room, prefill_room = with_room(req, view, cached)
-    decode = np.flatnonzero(t.decode & ok & decode_room)
+    ok &= slot_free(req, view)
+    decode = np.flatnonzero(t.decode & ok & blocks_free(req, view, cached))
     if not len(decode):
         raise PlacementError(PlacementFailure.CAPACITY, "every eligible decode worker is full", retry_after_s=1.0,
                              wait=Wait.ROOM)
     if req.colocated_only:
         return Eligible(_EMPTY, decode, cached)
-    return Eligible(np.flatnonzero(t.prefill & ok & prefill_room), decode, cached)
+    return Eligible(np.flatnonzero(t.prefill & ok & queue_short(view)), decode, cached)
 
 
 def unavailable(req: PlacementRequest, view: ClusterView) -> PlacementError:
