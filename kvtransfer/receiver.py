@@ -66,6 +66,8 @@ class _Incoming:
     acked: bool = False
     writers: dict = field(default_factory=dict)
     """Connections writing into this reservation's blocks now (conn -> count)."""
+    carriers: set = field(default_factory=set)
+    """Connections that carried blocks of it (each remembers it in ``_Conn.transfers`` until it ends)."""
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     def enter(self, conn: _Conn) -> bool:
@@ -74,7 +76,17 @@ class _Incoming:
             if self.handle.poll() is TransferState.FAILED:
                 return False
             self.writers[conn] = self.writers.get(conn, 0) + 1
+            self.carriers.add(conn)
             return True
+
+    def forget(self, tid: str) -> None:
+        """It has ended: the connections that carried it stop remembering it (a pooled
+        connection carries transfer after transfer; it must not keep them all)."""
+        with self.cond:
+            carriers = list(self.carriers)
+        for conn in carriers:
+            if conn.transfers.get(tid) is self:
+                conn.transfers.pop(tid, None)
 
     def leave(self, conn: _Conn) -> None:
         with self.cond:
@@ -186,6 +198,7 @@ class ChannelReceiver(KVReceiver):
             inc = self._expected.pop(transfer_id, None)
         if inc is None:
             return
+        inc.forget(transfer_id)
         inc.handle.fail("cancelled by the receiver")
         with inc.cond:
             if inc.cond.wait_for(lambda: not inc.writers, 1.0):
@@ -376,6 +389,7 @@ class ChannelReceiver(KVReceiver):
             with self._lock:  # done: later frames for it are dropped unread
                 if self._expected.get(tid) is inc:
                     del self._expected[tid]
+            inc.forget(tid)
         err = inc.handle.failure()
         if inc.done_conn is None:  # set with done (_on_done)
             raise RuntimeError(f"transfer {tid}: its done came on no connection")

@@ -127,6 +127,27 @@ def test_a_lost_connection_fails_only_the_transfer_it_carried():
         rx.close()
 
 
+def test_a_pooled_connection_does_not_keep_the_transfers_it_carried():
+    """A connection carries transfer after transfer; each one it remembers (to fail it if the
+    connection is lost) is forgotten once it ends, so a long-lived connection holds none of them."""
+    src, dst = cache(1), cache(None)
+    rx = receiver_at("a", dst)
+    tx = TcpKVSender(src, prefill_cfg("c"))
+    try:
+        for i in range(20):
+            rh = rx.expect(f"t{i}", [2, 3])
+            h = tx.open(TransferTarget(rx.endpoint, f"t{i}", (2, 3), LAYOUT.compat_hash(), protection="integrity"))
+            for layer in range(LAYOUT.num_layers):
+                h.send_layer(layer, [0, 1], 0)
+            h.finish(3, 0.0)
+            assert h.wait(20) is TransferState.DONE and rh.wait(5) is TransferState.DONE
+        assert rx.connections == 1  # one pooled connection carried all twenty
+        assert [len(c.transfers) for c in rx._conns] == [0]
+    finally:
+        tx.close()
+        rx.close()
+
+
 @pytest.mark.parametrize("case, reason", [
     ("decode-role sender", "is a decode; only a prefill may do this"),
     ("revoked", "is revoked"),
