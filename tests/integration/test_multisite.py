@@ -106,6 +106,12 @@ def indexed_blocks(lc: LocalCluster) -> int:
     return sum(w.cached_blocks for w in workers(lc).values())
 
 
+def settled(lc: LocalCluster) -> bool:
+    """The router's view of every worker is idle: nothing in flight, running, queued or reserved."""
+    return all(w.inflight == 0 and w.load.running == 0 and w.load.waiting == 0 and w.load.reservations == 0
+               and w.load.queued_prefill_tokens == 0 for w in workers(lc).values())
+
+
 def hit_rate(lc: LocalCluster, seed: int) -> float:
     """Four prompt groups, each sent twice in a row: shared 192-token prefix,
     distinct 40-token suffix. Hit rate over every worker's prefix cache."""
@@ -115,9 +121,10 @@ def hit_rate(lc: LocalCluster, seed: int) -> float:
         prefix = [rng.randrange(100, 40000) for _ in range(192)]
         known = indexed_blocks(lc)
         generate(lc, token_request(prefix + [rng.randrange(100, 40000) for _ in range(40)]))
-        # the prefix index learns of new blocks with the worker's next heartbeat (not asserted here:
-        # the hit rates below say whether placement used what it learned)
-        wait_until(lambda known=known: indexed_blocks(lc) > known, 10, 0.05)
+        # the prefix index learns of new blocks with the worker's next heartbeat, and the loads the
+        # estimate reads settle with the one after the request ends (not asserted here: the hit
+        # rates below say whether placement used what it learned)
+        wait_until(lambda known=known: indexed_blocks(lc) > known and settled(lc), 10, 0.05)
         generate(lc, token_request(prefix + [rng.randrange(100, 40000) for _ in range(40)]))
     after = counters(lc)
     hits = sum(after[w][2] - before[w][2] for w in WORKERS)
