@@ -147,6 +147,9 @@ def test_cluster_across_the_emulated_link(emulated, smollm_path, reference_engin
     lc = LocalCluster(parse_config(CONFIG), smollm_path, cities=st)
     lc.start()
     try:
+        # a probe slower than link_probe_timeout_s marks the link down (a loaded machine can starve
+        # the delay line) and a request placed then is colocated in Montreal: send on an up link
+        assert wait_until(lambda: _link(lc).up, 30, 0.05), _link(lc).down_reason
         prompt = list(range(1000, 1600))  # 600 tokens: ~27 MiB of KV over a 0.5 Gbit/s, 20 ms link
         with lc.channel() as ch:
             msgs = list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
