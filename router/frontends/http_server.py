@@ -241,7 +241,10 @@ async def serve_http(app, host: str, port: int, tls_files: tuple[str, str] | Non
     if tls_files is None and not is_loopback(host):
         raise OSError(f"refusing to serve HTTP in plaintext on {host}:{port} (not a loopback address)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (an accepted
+    # socket inherits the listener's), and without it each response's second write waited for the
+    # client's delayed ACK (~40 ms per response, measured; benchmarks/RESULTS.md)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     server = GuardedServer(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http="h11",

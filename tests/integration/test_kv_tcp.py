@@ -40,7 +40,9 @@ def make_cache(layout: KVLayout, blocks: int, seed: int | None) -> KVCache:
 
 
 def transfer(src: KVCache, dst: KVCache, src_blocks, dst_blocks, cfg=CFG, rx_cfg=None, layers=None,
-             timeout=60.0):
+             timeout=60.0, rx_timeout: float | None = None):
+    """``rx_timeout`` (default ``timeout``): how long the receiver waits once the sender is done,
+    short where a refused transfer is expected never to complete."""
     rx = TcpKVReceiver(dst, cfg=rx_cfg or cfg)
     tx = TcpKVSender(src, cfg)
     try:
@@ -50,7 +52,7 @@ def transfer(src: KVCache, dst: KVCache, src_blocks, dst_blocks, cfg=CFG, rx_cfg
             h.send_layer(layer, list(src_blocks), 0)
         h.finish(7, -0.5)
         h.wait(timeout)
-        rh.wait(timeout)
+        rh.wait(timeout if rx_timeout is None else rx_timeout)
         return h, rh, rx
     finally:
         tx.close()
@@ -133,7 +135,7 @@ def test_protected_transfer_integrity(dtype, data, streams, protection):
 def test_receiver_requiring_aead_refuses_an_integrity_only_sender():
     src, dst = make_cache(LAYOUT, 8, 1), make_cache(LAYOUT, 8, None)
     h, _rh, _ = transfer(src, dst, [0, 1], [2, 3], cfg=TransferConfig(secret=SECRET, streams=1, protection="integrity"),
-                        rx_cfg=TransferConfig(secret=SECRET), timeout=5)
+                        rx_cfg=TransferConfig(secret=SECRET), timeout=5, rx_timeout=0.2)
     assert h.poll() is TransferState.FAILED and "requires aead protection" in h.failure().reason
     assert not dst.kv.any()
 
@@ -179,7 +181,7 @@ def test_layout_mismatch_refused_before_any_byte():
 def test_wrong_secret_refused_before_any_byte():
     src, dst = make_cache(LAYOUT, 8, 1), make_cache(LAYOUT, 8, None)
     h, rh, rx = transfer(src, dst, [0, 1], [2, 3], cfg=TransferConfig(secret=b"wrong", streams=1), rx_cfg=CFG,
-                         timeout=5)
+                         timeout=5, rx_timeout=0.2)
     assert h.poll() is TransferState.FAILED and "authentication" in h.failure().reason
     assert rh.poll() is TransferState.FAILED  # never completed; timed out waiting
     assert wait_until(lambda: rx.refused >= 1, 5)
@@ -309,7 +311,7 @@ def test_a_connection_stuck_in_a_failed_transfer_is_retired_and_the_next_transfe
 
 def test_a_trickling_peer_is_cut_at_the_handshake_deadline():
     dst = make_cache(LAYOUT, 8, None)
-    rx = TcpKVReceiver(dst, cfg=TransferConfig(secret=SECRET, connect_timeout_s=5.0))
+    rx = TcpKVReceiver(dst, cfg=TransferConfig(secret=SECRET, connect_timeout_s=1.0))
     try:
         host, port = rx.endpoint.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as s:
@@ -318,17 +320,17 @@ def test_a_trickling_peer_is_cut_at_the_handshake_deadline():
             data = len(hello).to_bytes(4, "little") + hello
             t0 = time.monotonic()
             cut = False
-            for b in data:  # one byte every 4 s: each read is quick, the handshake is not
+            for b in data:  # one byte every 2 s: each read is quick, the handshake is not
                 try:
                     s.sendall(bytes([b]))
                 except OSError:
                     cut = True
                     break
-                if _closed_by_peer(s, 4.0) or time.monotonic() - t0 > 30:
+                if _closed_by_peer(s, 2.0) or time.monotonic() - t0 > 30:
                     cut = True
                     break
             assert cut
-            assert time.monotonic() - t0 < 30  # cut near the 5 s deadline, not after the whole hello
+            assert time.monotonic() - t0 < 30  # cut near the 1 s deadline, not after the whole hello
         assert wait_until(lambda: rx.refused == 1, 5)
     finally:
         rx.close()

@@ -132,14 +132,21 @@ def hit_rate(lc: LocalCluster, seed: int) -> float:
     return hits / max(1, queries)
 
 
-def test_shared_prefixes_hit_the_cache_under_prefix_aware_and_cost_model_not_round_robin(multisite, smollm_path):
+def with_policy(lc: LocalCluster, policy: str) -> None:
+    """The same workers behind a router restarted with ``policy`` (cheaper than a new cluster)."""
+    lc.cfg.router.policy = policy
+    lc.restart_router()
+    assert wait_until(lambda: sum(w.healthy for w in workers(lc).values()) == 4 and settled(lc), 30)
+
+
+def test_shared_prefixes_hit_the_cache_under_prefix_aware_and_cost_model_not_round_robin(multisite):
     rates = {"cost_model": hit_rate(multisite, 7)}
-    for policy in ("prefix_aware", "round_robin"):
-        lc = start(policy, smollm_path)
-        try:
-            rates[policy] = hit_rate(lc, 11)
-        finally:
-            lc.stop()
+    try:
+        for policy, seed in (("prefix_aware", 11), ("round_robin", 13)):  # new prefixes for each policy
+            with_policy(multisite, policy)
+            rates[policy] = hit_rate(multisite, seed)
+    finally:
+        with_policy(multisite, "cost_model")
     print("prefix-cache hit rate by policy:", {k: round(v, 3) for k, v in rates.items()})
     assert rates["round_robin"] == 0.0, rates
     assert rates["prefix_aware"] >= 0.2 and rates["cost_model"] >= 0.2, rates

@@ -34,7 +34,7 @@ CONFIG = {
     "workers": {"threads": 1},
     "cache": {"memory_gib": 0.25},
 }
-N_REQUESTS, MAX_TOKENS = 50, 16
+N_REQUESTS, MAX_TOKENS = 24, 16
 
 
 def _admin(lc: LocalCluster, method: str, request, token: str | None = None):
@@ -89,7 +89,7 @@ class Traffic:
 
 def scale_up_and_down_while_streaming(lc: LocalCluster) -> str:
     """Montreal decode 1 -> 2 -> 1 under traffic; returns the new worker's name."""
-    traffic = Traffic(lc, gap_s=0.6)
+    traffic = Traffic(lc, gap_s=0.4)
     resp = _admin(lc, "Scale", apb.ScaleRequest(site="montreal", role="decode", replicas=2))
     assert resp.pool.desired == 2 and not resp.draining
     try:
