@@ -30,6 +30,7 @@ import grpc
 
 from kvrelay.launch.cities import CitiesState
 from kvrelay.launch.credentials import LOCAL_TENANT, ClusterCredentials, router_identity
+from kvrelay.launch.zygote import shared_zygote
 from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.config import ClusterConfig, Credential, dump_config
 from kvrelay.runtime.pki import CertRole, Identity
@@ -68,13 +69,18 @@ class WorkerBackend(Protocol):
 
 
 class LocalBackend:
-    """Workers as child processes of this one; inside a site's network
-    namespace when ``cities`` (a ``kvrelay cities up`` emulation) is given."""
+    """Workers as processes on this machine: forked from a preloaded zygote
+    (launch/zygote.py, ``fork=True``), or started as ``python -m <module>``;
+    always the latter inside a site's network namespace when ``cities`` (a
+    ``kvrelay cities up`` emulation) is given."""
 
-    def __init__(self, cities: CitiesState | None = None) -> None:
+    def __init__(self, cities: CitiesState | None = None, fork: bool = True) -> None:
         self.cities = cities
+        self.fork = fork and cities is None
 
     def start(self, name: str, module: str, args: list[str], site: str, env: dict[str, str]) -> WorkerProc:
+        if self.fork:
+            return shared_zygote().start(module, args, {**os.environ, **env})
         prefix: list[str] = []
         if self.cities is not None:
             # `ip netns exec` execs in place: same pid, so signals and PDEATHSIG reach the worker

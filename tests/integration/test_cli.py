@@ -30,6 +30,16 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def descendants_of(pid: int) -> list[int]:
+    """Every process under ``pid`` (children, their children, ...)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = children_of(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -50,8 +60,9 @@ def test_serve_generate_status_and_clean_stop(smollm_path, stop_signal):
             line = serve.stdout.readline()
             assert line or serve.poll() is None, serve.stderr.read()
         addr = re.search(r"on (\S+:\d+)", line).group(1)
-        kids = children_of(serve.pid)
-        assert len(kids) == 3  # router, prefill worker, decode worker
+        # the router, the zygote (launch/zygote.py) and the prefill and decode workers it forked
+        kids = descendants_of(serve.pid)
+        assert len(kids) == 4, kids
         gen = subprocess.run([*KVRELAY, "generate", "--router", addr, "What is the capital of France?"],
                              capture_output=True, text=True, timeout=120, env=env)
         assert gen.returncode == 0, gen.stderr

@@ -30,12 +30,12 @@ def traced_cluster(smollm_path, span_dir):
         yield lc
 
 
-@pytest.mark.parametrize("trace,scale,limit", [(AZURE, 0.1, 20), (MOONCAKE, 0.01, 20)])
+@pytest.mark.parametrize("trace,scale,limit", [(AZURE, 0.1, 10), (MOONCAKE, 0.01, 10)])
 def test_replay_reports_every_request(traced_cluster, span_dir, tmp_path, trace, scale, limit, capsys,
                                       monkeypatch):
     out, user = tmp_path / "report", cluster_user(traced_cluster, monkeypatch)
     rc = main(["bench", "replay", "--trace", str(trace), *user, "--limit", str(limit),
-               "--speedup", "5", "--length-scale", str(scale), "--slo-ttft", "30", "--slo-tpot", "5",
+               "--speedup", "10", "--length-scale", str(scale), "--slo-ttft", "30", "--slo-tpot", "5",
                "--no-progress", "--out", str(out)])
     assert rc == 0, capsys.readouterr()
     report = json.loads((out / "report.json").read_text())

@@ -64,10 +64,10 @@ def medians(report: Path) -> dict[str, float]:
 
 
 def replay_both(config: str, profile: Path, tmp: Path, smollm_path: Path, *live_flags: str,
-                trace_slice: list[str] = SLICE) -> None:
+                trace_slice: list[str] = SLICE, warmup: int = 4) -> None:
     """A live replay of the slice into ``tmp/live``, its simulation into ``tmp/sim``."""
     cache = smollm_path.parent
-    live = kvrelay("bench", "replay", "--config", config, *trace_slice, "--warmup", "4", "--no-progress",
+    live = kvrelay("bench", "replay", "--config", config, *trace_slice, "--warmup", str(warmup), "--no-progress",
                    *live_flags, "--out", str(tmp / "live"), cache=cache)
     assert live.returncode == 0, live.stderr[-3000:]
     sim = kvrelay("sim", "--config", config, *trace_slice, "--profile", str(profile), "--no-plots", "--out",
@@ -93,10 +93,12 @@ def _config(tmp: Path, name: str, smollm_path: Path) -> str:
 def test_the_simulator_replays_a_live_slice_request_for_request(tmp_path, smollm_path):
     """CI's bounded sibling of the two measurements below (see the module's docstring)."""
     profile = _profile(tmp_path / "profile.json", smollm_path, 1)
-    short = [*SLICE[:3], "8", *SLICE[4:]]  # the first 8 requests of the slice
-    replay_both(_config(tmp_path, "one-site.yaml", smollm_path), profile, tmp_path, smollm_path, trace_slice=short)
+    # the first 5 requests of the slice at half its prompt lengths, after 2 warm-up requests
+    short = [*SLICE[:3], "5", SLICE[4], "0.01", *SLICE[6:]]
+    replay_both(_config(tmp_path, "one-site.yaml", smollm_path), profile, tmp_path, smollm_path, trace_slice=short,
+                warmup=2)
     live, sim = (json.loads((tmp_path / k / "report.json").read_text()) for k in ("live", "sim"))
-    assert len(live["requests"]) == len(sim["requests"]) == 8
+    assert len(live["requests"]) == len(sim["requests"]) == 5
     lengths = [(r["input_tokens"], len(r["token_times"])) for r in live["requests"]]
     assert lengths == [(r["input_tokens"], len(r["token_times"])) for r in sim["requests"]]
     want, got = medians(tmp_path / "live" / "report.json"), medians(tmp_path / "sim" / "report.json")
