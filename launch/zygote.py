@@ -21,6 +21,8 @@ reason}``, ``{"exit": pid, "code": code}`` (a negative code: the signal)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -42,6 +44,7 @@ WORKER_MODULES = frozenset({"kvrelay.prefill_worker", "kvrelay.decode_worker"})
 START_TIMEOUT_S = 120.0
 """How long a start may wait for the zygote's answer (the first includes its imports)."""
 REAP_INTERVAL_S = 0.1
+_PR_SET_NAME = 15
 
 
 class ZygoteWorker:
@@ -156,11 +159,19 @@ def shared_zygote() -> Zygote:
 
 
 # -- the zygote process --------------------------------------------------------
+def _name_process(module: str) -> None:
+    """``kvrelay-prefill`` / ``kvrelay-decode`` in ps, top and pgrep (the command line stays the zygote's)."""
+    name = "kvrelay-" + module.rsplit(".", 1)[-1].removesuffix("_worker")
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
 def _child(sock: socket.socket, req: dict) -> None:
     """In the fork: become the worker ``req`` names, then exit with its code."""
     code = 1
     try:
         sock.close()
+        _name_process(req["module"])
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.clear()
         os.environ.update(req["env"])

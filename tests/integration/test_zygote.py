@@ -1,11 +1,13 @@
 """The zygote that forks workers (launch/zygote.py), on real processes: a
 forked worker's exit code and the signal that ended it reach the launcher,
-modules other than the workers are refused, and closing the zygote ends it."""
+it carries its role's process name, modules other than the workers are
+refused, and closing the zygote ends it."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +38,7 @@ def test_a_killed_worker_reports_the_signal(zygote, tmp_path, smollm_path):
                           {"PATH": "/usr/bin", "KVRELAY_KV_SECRET": "s" * 64})
     with pytest.raises(subprocess.TimeoutExpired):
         worker.wait(0.2)
+    assert Path(f"/proc/{worker.pid}/comm").read_text().strip() == "kvrelay-decode"  # what ps and top show
     worker.kill()
     assert worker.wait(30) == -signal.SIGKILL
 
