@@ -112,9 +112,10 @@ class Zygote:
                 answer = self._answers.get(timeout=START_TIMEOUT_S)
             except queue.Empty:
                 raise TimeoutError(f"the zygote did not start {module} within {START_TIMEOUT_S:.0f} s") from None
-        if "started" not in answer:
+        worker = answer.get("worker")
+        if not isinstance(worker, ZygoteWorker):
             raise RuntimeError(f"the zygote could not start {module}: {answer.get('refused', answer)}")
-        return self._workers[answer["started"]]
+        return worker
 
     def _read(self) -> None:
         with self.sock.makefile("rb") as lines:
@@ -126,7 +127,7 @@ class Zygote:
                         worker._exit(int(msg["code"]))
                     continue
                 if "started" in msg:  # registered before start() sees it: its exit may follow at once
-                    self._workers[msg["started"]] = ZygoteWorker(int(msg["started"]))
+                    msg["worker"] = self._workers[msg["started"]] = ZygoteWorker(int(msg["started"]))
                 self._answers.put(msg)
         self._answers.put({"refused": "the zygote exited"})
         for worker in list(self._workers.values()):  # they get SIGTERM from the kernel (PDEATHSIG)
