@@ -28,7 +28,7 @@ from kvrelay.kvtransfer.config import TransferConfig
 from kvrelay.kvtransfer.handles import StateHandle
 from kvrelay.kvtransfer.handshake import SenderHello, Session, client_handshake
 from kvrelay.kvtransfer.memory import KVBytes, coalesce, paired_runs
-from kvrelay.kvtransfer.wire import ProtocolError, retransmitting, tune_socket
+from kvrelay.kvtransfer.wire import ProtocolError, acked_bytes, retransmitting, tune_socket, written_mark
 from kvrelay.v1 import kv_wire_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,12 @@ class SendStream:
         self.shared = False
         """The receiver pulls from our memory (shared memory, NIXL): frames carry block ids only."""
         self.inflight: set[str] = set()
+        self._marks: dict[str, int] = {}
+        """Transfer id -> where its first frame on this connection began (wire.written_mark)."""
+        self._written: dict[str, list[SendItem]] = {}
+        """Transfer id -> its items written on this connection, kept until it is acknowledged:
+        what is resent on a fresh connection when this one dies before the receiver got any of them."""
+        self._blk = threading.Lock()
         self._sending: ChannelSendHandle | None = None
         """The transfer whose frame the writer is sending now (see :meth:`retire_if_stuck`)."""
         self._slock = threading.Lock()
@@ -137,18 +143,37 @@ class SendStream:
         reader = self._reader
         if reader is not None and reader is not threading.current_thread():
             reader.join(READER_GRACE_S)
-        self._broken(reason)
+        self._broken(reason, resend=True)
 
-    def _broken(self, reason: str) -> None:
+    def _broken(self, reason: str, resend: bool = False) -> None:
         """Fails the transfers on this connection with ``reason``, then closes
         it (in this order: the other thread's error on the closed socket
-        must not be the reason they see)."""
-        sock, self.sock = self.sock, None
-        for tid in list(self.inflight):
-            h = self.pool.handles.get(tid)
-            if h is not None:
-                h.fail(reason)
-        self.inflight.clear()
+        must not be the reason they see). With ``resend`` (the connection was
+        lost, not refused), a transfer of which the receiver's TCP
+        acknowledged no byte on this connection (a pooled connection that died
+        while idle, or on a link that was cut) is queued again once, for a
+        fresh connection: the receiver never saw any of it there."""
+        with self._blk:
+            sock, self.sock = self.sock, None
+            acked = acked_bytes(sock) if sock is not None and resend else None
+            again = []
+            for tid in list(self.inflight):
+                h = self.pool.handles.get(tid)
+                if h is None:
+                    continue
+                mark = self._marks.get(tid)
+                if acked is not None and mark is not None and acked <= mark and h.resend_once():
+                    again.append((h, self._written.get(tid, [])))
+                else:
+                    h.fail(reason)
+            self.inflight.clear()
+            self._marks.clear()
+            self._written.clear()
+        for h, items in again:
+            log.warning("KV connection to %s lost before the receiver got any of transfer %s (%s): "
+                        "resending it on a fresh connection", self.pool.endpoint, h.transfer_id, reason)
+            for item in items:
+                self.put(item, item.nbytes(self.pool.mem.block_bytes) if isinstance(item, LayerRun) else 0)
         if sock is not None:
             try:  # shutdown first: it wakes the reader blocked on this socket and sends the FIN, which
                 sock.shutdown(socket.SHUT_RDWR)  # close alone does not while that read holds the socket
@@ -230,6 +255,15 @@ class SendStream:
         """One frame of ``item`` on the connection, marked as being sent meanwhile."""
         with self._slock:
             self._sending = item.handle
+        tid = item.handle.transfer_id
+        if tid not in self._marks and self.sock is not None:
+            mark = written_mark(self.sock)
+            if mark is not None:
+                self._marks[tid] = mark
+        self._written.setdefault(tid, []).append(item)
+        if item.handle.drop_connections > 0 and self.sock is not None:
+            item.handle.drop_connections -= 1  # fault injection: the connection dies before this frame leaves
+            self.sock.shutdown(socket.SHUT_RDWR)
         try:
             if isinstance(item, LayerRun):
                 self._send_blocks(item, views or [], nbytes)
@@ -298,6 +332,13 @@ class SendStream:
                                 count=len(src), payload_bytes=nbytes)
             self._live().writer.send(pb.KVFrame(blocks=frame), views, tamper, len(src) * self.pool.mem.block_bytes)
 
+    def acknowledged(self, tid: str) -> None:
+        """The receiver answered transfer ``tid``: this connection forgets it."""
+        with self._blk:
+            self.inflight.discard(tid)
+            self._marks.pop(tid, None)
+            self._written.pop(tid, None)
+
     def _read_loop(self, sock: socket.socket, session: Session) -> None:
         try:
             while True:
@@ -309,7 +350,7 @@ class SendStream:
                     raise ProtocolError(f"receiver refused the connection: {ack.reason}")
                 h = self.pool.handles.pop(ack.transfer_id, None)
                 for s in self.pool.streams:
-                    s.inflight.discard(ack.transfer_id)
+                    s.acknowledged(ack.transfer_id)
                 if h is None:
                     continue
                 if ack.ok:
@@ -319,7 +360,8 @@ class SendStream:
                     h.fail(f"receiver rejected the transfer: {ack.reason}")
         except (OSError, ConnectionError, ProtocolError) as exc:
             if self.sock is sock:
-                self._broken(f"connection to {self.pool.endpoint} lost ({exc})")
+                self._broken(f"connection to {self.pool.endpoint} lost ({exc})",
+                             resend=not isinstance(exc, ProtocolError))
 
 
 class PeerChannel:
@@ -382,7 +424,18 @@ class ChannelSendHandle(StateHandle, SendHandle):
         self._stream: SendStream | None = None
         self.corrupt = False
         """Fault injection: flip a byte of this transfer's first frame."""
+        self.drop_connections = 0
+        """Fault injection: this many connections die just before they carry a frame of this transfer."""
+        self._resent = False
         self.advance(TransferState.WAITING)
+
+    def resend_once(self) -> bool:
+        """Whether this transfer may be queued again after a lost connection (once; never after it failed)."""
+        with self._busy:
+            if self._resent or self.poll() is TransferState.FAILED:
+                return False
+            self._resent = True
+            return True
 
     def add_bytes(self, n: int) -> None:
         with self._busy:

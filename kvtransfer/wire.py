@@ -4,10 +4,12 @@ for the frame sequence)."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import re
 import socket
 import struct
+import termios
 from pathlib import Path
 
 from kvrelay.v1 import kv_wire_pb2 as pb
@@ -128,6 +130,39 @@ def retransmitting(sock: socket.socket) -> bool:
         return False
     _, _, retransmits, _, backoff = _TCP_INFO_HEAD.unpack_from(info)
     return retransmits > 0 or backoff > 0
+
+
+_TCPI_BYTES_ACKED = struct.Struct("=Q")
+_TCPI_BYTES_ACKED_AT = 120
+"""Offset of ``tcpi_bytes_acked`` in struct tcp_info (Linux 4.1 on)."""
+
+
+def acked_bytes(sock: socket.socket) -> int | None:
+    """Bytes of this connection the peer's TCP has acknowledged (the SYN
+    counts one); None when the kernel does not say. Still readable after the
+    connection failed, until the socket is closed."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+    except OSError:
+        return None
+    if len(info) < _TCPI_BYTES_ACKED_AT + _TCPI_BYTES_ACKED.size:
+        return None
+    return int(_TCPI_BYTES_ACKED.unpack_from(info, _TCPI_BYTES_ACKED_AT)[0])
+
+
+def written_mark(sock: socket.socket) -> int | None:
+    """Where the next byte written to ``sock`` will sit, counted as
+    :func:`acked_bytes` counts: acknowledged bytes plus those still queued
+    (SIOCOUTQ). Once ``acked_bytes`` exceeds it, the peer has received some
+    of what was written after the mark was taken. None when unknown."""
+    acked = acked_bytes(sock)
+    if acked is None:
+        return None
+    try:
+        queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except OSError:
+        return None
+    return acked + queued
 
 
 def tune_socket(sock: socket.socket, buffer_bytes: int | None) -> None:

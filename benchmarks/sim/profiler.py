@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import select
 import statistics
 import subprocess
 import sys
@@ -45,6 +46,23 @@ class ProfileGrid:
     mixed: tuple[tuple[int, int, int], ...] = ((8, 256, 128), (16, 128, 256))
     """(decode batch, context, prompt tokens) in one step."""
     repeats: int = 3
+
+    def blocks(self, block_size: int = CacheConfig().block_size) -> int:
+        """KV blocks that hold the grid's largest point at once (decode batches
+        share their prompt's full blocks; each sequence holds its own tail), doubled."""
+        def ceil(n: int) -> int:
+            return -(-n // block_size)
+        tail = ceil(block_size + 8)  # a sequence's partial block and up to 8 decoded tokens
+        need = [ceil(n) for n in self.prompts] + [ceil(c + k) for c, k in self.chunks]
+        need += [ctx // block_size + b * tail for b in self.batches for ctx in self.contexts]
+        need += [ctx // block_size + b * tail + ceil(n) for b, ctx, n in self.mixed]
+        return 2 * max(need, default=1) + 16
+
+
+NEIGHBOUR_GRID = ProfileGrid(prompts=(256, 128), chunks=(), batches=(4,), contexts=(256,), mixed=())
+"""What a neighbour engine runs (see ``_neighbour``): its KV pool is sized from this."""
+READY_DEADLINE_S = 120.0
+"""How long the profiler waits for a neighbour engine to load its model."""
 
 
 @dataclass(slots=True)
@@ -92,10 +110,13 @@ class _Timer:
 
 
 class Profiler:
-    def __init__(self, model_path: str, dtype: str = "float32", threads: int | None = 1) -> None:
+    def __init__(self, model_path: str, dtype: str = "float32", threads: int | None = 1,
+                 num_blocks: int = 1024) -> None:
+        """``num_blocks``: the KV pool (``ProfileGrid.blocks``); the pool is zeroed
+        at start, so a larger one than the grid needs only costs start-up time."""
         self.threads = threads
         self.engine = LLMEngine(EngineConfig(Path(model_path), cast(DType, dtype),  # a DType: EngineConfig checks
-                                             cache=CacheConfig(num_blocks=4096),
+                                             cache=CacheConfig(num_blocks=num_blocks),
                                              scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64),
                                              num_threads=threads))
         self.timer = _Timer(self.engine)
@@ -138,6 +159,9 @@ class Profiler:
         return out
 
     def measure(self, grid: ProfileGrid) -> list[Point]:
+        if grid.blocks(self.engine.cfg.cache.block_size) > self.engine.cfg.cache.num_blocks:
+            raise ValueError(f"the profile grid needs {grid.blocks(self.engine.cfg.cache.block_size)} KV blocks, "
+                             f"the engine has {self.engine.cfg.cache.num_blocks}")
         self.grid = grid
         self._run([(self._prompt(64, 1), 4)])  # warm-up
         pts: list[Point] = []
@@ -160,10 +184,11 @@ class Profiler:
         workers of a deployment on the same machine do."""
         neighbours = [subprocess.Popen([sys.executable, "-m", "kvrelay.benchmarks.sim.profiler",
                                         str(self.engine.cfg.model_path), self.engine.cfg.dtype, str(self.threads or 0)],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
                       for _ in range(sharing - 1)]
         try:
-            time.sleep(5.0 if neighbours else 0.0)  # their model loads first
+            for n in neighbours:  # their models load first
+                _await_ready(n, time.monotonic() + READY_DEADLINE_S)
             pts = self.measure(grid)
         finally:
             for n in neighbours:
@@ -210,13 +235,26 @@ def fit(pts: list[Point]) -> tuple[list[float], float]:
     return full, float(np.median(np.abs(pred - y) / y))
 
 
+def _await_ready(proc: subprocess.Popen, deadline: float) -> None:
+    """Waits for a neighbour's ``ready`` line (its engine is loaded and about to run)."""
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([proc.stdout], [], [], max(0.0, min(1.0, deadline - time.monotonic())))
+        if readable:
+            if proc.stdout.readline().strip() == b"ready":
+                return
+            raise RuntimeError(f"a neighbour engine exited before it was ready (exit code {proc.wait(10)})")
+    raise RuntimeError(f"a neighbour engine was not ready within {READY_DEADLINE_S:.0f} s")
+
+
 LOAD_DEADLINE_S = 1800.0
 """A neighbour engine stops by itself after this long (the profiler kills it sooner)."""
 
 
 def _neighbour(model_path: str, dtype: str, threads: int) -> None:
     """A neighbour's load: prompts and decode batches, as a worker runs them, until killed (or the deadline)."""
-    prof = Profiler(model_path, dtype, threads or None)
+    prof = Profiler(model_path, dtype, threads or None, NEIGHBOUR_GRID.blocks())
+    print("ready", flush=True)
     end = time.monotonic() + LOAD_DEADLINE_S
     k = 0
     while time.monotonic() < end:

@@ -93,9 +93,17 @@ def collect(stub, req, timeout=120):
     return [t for m in msgs for t in m.token_ids], msgs
 
 
+_REFERENCES: dict[tuple[str, str, int], list[int]] = {}
+"""Greedy outputs already computed, by (model folder, text, max_tokens): greedy decoding is deterministic."""
+
+
 def reference(engine, text, max_tokens=24):
-    ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
-    return engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0].token_ids
+    """The engine's greedy output for ``text`` as a chat (computed once per model, text and length)."""
+    key = (str(engine.cfg.model_path), text, max_tokens)
+    if key not in _REFERENCES:
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+        _REFERENCES[key] = list(engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0].token_ids)
+    return list(_REFERENCES[key])
 
 
 @contextlib.asynccontextmanager

@@ -32,7 +32,7 @@ from tests.integration.helpers import running_cluster
 
 pytestmark = pytest.mark.model
 
-FUZZ_SECONDS = 12
+FUZZ_SECONDS = 8
 """The bounded run's budget (cases round-robin over the four targets)."""
 MODEL = "SmolLM2-135M-Instruct"
 

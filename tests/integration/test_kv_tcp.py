@@ -413,3 +413,49 @@ def test_pulled_blocks_that_do_not_match_their_mac_are_refused():
         tx.close()
         rx.close()
         src.unlink()
+
+
+@pytest.mark.parametrize("drops", [1, 2])
+def test_a_connection_that_dies_before_the_receiver_got_anything_is_replaced_once(drops):
+    """A pooled connection dies just before it carries a transfer's first
+    frame (the receiver's TCP acknowledged none of it): the transfer goes out
+    again on a fresh connection and lands whole, once; a second such death
+    fails it, and the receiver is left with nothing to wait for."""
+    layout = KVLayout("m", "float32", 4, 2, 16, 4)
+    src, dst = make_cache(layout, 16, 5), make_cache(layout, 32, None)
+    cfg = TransferConfig(secret=SECRET, streams=1)
+    rx = TcpKVReceiver(dst, cfg=cfg)
+    link = CuttableLink(rx.endpoint)
+    tx = TcpKVSender(src, cfg)
+    blocks = list(range(8))
+    try:
+        rh1 = rx.expect("t1", blocks)  # the connection is pooled by a first transfer
+        h1 = tx.open(TransferTarget(link.endpoint, "t1", tuple(blocks), layout.compat_hash()))
+        for layer in range(4):
+            h1.send_layer(layer, blocks, 0)
+        h1.finish(3, -0.1)
+        assert h1.wait(30) is TransferState.DONE and rh1.wait(30) is TransferState.DONE
+        want = list(range(16, 24))
+        rh2 = rx.expect("t2", want)
+        h2 = tx.open(TransferTarget(link.endpoint, "t2", tuple(want), layout.compat_hash()))
+        h2.drop_connections = drops
+        for layer in range(4):
+            h2.send_layer(layer, blocks, 0)
+        h2.finish(5, -0.25)
+        if drops == 1:
+            assert h2.wait(30) is TransferState.DONE, h2.failure()
+            assert rh2.wait(30) is TransferState.DONE, rh2.failure()
+            assert rh2.result().first_token_id == 5
+            assert torch.equal(dst.kv[:, :, want], src.kv[:, :, blocks])
+            assert link.connections == 2  # the pooled one, then one fresh one for the resend
+        else:
+            assert h2.wait(30) is TransferState.FAILED
+            assert f"connection to {link.endpoint}" in h2.failure().reason, h2.failure()
+            assert link.connections == 2  # resent once only
+            rx.cancel("t2")
+            assert rh2.wait(5) is TransferState.FAILED
+            assert not dst.kv[:, :, want].any()
+    finally:
+        tx.close()
+        rx.close()
+        link.close()
