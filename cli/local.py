@@ -340,7 +340,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         grid = ProfileGrid(prompts=(16, 128, 512), chunks=((512, 256),), batches=(1, 8), contexts=(64, 512),
                            mixed=((8, 256, 128),), repeats=args.repeats)
     path = resolve_model(args.model, args.cache_dir)
-    prof = Profiler(str(path), args.dtype, args.threads, grid.blocks()).profile(grid, args.name or Path(path).name, args.sharing)
+    profiler = Profiler(str(path), args.dtype, args.threads, grid.blocks())
+    prof = profiler.profile(grid, args.name or Path(path).name, args.sharing)
     prof.save(Path(args.out))
     print(f"profile of {prof.model.name} ({prof.dtype}, {args.threads or 'default'} thread(s)) -> {args.out}")
     print(f"  step = {prof.c0 * 1e3:.2f} ms + {prof.c_prefill * 1e6:.1f} us/prompt token + "

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -22,9 +24,16 @@ from prometheus_client import CollectorRegistry
 
 from kvrelay.engine.config import ModelConfig, effective_max_model_len
 from kvrelay.engine.tokenizer import Tokenizer
-from kvrelay.router.core.observe import TARGETS_REFRESH_S, write_targets
-from kvrelay.router.core.pipeline import RouterCore
+from kvrelay.router.cluster.pools import PoolManager
+from kvrelay.router.cluster.registry import WorkerRegistry
+from kvrelay.router.cluster.usage import UsageLedger
+from kvrelay.router.core.admission import FairQueue
+from kvrelay.router.core.auth import TenantSalts
+from kvrelay.router.core.observe import TARGETS_REFRESH_S, RouterTelemetry, write_targets
+from kvrelay.router.core.pipeline import CoreParts, RouterCore
+from kvrelay.router.core.quotas import Quotas
 from kvrelay.router.core.requests import ModelLimits
+from kvrelay.router.core.tenancy import TenantPolicies
 from kvrelay.router.frontends.grpc_api import add_router_to_server
 from kvrelay.router.frontends.http_server import serve_http
 from kvrelay.router.frontends.jobs import JobService, add_jobs_to_server
@@ -32,15 +41,17 @@ from kvrelay.router.frontends.openai_http import OpenAIServer
 from kvrelay.router.frontends.peer import GrpcCaller
 from kvrelay.router.governance.audit_writer import AuditWriter
 from kvrelay.router.governance.retention import RetentionSweeper
+from kvrelay.router.placement.place import make_policy
 from kvrelay.runtime.config import ClusterConfig, load_config
 from kvrelay.runtime.health import HealthChecks, serve_health
 from kvrelay.runtime.kvsecret import pem_from_env, read_secret
 from kvrelay.runtime.lifetime import die_with_parent
 from kvrelay.runtime.metrics import serve_metrics
 from kvrelay.runtime.pki import CertRole, PKIError, write_private
-from kvrelay.runtime.rpc import Dialer, bind, create_server
+from kvrelay.runtime.rpc import PLAINTEXT, Dialer, bind, create_server
 from kvrelay.runtime.tls import TLSMaterial, load_material
-from kvrelay.runtime.tracing import Tracing
+from kvrelay.runtime.topology import Topology
+from kvrelay.runtime.tracing import NO_TRACING, Tracing
 
 
 def router_tls(cfg: ClusterConfig) -> TLSMaterial | None:
@@ -110,6 +121,25 @@ def model_limits(cfg: ClusterConfig, args: argparse.Namespace) -> tuple[Tokenize
                             vocab_size=model_cfg.vocab_size, chat=tok.has_chat_template)
 
 
+def core_parts(cfg: ClusterConfig, dialer: Dialer = PLAINTEXT, policy_seed: int | None = None,
+               salt_key: bytes | None = None, tracing: Tracing = NO_TRACING,
+               metrics: CollectorRegistry | None = None) -> CoreParts:
+    """What the core works with, each part built after those it needs. ``dialer``:
+    how to reach workers (the router's certificate). ``salt_key``: keys tenants'
+    prefix-cache salts (the KV secret; None: a random key for this process's
+    life). ``metrics``: the registry the process serves as /metrics (None: one
+    of the core's own)."""
+    usage = UsageLedger(cfg.router.usage_db)
+    registry = WorkerRegistry(cfg, dialer, on_load=usage.take_heartbeat)
+    return CoreParts(salts=TenantSalts(salt_key or secrets.token_bytes(32), cfg.tenants),
+                     tenants=TenantPolicies(cfg), quotas=Quotas(), queue=FairQueue(), topology=Topology(cfg),
+                     usage=usage, registry=registry, pools=PoolManager(cfg, registry),
+                     policy=make_policy(cfg.router.policy, policy_seed),
+                     telemetry=RouterTelemetry(tracing, metrics, durable=usage, links=registry.link_states),
+                     tokenizers=concurrent.futures.ThreadPoolExecutor(cfg.router.api.tokenizer_threads,
+                                                                      thread_name_prefix="tokenize"))
+
+
 def router_health(cfg: ClusterConfig, loop: asyncio.AbstractEventLoop, stop: asyncio.Event):
     """The router's probes (health.router_port): live while its loop answers, ready until it stops."""
     return serve_health(cfg.health.host, cfg.health.router_port,
@@ -176,8 +206,9 @@ async def run(args: argparse.Namespace) -> None:
         metrics = serve_metrics(registry, cfg.telemetry.metrics_host, cfg.telemetry.router_metrics_port)
         if metrics is not None:
             stack.callback(metrics.close)
-        core = RouterCore(cfg, tok, limits, dialer=Dialer(tls), salt_key=salt_key, tracing=tracing, audit=audit,
-                          metrics=registry, metrics_address=metrics.advertised(cfg.router.host) if metrics else "")
+        parts = core_parts(cfg, Dialer(tls), salt_key=salt_key, tracing=tracing, metrics=registry)
+        core = RouterCore(cfg, tok, limits, parts, audit=audit,
+                          metrics_address=metrics.advertised(cfg.router.host) if metrics else "")
         stack.push_async_callback(core.aclose)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -159,9 +159,9 @@ class Profiler:
         return out
 
     def measure(self, grid: ProfileGrid) -> list[Point]:
-        if grid.blocks(self.engine.cfg.cache.block_size) > self.engine.cfg.cache.num_blocks:
-            raise ValueError(f"the profile grid needs {grid.blocks(self.engine.cfg.cache.block_size)} KV blocks, "
-                             f"the engine has {self.engine.cfg.cache.num_blocks}")
+        need, have = grid.blocks(self.engine.cfg.cache.block_size), self.engine.pool.num_blocks
+        if need > have:  # a pool too small for a point would preempt and time the preemption
+            raise ValueError(f"the profile grid needs {need} KV blocks, the engine has {have}")
         self.grid = grid
         self._run([(self._prompt(64, 1), 4)])  # warm-up
         pts: list[Point] = []

@@ -168,6 +168,10 @@ class WorkerRegistry:
         """Healthy workers per site, sorted, as probe targets (rebuilt at most every half interval:
         every heartbeat asks, so not once per heartbeat over every worker)."""
 
+
+    def link_states(self) -> list[tuple[str, bool]]:
+        """Each configured link's name and whether it is up now (for /metrics)."""
+        return [(lv.name, lv.up) for lv in self.links.values()]
     def pools_of(self, tenant: str) -> frozenset:
         """The dedicated pools ``tenant`` may use: requests with the same set (and
         constraints) fit the same workers, whoever their tenant."""

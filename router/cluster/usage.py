@@ -196,6 +196,12 @@ class UsageLedger:
                 self._last[key] = cur
                 self._dirty.add(key)
 
+    def take_heartbeat(self, worker_id: str, site: str, role: Role, load: wpb.WorkerLoad) -> None:
+        """A worker's reported load (the registry's ``on_load``): its counters
+        in memory, written to disk on a thread, in batches."""
+        self.observe(worker_id, site, role, load)
+        self.flush_soon()
+
     def flush_soon(self) -> None:
         """Starts a flush on a worker thread when one is due and none runs
         (without a running event loop, nothing: the next query writes the rows)."""

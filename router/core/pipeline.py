@@ -19,12 +19,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-
-from prometheus_client import CollectorRegistry
 
 from kvrelay.engine.hashing import hash_blocks
 from kvrelay.engine.tokenizer import Tokenizer
@@ -50,12 +47,10 @@ from kvrelay.router.core.requests import (
 )
 from kvrelay.router.core.tenancy import TenantPolicies
 from kvrelay.router.placement.errors import PlacementError, PlacementFailure, Wait
-from kvrelay.router.placement.place import Placement, PlacementRequest, make_policy, place
+from kvrelay.router.placement.place import Placement, PlacementRequest, Policy, place
 from kvrelay.runtime.config import ClusterConfig, RouterSection
 from kvrelay.runtime.roles import Role
-from kvrelay.runtime.rpc import PLAINTEXT, Dialer
 from kvrelay.runtime.topology import Topology
-from kvrelay.runtime.tracing import NO_TRACING, Tracing
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
 
@@ -131,55 +126,64 @@ def refusal(exc: PlacementError) -> RouterError:
     return RouterError(kind, f"{exc.message}; retry in {ms} ms", retry_after_s=ms / 1e3)
 
 
+@dataclass(slots=True)
+class CoreParts:
+    """What the core works with, built by the composition root (router/main.py
+    ``core_parts``) in the order they depend on each other."""
+
+    salts: TenantSalts
+    """Each tenant's prefix-cache salt (router/core/auth.py)."""
+    tenants: TenantPolicies
+    quotas: Quotas
+    queue: FairQueue
+    """Requests waiting for room, served by tenant class, priority and weight (router/core/admission.py)."""
+    topology: Topology
+    usage: UsageLedger
+    """Usage accounting from the workers' own counters, which their heartbeats carry (router/cluster/usage.py)."""
+    registry: WorkerRegistry
+    pools: PoolManager
+    policy: Policy
+    """The placement policy (router/placement/place.py)."""
+    telemetry: RouterTelemetry
+    """Traces, metrics and the last minute's latency (router/core/observe.py)."""
+    tokenizers: concurrent.futures.ThreadPoolExecutor
+    """Where prompts are tokenized, off the event loop (the tokenizer lets go of the GIL)."""
+
+
 class RouterCore:
     """Admission, placement, the P/D relay and recovery for every front end."""
 
-    def __init__(self, cfg: ClusterConfig, tokenizer: Tokenizer, limits: ModelLimits,
-                 policy_seed: int | None = None, dialer: Dialer = PLAINTEXT, salt_key: bytes | None = None,
-                 tracing: Tracing = NO_TRACING, audit: Auditor | None = None,
-                 metrics: CollectorRegistry | None = None, metrics_address: str = "") -> None:
-        """``dialer``: how to reach workers (the router's certificate).
-        ``salt_key``: keys tenants' prefix-cache salts (the KV secret; None:
-        a random key for this process's life). ``tracing``: the process's tracer.
-        ``audit``: the audit log's writer (None: nothing is audited).
-        ``metrics``: the registry the process serves as /metrics, at ``metrics_address``
-        ("" when it serves none; None: a registry of the core's own)."""
+    def __init__(self, cfg: ClusterConfig, tokenizer: Tokenizer, limits: ModelLimits, parts: CoreParts,
+                 audit: Auditor | None = None, metrics_address: str = "") -> None:
+        """``parts``: built by router/main.py ``core_parts``. ``audit``: the
+        audit log's writer (None: nothing is audited). ``metrics_address``:
+        where the process serves /metrics ("" when it serves none)."""
         self.cfg = cfg
         self.tok = tokenizer
         self.limits = limits
-        self.salts = TenantSalts(salt_key or secrets.token_bytes(32), cfg.tenants)
-        self.tenants = TenantPolicies(cfg)
-        self.quotas = Quotas()
-        self.queue = FairQueue()
-        """Requests waiting for room, served by tenant class, priority and weight (router/core/admission.py)."""
-        self.topology = Topology(cfg)
-        self.usage = UsageLedger(cfg.router.usage_db)
-        """Usage accounting from the workers' own counters, which their heartbeats carry (router/cluster/usage.py)."""
-        self.registry = WorkerRegistry(cfg, dialer, on_load=self._worker_load)
-        self.pools = PoolManager(cfg, self.registry)
-        self.policy = make_policy(cfg.router.policy, policy_seed)
+        self.salts = parts.salts
+        self.tenants = parts.tenants
+        self.quotas = parts.quotas
+        self.queue = parts.queue
+        self.topology = parts.topology
+        self.usage = parts.usage
+        self.registry = parts.registry
+        self.pools = parts.pools
+        self.policy = parts.policy
+        self.telemetry = parts.telemetry
+        self.tokenizers = parts.tokenizers
         self._refusals = RateLimit(REFUSALS_PER_S)
         self.audit = audit
         """The audit log's writer (router/governance/audit_writer.py); None: no audit log."""
-        self.telemetry = RouterTelemetry(tracing, metrics, durable=self.usage, links=self._links)
-        """Traces, metrics and the last minute's latency (router/core/observe.py)."""
         self.metrics_address = metrics_address
         """Where the router serves /metrics ("" when off)."""
         self._relaying = RelayContext(self.registry, self.topology, self.pools.window, cfg.router.kv_lease_s,
                                       self.queue.pump)
-        self.tokenizers = concurrent.futures.ThreadPoolExecutor(cfg.router.api.tokenizer_threads,
-                                                                thread_name_prefix="tokenize")
-        """Where prompts are tokenized, off the event loop (the tokenizer lets go of the GIL)."""
 
     @property
     def can_decode(self) -> bool:
         """Some decode worker is healthy and takes work (a batch job waits otherwise)."""
         return bool(self.registry.candidates(Role.DECODE))
-
-    def _worker_load(self, worker_id: str, site: str, role: Role, load: wpb.WorkerLoad) -> None:
-        """A worker's reported load: its usage counters into the ledger (written to disk on a thread, in batches)."""
-        self.usage.observe(worker_id, site, role, load)
-        self.usage.flush_soon()
 
     def metrics_targets(self) -> list[dict]:
         """Every process's /metrics as Prometheus ``file_sd`` entries (the router's and its workers')."""
@@ -195,9 +199,6 @@ class RouterCore:
     def tenant_known(self, tenant: str) -> bool:
         """``tenant`` is configured (a job's owner removed from the config since gets no service)."""
         return self.tenants.known(tenant)
-
-    def _links(self) -> list[tuple[str, bool]]:
-        return [(lv.name, lv.up) for lv in self.registry.links.values()]
 
     @property
     def waiting_interactive(self) -> int:

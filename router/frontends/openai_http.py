@@ -103,6 +103,8 @@ class OpenAIServer:
     def __init__(self, core: RouterCore, limits: HttpSection, request_timeout_s: float | None = None) -> None:
         self.core = core
         self.limits = limits
+        self.model_name = core.limits.name
+        """The name answers carry when the request names none."""
         self.auth = CallerAuth(core.cfg)
         self.request_timeout_s = request_timeout_s
         self.schema = openapi(version("kvrelay"))
@@ -198,7 +200,7 @@ class OpenAIServer:
             return started
         gen, first = started
         rid = ("chatcmpl-" if chat else "cmpl-") + (req.request_id or uuid.uuid4().hex)
-        model = req.model or self.core.limits.name
+        model = req.model or self.model_name
         if stream:
             return ClosingStream(self._sse(gen, first, rid, model, chat, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -39,6 +39,7 @@ class RegistryService(wgrpc.RegistryServicer):
         self.topology = core.topology
         self.cfg = core.cfg
         self.telemetry = core.telemetry
+        self.policy = core.policy
         self.auth = auth
         self.audit = audit
 
@@ -92,14 +93,14 @@ class RegistryService(wgrpc.RegistryServicer):
 
     def _audit(self, info: wpb.WorkerInfo, context, outcome: str) -> None:
         """A registration and the certificate it came with, accepted or refused, in the audit log."""
-        if self.core.audit is None:
+        if self.audit is None:
             return
         cert: Identity | str | None
         try:
             cert = self.auth.cert(context) if self.auth.tls is not None else None
         except RouterError as exc:
             cert = f"refused: {exc.message}"
-        self.core.audit.append(RecordKind.REGISTRATION, {
+        self.audit.append(RecordKind.REGISTRATION, {
             "worker": info.worker_id[:200], "site": info.site[:64], "address": info.address[:200],
             "certificate": str(cert) if cert is not None else "none (TLS off)", "outcome": outcome})
 
@@ -148,5 +149,5 @@ class RegistryService(wgrpc.RegistryServicer):
                              draining=w.draining, inflight=w.inflight,
                              cached_blocks=reg.index.blocks_of(w.info.worker_id))
             for w in sorted(reg.workers.values(), key=lambda w: w.info.worker_id)], links=links,
-            policy=self.core.policy.name, latency=self.telemetry.latency(),
+            policy=self.policy.name, latency=self.telemetry.latency(),
             router_metrics_address=self.core.metrics_address)

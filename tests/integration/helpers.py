@@ -97,6 +97,16 @@ _REFERENCES: dict[tuple[str, str, int], list[int]] = {}
 """Greedy outputs already computed, by (model folder, text, max_tokens): greedy decoding is deterministic."""
 
 
+def warm_references(engine, texts, max_tokens=24) -> None:
+    """Computes the references of ``texts`` not computed yet in one batch (what :func:`reference` then returns)."""
+    todo = [t for t in dict.fromkeys(texts) if (str(engine.cfg.model_path), t, max_tokens) not in _REFERENCES]
+    if not todo:
+        return
+    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in todo]
+    for text, out in zip(todo, engine.generate(prompts, SamplingParams(max_tokens=max_tokens))):
+        _REFERENCES[(str(engine.cfg.model_path), text, max_tokens)] = list(out.token_ids)
+
+
 def reference(engine, text, max_tokens=24):
     """The engine's greedy output for ``text`` as a chat (computed once per model, text and length)."""
     key = (str(engine.cfg.model_path), text, max_tokens)

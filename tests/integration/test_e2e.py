@@ -10,11 +10,20 @@ import grpc
 import pytest
 
 from kvrelay.v1 import inference_pb2 as ipb
-from tests.integration.helpers import PROMPTS, chat_request, collect, reference, wait_until, worker_stats
+from tests.integration.helpers import (
+    PROMPTS,
+    chat_request,
+    collect,
+    reference,
+    wait_until,
+    warm_references,
+    worker_stats,
+)
 
 pytestmark = pytest.mark.model
 
 def test_greedy_outputs_match_engine_and_decode_never_prefills(shared_cluster, shared_stub, reference_engine):
+    warm_references(reference_engine, PROMPTS)
     before = worker_stats(shared_cluster, "local/decode/0")
     for text in PROMPTS:
         tokens, msgs = collect(shared_stub, chat_request(text))
@@ -33,6 +42,7 @@ def test_greedy_outputs_match_engine_and_decode_never_prefills(shared_cluster, s
 
 
 def test_32_concurrent_streams(shared_cluster, shared_stub, reference_engine):
+    warm_references(reference_engine, PROMPTS, 16)
     expected = {t: reference(reference_engine, t, 16) for t in PROMPTS}
     results: dict[int, list[int]] = {}
     errors: list[Exception] = []

@@ -13,7 +13,15 @@ import pytest
 from kvrelay.launch.local import LocalCluster
 from kvrelay.runtime.config import parse_config
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-from tests.integration.helpers import CLUSTER_YAML, PROMPTS, chat_request, collect, reference, workers
+from tests.integration.helpers import (
+    CLUSTER_YAML,
+    PROMPTS,
+    chat_request,
+    collect,
+    reference,
+    warm_references,
+    workers,
+)
 
 pytestmark = pytest.mark.model
 
@@ -23,6 +31,7 @@ def test_transport_end_to_end(transport, smollm_path, reference_engine):
     raw = copy.deepcopy(CLUSTER_YAML)
     # NIXL pulls cross the fabric unencrypted: only an integrity link lets the decode worker pull
     raw["kv"] = {"transport": transport, **({"protection": "integrity"} if transport == "nixl" else {})}
+    warm_references(reference_engine, PROMPTS[:4])
     lc = LocalCluster(parse_config(raw), smollm_path)
     lc.start()
     try:

@@ -15,6 +15,7 @@ from kvrelay.router.core.pipeline import AdmissionWait, RouterCore, refusal
 from kvrelay.router.core.requests import Caller, ModelLimits, Priority, parse_request
 from kvrelay.router.frontends.grpc_api import STATUS
 from kvrelay.router.frontends.openai_http import HTTP_STATUS, api_error
+from kvrelay.router.main import core_parts
 from kvrelay.router.placement.place import PlacementError, PlacementFailure, Wait
 from kvrelay.runtime.config import parse_config
 from kvrelay.runtime.roles import Role
@@ -80,7 +81,7 @@ def test_caller_deadline():
 
 def _core(tok, **router) -> RouterCore:
     cfg = parse_config({"router": {"unavailable_wait_s": 0.4, "admission_wait_s": 0.4, **router}})
-    return RouterCore(cfg, tok, LIMITS)
+    return RouterCore(cfg, tok, LIMITS, core_parts(cfg))
 
 
 def test_core_waits_for_workers_then_is_unavailable(tok):
