@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvrelay.benchmarks.traces import SAMPLE_AZURE
 from kvrelay.cli.main import main
@@ -19,9 +20,18 @@ pytestmark = pytest.mark.model
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "chaos.yaml"
 
 
+def any_free_ports(example: Path, tmp: Path) -> Path:
+    """A copy of ``example`` whose router takes any free ports (the example's fixed 50051 may be in use here)."""
+    raw = yaml.safe_load(example.read_text())
+    raw["router"]["port"] = 0
+    copy = tmp / example.name
+    copy.write_text(yaml.safe_dump(raw))
+    return copy
+
+
 def test_chaos_replay_loses_nothing_and_changes_no_output(tmp_path, smollm_path, capsys):
-    out = tmp_path / "chaos"
-    rc = main(["bench", "replay", "--config", str(EXAMPLE), "--trace", str(SAMPLE_AZURE), "--limit", "16",
+    out, config = tmp_path / "chaos", any_free_ports(EXAMPLE, tmp_path)
+    rc = main(["bench", "replay", "--config", str(config), "--trace", str(SAMPLE_AZURE), "--limit", "16",
                "--length-scale", "0.05", "--output-scale", "0.5", "--speedup", "3", "--chaos", "40",
                "--chaos-seed", "3", "--no-progress", "--out", str(out)])
     result = json.loads((out / "chaos.json").read_text())

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,9 +85,11 @@ def compare(config: str, profile: Path, tmp: Path, smollm_path: Path, *live_flag
 
 
 def _config(tmp: Path, name: str, smollm_path: Path) -> str:
-    """The example config with the model folder the tests use."""
-    text = (ROOT / "examples" / "sim" / name).read_text().replace("path: null", f"path: {smollm_path}")
-    (tmp / name).write_text(text)
+    """The example config with the model folder the tests use, its router on any free ports."""
+    raw = yaml.safe_load((ROOT / "examples" / "sim" / name).read_text())
+    raw["model"]["path"] = str(smollm_path)
+    raw["router"]["port"] = 0
+    (tmp / name).write_text(yaml.safe_dump(raw))
     return str(tmp / name)
 
 
