@@ -241,9 +241,11 @@ def _await_ready(proc: subprocess.Popen, deadline: float) -> None:
     while time.monotonic() < deadline:
         readable, _, _ = select.select([proc.stdout], [], [], max(0.0, min(1.0, deadline - time.monotonic())))
         if readable:
-            if proc.stdout.readline().strip() == b"ready":
+            line = proc.stdout.readline()
+            if line.strip() == b"ready":
                 return
-            raise RuntimeError(f"a neighbour engine exited before it was ready (exit code {proc.wait(10)})")
+            if not line:  # end of file: it exited (any other line is a library's output: read on)
+                raise RuntimeError(f"a neighbour engine exited before it was ready (exit code {proc.wait(10)})")
     raise RuntimeError(f"a neighbour engine was not ready within {READY_DEADLINE_S:.0f} s")
 
 
