@@ -51,10 +51,11 @@ def scenarios(example: dict) -> list[Scenario]:
     tor_van = link[frozenset(("toronto", "vancouver"))]
     forced = {"policy": "least_loaded", "colocate_below_tokens": 0}  # always disaggregated
 
-    def variant(sites: list[dict], links: list[dict], router: dict) -> dict:
+    def variant(sites: list[dict], links: list[dict], placement: dict) -> dict:
         cfg = copy.deepcopy(example)
         cfg["sites"], cfg["links"] = sites, links
-        cfg["router"] = {**cfg.get("router", {}), **router, "port": 0}
+        router = cfg.get("router", {})
+        cfg["router"] = {**router, "placement": {**router.get("placement", {}), **placement}, "port": 0}
         return cfg
 
     tor = lambda p, d: {**site["toronto"], **_pools(p, d)}  # noqa: E731
@@ -91,7 +92,7 @@ def run_scenario(sc: Scenario, model_path: Path, prompts: list[ScaledRequest], r
         if st is not None:
             cities.down(state_dir)
     report = build_report(records, samples, rcfg, {**meta, "scenario": sc.name, "what": sc.what,
-                                                   "policy": cfg.router.policy, "wan_emulation": emulate,
+                                                   "policy": cfg.router.placement.policy, "wan_emulation": emulate,
                                                    "config": cfg.to_dict(), "router": address})
     write_report(report, out / sc.name)
     return report

@@ -34,8 +34,8 @@ from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
 TOKENS = {"lab-a": "fairness-batch-tenant", "lab-b": "fairness-interactive-tenant"}
 FAIRNESS_CLUSTER = {
-    "router": {"port": 0, "http_port": None, "policy": "least_loaded", "colocate_below_tokens": 0,
-               "max_inflight_per_worker": 8, "job_concurrency": 16},
+    "router": {"port": 0, "http_port": None, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0},
+               "admission": {"max_inflight_per_worker": 8, "job_concurrency": 16}},
     "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
     "workers": {"threads": 1},
     "cache": {"memory_gib": 0.25},

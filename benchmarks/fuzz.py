@@ -43,7 +43,7 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 log = logging.getLogger(__name__)
 
 FUZZ_CLUSTER = {
-    "router": {"port": 0, "http_port": 0, "policy": "least_loaded", "colocate_below_tokens": 0,
+    "router": {"port": 0, "http_port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0},
                "http": {"max_connections_per_client": 1000}},  # the probes open 500 from one address
     "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
     "workers": {"threads": 1},

@@ -9,7 +9,7 @@ queueing it, and that what it admits keeps its time to first token.
 
 Reported: admitted (completed) versus shed (RESOURCE_EXHAUSTED, with or
 without the ``retry-after-ms`` hint) versus other errors; TTFT of the
-admitted against the router's configured SLO (``router.slo_ttft_s``); the
+admitted against the router's configured SLO (``router.pools.slo_ttft_s``); the
 router's RSS (before, peak, after); whether every process is still alive."""
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 OVERLOAD_CLUSTER = {
-    "router": {"port": 0, "http_port": None, "policy": "least_loaded", "colocate_below_tokens": 0,
-               "max_inflight_per_worker": 8, "admission_wait_s": 0.5, "slo_ttft_s": 2.0},
+    "router": {"port": 0, "http_port": None, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0},
+               "admission": {"max_inflight_per_worker": 8, "admission_wait_s": 0.5}, "pools": {"slo_ttft_s": 2.0}},
     "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
     "workers": {"threads": 1},
     "cache": {"memory_gib": 0.25},
@@ -194,7 +194,7 @@ def overload_cluster(cluster: LocalCluster, cfg: OverloadConfig) -> OverloadRepo
     time.sleep(2.0)
     rss["after"] = _rss_mib(pid)
     crashed = [f"{c.name} exited with {c.proc.poll()}" for c in cluster.dead_children()]
-    return _report(shots, rate, rate * cfg.factor, cluster.cfg.router.slo_ttft_s, rss, crashed, cfg)
+    return _report(shots, rate, rate * cfg.factor, cluster.cfg.router.pools.slo_ttft_s, rss, crashed, cfg)
 
 
 def run_overload_bench(model_path: str, cfg: OverloadConfig, raw: dict | None = None) -> OverloadReport:

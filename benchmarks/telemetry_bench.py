@@ -36,7 +36,8 @@ def cluster_config(traced: bool, span_dir: Path) -> dict:
     """The cluster of one mode (``span_dir``: where the traced one writes its span files)."""
     telemetry = ({"traces": "file", "file": str(span_dir / "{process}.jsonl"), "sample_ratio": 1.0}
                  if traced else {"traces": "none"})
-    return {"router": {"port": 0, "http_port": None, "policy": "least_loaded", "colocate_below_tokens": 0},
+    return {"router": {"port": 0, "http_port": None,
+                       "placement": {"policy": "least_loaded", "colocate_below_tokens": 0}},
             "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1},
                        "decode": {"replicas": 1}}],
             "workers": {"threads": 1}, "cache": {"memory_gib": 0.25}, "telemetry": telemetry}

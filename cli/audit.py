@@ -19,7 +19,7 @@ from kvrelay.router.core.records import RecordKind
 from kvrelay.router.governance.audit import parse_time, query, verify
 
 AUDIT_FILE = "audit.jsonl"
-"""The audit log's name in the cache folder (``kvrelay serve``'s default ``router.audit_log``)."""
+"""The audit log's name in the cache folder (``kvrelay serve``'s default ``router.records.audit_log``)."""
 _HEAD = re.compile(r"[0-9a-fA-F]{64}")
 
 

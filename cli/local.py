@@ -208,12 +208,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.port is not None:
         cfg.router.port = args.port
     local_defaults(cfg, args.cache_dir)
-    if cfg.router.jobs_db is None:  # batch jobs, the audit log and usage outlive this run
-        cfg.router.jobs_db = str(args.cache_dir / "jobs.sqlite")
-    if cfg.router.audit_log is None:
-        cfg.router.audit_log = str(args.cache_dir / "audit.jsonl")
-    if cfg.router.usage_db is None:
-        cfg.router.usage_db = str(args.cache_dir / "usage.sqlite")
+    if cfg.router.records.jobs_db is None:  # batch jobs, the audit log and usage outlive this run
+        cfg.router.records.jobs_db = str(args.cache_dir / "jobs.sqlite")
+    if cfg.router.records.audit_log is None:
+        cfg.router.records.audit_log = str(args.cache_dir / "audit.jsonl")
+    if cfg.router.records.usage_db is None:
+        cfg.router.records.usage_db = str(args.cache_dir / "usage.sqlite")
     model_path = resolve_model(cfg.model.path, args.cache_dir)
     backend = None
     if args.backend == "ray":

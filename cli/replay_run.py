@@ -75,7 +75,7 @@ def replay_prompts(args: argparse.Namespace, reqs, address: str, client: Dialer)
 
 def run_meta(reqs, address: str, cluster) -> dict:
     """The report's metadata about one run: where it ran, on what."""
-    return {"router": address, "policy": cluster.cfg.router.policy if cluster is not None else "?",
+    return {"router": address, "policy": cluster.cfg.router.placement.policy if cluster is not None else "?",
             "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "wan_emulation": cluster is not None and cluster.cities is not None,
             "config": cluster.cfg.to_dict() if cluster is not None else None, "trace_slice": trace_slice(reqs)}

@@ -24,7 +24,7 @@ async def run(setup: WorkerSetup) -> None:
     server, port = listening_server(setup)
     receiver = make_receiver(setup.transport, aengine.engine.cache, setup.host, setup.transfer)
     tel = WorkerTelemetry(setup.cfg.telemetry, Role.DECODE, setup.ident.worker_id, setup.ident.site)
-    service = DecodeService(aengine, setup.ident, receiver, setup.cfg.router.kv_lease_s, tel)
+    service = DecodeService(aengine, setup.ident, receiver, setup.cfg.router.liveness.kv_lease_s, tel)
     wgrpc.add_DecodeWorkerServicer_to_server(service, server)
     info = worker_info(setup, aengine.engine, port, receiver.endpoint)
     info.metrics_address = tel.serve(aengine.engine, setup.host)

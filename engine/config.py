@@ -1,14 +1,27 @@
 """Typed configuration of the engine: the model (from a checkpoint's
-config.json), the KV cache and the scheduler. Parsed once, validated in
-``__post_init__``; everything below receives these objects, never raw dicts."""
+config.json), the KV cache and the scheduler. Parsed once, validated when
+built; everything below receives these objects, never raw dicts.
+
+The KV cache and the scheduler are also sections of the cluster config file
+(``cache:``, ``scheduler:``; runtime/config.py), so the building blocks every
+section of that file shares live here, in the lowest layer that has one:
+:data:`SECTION_CONFIG` (pydantic: unknown keys and NaN/inf refused, field
+docstrings kept as descriptions), :class:`ConfigSection` (a raw mapping's keys
+checked before its fields), :class:`FieldError` and :func:`choice`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
+import reprlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, cast
+from typing import Annotated, Any, ClassVar, Literal, cast
+
+from pydantic import BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import dataclasses as pydantic_dataclasses
+from pydantic_core import ArgsKwargs
 
 from kvrelay.engine.errors import CheckpointError
 
@@ -146,46 +159,129 @@ class ModelConfig:
         return cls.from_dict(raw, name=name or Path(path).parent.name)
 
 
-@dataclass(slots=True)
-class CacheConfig:
+SECTION_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+"""pydantic's settings of every config section: an unknown key, NaN or an infinity is refused."""
+
+MAX_TOKENS = 10_000_000
+"""Bound of token counts in the config: well past any model's context window."""
+
+
+class _Repr(reprlib.Repr):
+    """reprlib cut short: deep, long or recursive values and huge integers stay one short line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 3, 60, 60
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() <= 64:
+            return repr(x)
+        return f"{'a negative' if x < 0 else 'an'} integer of about {int(x.bit_length() * 0.30103) + 1} digits"
+
+
+_REPR = _Repr()
+
+
+def show(value: Any) -> str:
+    """``repr(value)`` for an error message, bounded whatever the value is."""
+    return _REPR.repr(value)
+
+
+class FieldError(ValueError):
+    """A section's own field is invalid. Raised while a section is built with
+    the field's name relative to the section; the loader (runtime/config.py)
+    prefixes the section's path (``router`` + ``port`` -> ``router.port: ...``)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"{name}: {reason}")
+        self.name = name
+        self.reason = reason
+
+
+def choice(values: Iterable[str], listing: str) -> BeforeValidator:
+    """The check of a field that YAML spells as one of ``values`` (an enum's or a
+    Literal's): ``must be <listing>, got 'x'`` otherwise, and never a non-string."""
+    allowed = frozenset(str(v) for v in values)
+
+    def check(value: Any) -> Any:
+        if value is None:
+            raise ValueError("must not be null")
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {show(value)}")
+        if value not in allowed:
+            raise ValueError(f"must be {listing}, got {value!r}")
+        return value
+
+    return BeforeValidator(check)
+
+
+def _string_list(value: Any) -> Any:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("expected a list of strings")
+    return value
+
+
+StringList = Annotated[list[StrictStr], BeforeValidator(_string_list)]
+"""A config field that is a list of strings (null or anything else refused)."""
+
+
+@pydantic_dataclasses.dataclass(slots=True, config=SECTION_CONFIG)
+class ConfigSection:
+    """Base of every section of the cluster config: given a mapping (YAML's), a
+    section first checks its keys, naming the fields it has, or where a key of
+    :attr:`MOVED` went; null stands for an empty mapping (every field's default)."""
+
+    MOVED: ClassVar[dict[str, str]] = {}
+    """Keys this section no longer has, and what replaced them (the hint its error gives)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_keys(cls, raw: Any) -> Any:
+        if raw is None:
+            return {}
+        if isinstance(raw, (cls, ArgsKwargs)):  # an instance, or built in code (its fields are checked)
+            return raw
+        if not isinstance(raw, dict):
+            raise ValueError(f"expected a mapping, got {type(raw).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(k if isinstance(k, str) else show(k) for k in raw if k not in names)
+        for key in unknown:
+            if key in cls.MOVED:
+                raise FieldError(key, cls.MOVED[key])
+        if unknown:
+            listed = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+            raise ValueError(f"unknown field(s) {listed}; expected {', '.join(names)}")
+        return raw
+
+
+@pydantic_dataclasses.dataclass(slots=True, config=SECTION_CONFIG)
+class CacheConfig(ConfigSection):
     """The paged KV cache of one worker."""
 
-    block_size: int = 16
+    block_size: StrictInt = Field(default=16, ge=1, le=4_096)
     """Tokens per KV block: the unit of allocation, prefix caching and transfer."""
-    num_blocks: int | None = None
+    num_blocks: StrictInt | None = Field(default=None, ge=2, le=1 << 24)
     """Blocks to preallocate; when ``None`` they are derived from ``memory_gib``."""
-    memory_gib: float = 1.0
-    """KV memory budget used when ``num_blocks`` is not given."""
-    enable_prefix_caching: bool = True
+    memory_gib: StrictFloat = Field(default=1.0, gt=0, le=4_096)
+    """KV memory budget used when ``num_blocks`` is not given (4 TiB at most)."""
+    enable_prefix_caching: StrictBool = True
     """Reuse blocks of earlier requests whose chained hashes match."""
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+        if self.block_size & (self.block_size - 1):
             raise ValueError(f"cache.block_size must be a positive power of two, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"cache.num_blocks must be >= 2, got {self.num_blocks}")
-        if not math.isfinite(self.memory_gib) or self.memory_gib <= 0:
-            raise ValueError(f"cache.memory_gib must be positive, got {self.memory_gib}")
 
 
-@dataclass(slots=True)
-class SchedulerConfig:
+@pydantic_dataclasses.dataclass(slots=True, config=SECTION_CONFIG)
+class SchedulerConfig(ConfigSection):
     """Batching limits of one engine step."""
 
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: StrictInt = Field(default=2048, gt=0, le=MAX_TOKENS)
     """Token budget per step (decode tokens + prefill chunk tokens)."""
-    max_num_seqs: int = 64
+    max_num_seqs: StrictInt = Field(default=64, gt=0, le=65_536)
     """Most sequences running at once."""
-    max_model_len: int | None = None
+    max_model_len: StrictInt | None = Field(default=None, gt=0, le=MAX_TOKENS)
     """Context window; defaults to the model's ``max_position_embeddings``."""
-
-    def __post_init__(self) -> None:
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError("scheduler.max_num_batched_tokens must be positive")
-        if self.max_num_seqs <= 0:
-            raise ValueError("scheduler.max_num_seqs must be positive")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError("scheduler.max_model_len must be positive")
 
 
 def effective_max_model_len(model_cfg: ModelConfig, scheduler_cfg: SchedulerConfig) -> int:

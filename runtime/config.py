@@ -1,5 +1,6 @@
 """The cluster config file: YAML parsed once into typed, validated
-dataclasses. Any problem raises :class:`ConfigError` naming the field.
+dataclasses. Any problem raises :class:`ConfigError` naming the field's path
+(``sites[0].decode.replicas: must be <= 1024, got 5000``).
 
 Example::
 
@@ -10,7 +11,11 @@ Example::
       host: 127.0.0.1
       port: 50051           # 0 = any free port
       http_port: 8000       # OpenAI-compatible HTTP API; null = off
-      policy: cost_model    # round_robin | least_loaded | prefix_aware | cost_model
+      placement: {policy: cost_model}   # round_robin | least_loaded | prefix_aware | cost_model
+      admission: {max_inflight_per_worker: 64, interactive_reserve: 1}
+      liveness: {heartbeat_interval_s: 1.0, worker_timeout_s: 5.0}
+      pools: {scaling: kvrelay, slo_ttft_s: 2.0}
+      records: {audit_log: null, jobs_db: null}   # null = `kvrelay serve` picks files in its cache folder
     sites:
       - name: toronto
         jurisdiction: CA-ON
@@ -24,9 +29,16 @@ Example::
     cache: {block_size: 16, memory_gib: 1.0}
     scheduler: {max_num_batched_tokens: 2048, max_num_seqs: 64}
 
-Every number must be finite (no ``.nan``, ``.inf``) and at most its field's
-bound in :data:`FIELD_MAX`; the file itself at most :data:`MAX_CONFIG_BYTES`
-of UTF-8 YAML.
+The sections are pydantic dataclasses (slotted, mutable, ``dataclasses.fields``
+and ``asdict`` work on them). pydantic rather than a hand-made type system or
+msgspec: each bound is declared on its field (``Field(ge=, le=)``), its
+validation errors carry a structured location that :func:`parse_config` turns
+into our field paths and wording, the Helm chart's values schema is generated
+from the same declarations (launch/helm.py), and it is the most widely
+maintained of the options. Every number must be finite (no ``.nan``,
+``.inf``) and within its field's bounds (:func:`bounds`); the file itself at
+most :data:`MAX_CONFIG_BYTES` of UTF-8 YAML. Rules across fields stay in each
+section's ``__post_init__``, rules across sections in :func:`_validate`.
 """
 
 from __future__ import annotations
@@ -34,28 +46,41 @@ from __future__ import annotations
 import dataclasses
 import enum
 import ipaddress
-import math
 import re
-import reprlib
 import string
 import sys
-from dataclasses import dataclass, field
+from dataclasses import field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
+import annotated_types
 import yaml
+from pydantic import BeforeValidator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass, is_pydantic_dataclass
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
-from kvrelay.engine.config import CacheConfig, DType, SchedulerConfig
+from kvrelay.engine.config import (
+    MAX_TOKENS,
+    SECTION_CONFIG,
+    CacheConfig,
+    ConfigSection,
+    DType,
+    FieldError,
+    SchedulerConfig,
+    StringList,
+    choice,
+    show,
+)
 from kvrelay.kvtransfer.base import AUTO, Transport
 from kvrelay.kvtransfer.protection import Protection
 from kvrelay.runtime.roles import Role
-from kvrelay.runtime.tenants import FieldError as TenantFieldError
 from kvrelay.runtime.tenants import TenantSection, check_tenants
 
 
 class ScalingOwner(StrEnum):
-    """Who sets the number of workers in each pool (``router.scaling``)."""
+    """Who sets the number of workers in each pool (``router.pools.scaling``)."""
 
     KVRELAY = "kvrelay"
     """The router: `kvrelay scale` and the planner change pool sizes, and
@@ -82,12 +107,32 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
+_DAY_S = 86_400
+_PORT_BOUNDS = (0, 65_535)
+"""The bounds of a port (0: any free one), which error messages call a port."""
+_MAX_REPLICAS = 1_024
+
+
+def _one_of(values) -> str:
+    """``a, b or c``."""
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
+
+
+# Fields YAML spells as strings, each refusing anything else with its own wording
+Policy = Annotated[PlacementPolicy, choice(PlacementPolicy, f"one of {', '.join(PlacementPolicy)}")]
+Scaling = Annotated[ScalingOwner, choice(ScalingOwner, _one_of(ScalingOwner))]
+LinkTransport = Annotated[Transport, choice(Transport, _one_of(Transport))]
+KVTransportField = Annotated[KVTransport, choice([AUTO, *Transport], _one_of([AUTO, *Transport]))]
+ProtectionField = Annotated[Protection, choice(Protection, _one_of(Protection))]
+DTypeField = Annotated[DType, choice(get_args(DType), _one_of(get_args(DType)))]
+
 
 class ConfigError(ValueError):
     """The config file is invalid; the message names the field."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _HugeInt:
     """An integer in the YAML too long for Python to convert from text (its
     int-from-str digit limit); every numeric field refuses it, naming itself."""
@@ -99,239 +144,225 @@ class _HugeInt:
         return f"{'a negative' if self.negative else 'an'} integer of {self.digits} digits"
 
 
-class _Repr(reprlib.Repr):
-    """reprlib cut short: deep, long or recursive values and huge integers stay one short line."""
+def _entries(cls: type, what: str, may_be_empty: bool = True) -> BeforeValidator:
+    """The check of a list field of ``cls`` entries: a list (null: empty, where it may be)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel, self.maxstring, self.maxother = 3, 60, 60
+    def check(value: Any) -> Any:
+        if value is None and may_be_empty:
+            return []
+        if not isinstance(value, list) or not (value or may_be_empty):
+            kind = "a list" if may_be_empty else "a non-empty list"
+            raise ValueError(f"expected {kind} of {what} {{{', '.join(f.name for f in dataclasses.fields(cls))}}}")
+        return value
 
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() <= 64:
-            return repr(x)
-        return f"{'a negative' if x < 0 else 'an'} integer of about {int(x.bit_length() * math.log10(2)) + 1} digits"
-
-
-_REPR = _Repr()
+    return BeforeValidator(check)
 
 
-def _show(value: Any) -> str:
-    """``repr(value)`` for an error message, bounded whatever the value is."""
-    return _REPR.repr(value)
-
-
-class FieldError(ConfigError):
-    """A section's own field is invalid. Raised by a section's ``__post_init__``
-    with the field's name relative to the section; the builder prefixes the
-    section's path (``router`` + ``port`` -> ``router.port: ...``)."""
-
-    def __init__(self, name: str, reason: str) -> None:
-        super().__init__(f"{name}: {reason}")
-        self.name = name
-        self.reason = reason
-
-
-def _one_of(values) -> str:
-    """``a, b or c``."""
-    values = [str(v) for v in values]
-    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
-
-
-_E = TypeVar("_E", bound=StrEnum)
-
-
-def _enum(cls: type[_E], value: Any, name: str, reason: str) -> _E:
-    """``value`` as a member of ``cls``, else FieldError(name, reason + the value)."""
-    try:
-        return cls(value)
-    except ValueError:
-        raise FieldError(name, f"{reason}, got {value!r}") from None
-
-
-def _positive(section: Any, *names: str) -> None:
-    for name in names:
-        if getattr(section, name) <= 0:
-            raise FieldError(name, "must be positive")
-
-
-@dataclass(slots=True)
-class ModelSection:
-    path: str | None = None
+@dataclass(slots=True, config=SECTION_CONFIG)
+class ModelSection(ConfigSection):
+    path: StrictStr | None = None
     """Checkpoint folder; ``None`` = the embedded default model (prepared on first use)."""
-    dtype: DType = "float32"
+    dtype: DTypeField = "float32"
     """float32 or bfloat16 on CPU; bfloat16 or float16 on CUDA."""
-    device: str = "cpu"
+    device: StrictStr = "cpu"
     """cpu or cuda[:N]."""
 
-    def __post_init__(self) -> None:
-        if self.dtype not in get_args(DType):
-            raise FieldError("dtype", f"must be {_one_of(get_args(DType))}, got {self.dtype!r}")
 
-
-@dataclass(slots=True)
-class HttpSection:
+@dataclass(slots=True, config=SECTION_CONFIG)
+class HttpSection(ConfigSection):
     """Bounds of the OpenAI-compatible HTTP API (``router.http``) against slow, large or greedy clients."""
 
-    max_body_bytes: int = 8 << 20
+    max_body_bytes: StrictInt = Field(default=8 << 20, gt=0, le=1 << 30)
     """A request body over this is refused (413) as it arrives, chunked or not."""
-    header_timeout_s: float = 10.0
+    header_timeout_s: StrictFloat = Field(default=10.0, gt=0, le=3_600)
     """A connection must send a whole request head (and finish its TLS
     handshake) within this of connecting or of its previous response, or it is closed."""
-    body_timeout_s: float = 30.0
+    body_timeout_s: StrictFloat = Field(default=30.0, gt=0, le=_DAY_S)
     """A request body must arrive whole within this of its head (408 otherwise)."""
-    max_connections: int = 1024
+    max_connections: StrictInt = Field(default=1024, gt=0, le=1_000_000)
     """Open connections at most; one more gets 503 and is closed."""
-    max_connections_per_client: int = 256
+    max_connections_per_client: StrictInt = Field(default=256, gt=0, le=1_000_000)
     """Open connections from one client address at most; one more gets 429 and is closed."""
 
-    def __post_init__(self) -> None:
-        _positive(self, "max_body_bytes", "header_timeout_s", "body_timeout_s", "max_connections",
-                  "max_connections_per_client")
 
-
-@dataclass(slots=True)
-class ApiSection:
+@dataclass(slots=True, config=SECTION_CONFIG)
+class ApiSection(ConfigSection):
     """Bounds of the public API (``router.api``), shared by gRPC, HTTP and jobs."""
 
-    max_prompt_bytes: int = 1 << 20
+    max_prompt_bytes: StrictInt = Field(default=1 << 20, gt=0, le=1 << 30)
     """A prompt (or chat messages) over this many UTF-8 bytes is refused before tokenizing."""
-    max_message_bytes: int = 16 << 20
+    max_message_bytes: StrictInt = Field(default=16 << 20, gt=0, le=1 << 30)
     """Largest gRPC message the public listener takes (the internal one takes 64 MiB);
     a batch job's requests travel in one message (at most 15 MiB, router/frontends/jobs.py)."""
-    max_concurrent_rpcs: int = 1024
+    max_concurrent_rpcs: StrictInt = Field(default=1024, gt=0, le=1_000_000)
     """gRPC calls the public listener serves at once; more get RESOURCE_EXHAUSTED."""
-    tokenizer_threads: int = 2
+    tokenizer_threads: StrictInt = Field(default=2, gt=0, le=256)
     """Threads that tokenize prompts, off the router's event loop."""
 
-    def __post_init__(self) -> None:
-        _positive(self, "max_prompt_bytes", "max_message_bytes", "max_concurrent_rpcs", "tokenizer_threads")
 
+@dataclass(slots=True, config=SECTION_CONFIG)
+class LivenessSection(ConfigSection):
+    """How the cluster notices what stopped (``router.liveness``): heartbeats, link probes, KV leases."""
 
-@dataclass(slots=True)
-class RouterSection:
-    site: str | None = None
-    """The site the router runs at (it tokenizes every prompt and keeps the
-    jobs and audit files): the data-handling statement names its jurisdiction.
-    None: not declared (the statement says so)."""
-    host: str = "127.0.0.1"
-    """Address the router's gRPC server binds."""
-    port: int = 50051
-    """Port of the gRPC server; 0 picks a free one."""
-    http_port: int | None = 8000
-    """Port of the OpenAI-compatible HTTP API (same host); 0 picks a free one;
-    null turns it off."""
-    internal_port: int = 50052
-    """Mutual-TLS listener for workers (Registry) and certificate holders
-    (operators, tenants with client certificates); 0 = any free port."""
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: StrictFloat = Field(default=1.0, gt=0, le=3_600)
     """How often workers report load."""
-    worker_timeout_s: float = 5.0
+    worker_timeout_s: StrictFloat = Field(default=5.0, gt=0, le=_DAY_S)
     """A worker silent this long is unhealthy and gets no requests."""
-    link_probe_timeout_s: float = 1.0
+    link_probe_timeout_s: StrictFloat = Field(default=1.0, gt=0, le=3_600)
     """Each heartbeat, every worker TCP-connects to a worker in each site linked
     to its own; a connect slower than this marks the link down (placement stops
-    using it and transfers on it are re-placed) until a probe succeeds again."""
-    kv_lease_s: float = 30.0
+    using it and transfers on it are re-placed) until a probe succeeds again.
+    At most half of ``worker_timeout_s`` (a heartbeat waits for the probes)."""
+    kv_lease_s: StrictFloat = Field(default=30.0, gt=0, le=_DAY_S)
     """A decode worker frees a reservation whose KV has not arrived by then."""
-    policy: PlacementPolicy = PlacementPolicy.COST_MODEL
-    """Placement policy: round_robin, least_loaded, prefix_aware or cost_model."""
-    max_inflight_per_worker: int = 64
+
+    def __post_init__(self) -> None:
+        if self.link_probe_timeout_s > self.worker_timeout_s / 2:
+            raise FieldError("link_probe_timeout_s", f"must be at most half of worker_timeout_s "
+                             f"({self.worker_timeout_s / 2:g}): a heartbeat waits for the probes")
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
+class AdmissionSection(ConfigSection):
+    """How many requests the router keeps on each worker, and who waits how long (``router.admission``)."""
+
+    max_inflight_per_worker: StrictInt = Field(default=64, ge=1, le=65_536)
     """Admission bound: requests the router keeps on one worker at once; when
     every eligible worker is full, requests get RESOURCE_EXHAUSTED with a retry hint."""
-    admission_wait_s: float = 60.0
+    interactive_reserve: StrictInt = Field(default=1, ge=0, le=65_535)
+    """Slots of every worker's max_inflight_per_worker that batch requests leave
+    free, so an interactive request finds room at once however busy jobs keep it.
+    Below max_inflight_per_worker."""
+    job_concurrency: StrictInt = Field(default=4, ge=1, le=4_096)
+    """Job requests the router runs at once (only while no interactive request waits)."""
+    admission_wait_s: StrictFloat = Field(default=60.0, gt=0, le=_DAY_S)
     """A request that finds every eligible decode worker full waits at the router
     for room up to this long (never past its own deadline), then gets
     RESOURCE_EXHAUSTED with a retry hint."""
-    unavailable_wait_s: float = 10.0
+    unavailable_wait_s: StrictFloat = Field(default=10.0, gt=0, le=_DAY_S)
     """A request that finds no healthy decode worker it may use (workers
     restarting, or a router that just restarted and awaits their heartbeats)
     waits for one up to this long (never past its deadline), then gets UNAVAILABLE."""
-    colocate_below_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.interactive_reserve >= self.max_inflight_per_worker:
+            raise FieldError("interactive_reserve", f"must be in [0, max_inflight_per_worker), got "
+                                                    f"{self.interactive_reserve}")
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
+class PlacementSection(ConfigSection):
+    """Where the router places each request (``router.placement``; router/placement)."""
+
+    policy: Policy = PlacementPolicy.COST_MODEL
+    """Placement policy: round_robin, least_loaded, prefix_aware or cost_model."""
+    colocate_below_tokens: StrictInt = Field(default=32, ge=0, le=MAX_TOKENS)
     """Prompts shorter than this are prefilled by their decode worker."""
-    default_prefill_tokens_per_s: float = 1000.0
+    default_prefill_tokens_per_s: StrictFloat = Field(default=1000.0, gt=0, le=1_000_000_000)
     """Prefill throughput assumed for a worker until it has measured its own."""
-    herd_tolerance: float = 0.05
+    herd_tolerance: StrictFloat = Field(default=0.05, ge=0, le=1)
     """cost_model picks at random among candidates within this fraction of the
     best estimate, so simultaneous requests do not all pile onto one worker."""
-    slo_ttft_s: float = 2.0
-    """Time-to-first-token objective the planner sizes prefill pools for."""
-    slo_tpot_s: float = 0.2
-    """Time-per-output-token objective the planner sizes decode pools for."""
-    planner_window_s: float = 60.0
-    """Recent requests the planner's figures cover."""
-    jobs_db: str | None = None
-    """SQLite file holding batch jobs and their results (durable across router
-    restarts); None = `kvrelay serve` uses jobs.sqlite in the cache folder."""
-    job_concurrency: int = 4
-    """Job requests the router runs at once (only while no interactive request waits)."""
-    interactive_reserve: int = 1
-    """Slots of every worker's max_inflight_per_worker that batch requests leave
-    free, so an interactive request finds room at once however busy jobs keep it."""
-    scaling: ScalingOwner = ScalingOwner.KVRELAY
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
+class PoolSizingSection(ConfigSection):
+    """How the worker pools are sized (``router.pools``): who sets their sizes,
+    the objectives the planner sizes them for, and how a removed worker leaves."""
+
+    scaling: Scaling = ScalingOwner.KVRELAY
     """Who sets pool sizes: kvrelay (its launchers follow `kvrelay scale`) or
     external (an orchestrator such as Kubernetes; `kvrelay scale` is refused)."""
-    drain_timeout_s: float = 600.0
+    slo_ttft_s: StrictFloat = Field(default=2.0, gt=0, le=3_600)
+    """Time-to-first-token objective the planner sizes prefill pools for."""
+    slo_tpot_s: StrictFloat = Field(default=0.2, gt=0, le=3_600)
+    """Time-per-output-token objective the planner sizes decode pools for."""
+    planner_window_s: StrictFloat = Field(default=60.0, gt=0, le=_DAY_S)
+    """Recent requests the planner's figures cover."""
+    drain_timeout_s: StrictFloat = Field(default=600.0, gt=0, le=_DAY_S)
     """A draining worker (scale-down, `kvrelay drain`) leaves after this even
     if requests remain; until then it finishes what it holds."""
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
+class RecordsSection(ConfigSection):
+    """What the router keeps on disk, and for how long (``router.records``)."""
+
+    jobs_db: StrictStr | None = None
+    """SQLite file holding batch jobs and their results (durable across router
+    restarts); None = `kvrelay serve` uses jobs.sqlite in the cache folder."""
+    audit_log: StrictStr | None = None
+    """Append-only, hash-chained JSONL audit log (one record per request and
+    per operator action); None = `kvrelay serve` uses audit.jsonl in the cache folder."""
+    usage_db: StrictStr | None = None
+    """SQLite file of usage accounting (the workers' own counters, per minute);
+    None = `kvrelay serve` uses usage.sqlite in the cache folder."""
+    retention_sweep_s: StrictFloat = Field(default=3600.0, gt=0, le=_DAY_S)
+    """How often the retention sweeper deletes jobs and audit records past their tenant's retention."""
+    operator_audit_retention_days: StrictFloat = Field(default=365.0, gt=0, le=36_500)
+    """Retention of audit records that belong to no tenant (operator actions, worker registrations)."""
+
+
+ROUTER_SECTIONS = {"liveness": LivenessSection, "admission": AdmissionSection, "placement": PlacementSection,
+                   "pools": PoolSizingSection, "records": RecordsSection}
+"""The router's sections by concern, whose fields were the router's own until they moved there."""
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
+class RouterSection(ConfigSection):
+    """The router: where it listens, and its sections by concern."""
+
+    MOVED: ClassVar[dict[str, str]] = {name: f"moved to router.{where}.{name}" for where, cls in ROUTER_SECTIONS.items()
+                                       for name in (f.name for f in dataclasses.fields(cls))}
+    """The router's fields of before its sections (``router.policy``), each naming its new place."""
+
+    site: StrictStr | None = None
+    """The site the router runs at (it tokenizes every prompt and keeps the
+    jobs and audit files): the data-handling statement names its jurisdiction.
+    None: not declared (the statement says so)."""
+    host: StrictStr = "127.0.0.1"
+    """Address the router's gRPC server binds."""
+    port: StrictInt = Field(default=50051, ge=0, le=65_535)
+    """Port of the gRPC server; 0 picks a free one."""
+    http_port: StrictInt | None = Field(default=8000, ge=0, le=65_535)
+    """Port of the OpenAI-compatible HTTP API (same host); 0 picks a free one;
+    null turns it off."""
+    internal_port: StrictInt = Field(default=50052, ge=0, le=65_535)
+    """Mutual-TLS listener for workers (Registry) and certificate holders
+    (operators, tenants with client certificates); 0 = any free port."""
+    liveness: LivenessSection = field(default_factory=LivenessSection)
+    """Heartbeats, link probes and KV leases: how the cluster notices what stopped."""
+    admission: AdmissionSection = field(default_factory=AdmissionSection)
+    """Requests kept on each worker, the slots left to interactive requests, and how long requests wait."""
+    placement: PlacementSection = field(default_factory=PlacementSection)
+    """The placement policy and what it assumes."""
+    pools: PoolSizingSection = field(default_factory=PoolSizingSection)
+    """Who sizes the worker pools, for which objectives, and how a removed worker leaves."""
+    records: RecordsSection = field(default_factory=RecordsSection)
+    """The jobs, audit and usage files, and how long records are kept."""
     http: HttpSection = field(default_factory=HttpSection)
     """Bounds of the HTTP API: body size, header and body deadlines, connections."""
     api: ApiSection = field(default_factory=ApiSection)
     """Bounds of the public API: prompt bytes, gRPC message size and concurrent calls, tokenizer threads."""
-    audit_log: str | None = None
-    """Append-only, hash-chained JSONL audit log (one record per request and
-    per operator action); None = `kvrelay serve` uses audit.jsonl in the cache folder."""
-    usage_db: str | None = None
-    """SQLite file of usage accounting (the workers' own counters, per minute);
-    None = `kvrelay serve` uses usage.sqlite in the cache folder."""
-    retention_sweep_s: float = 3600.0
-    """How often the retention sweeper deletes jobs and audit records past their tenant's retention."""
-    operator_audit_retention_days: float = 365.0
-    """Retention of audit records that belong to no tenant (operator actions, worker registrations)."""
-
-    def __post_init__(self) -> None:
-        for name in ("port", "internal_port"):
-            if not 0 <= getattr(self, name) <= 65535:
-                raise FieldError(name, f"must be in [0, 65535], got {getattr(self, name)}")
-        _positive(self, "heartbeat_interval_s", "worker_timeout_s", "kv_lease_s", "drain_timeout_s", "slo_ttft_s",
-                  "slo_tpot_s", "planner_window_s", "admission_wait_s", "link_probe_timeout_s",
-                  "unavailable_wait_s", "retention_sweep_s", "operator_audit_retention_days")
-        self.policy = _enum(PlacementPolicy, self.policy, "policy", f"must be one of {', '.join(PlacementPolicy)}")
-        self.scaling = _enum(ScalingOwner, self.scaling, "scaling", f"must be {_one_of(ScalingOwner)}")
-        self._check_limits()
-
-    def _check_limits(self) -> None:
-        if self.job_concurrency < 1:
-            raise FieldError("job_concurrency", "must be >= 1")
-        if self.max_inflight_per_worker < 1:
-            raise FieldError("max_inflight_per_worker", "must be >= 1")
-        if not 0 <= self.interactive_reserve < self.max_inflight_per_worker:
-            raise FieldError("interactive_reserve", f"must be in [0, max_inflight_per_worker), got "
-                                                    f"{self.interactive_reserve}")
-        if self.colocate_below_tokens < 0:
-            raise FieldError("colocate_below_tokens", "must be >= 0")
-        _positive(self, "default_prefill_tokens_per_s")
-        if not 0 <= self.herd_tolerance <= 1:
-            raise FieldError("herd_tolerance", "must be in [0, 1]")
-        if self.http_port is not None and not 0 <= self.http_port <= 65535:
-            raise FieldError("http_port", f"must be in [0, 65535] or null, got {self.http_port}")
 
 
-@dataclass(slots=True)
-class PoolSection:
-    replicas: int = 1
-    """Workers of this role at the site (at start; `kvrelay scale` changes it)."""
-    max_replicas: int = 16
+@dataclass(slots=True, config=SECTION_CONFIG)
+class PoolSection(ConfigSection):
+    replicas: StrictInt = Field(default=1, le=_MAX_REPLICAS, json_schema_extra={"minimum": 0})
+    """Workers of this role at the site (at start; `kvrelay scale` changes it). In [0, max_replicas]."""
+    max_replicas: StrictInt = Field(default=16, ge=0, le=_MAX_REPLICAS)
     """Operator limit: `kvrelay scale` refuses more than this."""
-    min_replicas: int = 0
-    """Operator limit for the planner (`kvrelay plan`): it never recommends fewer."""
-    device: str | None = None
+    min_replicas: StrictInt = Field(default=0, le=_MAX_REPLICAS, json_schema_extra={"minimum": 0})
+    """Operator limit for the planner (`kvrelay plan`): it never recommends fewer. In [0, max_replicas]."""
+    device: StrictStr | None = None
     """cpu or cuda[:N] for this pool; None = model.device."""
-    tenants: list[str] = field(default_factory=list)
+    tenants: StringList = field(default_factory=list)
     """Dedicated pool: only these tenants' requests are placed on it. Empty: shared by every tenant."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.max_replicas <= 1024:
-            raise FieldError("max_replicas", f"must be in [0, 1024], got {self.max_replicas}")
+        for name in ("min_replicas", "replicas"):  # their lower bound 0 depends on max_replicas: checked here
+            if getattr(self, name) < -_MAX_REPLICAS:  # past the bound's size, as for every other field
+                raise FieldError(name, f"must be >= 0, got {show(getattr(self, name))}")
         if not 0 <= self.min_replicas <= self.max_replicas:
             raise FieldError("min_replicas", f"must be in [0, max_replicas], got {self.min_replicas}")
         if not 0 <= self.replicas <= self.max_replicas:
@@ -340,39 +371,34 @@ class PoolSection:
             raise FieldError("device", f"must be cpu or cuda[:N], got {self.device!r}")
 
 
-@dataclass(slots=True)
-class LinkSection:
+_ENCRYPT = {"encrypt": "replaced by protection: aead | integrity; every link is encrypted unless it says integrity"}
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
+class LinkSection(ConfigSection):
     """A network link between two sites (or, as ``local_link``, within a site)."""
 
-    between: list[str] = field(default_factory=list)
+    MOVED: ClassVar[dict[str, str]] = _ENCRYPT
+
+    between: StringList = field(default_factory=list)
     """The two site names (empty for local_link)."""
-    rtt_ms: float = 0.2
-    """Round-trip time."""
-    gbps: float = 10.0
-    """Bandwidth available to KV transfers, Gbit/s."""
-    transport: Transport | None = None
+    rtt_ms: StrictFloat = Field(default=0.2, ge=0, le=60_000)
+    """Round-trip time (a minute at most)."""
+    gbps: StrictFloat = Field(default=10.0, gt=0, le=10_000)
+    """Bandwidth available to KV transfers, Gbit/s (10 Tbit/s at most)."""
+    transport: LinkTransport | None = None
     """KV transport on this link: tcp, nixl or local; None = kv.transport."""
-    protection: Protection | None = None
+    protection: ProtectionField | None = None
     """KV protection on this link: aead (encrypted and authenticated) or
     integrity (authenticated, readable); None = kv.protection. Receivers
     enforce it for senders whose certificate names the other end's site."""
 
-    def __post_init__(self) -> None:
-        if not self.rtt_ms >= 0:
-            raise FieldError("rtt_ms", f"must be >= 0, got {self.rtt_ms}")
-        if not self.gbps > 0:
-            raise FieldError("gbps", f"must be positive, got {self.gbps}")
-        if self.transport is not None:
-            self.transport = _enum(Transport, self.transport, "transport", f"must be {_one_of(Transport)}")
-        if self.protection is not None:
-            self.protection = _enum(Protection, self.protection, "protection", f"must be {_one_of(Protection)}")
 
-
-@dataclass(slots=True)
-class SiteSection:
-    name: str
+@dataclass(slots=True, config=SECTION_CONFIG)
+class SiteSection(ConfigSection):
+    name: StrictStr
     """Site name, e.g. toronto."""
-    jurisdiction: str = "unspecified"
+    jurisdiction: StrictStr = "unspecified"
     """Where data at this site is processed, e.g. CA-ON."""
     prefill: PoolSection = field(default_factory=PoolSection)
     decode: PoolSection = field(default_factory=PoolSection)
@@ -386,65 +412,49 @@ class SiteSection:
             raise FieldError("name", f"{self.name!r} must be lowercase letters, digits, - or _")
 
 
-@dataclass(slots=True)
-class WorkerSection:
-    host: str = "127.0.0.1"
+@dataclass(slots=True, config=SECTION_CONFIG)
+class WorkerSection(ConfigSection):
+    host: StrictStr = "127.0.0.1"
     """Address workers bind and advertise (gRPC and KV receiver); "auto" = each
     worker's own address on the route to the router (multi-node, e.g. Ray)."""
-    threads: int | None = None
+    threads: StrictInt | None = Field(default=None, ge=1, le=1_024)
     """torch threads per worker; None = torch's default."""
-    fail_engine_worker: str | None = None
+    fail_engine_worker: StrictStr | None = None
     """Fault injection (tests and chaos only, never for service): the worker
     with this id has its engine step number ``fail_engine_at_step`` raise."""
-    fail_engine_at_step: int = 1
-
-    def __post_init__(self) -> None:
-        if self.fail_engine_at_step < 1:
-            raise FieldError("fail_engine_at_step", "must be >= 1")
-        if self.threads is not None and self.threads < 1:
-            raise FieldError("threads", f"must be >= 1 or null, got {self.threads}")
+    fail_engine_at_step: StrictInt = Field(default=1, ge=1, le=1_000_000_000)
 
 
-@dataclass(slots=True)
-class KVSection:
-    transport: KVTransport = AUTO
+@dataclass(slots=True, config=SECTION_CONFIG)
+class KVSection(ConfigSection):
+    MOVED: ClassVar[dict[str, str]] = _ENCRYPT
+
+    transport: KVTransportField = AUTO
     """KV transport: auto (nixl where the host has RDMA, else tcp), tcp, nixl or local."""
-    streams: int = 4
+    streams: StrictInt = Field(default=4, ge=1, le=64)
     """Parallel TCP connections per peer."""
-    socket_buffer_bytes: int | None = None
+    socket_buffer_bytes: StrictInt | None = Field(default=None, ge=0, le=1 << 30)
     """TCP socket buffers; size to the link's bandwidth-delay product (None = kernel default)."""
-    secret_file: str | None = None
+    secret_file: StrictStr | None = None
     """File holding the deployment secret that authenticates KV connections;
     None = `kvrelay serve` makes a random one per run and hands it to its workers."""
-    transfer_timeout_s: float = 30.0
+    transfer_timeout_s: StrictFloat = Field(default=30.0, gt=0, le=_DAY_S)
     """A prefill worker gives up on (and frees the blocks of) a transfer not acknowledged by then."""
-    protection: Protection = Protection.AEAD
+    protection: ProtectionField = Protection.AEAD
     """KV protection of links that name none: aead (AES-256-GCM, or
     ChaCha20-Poly1305 without AES instructions, over every frame) or integrity
     (a MAC over every frame, for links inside one machine room)."""
-    corrupt_first_transfers: int = 0
+    corrupt_first_transfers: StrictInt = Field(default=0, ge=0, le=1_000_000_000)
     """Fault injection (tests, chaos runs; never in service): each prefill worker
     flips one sealed byte of the first N KV transfers it sends (as an on-path
     attacker would), so that receivers must detect and refuse them."""
 
-    def __post_init__(self) -> None:
-        if self.transport != AUTO:
-            self.transport = _enum(Transport, self.transport, "transport", f"must be {_one_of([AUTO, *Transport])}")
-        if not 1 <= self.streams <= 64:
-            raise FieldError("streams", f"must be in [1, 64], got {self.streams}")
-        self.protection = _enum(Protection, self.protection, "protection", f"must be {_one_of(Protection)}")
-        if self.corrupt_first_transfers < 0:
-            raise FieldError("corrupt_first_transfers", "must be >= 0")
-        if self.socket_buffer_bytes is not None and self.socket_buffer_bytes < 0:
-            raise FieldError("socket_buffer_bytes", f"must be >= 0 or null, got {self.socket_buffer_bytes}")
-        _positive(self, "transfer_timeout_s")
 
-
-@dataclass(slots=True)
-class Credential:
-    name: str
+@dataclass(slots=True, config=SECTION_CONFIG)
+class Credential(ConfigSection):
+    name: StrictStr
     """Who holds the token (shown in logs)."""
-    token_sha256: str
+    token_sha256: StrictStr
     """Hex SHA-256 of the bearer token; the token itself is never stored.
     `kvrelay token` makes a token and prints this line for it."""
 
@@ -454,13 +464,15 @@ class Credential:
                                              "(the SHA-256 of the token; `kvrelay token` prints one)")
 
 
-@dataclass(slots=True)
-class AuthSection:
-    operators: list[Credential] = field(default_factory=list)
+@dataclass(slots=True, config=SECTION_CONFIG)
+class AuthSection(ConfigSection):
+    MOVED: ClassVar[dict[str, str]] = {"clients": "moved to the top-level tenants: [{name, token_sha256, ...policy}]"}
+
+    operators: Annotated[list[Credential], _entries(Credential, "credentials")] = field(default_factory=list)
     """Who may call the Admin API (kvrelay scale / drain / pools). Empty:
     `kvrelay serve` makes a token for this run and writes it to a file only
     its user can read."""
-    allow_anonymous: bool = False
+    allow_anonymous: StrictBool = False
     """Serve clients that present no credentials (all of them one tenant,
     "anonymous", with the policy of a ``tenants`` entry of that name if there
     is one). Refused unless every listener is on a loopback address."""
@@ -473,34 +485,33 @@ class AuthSection:
             names.add(cred.name)
 
 
-@dataclass(slots=True)
-class TLSSection:
+@dataclass(slots=True, config=SECTION_CONFIG)
+class TLSSection(ConfigSection):
     """Certificates of the cluster PKI (``kvrelay pki``). Every gRPC and HTTP
     listener speaks TLS; internal ones (Registry, workers) mutual TLS."""
 
-    enabled: bool = True
+    enabled: StrictBool = True
     """False: plaintext everywhere (comparisons on one machine); refused
     unless every listener is on a loopback address."""
-    ca: str | None = None
+    ca: StrictStr | None = None
     """CA bundle (PEM) every process trusts. None: `kvrelay serve` uses the
     per-user CA it makes under the cache folder."""
-    ca_key: str | None = None
+    ca_key: StrictStr | None = None
     """The CA's key: the launcher then issues a certificate to each process it
     starts. Without it, each process uses ``cert``/``key``."""
-    cert: str | None = None
+    cert: StrictStr | None = None
     """This process's certificate (PEM), when the launcher does not issue one."""
-    key: str | None = None
+    key: StrictStr | None = None
     """Its private key (PEM, unencrypted, readable by this user only)."""
-    cert_days: float = 30.0
-    """Lifetime of the certificates the launcher and `kvrelay pki issue` make."""
-    revoked_serials: list[str] = field(default_factory=list)
+    cert_days: StrictFloat = Field(default=30.0, gt=0, le=3_650)
+    """Lifetime of the certificates the launcher and `kvrelay pki issue` make (ten years at most)."""
+    revoked_serials: StringList = field(default_factory=list)
     """Serials (hex, as `kvrelay pki show` prints them) refused although the CA signed them."""
-    server_names: list[str] = field(default_factory=list)
+    server_names: StringList = field(default_factory=list)
     """More DNS names or IP addresses for the router's server certificate
     (its host, localhost and 127.0.0.1 are always in it)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "cert_days")
         for i, serial in enumerate(self.revoked_serials):
             if not re.fullmatch(r"[0-9a-fA-F:]{1,64}", serial):
                 raise FieldError(f"revoked_serials[{i}]", f"must be a hex serial, got {serial!r}")
@@ -519,43 +530,43 @@ class TraceExport(StrEnum):
     """One JSONL file per process (``telemetry.file``), which ``kvrelay trace`` reads."""
 
 
-@dataclass(slots=True)
-class TelemetrySection:
+Traces = Annotated[TraceExport, choice(TraceExport, _one_of(TraceExport))]
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
+class TelemetrySection(ConfigSection):
     """Traces (OpenTelemetry) and metrics (Prometheus) of every process."""
 
-    traces: TraceExport = TraceExport.NONE
+    traces: Traces = TraceExport.NONE
     """none | otlp | file."""
-    endpoint: str | None = None
+    endpoint: StrictStr | None = None
     """OTLP collector, ``https://host:4317`` (TLS) or ``http://`` to a loopback
     address only (spans name tenants, sites and workers)."""
-    ca_file: str | None = None
+    ca_file: StrictStr | None = None
     """CA bundle that signs an ``https://`` collector's certificate (None: the system's roots)."""
-    file: str = "kvrelay-traces/{process}.jsonl"
+    file: StrictStr = "kvrelay-traces/{process}.jsonl"
     """The JSONL file of each process; ``{process}`` becomes ``router`` or the
     worker (``toronto-decode-0``). Relative paths are from the process's directory."""
-    file_max_bytes: int = 256 << 20
+    file_max_bytes: StrictInt = Field(default=256 << 20, ge=1 << 20, le=1 << 40)
     """A process's trace file is moved to ``<name>.1.jsonl`` (replacing the one
-    before) when it reaches this size, so spans never fill the disk."""
-    sample_ratio: float = 1.0
+    before) when it reaches this size (at least 1 MiB), so spans never fill the disk."""
+    sample_ratio: StrictFloat = Field(default=1.0, ge=0, le=1)
     """Share of requests traced, in [0, 1]; a client's sampled ``traceparent`` is always followed."""
-    metrics_host: str = "127.0.0.1"
+    metrics_host: StrictStr = "127.0.0.1"
     """Where every process serves /metrics. A non-loopback address needs
     ``metrics_exposed: true``: the exposition is plaintext HTTP without credentials."""
-    metrics_exposed: bool = False
+    metrics_exposed: StrictBool = False
     """Allow a non-loopback ``metrics_host`` (behind a network policy that admits only the scraper)."""
-    router_metrics_port: int | None = 0
+    router_metrics_port: StrictInt | None = Field(default=0, ge=0, le=65_535)
     """The router's /metrics port; 0 = any free port, null = no metrics."""
-    worker_metrics_port: int | None = 0
+    worker_metrics_port: StrictInt | None = Field(default=0, ge=0, le=65_535)
     """Each worker's /metrics port (0 = any free port, advertised when it registers; null = none).
     A fixed port suits one worker per host or pod (Kubernetes), not several."""
-    prometheus_targets: str | None = None
+    prometheus_targets: StrictStr | None = None
     """A Prometheus ``file_sd`` JSON file the router keeps up to date with every
     process's /metrics address (labels: role, site, worker); None = not written."""
 
     def __post_init__(self) -> None:
-        self.traces = _enum(TraceExport, self.traces, "traces", f"must be {_one_of(TraceExport)}")
-        if not 0.0 <= self.sample_ratio <= 1.0:
-            raise FieldError("sample_ratio", f"must be in [0, 1], got {self.sample_ratio}")
         if self.traces is TraceExport.OTLP:
             _check_collector(self.endpoint)
         elif self.endpoint is not None or self.ca_file is not None:
@@ -564,12 +575,6 @@ class TelemetrySection:
         if self.ca_file is not None and (self.endpoint or "").startswith("http://"):
             raise FieldError("ca_file", "is only used with an https:// endpoint")
         _check_file_template(self.file)
-        for name in ("router_metrics_port", "worker_metrics_port"):
-            port = getattr(self, name)
-            if port is not None and port < 0:
-                raise FieldError(name, f"must be a port in [0, 65535] or null, got {port}")
-        if self.file_max_bytes < 1 << 20:
-            raise FieldError("file_max_bytes", f"must be at least 1 MiB, got {self.file_max_bytes}")
         if not is_loopback(self.metrics_host) and not self.metrics_exposed:
             raise FieldError("metrics_host", f"{self.metrics_host} is not a loopback address; /metrics is "
                              "plaintext without credentials: set metrics_exposed: true behind a network policy")
@@ -596,32 +601,27 @@ def _check_collector(endpoint: str | None) -> None:
         raise FieldError("endpoint", f"{endpoint} would send spans in plaintext off this host: use https://")
 
 
-@dataclass(slots=True)
-class HealthSection:
+@dataclass(slots=True, config=SECTION_CONFIG)
+class HealthSection(ConfigSection):
     """``/livez`` and ``/readyz`` of every process (runtime/health.py), for an
     orchestrator's probes. Off by default; the Helm chart turns it on."""
 
-    host: str = "127.0.0.1"
+    host: StrictStr = "127.0.0.1"
     """Where the probe listeners bind (0.0.0.0 in a pod: the kubelet probes the pod's address).
     The answers carry no data beyond ok or a one-line reason, so any address is allowed."""
-    router_port: int | None = None
+    router_port: StrictInt | None = Field(default=None, ge=0, le=65_535)
     """The router's probe port; 0 = any free port, null = none."""
-    worker_port: int | None = None
+    worker_port: StrictInt | None = Field(default=None, ge=0, le=65_535)
     """Each worker's probe port (a fixed one suits one worker per pod); null = none."""
 
-    def __post_init__(self) -> None:
-        for name in ("router_port", "worker_port"):
-            port = getattr(self, name)
-            if port is not None and port < 0:
-                raise FieldError(name, f"must be a port in [0, 65535] or null, got {port}")
 
-
-@dataclass(slots=True)
-class ClusterConfig:
+@dataclass(slots=True, config=SECTION_CONFIG)
+class ClusterConfig(ConfigSection):
     model: ModelSection = field(default_factory=ModelSection)
     router: RouterSection = field(default_factory=RouterSection)
-    sites: list[SiteSection] = field(default_factory=lambda: [SiteSection(name="local")])
-    links: list[LinkSection] = field(default_factory=list)
+    sites: Annotated[list[SiteSection], _entries(SiteSection, "sites", may_be_empty=False)] = field(
+        default_factory=lambda: [SiteSection(name="local")])
+    links: Annotated[list[LinkSection], _entries(LinkSection, "links")] = field(default_factory=list)
     """Links between sites; a pair of sites without one never exchanges KV."""
     local_link: LinkSection = field(default_factory=LinkSection)
     """The network between workers of one site."""
@@ -634,7 +634,7 @@ class ClusterConfig:
     telemetry: TelemetrySection = field(default_factory=TelemetrySection)
     health: HealthSection = field(default_factory=HealthSection)
     """Probe endpoints of every process (off unless a port is set)."""
-    tenants: list[TenantSection] = field(default_factory=list)
+    tenants: Annotated[list[TenantSection], _entries(TenantSection, "tenants")] = field(default_factory=list)
     """Who may call the Inference and Jobs APIs (gRPC and HTTP), one entry per
     tenant with its credential and policy (runtime/tenants.py). Empty: nobody
     may, unless ``auth.allow_anonymous`` (`kvrelay serve` adds tenant ``local``)."""
@@ -656,205 +656,138 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, enum.Enum) else value
 
 
-def _path(where: str, name: str) -> str:
-    """The config path of field ``name`` of the section at ``where``."""
-    return name if where == "config" else f"{where}.{name}"
+# -- the bounds of each field, and pydantic's errors in our words ----------------------------------------------------
+def _fields(cls: Any) -> dict[str, FieldInfo]:
+    """The pydantic fields of section ``cls`` (none if it is not a section)."""
+    return cls.__pydantic_fields__ if isinstance(cls, type) and is_pydantic_dataclass(cls) else {}
 
 
-def _build(cls: type, raw: Any, where: str):
-    """Builds dataclass ``cls`` from a mapping, naming ``where`` in errors
-    (a section's own FieldError gets ``where`` prefixed to its field)."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    _check_known(raw, fields, where)
-    kwargs = {name: _convert(fields[name].type, value, _path(where, name), FIELD_MAX.get((cls.__name__, name)))
-              for name, value in raw.items()}
-    try:
-        return cls(**kwargs)
-    except (FieldError, TenantFieldError) as exc:
-        raise ConfigError(f"{_path(where, exc.name)}: {exc.reason}") from None
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+def _section_in(annotation: Any) -> Any:
+    """The section class in a field's annotation (``X``, ``list[X]``, ``X | None``), else None."""
+    if _fields(annotation):
+        return annotation
+    return next((a for a in get_args(annotation) if _fields(a)), None)
 
 
-def _check_known(raw: dict, fields: dict, where: str) -> None:
-    """Every key of ``raw`` is a field (keys may be any YAML scalar, not only strings)."""
-    unknown = sorted(k if isinstance(k, str) else _show(k) for k in raw if k not in fields)
-    if unknown:
-        hints = "".join(f" ({name}: {_RENAMED[name]})" for name in unknown if name in _RENAMED)
-        names = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
-        raise ConfigError(f"{where}: unknown field(s) {names}{hints}; expected {', '.join(fields)}")
+def sections(root: type = ClusterConfig) -> list[type]:
+    """``root`` and every section class under it (list entries included), each once."""
+    out, todo = [], [root]
+    while todo:
+        cls = todo.pop(0)
+        if cls not in out:
+            out.append(cls)
+            todo += [s for info in _fields(cls).values() if (s := _section_in(info.annotation)) is not None]
+    return out
 
 
-_NESTED = {"ModelSection": ModelSection, "RouterSection": RouterSection, "HttpSection": HttpSection,
-           "ApiSection": ApiSection, "PoolSection": PoolSection,
-           "LinkSection": LinkSection, "AuthSection": AuthSection, "WorkerSection": WorkerSection,
-           "KVSection": KVSection, "TLSSection": TLSSection, "TelemetrySection": TelemetrySection,
-           "HealthSection": HealthSection, "CacheConfig": CacheConfig,
-           "SchedulerConfig": SchedulerConfig}
-
-_LISTS = {"list[SiteSection]": (SiteSection, False), "list[LinkSection]": (LinkSection, True),
-          "list[Credential]": (Credential, True), "list[TenantSection]": (TenantSection, True)}
-"""List fields of sections: the entry class, and whether the list may be empty."""
-_ENTRY_NAMES = {"SiteSection": "sites", "LinkSection": "links", "Credential": "credentials",
-                "TenantSection": "tenants"}
-
-_RENAMED = {"encrypt": "replaced by protection: aead | integrity; every link is encrypted unless it says integrity",
-            "clients": "moved to the top-level tenants: [{name, token_sha256, ...policy}]"}
-"""Fields that no longer exist, and what replaced them."""
-
-_STRING_LIKE = {"ScalingOwner", "TraceExport", "TenantPriority", "DType", "PlacementPolicy", "KVTransport",
-                "Transport | None", "Protection", "Protection | None"}
-"""Annotations of fields that YAML spells as strings (the sections check the value)."""
-
-_DAY_S = 86_400
-_TOKENS = 10_000_000
-"""Bound of token counts: well past any model's context window."""
-
-FIELD_MAX: dict[tuple[str, str], int] = {
-    # router: ports, durations (seconds), counts, rates
-    ("RouterSection", "port"): 65_535,
-    ("RouterSection", "http_port"): 65_535,
-    ("RouterSection", "internal_port"): 65_535,
-    ("RouterSection", "heartbeat_interval_s"): 3_600,
-    ("RouterSection", "worker_timeout_s"): _DAY_S,
-    ("RouterSection", "link_probe_timeout_s"): 3_600,
-    ("RouterSection", "kv_lease_s"): _DAY_S,
-    ("RouterSection", "max_inflight_per_worker"): 65_536,
-    ("RouterSection", "admission_wait_s"): _DAY_S,
-    ("RouterSection", "unavailable_wait_s"): _DAY_S,
-    ("RouterSection", "colocate_below_tokens"): _TOKENS,
-    ("RouterSection", "default_prefill_tokens_per_s"): 1_000_000_000,
-    ("RouterSection", "herd_tolerance"): 1,
-    ("RouterSection", "slo_ttft_s"): 3_600,
-    ("RouterSection", "slo_tpot_s"): 3_600,
-    ("RouterSection", "planner_window_s"): _DAY_S,
-    ("RouterSection", "job_concurrency"): 4_096,
-    ("RouterSection", "interactive_reserve"): 65_535,
-    ("RouterSection", "drain_timeout_s"): _DAY_S,
-    ("RouterSection", "retention_sweep_s"): _DAY_S,
-    ("RouterSection", "operator_audit_retention_days"): 36_500,
-    # router.http and router.api
-    ("HttpSection", "max_body_bytes"): 1 << 30,
-    ("HttpSection", "header_timeout_s"): 3_600,
-    ("HttpSection", "body_timeout_s"): _DAY_S,
-    ("HttpSection", "max_connections"): 1_000_000,
-    ("HttpSection", "max_connections_per_client"): 1_000_000,
-    ("ApiSection", "max_prompt_bytes"): 1 << 30,
-    ("ApiSection", "max_message_bytes"): 1 << 30,
-    ("ApiSection", "max_concurrent_rpcs"): 1_000_000,
-    ("ApiSection", "tokenizer_threads"): 256,
-    # sites[i].prefill / .decode
-    ("PoolSection", "replicas"): 1_024,
-    ("PoolSection", "max_replicas"): 1_024,
-    ("PoolSection", "min_replicas"): 1_024,
-    # links[i] and local_link: one minute of RTT, 10 Tbit/s
-    ("LinkSection", "rtt_ms"): 60_000,
-    ("LinkSection", "gbps"): 10_000,
-    # workers
-    ("WorkerSection", "threads"): 1_024,
-    ("WorkerSection", "fail_engine_at_step"): 1_000_000_000,
-    # kv
-    ("KVSection", "streams"): 64,
-    ("KVSection", "socket_buffer_bytes"): 1 << 30,
-    ("KVSection", "transfer_timeout_s"): _DAY_S,
-    ("KVSection", "corrupt_first_transfers"): 1_000_000_000,
-    # tenants[i]: a hundred years of retention, a billion per minute
-    ("TenantSection", "weight"): 1_000_000,
-    ("TenantSection", "requests_per_minute"): 1_000_000_000,
-    ("TenantSection", "tokens_per_minute"): 1_000_000_000_000,
-    ("TenantSection", "max_concurrent"): 1_000_000,
-    ("TenantSection", "max_context"): _TOKENS,
-    ("TenantSection", "job_retention_days"): 36_500,
-    ("TenantSection", "audit_retention_days"): 36_500,
-    # telemetry
-    ("TelemetrySection", "router_metrics_port"): 65_535,
-    ("TelemetrySection", "worker_metrics_port"): 65_535,
-    ("TelemetrySection", "sample_ratio"): 1,
-    ("TelemetrySection", "file_max_bytes"): 1 << 40,
-    # health
-    ("HealthSection", "router_port"): 65_535,
-    ("HealthSection", "worker_port"): 65_535,
-    # tls: ten years
-    ("TLSSection", "cert_days"): 3_650,
-    # cache (engine.config.CacheConfig): 4 TiB of KV
-    ("CacheConfig", "block_size"): 4_096,
-    ("CacheConfig", "num_blocks"): 1 << 24,
-    ("CacheConfig", "memory_gib"): 4_096,
-    # scheduler (engine.config.SchedulerConfig)
-    ("SchedulerConfig", "max_num_batched_tokens"): _TOKENS,
-    ("SchedulerConfig", "max_num_seqs"): 65_536,
-    ("SchedulerConfig", "max_model_len"): _TOKENS,
-}
-"""The upper bound of every numeric field, by (section class, field): generous
-sanity limits, so that a typo or a hostile file fails here rather than as a
-huge allocation or a timer that never fires. The sections check lower bounds."""
+def _bounds_of(info: FieldInfo) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in info.metadata:
+        if isinstance(m, annotated_types.Ge):
+            out["minimum"] = m.ge  # type: ignore[assignment]  # the bounds here are all numbers
+        elif isinstance(m, annotated_types.Gt):
+            out["exclusiveMinimum"] = m.gt  # type: ignore[assignment]
+        elif isinstance(m, annotated_types.Le):
+            out["maximum"] = m.le  # type: ignore[assignment]
+    if isinstance(info.json_schema_extra, dict):  # a lower bound that a rule across fields checks (PoolSection)
+        out |= {k: v for k, v in info.json_schema_extra.items() if k in ("minimum", "maximum")}  # type: ignore[misc]
+    return out
 
 
-def _convert(type_str: Any, value: Any, path: str, limit: int | None = None):
-    """``value`` as the field annotated ``type_str`` at ``path`` (``limit``: its FIELD_MAX)."""
-    t = str(type_str)
-    if t in _NESTED:
-        return _build(_NESTED[t], value, path)
-    if t in _LISTS:
-        cls, may_be_empty = _LISTS[t]
-        if value is None and may_be_empty:
-            return []
-        if not isinstance(value, list) or not (value or may_be_empty):
-            kind = "a list" if may_be_empty else "a non-empty list"
-            raise ConfigError(f"{path}: expected {kind} of {_ENTRY_NAMES.get(cls.__name__, 'entries')} "
-                              f"{{{', '.join(f.name for f in dataclasses.fields(cls))}}}")
-        return [_build(cls, v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if t == "list[str]":
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{path}: expected a list of strings")
-        return list(value)
-    return _convert_scalar(t, value, path, limit)
+def field_info(cls: type, name: str) -> FieldInfo:
+    """What pydantic holds of field ``name`` of section ``cls`` (its docstring as ``description``)."""
+    return _fields(cls)[name]
 
 
-def _convert_scalar(t: str, value: Any, path: str, limit: int | None):
-    if value is None:
-        if "None" in t:
+def bounds(cls: type, name: str) -> dict[str, float]:
+    """The bounds declared on field ``name`` of section ``cls``, as JSON schema
+    says them: ``minimum`` (or ``exclusiveMinimum``) and ``maximum``; none for
+    a field that is not a number."""
+    return _bounds_of(field_info(cls, name))
+
+
+def _field_at(loc: tuple) -> FieldInfo | None:
+    """The field at ``loc`` (a pydantic error's location) under ClusterConfig."""
+    cls: Any = ClusterConfig
+    info = None
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        info = _fields(cls).get(part)
+        if info is None:
             return None
-        raise ConfigError(f"{path}: must not be null")
-    numeric = t.startswith(("int", "float"))
-    if numeric and isinstance(value, _HugeInt):
-        raise ConfigError(f"{path}: must be {'>= 0' if value.negative else f'<= {limit}'}, got {value!r}")
-    _check_type(t, value, path)
-    return _check_number(t, value, path, limit) if numeric else value
+        cls = _section_in(info.annotation)
+    return info
 
 
-def _check_type(t: str, value: Any, path: str) -> None:
-    """``value`` is what YAML gives for annotation ``t`` (booleans are not numbers)."""
-    if t.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{path}: expected an integer, got {_show(value)}")
-    if t.startswith("float") and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ConfigError(f"{path}: expected a number, got {_show(value)}")
-    if t.startswith("bool") and not isinstance(value, bool):
-        raise ConfigError(f"{path}: expected true or false, got {_show(value)}")
-    if (t.startswith("str") or t in _STRING_LIKE) and not isinstance(value, str):
-        raise ConfigError(f"{path}: expected a string, got {_show(value)}")
+def _where(loc: tuple) -> str:
+    """``sites[0].decode.replicas`` for pydantic's ``('sites', 0, 'decode', 'replicas')``; ``config`` for ()."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f"{'.' if out else ''}{part}"
+    return out or "config"
 
 
-def _check_number(t: str, value: int | float, path: str, limit: int | None) -> int | float:
-    """The one place numbers are checked: finite, at most ``limit``, and not so
-    negative that the section's own lower-bound check could not print it. Every
-    field's lower bound is >= 0, which the section checks with its own message."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{path}: must be a finite number, got {value}")
-    if limit is not None and value > limit:
-        raise ConfigError(f"{path}: must be <= {limit}, got {_show(value)}")
-    if limit is not None and value < -limit:
-        raise ConfigError(f"{path}: must be >= 0, got {_show(value)}")
-    return float(value) if t.startswith("float") else value
+def _num(bound: float) -> str:
+    """A bound as the config spells it (``3600``, not ``3600.0``)."""
+    return str(int(bound)) if isinstance(bound, float) and bound.is_integer() else str(bound)
+
+
+def _below(info: FieldInfo | None, value: Any) -> str:
+    """Why ``value`` is under the lower bound of the field ``info``."""
+    b = _bounds_of(info) if info is not None else {}
+    if b.get("exclusiveMinimum") == 0:
+        text = "must be positive"
+    elif (b.get("minimum"), b.get("maximum")) == _PORT_BOUNDS:
+        text = "must be a port in [0, 65535]"
+    else:
+        text = f"must be >= {_num(b.get('minimum', 0))}"
+    nullable = info is not None and type(None) in get_args(info.annotation)
+    return f"{text}{' or null' if nullable else ''}, got {show(value)}"
+
+
+_EXPECTED = {"int_type": "expected an integer", "float_type": "expected a number",
+             "bool_type": "expected true or false", "string_type": "expected a string"}
+
+
+def _reason(err: ErrorDetails) -> str:
+    """pydantic's error ``err`` in the config's words (the field's path not included)."""
+    kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
+    info = _field_at(err["loc"])
+    if kind in _EXPECTED and value is None:
+        return "must not be null"
+    if kind in ("int_type", "float_type") and (isinstance(value, _HugeInt) or type(value) is int):
+        # digits past Python's limit (_HugeInt), or an integer past a float's range: beyond any bound
+        upper = _bounds_of(info).get("maximum") if info is not None else None
+        if (value.negative if isinstance(value, _HugeInt) else value < 0) or upper is None:
+            return _below(info, value)
+        return f"must be <= {_num(upper)}, got {show(value)}"
+    if kind in _EXPECTED:
+        return f"{_EXPECTED[kind]}, got {show(value)}"
+    if kind == "finite_number":
+        return f"must be a finite number, got {value}"
+    if kind == "less_than_equal":
+        return f"must be <= {_num(ctx['le'])}, got {show(value)}"
+    if kind in ("greater_than_equal", "greater_than"):
+        return _below(info, value)
+    if kind == "missing":
+        return "missing (a required field)"
+    return err["msg"]
+
+
+def _message(err: ErrorDetails) -> str:
+    """The ConfigError message of pydantic's error ``err``: the field's path, then why."""
+    where = _where(err["loc"])
+    if err["type"] == "value_error":  # raised by a section (its __post_init__ or a check of its raw input)
+        exc = err.get("ctx", {}).get("error")
+        if isinstance(exc, FieldError):
+            return f"{exc.name if where == 'config' else f'{where}.{exc.name}'}: {exc.reason}"
+        return f"{where}: {exc}"
+    return f"{where}: {_reason(err)}"
 
 
 def _validate(cfg: ClusterConfig) -> None:
     """The rules that span sections (each section checked its own fields when built)."""
-    _check_probe_timeout(cfg.router)
     sites = _check_sites(cfg.sites)
     if cfg.local_link.between:
         raise ConfigError("local_link.between: must be empty (it is the network inside every site)")
@@ -863,8 +796,6 @@ def _validate(cfg: ClusterConfig) -> None:
     if cfg.router.site is not None and cfg.router.site not in sites:
         raise ConfigError(f"router.site: unknown site {cfg.router.site!r} (sites: {', '.join(sorted(sites))})")
     _check_loopback(cfg)
-
-
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -887,12 +818,6 @@ def _check_loopback(cfg: ClusterConfig) -> None:
         raise ConfigError(f"tls.enabled: false is refused because {exposed[0]} is not a loopback address")
     if exposed and cfg.auth.allow_anonymous:
         raise ConfigError(f"auth.allow_anonymous: true is refused because {exposed[0]} is not a loopback address")
-
-
-def _check_probe_timeout(r: RouterSection) -> None:
-    if r.link_probe_timeout_s > r.worker_timeout_s / 2:
-        raise ConfigError(f"router.link_probe_timeout_s: must be at most half of worker_timeout_s "
-                          f"({r.worker_timeout_s / 2:g}): a heartbeat waits for the probes")
 
 
 def _check_sites(sites: list[SiteSection]) -> set[str]:
@@ -943,8 +868,16 @@ def _check_tenants(cfg: ClusterConfig) -> None:
                                   f"{', '.join(dedicated)} may be served (their jurisdictions); it would serve nobody")
 
 
+_ADAPTER = TypeAdapter(ClusterConfig)
+
+
 def parse_config(raw: Any) -> ClusterConfig:
-    cfg = _build(ClusterConfig, raw, "config")
+    """The config in ``raw`` (YAML's data: mappings, lists, scalars), validated;
+    a ConfigError names the first field at fault."""
+    try:
+        cfg = _ADAPTER.validate_python(raw)
+    except ValidationError as exc:
+        raise ConfigError(_message(exc.errors(include_url=False)[0])) from None
     _validate(cfg)
     return cfg
 

@@ -1,6 +1,6 @@
 """Tenant policy in the config (``tenants:``): one entry per tenant with its
-credential and what it may do. Parsed by runtime/config.py like every
-section; the router enforces it (router/core/tenancy.py, router/core/quotas.py,
+credential and what it may do, each bound next to its field. Parsed by
+runtime/config.py like every section; the router enforces it (router/core/tenancy.py, router/core/quotas.py,
 router/core/admission.py, placement).
 
 Example::
@@ -24,18 +24,14 @@ Example::
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
 from enum import StrEnum
+from typing import Annotated
 
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic.dataclasses import dataclass
 
-class FieldError(ValueError):
-    """A field of one tenant entry is wrong (runtime/config.py prefixes its path)."""
-
-    def __init__(self, name: str, reason: str) -> None:
-        super().__init__(f"{name}: {reason}")
-        self.name = name
-        self.reason = reason
-
+from kvrelay.engine.config import MAX_TOKENS, SECTION_CONFIG, ConfigSection, FieldError, StringList, choice
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 """A tenant's name: what its certificate names and what audit and usage records carry."""
@@ -43,6 +39,10 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 MIN_WEIGHT = 1e-6
 """Smallest weight (a smaller one would make a request's virtual cost overflow)."""
 _JURISDICTION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
+_DAYS = 36_500
+"""Bound of retention periods: a hundred years."""
+_PER_MINUTE = 1_000_000_000
+"""Bound of requests per minute: a billion."""
 
 
 class TenantPriority(StrEnum):
@@ -59,40 +59,43 @@ class TenantPriority(StrEnum):
         return list(TenantPriority).index(self)
 
 
-@dataclass(slots=True)
-class TenantSection:
-    name: str
+Priority = Annotated[TenantPriority, choice(TenantPriority, f"one of {', '.join(TenantPriority)}")]
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
+class TenantSection(ConfigSection):
+    name: StrictStr
     """The tenant (an institution or group); a client certificate naming it stands in for the token."""
-    token_sha256: str | None = None
+    token_sha256: StrictStr | None = None
     """Hex SHA-256 of its bearer token (`kvrelay token --client` prints one);
     None: it signs in with a client certificate from the cluster CA only."""
-    jurisdictions: list[str] = field(default_factory=list)
+    jurisdictions: StringList = field(default_factory=list)
     """Where its prompts, KV and outputs may be processed; a request's own
     ``allowed_jurisdictions`` is intersected with these. Empty: anywhere."""
-    priority: TenantPriority = TenantPriority.NORMAL
+    priority: Priority = TenantPriority.NORMAL
     """Its class at admission under contention (high, normal, low)."""
-    weight: float = 1.0
+    weight: StrictFloat = Field(default=1.0, ge=MIN_WEIGHT, le=1_000_000)
     """Its share of its class when requests wait (weighted fair queueing)."""
-    requests_per_minute: int | None = None
+    requests_per_minute: StrictInt | None = Field(default=None, ge=1, le=_PER_MINUTE)
     """Token-bucket quota of requests (a minute's worth may come at once); None: no quota."""
-    tokens_per_minute: int | None = None
+    tokens_per_minute: StrictInt | None = Field(default=None, ge=1, le=1000 * _PER_MINUTE)
     """Quota of prompt + completion tokens (max_tokens is held at admission, the unused part returned)."""
-    max_concurrent: int | None = None
+    max_concurrent: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
     """Requests of this tenant in progress at once, at most."""
-    max_context: int | None = None
+    max_context: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS)
     """Prompt + max_tokens of one request, at most (below the model's own limit)."""
-    share_prefix_cache_with: list[str] = field(default_factory=list)
+    share_prefix_cache_with: StringList = field(default_factory=list)
     """Tenants whose prompts may hit its prefix cache and it theirs. Sharing
     needs both sides: every tenant of a sharing group lists all the others."""
-    job_retention_days: float = 30.0
+    job_retention_days: StrictFloat = Field(default=30.0, gt=0, le=_DAYS)
     """Its finished batch jobs (requests and results) are deleted after this."""
-    audit_retention_days: float = 365.0
+    audit_retention_days: StrictFloat = Field(default=365.0, gt=0, le=_DAYS)
     """Its audit records are deleted (the deletion itself recorded) after this."""
-    log_prompts: bool = False
+    log_prompts: StrictBool = False
     """Audit records of its requests carry the prompt and output text (default: never)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not TENANT_NAME.match(self.name):
+        if not TENANT_NAME.match(self.name):
             raise FieldError("name", f"{self.name!r} must be 1-63 letters, digits, '.', '-' or '_'")
         if self.token_sha256 is not None and not _SHA256.fullmatch(self.token_sha256):
             raise FieldError("token_sha256", "must be 64 lowercase hex digits "
@@ -100,22 +103,9 @@ class TenantSection:
         for i, j in enumerate(self.jurisdictions):
             if not _JURISDICTION.match(j):
                 raise FieldError(f"jurisdictions[{i}]", f"{j!r} is not a jurisdiction code (e.g. CA-QC)")
-        try:
-            self.priority = TenantPriority(self.priority)
-        except ValueError:
-            raise FieldError("priority", f"must be one of {', '.join(TenantPriority)}, got {self.priority!r}") from None
-        if not self.weight >= MIN_WEIGHT:
-            raise FieldError("weight", f"must be >= {MIN_WEIGHT}, got {self.weight}")
         if self.name == "anonymous" and self.token_sha256 is not None:
             raise FieldError("token_sha256", "tenant 'anonymous' is the one of callers without credentials "
                                              "(auth.allow_anonymous); it takes no token")
-        for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent", "max_context"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise FieldError(name, f"must be >= 1 or null (no quota), got {value}")
-        for name in ("job_retention_days", "audit_retention_days"):
-            if not getattr(self, name) > 0:
-                raise FieldError(name, f"must be positive, got {getattr(self, name)}")
 
 
 def check_tenants(tenants: list[TenantSection], jurisdictions: set[str]) -> None:

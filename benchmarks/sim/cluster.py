@@ -7,7 +7,7 @@ One request's life, as in DESIGN.md's request path:
 
 1. it arrives; after ``router_s`` (authentication, hashing, the decision)
    the router places it, or queues it while every eligible worker is full
-   (for at most ``router.admission_wait_s``), or fails it;
+   (for at most ``router.admission.admission_wait_s``), or fails it;
 2. disaggregated: the decode worker reserves blocks (one RPC, ``rpc_s``),
    the prefill worker computes the prompt in its batches and streams each
    chunk's KV as its layers finish; the first token travels with the last
@@ -130,7 +130,7 @@ class SimCluster:
         self.cfg, self.profile, self.sim = cfg, profile, sim
         self.clock = Clock()
         self.index = PrefixIndex()
-        self.policy = make_policy(cfg.router.policy, sim.seed)
+        self.policy = make_policy(cfg.router.placement.policy, sim.seed)
         bs = cfg.cache.block_size
         self.block_size = bs
         self.kv_block_bytes = profile.model.kv_bytes_per_token(profile.dtype) * bs
@@ -138,7 +138,7 @@ class SimCluster:
         self.links: dict[frozenset, SimLink] = {}
         self.local: dict[str, SimLink] = {}
         views = [WorkerView(f"{site.name}/{role.value}/{i}", role, site.name,
-                            max_inflight=cfg.router.max_inflight_per_worker, free_blocks=self.num_blocks,
+                            max_inflight=cfg.router.admission.max_inflight_per_worker, free_blocks=self.num_blocks,
                             tenants=frozenset(pool.tenants))
                  for site in cfg.sites for role, pool in ((Role.PREFILL, site.prefill), (Role.DECODE, site.decode))
                  for i in range(pool.replicas)]
@@ -174,9 +174,9 @@ class SimCluster:
         return ClusterView(workers, {s.name: s.jurisdiction for s in cfg.sites}, links, local,
                            block_size=self.block_size, kv_block_bytes=self.kv_block_bytes,
                            num_layers=self.profile.model.num_layers,
-                           default_prefill_tokens_per_s=r.default_prefill_tokens_per_s,
-                           colocate_below_tokens=r.colocate_below_tokens, herd_tolerance=r.herd_tolerance,
-                           max_prefill_queue_s=r.kv_lease_s / 2)
+                           default_prefill_tokens_per_s=r.placement.default_prefill_tokens_per_s,
+                           colocate_below_tokens=r.placement.colocate_below_tokens,
+                           herd_tolerance=r.placement.herd_tolerance, max_prefill_queue_s=r.liveness.kv_lease_s / 2)
 
     def _check(self, failures: list[Failure]) -> None:
         """No dedicated pools (not simulated), and every failure names a worker or
@@ -254,12 +254,12 @@ class SimCluster:
     def _queue(self, req: SimRequest) -> None:
         req.queued_at = self.clock.now
         self.waiting.append(req)
-        self.clock.after(self.cfg.router.admission_wait_s, self._expire, req, req.queued_at)
+        self.clock.after(self.cfg.router.admission.admission_wait_s, self._expire, req, req.queued_at)
 
     def _expire(self, req: SimRequest, queued_at: float) -> None:
         if req.queued_at == queued_at:
             self.waiting.remove(req)
-            self._fail_request(req, "RESOURCE_EXHAUSTED: no room within router.admission_wait_s")
+            self._fail_request(req, "RESOURCE_EXHAUSTED: no room within router.admission.admission_wait_s")
 
     def _pump(self) -> None:
         """Tries the waiting requests in order until one still finds no room."""

@@ -30,7 +30,8 @@ def nren_config(sites: int, workers: int, degree: int = 4, countries: int = 10, 
             if i != j and key not in seen:
                 seen.add(key)
                 links.append({"between": [names[i], names[j]], "rtt_ms": rtt_ms_per_hop * hop, "gbps": gbps})
-    return {"router": {"policy": "cost_model", "max_inflight_per_worker": 64}, "sites": out_sites, "links": links,
+    return {"router": {"placement": {"policy": "cost_model"}, "admission": {"max_inflight_per_worker": 64}},
+            "sites": out_sites, "links": links,
             "local_link": {"rtt_ms": 0.05, "gbps": 400.0}}
 
 

@@ -41,7 +41,7 @@ def simulate(cfg: ClusterConfig, profile: Profile, arrivals: list[SimArrival], s
     records = cluster.run(arrivals)
     start = min((r.sent_s for r in records), default=0.0)
     end = max((r.end_s for r in records if r.end_s is not None), default=start)
-    meta = meta | {"simulated": True, "policy": str(cfg.router.policy), "profile": profile.describe(),
+    meta = meta | {"simulated": True, "policy": str(cfg.router.placement.policy), "profile": profile.describe(),
                    "sim": asdict(sim), "workers": len(cluster.workers), "sites": len(cfg.sites),
                    "kv_blocks_per_worker": cluster.num_blocks, "events": cluster.clock.events,
                    "wall_s": time.perf_counter() - t0,

@@ -5,10 +5,10 @@ Ray, launch/local.py and launch/ray_backend.py) start workers until the pool
 has that many. Scale-down is the router's choice of the least busy workers:
 it places nothing more on them, and tells them over their heartbeat to leave
 once the requests it has on them are finished (``drained``), or when
-``router.drain_timeout_s`` has passed. The Admin API (router/frontends/admin.py) and
+``router.pools.drain_timeout_s`` has passed. The Admin API (router/frontends/admin.py) and
 the planner's figures read and change it.
 
-With ``router.scaling: external`` an orchestrator (Kubernetes) owns pool
+With ``router.pools.scaling: external`` an orchestrator (Kubernetes) owns pool
 sizes: every worker that registers is kept, none is drained for a pool's
 size (the orchestrator would only start it again), a pool's desired size is
 the number of its workers that are not draining, and :meth:`scale` is
@@ -44,10 +44,10 @@ class PoolManager:
                 self.desired[(s.name, role)] = pool.replicas
                 self.limits[(s.name, role)] = pool.max_replicas
                 self.minimum[(s.name, role)] = pool.min_replicas
-        self.window = RequestWindow(cfg.router.planner_window_s)
+        self.window = RequestWindow(cfg.router.pools.planner_window_s)
         """Recently finished requests: the planner's figures."""
-        self.external = cfg.router.scaling is ScalingOwner.EXTERNAL
-        """An orchestrator sets pool sizes (router.scaling: external)."""
+        self.external = cfg.router.pools.scaling is ScalingOwner.EXTERNAL
+        """An orchestrator sets pool sizes (router.pools.scaling: external)."""
 
     def _members(self, site: str, role: Role) -> list[WorkerRecord]:
         return [w for w in self.registry.workers.values() if w.info.site == site and w.info.role == role.proto]
@@ -127,7 +127,7 @@ class PoolManager:
                 rates = [w.load.prefill_tokens_per_s for w in members if w.load.prefill_tokens_per_s > 0]
                 f.tokens_per_s_placed = sum(s.prompt_tokens for s in mine) / span
                 f.tokens_per_s_per_worker = (sum(rates) / len(rates) if rates
-                                             else self.cfg.router.default_prefill_tokens_per_s)
+                                             else self.cfg.router.placement.default_prefill_tokens_per_s)
                 f.queued_tokens = sum(w.load.queued_prefill_tokens + w.pending_prefill_tokens for w in members)
                 f.ttft_p90_s = p90([s.ttft_s for s in mine])
             else:

@@ -144,7 +144,7 @@ class WorkerRegistry:
         worker's reported load (its usage counters) goes, from heartbeats and a leaving worker's last."""
         self.cfg = cfg
         self.dialer = dialer
-        self.timeout_s = cfg.router.worker_timeout_s
+        self.timeout_s = cfg.router.liveness.worker_timeout_s
         self.workers: dict[str, WorkerRecord] = {}
         self.index = PrefixIndex()
         self.on_load = on_load
@@ -229,10 +229,10 @@ class WorkerRegistry:
         self._link_reports(rec, req.links, started_after=rec.answered_at)
         rec.answered_at = time.monotonic()
         drained = rec.draining and (rec.inflight == 0 or
-                                    rec.last_seen - rec.drain_since > self.cfg.router.drain_timeout_s)
+                                    rec.last_seen - rec.drain_since > self.cfg.router.pools.drain_timeout_s)
         return wpb.HeartbeatResponse(known=True, send_snapshot=not rec.synced, drain=rec.draining, drained=drained,
                                      probes=self.probe_targets(rec),
-                                     probe_timeout_s=self.cfg.router.link_probe_timeout_s)
+                                     probe_timeout_s=self.cfg.router.liveness.link_probe_timeout_s)
 
     def probe_targets(self, rec: WorkerRecord) -> list[wpb.ProbeTarget]:
         """One healthy worker in each site linked to ``rec``'s, for it to probe
@@ -254,7 +254,7 @@ class WorkerRegistry:
     def _healthy_by_site(self) -> dict[str, list[WorkerRecord]]:
         now = time.monotonic()
         built, by_site = self._probe_pool
-        if now - built > self.cfg.router.heartbeat_interval_s / 2:
+        if now - built > self.cfg.router.liveness.heartbeat_interval_s / 2:
             by_site = {}
             for w in sorted(self.workers.values(), key=lambda w: w.info.worker_id):
                 if self.healthy(w):
@@ -326,13 +326,14 @@ class WorkerRegistry:
             if info.kv_block_bytes:
                 kv_block_bytes, num_layers = info.kv_block_bytes, max(1, info.num_layers)
             workers.append(WorkerView(info.worker_id, Role.of(info.role), info.site, True, rec.draining,
-                                      rec.inflight, r.max_inflight_per_worker,
+                                      rec.inflight, r.admission.max_inflight_per_worker,
                                       tenants=self.dedicated.get((info.site, Role.of(info.role)), frozenset())))
         view = ClusterView(workers, self.jurisdiction, self.links, self.local_link,
                            block_size=self.cfg.cache.block_size, kv_block_bytes=kv_block_bytes,
-                           num_layers=num_layers, default_prefill_tokens_per_s=r.default_prefill_tokens_per_s,
-                           colocate_below_tokens=r.colocate_below_tokens, herd_tolerance=r.herd_tolerance,
-                           max_prefill_queue_s=r.kv_lease_s / 2)
+                           num_layers=num_layers, default_prefill_tokens_per_s=r.placement.default_prefill_tokens_per_s,
+                           colocate_below_tokens=r.placement.colocate_below_tokens,
+                           herd_tolerance=r.placement.herd_tolerance,
+                           max_prefill_queue_s=r.liveness.kv_lease_s / 2)
         for rec, w in zip(recs, workers):
             rec.row = w
             rec.sync_load()

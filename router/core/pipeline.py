@@ -48,7 +48,7 @@ from kvrelay.router.core.requests import (
 from kvrelay.router.core.tenancy import TenantPolicies
 from kvrelay.router.placement.errors import PlacementError, PlacementFailure, Wait
 from kvrelay.router.placement.place import Placement, PlacementRequest, Policy, place
-from kvrelay.runtime.config import ClusterConfig, RouterSection
+from kvrelay.runtime.config import AdmissionSection, ClusterConfig
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.topology import Topology
 from kvrelay.v1 import inference_pb2 as ipb
@@ -87,7 +87,7 @@ PLACEMENT_KIND = {PlacementFailure.CONSTRAINT: ErrorKind.CONSTRAINT, PlacementFa
 class AdmissionWait:
     """How long one request may still wait at the router, for room or for workers."""
 
-    def __init__(self, r: RouterSection, caller: Caller) -> None:
+    def __init__(self, r: AdmissionSection, caller: Caller) -> None:
         self.loop = asyncio.get_running_loop()
         remaining = caller.time_remaining()
         now, left = self.loop.time(), float("inf") if remaining is None else remaining
@@ -177,7 +177,7 @@ class RouterCore:
         """The audit log's writer (router/governance/audit_writer.py); None: no audit log."""
         self.metrics_address = metrics_address
         """Where the router serves /metrics ("" when off)."""
-        self._relaying = RelayContext(self.registry, self.topology, self.pools.window, cfg.router.kv_lease_s,
+        self._relaying = RelayContext(self.registry, self.topology, self.pools.window, cfg.router.liveness.kv_lease_s,
                                       self.queue.pump)
 
     @property
@@ -290,7 +290,7 @@ class RouterCore:
         obs = self.telemetry.observe(req, caller, self.limits.name)
         try:
             grant = self.quotas.admit(policy, cost)
-            flight = Flight(req, caller, obs, Recovery(req.work), AdmissionWait(self.cfg.router, caller))
+            flight = Flight(req, caller, obs, Recovery(req.work), AdmissionWait(self.cfg.router.admission, caller))
             async for out in self._attempts(flight):
                 obs.message(out)
                 record.saw(out)
@@ -340,7 +340,8 @@ class RouterCore:
         return PlacementRequest(len(work.prompt_token_ids), self.registry.index.leading_blocks(hashes),
                                 f.req.allowed_jurisdictions, f.caller.time_remaining(), frozenset(f.run.exclude),
                                 f.run.colocated_only, f.caller.tenant,
-                                self.cfg.router.interactive_reserve if f.caller.priority is Priority.BATCH else 0)
+                                (self.cfg.router.admission.interactive_reserve
+                                 if f.caller.priority is Priority.BATCH else 0))
 
     async def _admitted(self, f: Flight, work: wpb.WorkRequest, preq: PlacementRequest) -> Relay:
         """A placement holding its workers' capacity: at once when there is room and

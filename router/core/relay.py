@@ -84,7 +84,7 @@ class RelayContext:
     window: RequestWindow
     """Finished requests, the planner's figures."""
     lease_s: float
-    """How long D holds KV blocks reserved for a transfer that has not arrived (router.kv_lease_s)."""
+    """How long D holds KV blocks reserved for a transfer that has not arrived (router.liveness.kv_lease_s)."""
     on_release: Callable[[], None] | None = None
     """Called (soon after) when an attempt gives its workers' capacity back."""
 

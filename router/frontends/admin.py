@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def external_scaling_hint(request: apb.ScaleRequest) -> str:
-    """Why Scale is refused under ``router.scaling: external``, and what to change instead."""
-    return (f"pool sizes are set by the orchestrator here (router.scaling: external), not by the router: "
+    """Why Scale is refused under ``router.pools.scaling: external``, and what to change instead."""
+    return (f"pool sizes are set by the orchestrator here (router.pools.scaling: external), not by the router: "
             f"scale {request.site}/{request.role} with the Helm chart (sites[].{request.role}.replicas of "
             f"site {request.site}, then helm upgrade) or kubectl scale deployment of that pool; "
             "the router takes every worker that registers")
@@ -63,7 +63,7 @@ class AdminService(agrpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if self.pools.external:
             self._audit(who, "scale", site=request.site, role=request.role, replicas=request.replicas,
-                        outcome="refused: router.scaling is external")
+                        outcome="refused: router.pools.scaling is external")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, external_scaling_hint(request))
         role = Role(request.role)
         limit = self.pools.limits[(request.site, role)]
@@ -93,7 +93,7 @@ class AdminService(agrpc.AdminServicer):
     async def Plan(self, request: apb.PlanRequest, context) -> apb.PlanResponse:
         who = await self._authorize(context)
         r = self.pools.cfg.router
-        plans = plan(self.pools.figures(), r.slo_ttft_s, r.slo_tpot_s)
+        plans = plan(self.pools.figures(), r.pools.slo_ttft_s, r.pools.slo_tpot_s)
         if request.apply:
             for p in plans:
                 if p.recommended != p.current:

@@ -2,7 +2,7 @@
 cancellation, results and deletion, over the durable store in jobs_store.py, and the
 runner that feeds the jobs' requests through the same path as interactive
 ones, at lower priority: it starts a job request only while no interactive
-request is waiting for room, and keeps at most ``router.job_concurrency`` in
+request is waiting for room, and keeps at most ``router.admission.job_concurrency`` in
 flight, so jobs fill idle capacity."""
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class RegistryService(wgrpc.RegistryServicer):
         drained = self.pools.trim(info.site, role)  # a pool scaled down while this worker was starting
         if drained:
             log.info("%s/%s is above its desired size: draining %s", info.site, role, ", ".join(drained))
-        return wpb.RegisterResponse(heartbeat_interval_s=self.cfg.router.heartbeat_interval_s)
+        return wpb.RegisterResponse(heartbeat_interval_s=self.cfg.router.liveness.heartbeat_interval_s)
 
     def _audit(self, info: wpb.WorkerInfo, context, outcome: str) -> None:
         """A registration and the certificate it came with, accepted or refused, in the audit log."""

@@ -93,9 +93,9 @@ def file_state(path: str) -> FileState:
 
 
 def file_states(cfg: ClusterConfig) -> dict[str, FileState]:
-    """The router's configured files (router.audit_log, jobs_db, usage_db), read
+    """The router's configured files (router.records.audit_log, jobs_db, usage_db), read
     on disk; a field that names no file (None) is absent."""
-    return {name: file_state(path) for name in STORES if (path := getattr(cfg.router, name))}
+    return {name: file_state(path) for name in STORES if (path := getattr(cfg.router.records, name))}
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""The retention sweeper: every ``router.retention_sweep_s`` it deletes what
+"""The retention sweeper: every ``router.records.retention_sweep_s`` it deletes what
 the tenants' policy says is kept no longer.
 
 - Batch jobs: a finished job (done or cancelled, no request still running)
@@ -9,7 +9,7 @@ the tenants' policy says is kept no longer.
 - Audit records: a tenant's are tombstoned ``audit_retention_days`` after
   their ``time``; records of no tenant (operator actions, registrations,
   the retention records themselves) after
-  ``router.operator_audit_retention_days``. The audit log appends a
+  ``router.records.operator_audit_retention_days``. The audit log appends a
   ``retention`` record listing them and the cutoff applied per tenant
   (router/governance/audit.py).
 
@@ -102,13 +102,13 @@ class RetentionSweeper:
         tenant ("": records of no tenant; OTHER_TENANTS: an unknown tenant's),
         as the audit log's retention record notes them."""
         cutoffs = {t.name: now - t.audit_retention_days * DAY_S for t in self.cfg.tenants}
-        cutoffs[""] = now - self.cfg.router.operator_audit_retention_days * DAY_S
+        cutoffs[""] = now - self.cfg.router.records.operator_audit_retention_days * DAY_S
         cutoffs[OTHER_TENANTS] = now - DEFAULT_POLICY.audit_retention_days * DAY_S
         return cutoffs
 
     def _audit_expired(self, now: float) -> Callable[[dict], bool]:
         """Whether an audit record is past its retention at ``now``."""
-        operator_days = self.cfg.router.operator_audit_retention_days
+        operator_days = self.cfg.router.records.operator_audit_retention_days
 
         def expired(record: dict) -> bool:
             days = (self.policy(str(record["tenant"])).audit_retention_days if "tenant" in record
@@ -121,9 +121,9 @@ class RetentionSweeper:
         return expired
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Sweeps now and then every ``router.retention_sweep_s`` until
+        """Sweeps now and then every ``router.records.retention_sweep_s`` until
         ``stop`` is set; a failed sweep is logged and the next one comes as usual."""
-        interval = self.cfg.router.retention_sweep_s
+        interval = self.cfg.router.records.retention_sweep_s
         while not stop.is_set():
             try:
                 report = await asyncio.to_thread(self.sweep_once)

@@ -141,7 +141,7 @@ def _router_where(d: Deployment) -> str:
 
 def _stores(cfg: ClusterConfig) -> dict:
     """The router's files (on its host), None where the config names none."""
-    return {name: getattr(cfg.router, name) for name in STORES}
+    return {name: getattr(cfg.router.records, name) for name in STORES}
 
 
 _STORE_WORDS = {"audit_log": "the audit log (who, when, where, how much)",
@@ -167,9 +167,9 @@ def _readers(mode: int) -> str:
 
 
 def _file(d: Deployment, name: str) -> dict:
-    """``router.<name>`` as the router read it on disk (the snapshot's :class:`FileState`):
+    """``router.records.<name>`` as the router read it on disk (the snapshot's :class:`FileState`):
     state "read", "missing", why it could not be read, "not read" (no stat in the snapshot) or "not set"."""
-    path = getattr(d.cfg.router, name)
+    path = getattr(d.cfg.router.records, name)
     if path is None:
         return {"path": None, "state": "not set", "consequence": _UNSET[name]}
     fs: FileState | None = (d.state.files or {}).get(name)
@@ -186,7 +186,7 @@ def _file_text(name: str, f: dict) -> str:
     """One file's facts from :func:`_file` in words."""
     words = _STORE_NAMES[name]
     if f["state"] == "not set":
-        return f"{words}: not set (router.{name}; {f['consequence']})"
+        return f"{words}: not set (router.records.{name}; {f['consequence']})"
     if f["state"] == "not read":
         return f"{words} {f['path']} (its mode was not read)"
     folder = (f"in {f['folder']}, mode {f['folder_mode']}" if f["folder_mode"] is not None
@@ -251,7 +251,7 @@ def accelerators(d: Deployment, t: TenantSection, r: Reach) -> dict:
     pools = [p.facts() | {"other_tenants": [n for n in d.users_of(p) if n != t.name]} for p in r.pools]
     shared = [p for p in r.pools if not p.dedicated_to]
     dedicated = [p for p in r.pools if p.dedicated_to]
-    rs = d.cfg.router
+    rs = d.cfg.router.admission
     reserved = {"interactive_reserve": rs.interactive_reserve, "max_inflight_per_worker": rs.max_inflight_per_worker,
                 "applies_to": "every worker: batch (job) requests leave interactive_reserve of its "
                               "max_inflight_per_worker slots free for interactive requests",
@@ -276,14 +276,14 @@ def accelerators(d: Deployment, t: TenantSection, r: Reach) -> dict:
     if rs.interactive_reserve:
         text += (f" Reserved for interactive requests: on every worker, batch (job) requests leave "
                  f"{rs.interactive_reserve} of its {rs.max_inflight_per_worker} slots free "
-                 f"(router.interactive_reserve of router.max_inflight_per_worker)")
+                 f"(router.admission.interactive_reserve of router.admission.max_inflight_per_worker)")
     else:
-        text += (f" Reserved for interactive requests: no slot (router.interactive_reserve is 0): batch (job) "
-                 f"requests may take all {rs.max_inflight_per_worker} slots of a worker")
+        text += (f" Reserved for interactive requests: no slot (router.admission.interactive_reserve is 0): "
+                 f"batch (job) requests may take all {rs.max_inflight_per_worker} slots of a worker")
     text += (f"; the router starts job requests only while no interactive request waits for room, at most "
-             f"{rs.job_concurrency} at once (router.job_concurrency), and engines admit waiting interactive "
-             f"prompts before batch ones. Nothing is reserved for any tenant beyond dedicated pools; whether the "
-             f"hosts run other workloads is {NOT_RECORDED}.")
+             f"{rs.job_concurrency} at once (router.admission.job_concurrency), and engines admit waiting "
+             f"interactive prompts before batch ones. Nothing is reserved for any tenant beyond dedicated pools; "
+             f"whether the hosts run other workloads is {NOT_RECORDED}.")
     return _answer(Question.ACCELERATORS, text, facts)
 
 
@@ -338,7 +338,7 @@ def _kv_memory(cfg: ClusterConfig) -> str:
 
 def retention(d: Deployment, t: TenantSection, r: Reach) -> dict:
     """(4) How long each kind of record is kept; where its prompts may be reused."""
-    cfg, rs = d.cfg, d.cfg.router
+    cfg, rs = d.cfg, d.cfg.router.records
     usage_days = getattr(rs, "usage_retention_days", None)
     sharing = sorted(t.share_prefix_cache_with)
     prefix = cfg.cache.enable_prefix_caching
@@ -353,7 +353,7 @@ def retention(d: Deployment, t: TenantSection, r: Reach) -> dict:
                           "num_blocks": cfg.cache.num_blocks, "block_size": cfg.cache.block_size,
                           "prefix_caching": prefix},
              "other_uses": NOT_RECORDED}
-    where = "in the jobs database" if rs.jobs_db else "in the router's memory only (router.jobs_db is not set)"
+    where = "in the jobs database" if rs.jobs_db else "in the router's memory only (router.records.jobs_db is not set)"
     text = (f"Its batch jobs (requests and results: its prompts and outputs, whatever log_prompts says) are kept "
             f"{where} and deleted {t.job_retention_days:g} days after they finish (done or cancelled), or sooner "
             f"by the tenant itself (`kvrelay job delete`). ")
@@ -363,9 +363,9 @@ def retention(d: Deployment, t: TenantSection, r: Reach) -> dict:
                  f"their time; records of no tenant (operator actions, worker registrations, retention records) "
                  f"after {rs.operator_audit_retention_days:g} days. ")
     else:
-        text += "Nothing is audited (router.audit_log is not set). "
+        text += "Nothing is audited (router.records.audit_log is not set). "
     text += (f"The router's retention sweep runs when it starts and every {rs.retention_sweep_s:g} s "
-             f"(router.retention_sweep_s), so a record may outlive its period by up to that long. ")
+             f"(router.records.retention_sweep_s), so a record may outlive its period by up to that long. ")
     if rs.audit_log:
         text += (f"Its audit records {'carry' if t.log_prompts else 'never carry'} prompt and output text "
                  f"(log_prompts: {str(t.log_prompts).lower()}). ")
@@ -375,7 +375,8 @@ def retention(d: Deployment, t: TenantSection, r: Reach) -> dict:
         text += ("Usage records (counts per minute, tenant, site, link, role and worker; no text) are never "
                  "deleted by kvrelay. ")
     else:
-        text += "Usage records are kept in the router's memory only (router.usage_db is not set) until it stops. "
+        text += ("Usage records are kept in the router's memory only (router.records.usage_db is not set) "
+                 "until it stops. ")
     text += f"KV is held in worker memory ({_kv_memory(cfg)}); "
     if prefix:
         text += ("its blocks stay cached after a request until evicted, and its cached prefixes are reused "
@@ -419,8 +420,9 @@ def access(d: Deployment, t: TenantSection, r: Reach) -> dict:
              "tenants_on_the_same_workers": co_tenants, "prefix_cache_shared_with": sharing,
              "links_readable_on_the_wire": readable, "nixl_links": nixl,
              "vendor_staff": NOT_RECORDED, "host_administrators": NOT_RECORDED}
-    held = (["the jobs database holds its batch jobs' prompts and outputs"] if cfg.router.jobs_db else []) + (
-        ["the audit log holds its prompts and outputs (log_prompts)"] if t.log_prompts and cfg.router.audit_log else [])
+    records = cfg.router.records
+    held = (["the jobs database holds its batch jobs' prompts and outputs"] if records.jobs_db else []) + (
+        ["the audit log holds its prompts and outputs (log_prompts)"] if t.log_prompts and records.audit_log else [])
     text = (f"Users: whoever presents {_sign_in_text(facts['tenant_signs_in_with'])} acts as this tenant: it sends "
             f"requests and sees its own batch jobs only (another tenant's job is as unknown as a missing one); "
             f"usage reports are for operators only (Admin.Usage needs operator credentials). Administrators: "
@@ -488,27 +490,29 @@ def identity(d: Deployment, t: TenantSection, r: Reach) -> dict:
 def responsibility(d: Deployment, t: TenantSection, r: Reach) -> dict:
     """(7) Who can act on monitoring, incidents, upgrades and capacity, and what kvrelay watches itself."""
     cfg, rs = d.cfg, d.cfg.router
+    live = rs.liveness
     facts: dict[str, Any]
     facts = {"operators": _operators(cfg), "telemetry": telemetry_facts(cfg),
-             "health_checks": {"heartbeat_interval_s": rs.heartbeat_interval_s, "worker_timeout_s": rs.worker_timeout_s,
-                               "link_probe_timeout_s": rs.link_probe_timeout_s},
-             "operator_actions_logged_to": rs.audit_log,
+             "health_checks": {"heartbeat_interval_s": live.heartbeat_interval_s,
+                               "worker_timeout_s": live.worker_timeout_s,
+                               "link_probe_timeout_s": live.link_probe_timeout_s},
+             "operator_actions_logged_to": rs.records.audit_log,
              "operator_actions_logged": [*AUDITED_ACTIONS, "refused credentials"],
              "capacity": [{k: p.facts()[k] for k in ("pool", "desired", "min_replicas", "max_replicas")}
                           for p in r.pools],
-             "slo": {"ttft_s": rs.slo_ttft_s, "tpot_s": rs.slo_tpot_s}, "runtime_version": d.state.version,
+             "slo": {"ttft_s": rs.pools.slo_ttft_s, "tpot_s": rs.pools.slo_tpot_s}, "runtime_version": d.state.version,
              "incident_response": NOT_RECORDED, "upgrades": NOT_RECORDED}
     sizes = _names(f"{c['pool']} {c['desired']} (max {c['max_replicas']})" for c in facts["capacity"])
-    logged = (f"are written to the audit log ({rs.audit_log})" if rs.audit_log else
-              "are not audited (router.audit_log is not set)")
+    logged = (f"are written to the audit log ({rs.records.audit_log})" if rs.records.audit_log else
+              "are not audited (router.records.audit_log is not set)")
     text = (f"Operators ({_operators_text(cfg)}) scale, drain and plan the pools; their "
             f"{_names(AUDITED_ACTIONS)} calls, and calls refused for their credentials, {logged}. "
             f"Telemetry: {_telemetry_text(facts['telemetry'])}; the "
-            f"router marks a worker unhealthy after {rs.worker_timeout_s:g} s without a heartbeat and a link down when "
-            f"a probe takes over {rs.link_probe_timeout_s:g} s. Capacity: {sizes}; `kvrelay plan` recommends sizes "
-            f"for a time to first token of {rs.slo_ttft_s:g} s and {rs.slo_tpot_s:g} s per output token, applied "
-            f"only when an operator runs it with --apply. Runtime: kvrelay {d.state.version}. Who answers incidents "
-            f"and schedules upgrades is {NOT_RECORDED}.")
+            f"router marks a worker unhealthy after {live.worker_timeout_s:g} s without a heartbeat and a link down "
+            f"when a probe takes over {live.link_probe_timeout_s:g} s. Capacity: {sizes}; `kvrelay plan` recommends "
+            f"sizes for a time to first token of {rs.pools.slo_ttft_s:g} s and {rs.pools.slo_tpot_s:g} s per output "
+            f"token, applied only when an operator runs it with --apply. Runtime: kvrelay {d.state.version}. Who "
+            f"answers incidents and schedules upgrades is {NOT_RECORDED}.")
     return _answer(Question.RESPONSIBILITY, text, facts)
 
 
@@ -524,7 +528,7 @@ def portability(d: Deployment, t: TenantSection, r: Reach) -> dict:
          "format": "JSON lines"},
         {"data": "audit records",
          "who": (f"through the operators: whoever can read {audit} on the router's host" if audit else
-                 "nobody: nothing is audited (router.audit_log is not set)"),
+                 "nobody: nothing is audited (router.records.audit_log is not set)"),
          "command": f"kvrelay audit query --file {audit} --tenant {t.name} --json" if audit else None,
          "store": audit, "format": "JSON lines, hash-chained"},
         {"data": "usage", "who": f"through the operators: {ops} (operator credentials)",
@@ -539,7 +543,7 @@ def portability(d: Deployment, t: TenantSection, r: Reach) -> dict:
     text = ("It takes out its own batch jobs itself, with its own credential: `kvrelay job status` lists them and "
             "`kvrelay job results <job-id>` gives each one's results (JSON lines). Through the operators: ")
     text += (f"its audit records with `{exports[1]['command']}`, which reads the file on the router's host (whoever "
-             f"can read it there); " if audit else "no audit records (router.audit_log is not set); ")
+             f"can read it there); " if audit else "no audit records (router.records.audit_log is not set); ")
     text += (f"its usage with `{exports[2]['command']}`, which needs operator credentials ({ops}). The "
              f"configuration is a YAML file and the model a checkpoint in open formats ({exports[-1]['format']}, "
              f"at {exports[-1]['store']}). Clients use {_names(apis)} APIs, which other services also offer.")

@@ -23,7 +23,7 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 CLUSTER_YAML = {
     # least_loaded, never colocated: these tests exercise the prefill -> decode
     # path; placement has its own tests (test_multisite.py, unit/test_placement.py)
-    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0},
+    "router": {"port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0}},
     "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
     "workers": {"threads": 1},
     "cache": {"memory_gib": 0.25},

@@ -33,8 +33,8 @@ ahead of its deadline (its wake-up allowance, launch/delayline.py), each way."""
 PREFIX, SUBNET = "kvtc", "10.216.0.0/16"
 
 CONFIG = {
-    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0, "heartbeat_interval_s": 0.25,
-               "link_probe_timeout_s": 0.5},
+    "router": {"port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0},
+               "liveness": {"heartbeat_interval_s": 0.25, "link_probe_timeout_s": 0.5}},
     "sites": [{"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 0}},
               {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0}, "decode": {"replicas": 1}}],
     "links": [{"between": ["toronto", "montreal"], "rtt_ms": RTT_MS, "gbps": GBPS, "transport": "tcp"}],
@@ -186,7 +186,8 @@ def test_link_cut_is_detected_within_a_heartbeat_and_avoided(emulated, smollm_pa
     computes the prompt itself; the output is unchanged), new requests avoid the
     link while it is down and use it again once it is restored."""
     st, state_dir = emulated
-    hb, probe = CONFIG["router"]["heartbeat_interval_s"], CONFIG["router"]["link_probe_timeout_s"]
+    liveness = CONFIG["router"]["liveness"]
+    hb, probe = liveness["heartbeat_interval_s"], liveness["link_probe_timeout_s"]
     prompt = list(range(2000, 3500))  # 1,500 tokens: ~70 MiB of KV, seconds on a 0.5 Gbit/s link
     want = reference_engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     lc = LocalCluster(parse_config(CONFIG), smollm_path, cities=st)

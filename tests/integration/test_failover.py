@@ -17,7 +17,8 @@ from tests.integration.helpers import running_cluster, wait_until, workers
 pytestmark = pytest.mark.model
 
 CONFIG = {
-    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0, "heartbeat_interval_s": 0.25},
+    "router": {"port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0},
+               "liveness": {"heartbeat_interval_s": 0.25}},
     "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 2}}],
     "workers": {"threads": 1},
     "cache": {"memory_gib": 0.25},
@@ -62,7 +63,7 @@ def test_a_decode_worker_whose_engine_dies_leaves_and_is_replaced(smollm_path, r
     and the request, waiting for it, finishes with the reference output."""
     raw = dict(CONFIG, sites=[dict(CONFIG["sites"][0], decode={"replicas": 1})],
                workers={"threads": 1, "fail_engine_worker": "local/decode/0", "fail_engine_at_step": 4},
-               router=dict(CONFIG["router"], unavailable_wait_s=120.0))
+               router=dict(CONFIG["router"], admission={"unavailable_wait_s": 120.0}))
     prompt = reference_engine.tokenizer.encode("Name three research and education networks")
     want = reference_engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
     with running_cluster(raw, smollm_path) as lc, lc.channel() as ch:

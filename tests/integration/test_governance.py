@@ -19,7 +19,7 @@ from tests.integration.helpers import running_cluster
 pytestmark = pytest.mark.model
 
 CONFIG = {
-    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0, "site": "local"},
+    "router": {"port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0}, "site": "local"},
     "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1},
                "decode": {"replicas": 1, "tenants": ["lab-on"]}},
               {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0}, "decode": {"replicas": 0}}],
@@ -69,18 +69,19 @@ def test_statement_reflects_the_live_config_and_workers(governed_cluster, tmp_pa
                                                     "roles": ["prefill", "decode"]}]
     assert [(lk["link"], lk["protection"], lk["transport"]) for lk in lab[3]["facts"]["kv_links"]] == [
         ("local", "aead", ["tcp"])]
-    assert lab[3]["facts"]["stores"]["jobs_db"]["path"] == governed_cluster.cfg.router.jobs_db
+    assert lab[3]["facts"]["stores"]["jobs_db"]["path"] == governed_cluster.cfg.router.records.jobs_db
     assert lab[4]["facts"]["job_retention_days"] == 7 and "carry prompt and output text" in lab[4]["answer"]
     # the router's files as the router read them on disk
     files = lab[5]["facts"]["router_files"]
     for name in ("audit_log", "jobs_db"):
-        path = getattr(governed_cluster.cfg.router, name)
+        path = getattr(governed_cluster.cfg.router.records, name)
         assert files[name]["path"] == path and files[name]["state"] == "read"
         assert files[name]["mode"] == f"{stat.S_IMODE(os.stat(path).st_mode):04o}" == "0600"
         assert files[name]["folder_mode"] == f"{stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode):04o}"
-    assert f"{governed_cluster.cfg.router.audit_log}, mode 0600" in lab[5]["answer"]
+    assert f"{governed_cluster.cfg.router.records.audit_log}, mode 0600" in lab[5]["answer"]
     assert "sees its own batch jobs only" in lab[5]["answer"]
-    assert lab[2]["facts"]["reservations"]["interactive_reserve"] == governed_cluster.cfg.router.interactive_reserve
+    reserve = governed_cluster.cfg.router.admission.interactive_reserve
+    assert lab[2]["facts"]["reservations"]["interactive_reserve"] == reserve
     usage = next(e for e in lab[8]["facts"]["exports"] if e["data"] == "usage")
     assert "kvrelay-launcher" in usage["who"] and usage["command"] == "kvrelay usage --tenant lab-on --json"
     assert doc["tenants"][0]["warnings"] == []

@@ -1,6 +1,6 @@
 """What the Kubernetes deployment needs of kvrelay's processes: probe
 endpoints (runtime/health.py) over a real socket, pools sized by an
-orchestrator (router.scaling: external), and workers named after their pods."""
+orchestrator (router.pools.scaling: external), and workers named after their pods."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_a_taken_probe_port_is_a_clear_exit():
 @pytest.mark.parametrize("raw, message", [
     ({"health": {"worker_port": -2}}, "health.worker_port: must be a port"),
     ({"health": {"router_port": 70000}}, "health.router_port: must be <= 65535"),
-    ({"router": {"scaling": "kubernetes"}}, "router.scaling: must be kvrelay or external"),
+    ({"router": {"pools": {"scaling": "kubernetes"}}}, "router.pools.scaling: must be kvrelay or external"),
 ])
 def test_config_refuses(raw, message):
     with pytest.raises(ConfigError, match=message):
@@ -82,7 +82,7 @@ def test_config_refuses(raw, message):
 
 
 def _pools(scaling: str):
-    cfg = parse_config({"router": {"scaling": scaling}, "sites": [{"name": "t", "decode": {"replicas": 1}}]})
+    cfg = parse_config({"router": {"pools": {"scaling": scaling}}, "sites": [{"name": "t", "decode": {"replicas": 1}}]})
     reg = WorkerRegistry(cfg)
     return cfg, reg, PoolManager(cfg, reg)
 
@@ -124,8 +124,8 @@ def test_drain_under_external_scaling_is_a_graceful_restart():
 def test_scale_refusal_says_what_to_change():
     from kvrelay.v1 import admin_pb2 as apb
     hint = external_scaling_hint(apb.ScaleRequest(site="montreal", role="decode", replicas=3))
-    assert "router.scaling: external" in hint and "helm upgrade" in hint and "kubectl scale" in hint
-    assert parse_config({}).router.scaling is ScalingOwner.KVRELAY  # the local default keeps kvrelay scale
+    assert "router.pools.scaling: external" in hint and "helm upgrade" in hint and "kubectl scale" in hint
+    assert parse_config({}).router.pools.scaling is ScalingOwner.KVRELAY  # the local default keeps kvrelay scale
 
 
 def test_a_worker_takes_its_pod_name():

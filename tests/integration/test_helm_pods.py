@@ -94,11 +94,11 @@ class Pods:
         cm = next(d for d in self.docs if d["kind"] == "ConfigMap")
         cfg = yaml.safe_load(self.remap(cm["data"]["cluster.yaml"], pod))
         cfg["router"] |= {"port": self.router_ports["grpc"], "internal_port": self.router_ports["internal"],
-                          "http_port": self.router_ports["http"],
-                          # cost_model may rightly prefill a short prompt on an idle decode pod when the two
-                          # pods' measured speeds differ (they do on a busy machine); round_robin always
-                          # sends it through the prefill pod, so the KV crosses between pods every time
-                          "policy": "round_robin"}
+                          "http_port": self.router_ports["http"]}
+        # cost_model may rightly prefill a short prompt on an idle decode pod when the two
+        # pods' measured speeds differ (they do on a busy machine); round_robin always
+        # sends it through the prefill pod, so the KV crosses between pods every time
+        cfg["router"].setdefault("placement", {})["policy"] = "round_robin"
         cfg["health"] |= {"router_port": health, "worker_port": health}
         cfg["telemetry"] |= {"router_metrics_port": metrics, "worker_metrics_port": metrics}
         (self.root / pod / "config").mkdir(parents=True)

@@ -39,7 +39,7 @@ def test_job_delete_through_the_cli(shared_cluster, tmp_path, capsys, monkeypatc
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert main(["job", "delete", job_id, *r]) == 1
     assert f"NOT_FOUND: no job '{job_id}'" in capsys.readouterr().err
-    audit = shared_cluster.cfg.router.audit_log
+    audit = shared_cluster.cfg.router.records.audit_log
     deleted = [x for x in query(audit, kind="job") if x.get("job") == job_id]
     assert [(x["action"], x.get("requests"), x.get("requests_deleted")) for x in deleted] == [
         ("submitted", 2, None), ("deleted", None, 2)]

@@ -20,8 +20,8 @@ from tests.integration.helpers import cluster_user, running_cluster, wait_until,
 pytestmark = pytest.mark.model
 
 CONFIG = {
-    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 64, "heartbeat_interval_s": 0.25,
-               "job_concurrency": 8},
+    "router": {"port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 64},
+               "liveness": {"heartbeat_interval_s": 0.25}, "admission": {"job_concurrency": 8}},
     "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
     "workers": {"threads": 1},
     "cache": {"memory_gib": 0.25},

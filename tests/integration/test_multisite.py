@@ -24,7 +24,7 @@ WORKERS = [f"{s}/{r}/0" for s in SITES for r in ("prefill", "decode")]
 
 def two_sites(policy: str) -> dict:
     return {
-        "router": {"port": 0, "policy": policy, "heartbeat_interval_s": 0.25},
+        "router": {"port": 0, "placement": {"policy": policy}, "liveness": {"heartbeat_interval_s": 0.25}},
         "sites": [{"name": s, "jurisdiction": j, "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
                   for s, j in SITES.items()],
         "links": [{"between": ["toronto", "montreal"], "rtt_ms": 9, "gbps": 10}],
@@ -134,7 +134,7 @@ def hit_rate(lc: LocalCluster, seed: int) -> float:
 
 def with_policy(lc: LocalCluster, policy: str) -> None:
     """The same workers behind a router restarted with ``policy`` (cheaper than a new cluster)."""
-    lc.cfg.router.policy = policy
+    lc.cfg.router.placement.policy = policy
     lc.restart_router()
     assert wait_until(lambda: sum(w.healthy for w in workers(lc).values()) == 4 and settled(lc), 30)
 

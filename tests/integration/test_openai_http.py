@@ -36,8 +36,8 @@ RAW = "The three primary colours are"
 @pytest.fixture(scope="module")
 def http_cluster(smollm_path):
     raw = copy.deepcopy(CLUSTER_YAML)
-    raw["router"] |= {"http_port": 0, "max_inflight_per_worker": 2, "admission_wait_s": 0.2,
-                      "unavailable_wait_s": 0.5}
+    raw["router"] |= {"http_port": 0, "admission": {"max_inflight_per_worker": 2, "admission_wait_s": 0.2,
+                                                    "unavailable_wait_s": 0.5}}
     raw["tenants"] = [{"name": "lab-a", "token_sha256": token_sha256(TOKEN)},
                       {"name": "lab-b", "token_sha256": token_sha256(OTHER)}]
     with running_cluster(raw, smollm_path, reconcile=False) as lc:
@@ -228,7 +228,7 @@ def test_tenants_authenticate_on_grpc_and_see_only_their_own_jobs(http_cluster, 
 
 def test_admission_refusal_is_429_with_retry_after(client, http_cluster):
     """max_inflight_per_worker is 2 here: a third request finds the only decode
-    worker full and, after router.admission_wait_s, is refused."""
+    worker full and, after router.admission.admission_wait_s, is refused."""
     def long_request():
         return client.completions.create(model=MODEL, prompt=RAW, max_tokens=120, temperature=0,
                                          extra_body={"kvrelay": {"ignore_eos": True}})
@@ -273,7 +273,7 @@ def test_no_decode_worker_is_503_and_health_says_so(http_cluster):
     decode = next(c for c in http_cluster.children if c.name == "local/decode/0")
     decode.proc.send_signal(signal.SIGKILL)
     decode.proc.wait(10)
-    time.sleep(http_cluster.cfg.router.worker_timeout_s + 0.5)
+    time.sleep(http_cluster.cfg.router.liveness.worker_timeout_s + 0.5)
     got, err, _ = _post(http_cluster, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
                                                                                         "content": "hi"}]})
     assert got == 503 and err["error"]["type"] == "service_unavailable", err

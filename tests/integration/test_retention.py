@@ -36,7 +36,7 @@ from tests.integration.helpers import jobs_server
 
 CONFIG = {
     "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
-    "router": {"operator_audit_retention_days": 30, "retention_sweep_s": 0.05},
+    "router": {"records": {"operator_audit_retention_days": 30, "retention_sweep_s": 0.05}},
     "tenants": [{"name": "a", "job_retention_days": 1, "audit_retention_days": 2},
                 {"name": "b", "job_retention_days": 10, "audit_retention_days": 20}],
 }

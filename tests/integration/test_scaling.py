@@ -26,7 +26,8 @@ from tests.integration.helpers import running_cluster, wait_until, workers
 pytestmark = pytest.mark.model
 
 CONFIG = {
-    "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0, "heartbeat_interval_s": 0.25},
+    "router": {"port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0},
+               "liveness": {"heartbeat_interval_s": 0.25}},
     "sites": [{"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 0}},
               {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0},
                "decode": {"replicas": 1, "max_replicas": 2}}],

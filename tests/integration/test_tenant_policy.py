@@ -41,8 +41,8 @@ TORONTO = "toronto/decode/0"
 @pytest.fixture(scope="module")
 def tenant_cluster(smollm_path):
     raw = {
-        "router": {"port": 0, "http_port": 0, "policy": "least_loaded", "colocate_below_tokens": 0,
-                   "heartbeat_interval_s": 0.25, "admission_wait_s": 5.0},
+        "router": {"port": 0, "http_port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0},
+                   "liveness": {"heartbeat_interval_s": 0.25}, "admission": {"admission_wait_s": 5.0}},
         "sites": [{"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
                   {"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 0},
                    "decode": {"replicas": 1, "tenants": ["lab-on"]}}],
@@ -132,7 +132,7 @@ def test_the_quota_refuses_the_seventh_request_and_serves_it_after_the_wait(tena
 
 
 def _records(lc) -> list[dict]:
-    return [json.loads(line) for line in Path(lc.cfg.router.audit_log).read_text().splitlines()]
+    return [json.loads(line) for line in Path(lc.cfg.router.records.audit_log).read_text().splitlines()]
 
 
 def test_the_audit_log_verifies_and_keeps_prompts_only_where_allowed(tenant_cluster, capsys):
@@ -145,7 +145,7 @@ def test_the_audit_log_verifies_and_keeps_prompts_only_where_allowed(tenant_clus
     # written by the router's audit thread: wait for both records
     assert wait_until(lambda: any(r.get("prompt") == LOGGED for r in _records(tenant_cluster)) and any(
         r["kind"] == "operator" and r["action"] == "scale" for r in _records(tenant_cluster)), 10)
-    text = Path(tenant_cluster.cfg.router.audit_log).read_text()
+    text = Path(tenant_cluster.cfg.router.records.audit_log).read_text()
     assert "PAPAYA" not in text  # lab-qc's policy: never
     records = _records(tenant_cluster)
     qc = [r for r in records if r["kind"] == "request" and r.get("tenant") == "lab-qc" and r["outcome"] == "ok"]
@@ -157,7 +157,7 @@ def test_the_audit_log_verifies_and_keeps_prompts_only_where_allowed(tenant_clus
     assert on["tenant"] == "lab-on" and on["output"] and on["completion_tokens"] == 2
     assert any(r["kind"] == "operator" and r["action"] == "scale" and r["site"] == "toronto" for r in records)
     capsys.readouterr()
-    assert kvrelay(["audit", "verify", tenant_cluster.cfg.router.audit_log]) == 0
+    assert kvrelay(["audit", "verify", tenant_cluster.cfg.router.records.audit_log]) == 0
     assert capsys.readouterr().out.startswith("ok")
 
 
@@ -168,7 +168,7 @@ def test_a_call_with_a_wrong_token_is_found_by_audit_query_kind_refusal(tenant_c
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert wait_until(lambda: any(r["kind"] == "refusal" for r in _records(tenant_cluster)), 10)
     capsys.readouterr()
-    log = tenant_cluster.cfg.router.audit_log
+    log = tenant_cluster.cfg.router.records.audit_log
     assert kvrelay(["audit", "query", "--file", log, "--kind", "refusal", "--json"]) == 0
     found = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert found and all(r["kind"] == "refusal" for r in found)
@@ -179,7 +179,7 @@ def test_verify_names_an_edited_a_deleted_and_an_inserted_record_of_the_real_log
     for _ in range(4):
         generate(tenant_cluster, "lab-x")
     assert wait_until(lambda: len(_records(tenant_cluster)) >= 6, 10)
-    lines = Path(tenant_cluster.cfg.router.audit_log).read_bytes().splitlines(keepends=True)
+    lines = Path(tenant_cluster.cfg.router.records.audit_log).read_bytes().splitlines(keepends=True)
     cases = {"edited": lines[:3] + [lines[3].replace(b'"seq"', b'"seq" ', 1)] + lines[4:],
              "deleted": lines[:3] + lines[4:],
              "inserted": lines[:3] + [lines[2]] + lines[3:]}

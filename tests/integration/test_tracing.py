@@ -37,7 +37,8 @@ SLACK_NS = 5_000_000
 
 def config(telemetry: dict, decode: int = 1) -> dict:
     return {
-        "router": {"port": 0, "policy": "least_loaded", "colocate_below_tokens": 0, "heartbeat_interval_s": 0.25},
+        "router": {"port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0},
+                   "liveness": {"heartbeat_interval_s": 0.25}},
         "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1},
                    "decode": {"replicas": decode}}],
         "workers": {"threads": 1}, "cache": {"memory_gib": 0.25}, "telemetry": telemetry}

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.model
 LONG_PROMPT = "Describe the history of research networks in detail. " * 220  # ~2,400 tokens
 
 
-def _config(kv: dict | None = None, **router) -> dict:
+def _config(kv: dict | None = None, **router: dict) -> dict:
     raw = copy.deepcopy(CLUSTER_YAML)
     raw["scheduler"] = {"max_num_batched_tokens": 256}  # many prefill chunks: a long transfer window
     raw["router"] |= router
@@ -40,11 +40,12 @@ def _config(kv: dict | None = None, **router) -> dict:
 
 
 STALLED_S = 120.0
-"""Deadlines (kv.transfer_timeout_s, router.kv_lease_s) of the tests that must
+"""Deadlines (kv.transfer_timeout_s, router.liveness.kv_lease_s) of the tests that must
 tell a prompt refusal from a timed-out transfer."""
 
 # the only decode worker stays dead: do not wait long for it
-KILLED = _config(kv={"transfer_timeout_s": STALLED_S}, kv_lease_s=60.0, unavailable_wait_s=1.0)
+KILLED = _config(kv={"transfer_timeout_s": STALLED_S}, liveness={"kv_lease_s": 60.0},
+                 admission={"unavailable_wait_s": 1.0})
 
 
 def _send_in_background(lc: LocalCluster) -> dict:
@@ -132,7 +133,7 @@ def test_corrupted_transfers_are_refused_retried_then_recomputed(smollm_path, re
     raw["sites"][0]["prefill"]["replicas"] = 2
     # a transfer that merely stalled would take this long to fail (either side's deadline)
     raw["kv"] = {"transport": "tcp", "corrupt_first_transfers": 1, "transfer_timeout_s": STALLED_S}
-    raw["router"]["kv_lease_s"] = STALLED_S
+    raw["router"]["liveness"] = {"kv_lease_s": STALLED_S}
     prompt = list(range(500, 900))
     want = reference_engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     with running_cluster(raw, smollm_path) as lc, lc.channel() as ch:

@@ -33,15 +33,15 @@ TOKENS = {"lab-a": secrets.token_urlsafe(24), "lab-b": secrets.token_urlsafe(24)
 WORKERS = ["toronto/prefill/0", "toronto/decode/0", "montreal/decode/0"]
 ALL = "tenant,site,link,role,worker"
 LONG, SHORT = 200, 20
-"""Prompt lengths: at least router.colocate_below_tokens goes to the prefill worker."""
+"""Prompt lengths: at least router.placement.colocate_below_tokens goes to the prefill worker."""
 COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "kv_bytes")
 
 
 def config(usage_db) -> dict:
     return {
         # round_robin: decode workers in turn, so long prompts cross both links; short ones colocated
-        "router": {"port": 0, "policy": "round_robin", "colocate_below_tokens": 64, "heartbeat_interval_s": 0.25,
-                   "usage_db": str(usage_db)},
+        "router": {"port": 0, "placement": {"policy": "round_robin", "colocate_below_tokens": 64},
+                   "liveness": {"heartbeat_interval_s": 0.25}, "records": {"usage_db": str(usage_db)}},
         "sites": [{"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
                   {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0},
                    "decode": {"replicas": 1}}],

@@ -185,7 +185,7 @@ class PlacementRequest:
     """Whose request: pools dedicated to other tenants are not for it."""
     reserve: int = 0
     """Slots of each worker's ``max_inflight`` it must leave free (batch requests
-    leave ``router.interactive_reserve`` for interactive ones)."""
+    leave ``router.admission.interactive_reserve`` for interactive ones)."""
 
 
 @dataclass(slots=True)

@@ -474,7 +474,7 @@ def test_record_times_never_go_back(log_path):
 def test_the_retention_sweeper_notes_the_cutoffs_it_applies(tmp_path):
     cfg = parse_config({
         "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
-        "router": {"operator_audit_retention_days": 30},
+        "router": {"records": {"operator_audit_retention_days": 30}},
         "tenants": [{"name": "a", "audit_retention_days": 2}, {"name": "b", "audit_retention_days": 20}]})
     clock = Clock()
     log = AuditLog(tmp_path / "audit.jsonl", clock=clock, fsync=False)

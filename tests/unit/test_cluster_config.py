@@ -28,9 +28,9 @@ TWO = {"sites": [{"name": "a"}, {"name": "b"}]}
 
 def test_topology_config():
     cfg = parse_config({**TWO, "links": [{"between": ["a", "b"], "rtt_ms": 9, "gbps": 1, "protection": "integrity"}],
-                        "router": {"policy": "prefix_aware"}})
+                        "router": {"placement": {"policy": "prefix_aware"}}})
     assert cfg.links[0].between == ["a", "b"] and cfg.links[0].rtt_ms == 9.0 and cfg.links[0].protection == "integrity"
-    assert cfg.router.policy == "prefix_aware" and load_config(None).router.policy == "cost_model"
+    assert cfg.router.placement.policy == "prefix_aware" and load_config(None).router.placement.policy == "cost_model"
     assert load_config(None).kv.protection == "aead"  # every link is encrypted unless it says otherwise
     with pytest.raises(ConfigError, match="encrypt: replaced by protection"):
         parse_config({**TWO, "links": [{"between": ["a", "b"], "encrypt": True}]})
@@ -56,7 +56,7 @@ def test_example_configs_parse():
      r"auth\.operators\[0\]\.token_sha256: must be 64"),
     ({"auth": {"operators": [{"name": "noc", "token_sha256": "a" * 64}, {"name": "noc", "token_sha256": "b" * 64}]}},
      r"auth\.operators\[1\]\.name: must be non-empty and unique"),
-    ({"router": {"drain_timeout_s": 0}}, r"router\.drain_timeout_s: must be positive"),
+    ({"router": {"pools": {"drain_timeout_s": 0}}}, r"router\.pools\.drain_timeout_s: must be positive"),
     ({"router": {"port": "x"}}, r"router\.port: expected an integer"),
     ({"router": {"port": 70000}}, r"router\.port"),
     ({"routr": {}}, r"config: unknown field\(s\) routr"),
@@ -74,8 +74,10 @@ def test_example_configs_parse():
     ({**TWO, "links": [{"between": ["a", "b"]}, {"between": ["b", "a"]}]}, r"links\[1\]: duplicate link"),
     ({**TWO, "links": [{"between": ["a", "b"], "transport": "carrier-pigeon"}]}, r"links\[0\]\.transport"),
     ({**TWO, "links": {"between": ["a", "b"]}}, r"links: expected a list of links"),
-    ({"router": {"policy": "fastest"}}, r"router\.policy: must be one of round_robin"),
-    ({"router": {"max_inflight_per_worker": 0}}, r"router\.max_inflight_per_worker"),
+    ({"router": {"placement": {"policy": "fastest"}}}, r"router\.placement\.policy: must be one of round_robin"),
+    ({"router": {"admission": {"max_inflight_per_worker": 0}}}, r"router\.admission\.max_inflight_per_worker"),
+    ({"router": {"max_inflight_per_worker": 8}},
+     r"router\.max_inflight_per_worker: moved to router\.admission\.max_inflight_per_worker"),
     ({"sites": [{"name": "a", "decode": {"device": "tpu"}}]}, r"sites\[0\]\.decode\.device"),
 ])
 def test_invalid_config_names_the_field(raw, match):
@@ -85,10 +87,10 @@ def test_invalid_config_names_the_field(raw, match):
 
 @pytest.mark.parametrize("make,path", [
     (lambda v: {**TWO, "links": [{"between": ["a", "b"], "rtt_ms": v}]}, "links[0].rtt_ms"),
-    (lambda v: {"router": {"heartbeat_interval_s": v}}, "router.heartbeat_interval_s"),
+    (lambda v: {"router": {"liveness": {"heartbeat_interval_s": v}}}, "router.liveness.heartbeat_interval_s"),
     (lambda v: {"local_link": {"gbps": v}}, "local_link.gbps"),
     (lambda v: {"cache": {"memory_gib": v}}, "cache.memory_gib"),
-    (lambda v: {"router": {"herd_tolerance": v}}, "router.herd_tolerance"),
+    (lambda v: {"router": {"placement": {"herd_tolerance": v}}}, "router.placement.herd_tolerance"),
     (lambda v: {"tls": {"cert_days": v}}, "tls.cert_days"),
     (lambda v: {"kv": {"transfer_timeout_s": v}}, "kv.transfer_timeout_s"),
 ])
@@ -106,18 +108,20 @@ def test_non_finite_floats_are_refused(make, path, word, spelling, tmp_path):
 
 
 def test_non_finite_strings_are_not_numbers():
-    with pytest.raises(ConfigError, match=r"router\.slo_ttft_s: expected a number, got 'nan'"):
-        parse_config({"router": {"slo_ttft_s": "nan"}})
+    with pytest.raises(ConfigError, match=r"router\.pools\.slo_ttft_s: expected a number, got 'nan'"):
+        parse_config({"router": {"pools": {"slo_ttft_s": "nan"}}})
 
 
 @pytest.mark.parametrize("raw,message", [
     ({"kv": {"streams": 1_000_000}}, "kv.streams: must be <= 64, got 1000000"),
     ({"kv": {"socket_buffer_bytes": 1 << 40}}, f"kv.socket_buffer_bytes: must be <= {1 << 30}, got {1 << 40}"),
     ({"workers": {"threads": 5000}}, "workers.threads: must be <= 1024, got 5000"),
-    ({"router": {"job_concurrency": 10**9}}, "router.job_concurrency: must be <= 4096, got 1000000000"),
-    ({"router": {"max_inflight_per_worker": 10**6}}, "router.max_inflight_per_worker: must be <= 65536, got 1000000"),
+    ({"router": {"admission": {"job_concurrency": 10**9}}},
+     "router.admission.job_concurrency: must be <= 4096, got 1000000000"),
+    ({"router": {"admission": {"max_inflight_per_worker": 10**6}}},
+     "router.admission.max_inflight_per_worker: must be <= 65536, got 1000000"),
     ({"router": {"http_port": 65536}}, "router.http_port: must be <= 65535, got 65536"),
-    ({"router": {"drain_timeout_s": 86_401}}, "router.drain_timeout_s: must be <= 86400, got 86401"),
+    ({"router": {"pools": {"drain_timeout_s": 86_401}}}, "router.pools.drain_timeout_s: must be <= 86400, got 86401"),
     ({"sites": [{"name": "a", "decode": {"max_replicas": 5000}}]}, "sites[0].decode.max_replicas: must be <= 1024"),
     ({**TWO, "links": [{"between": ["a", "b"], "rtt_ms": 1e9}]}, "links[0].rtt_ms: must be <= 60000, got 1000000000.0"),
     ({"local_link": {"gbps": 10**6}}, "local_link.gbps: must be <= 10000, got 1000000"),
@@ -130,7 +134,7 @@ def test_non_finite_strings_are_not_numbers():
     ({"workers": {"threads": 0}}, "workers.threads: must be >= 1 or null, got 0"),
     ({"kv": {"socket_buffer_bytes": -1}}, "kv.socket_buffer_bytes: must be >= 0 or null, got -1"),
     ({"kv": {"streams": True}}, "kv.streams: expected an integer, got True"),
-    ({"router": {"slo_tpot_s": False}}, "router.slo_tpot_s: expected a number, got False"),
+    ({"router": {"pools": {"slo_tpot_s": False}}}, "router.pools.slo_tpot_s: expected a number, got False"),
 ])
 def test_numbers_are_bounded(raw, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -140,12 +144,13 @@ def test_numbers_are_bounded(raw, message):
 def test_every_numeric_field_has_a_bound():
     from kvrelay.runtime import config
 
-    classes = [*config._NESTED.values(), *(c for c, _ in config._LISTS.values()), config.ClusterConfig]
-    numeric = {(c.__name__, f.name) for c in classes for f in dataclasses.fields(c)
-               if str(f.type).startswith(("int", "float"))}
-    assert numeric == set(config.FIELD_MAX)
+    numeric = {(c.__name__, f.name) for c in config.sections() for f in dataclasses.fields(c)
+               if str(f.type).startswith(("int", "float", "StrictInt", "StrictFloat"))}
+    bounded = {(c.__name__, f.name) for c in config.sections() for f in dataclasses.fields(c)
+               if "maximum" in config.bounds(c, f.name)}
+    assert numeric == bounded and len(numeric) >= 61
     defaults = load_config(None)
-    assert defaults.kv.streams <= config.FIELD_MAX["KVSection", "streams"]
+    assert defaults.kv.streams <= config.bounds(config.KVSection, "streams")["maximum"]
 
 
 def test_a_100000_digit_integer_names_the_field(tmp_path):

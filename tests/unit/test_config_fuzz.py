@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrelay.runtime.config import (
-    FIELD_MAX,
     ClusterConfig,
     ConfigError,
+    bounds,
     load_config,
     parse_config,
 )
@@ -130,14 +130,14 @@ def _load(fn, arg) -> None:
 
 
 def _check_numbers(section: Any) -> None:
-    """Every numeric field of ``section`` and the sections under it is finite, >= 0 and within FIELD_MAX."""
+    """Every numeric field of ``section`` and the sections under it is finite, >= 0 and within its declared bound."""
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         children = value if isinstance(value, list) else [value]
         for child in children:
             if dataclasses.is_dataclass(child):
                 _check_numbers(child)
-        bound = FIELD_MAX.get((type(section).__name__, f.name))
+        bound = bounds(type(section), f.name).get("maximum")
         if bound is not None and value is not None:
             assert not isinstance(value, bool) and math.isfinite(value) and 0 <= value <= bound, (f.name, value)
 

@@ -31,8 +31,9 @@ from kvrelay.runtime.roles import Role
 from kvrelay.v1 import worker_pb2 as wpb
 
 BASE = {
-    "router": {"site": "toronto", "audit_log": "/srv/kvrelay/audit.jsonl", "jobs_db": "/srv/kvrelay/jobs.sqlite",
-               "usage_db": "/srv/kvrelay/usage.sqlite"},
+    "router": {"site": "toronto", "records": {"audit_log": "/srv/kvrelay/audit.jsonl",
+                                              "jobs_db": "/srv/kvrelay/jobs.sqlite",
+                                              "usage_db": "/srv/kvrelay/usage.sqlite"}},
     "sites": [{"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
               {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
               {"name": "vancouver", "jurisdiction": "CA-BC", "prefill": {"replicas": 0}, "decode": {"replicas": 0}}],
@@ -228,12 +229,13 @@ def test_markdown_has_all_eight_questions_per_tenant():
 
 def test_deployment_state_from_a_registry(tmp_path):
     raw = copy.deepcopy(BASE)
-    raw["router"] |= {"audit_log": str(tmp_path / "audit.jsonl"), "jobs_db": str(tmp_path / "jobs.sqlite"),
-                      "usage_db": str(tmp_path / "usage.sqlite")}  # the router's ledger makes the usage file
+    raw["router"]["records"] |= {"audit_log": str(tmp_path / "audit.jsonl"),
+                                 "jobs_db": str(tmp_path / "jobs.sqlite"),
+                                 "usage_db": str(tmp_path / "usage.sqlite")}  # the router's ledger makes the usage file
 
     async def run() -> DeploymentState:
         cfg = parse_config(raw)
-        ledger = UsageLedger(cfg.router.usage_db)
+        ledger = UsageLedger(cfg.router.records.usage_db)
         reg = WorkerRegistry(cfg, on_load=ledger.observe)
         try:
             await reg.register(wpb.WorkerInfo(worker_id="montreal/decode/0", role=Role.DECODE.proto, site="montreal",
@@ -286,12 +288,12 @@ def test_portability_says_who_can_take_each_out():
 
     def other_operators_no_audit(raw):
         raw["auth"]["operators"] = [{"name": "ops-team", "token_sha256": "e" * 64}]
-        del raw["router"]["audit_log"]
+        del raw["router"]["records"]["audit_log"]
     after = _answer(_doc(other_operators_no_audit), "lab-qc", Question.PORTABILITY)
     exports = {e["data"]: e for e in after["facts"]["exports"]}
     assert exports["audit records"]["command"] is None and exports["audit records"]["who"].startswith("nobody")
     assert "(ops-team)" in exports["usage"]["who"] and "noc" not in after["answer"]
-    assert "no audit records (router.audit_log is not set)" in after["answer"]
+    assert "no audit records (router.records.audit_log is not set)" in after["answer"]
 
 
 def test_backups_are_not_recorded_unless_a_section_says():
@@ -324,14 +326,14 @@ def test_interactive_reserve_is_reported_as_reserved_capacity():
     assert "No capacity is reserved otherwise" not in a["answer"]
 
     def bigger(raw):
-        raw["router"] |= {"interactive_reserve": 3, "max_inflight_per_worker": 8, "job_concurrency": 2}
+        raw["router"]["admission"] = {"interactive_reserve": 3, "max_inflight_per_worker": 8, "job_concurrency": 2}
     after = _answer(_doc(bigger), "uni-on", Question.ACCELERATORS)
     assert after["facts"]["reservations"]["interactive_reserve"] == 3
     assert "leave 3 of its 8 slots free" in after["answer"] and "at most 2 at once" in after["answer"]
 
     def none(raw):
-        raw["router"]["interactive_reserve"] = 0
-    assert "no slot (router.interactive_reserve is 0): batch (job) requests may take all 64 slots" in _answer(
+        raw["router"]["admission"] = {"interactive_reserve": 0}
+    assert "no slot (router.admission.interactive_reserve is 0): batch (job) requests may take all 64 slots" in _answer(
         _doc(none), "uni-on", Question.ACCELERATORS)["answer"]
 
 
@@ -344,8 +346,8 @@ def test_file_modes_are_read_from_disk(tmp_path):
     os.chmod(audit, 0o600)
 
     def at(raw):
-        raw["router"] |= {"audit_log": str(audit), "jobs_db": str(folder / "jobs.sqlite")}
-        del raw["router"]["usage_db"]
+        raw["router"]["records"] |= {"audit_log": str(audit), "jobs_db": str(folder / "jobs.sqlite")}
+        del raw["router"]["records"]["usage_db"]
     cfg = parse_config(_raw(at))
 
     def access(state):
@@ -359,7 +361,8 @@ def test_file_modes_are_read_from_disk(tmp_path):
     assert files["jobs_db"]["state"] == "missing"
     assert f"the jobs database {folder / 'jobs.sqlite'}: missing on disk" in a["answer"]
     assert files["usage_db"]["state"] == "not set"
-    assert "the usage database: not set (router.usage_db; usage is kept in the router's memory only)" in a["answer"]
+    assert ("the usage database: not set (router.records.usage_db; usage is kept in the router's memory only)"
+            in a["answer"])
     assert "0700" not in a["answer"]
     # the modes change on disk: so does the answer
     os.chmod(audit, 0o644)
@@ -381,12 +384,12 @@ def test_retention_follows_the_stores_and_the_cache():
 
     def changed(raw):
         for name in ("audit_log", "jobs_db", "usage_db"):
-            del raw["router"][name]
-        raw["router"]["retention_sweep_s"] = 600
+            del raw["router"]["records"][name]
+        raw["router"]["records"]["retention_sweep_s"] = 600
         raw["cache"] = {"num_blocks": 512, "enable_prefix_caching": False}
     after = _answer(_doc(changed), "uni-on", Question.RETENTION)
-    assert "kept in the router's memory only (router.jobs_db is not set)" in after["answer"]
-    assert "Nothing is audited (router.audit_log is not set)" in after["answer"]
+    assert "kept in the router's memory only (router.records.jobs_db is not set)" in after["answer"]
+    assert "Nothing is audited (router.records.audit_log is not set)" in after["answer"]
     assert "carry prompt" not in after["answer"] and "every 600 s" in after["answer"]
     assert "Usage records are kept in the router's memory only" in after["answer"]
     assert "512 blocks of 16 tokens per worker" in after["answer"]
@@ -404,8 +407,8 @@ def test_responsibility_names_what_is_audited_and_that_plans_are_advice():
     assert "applied only when an operator runs it with --apply" in a["answer"]
 
     def unaudited(raw):
-        del raw["router"]["audit_log"]
-    assert "are not audited (router.audit_log is not set)" in _answer(
+        del raw["router"]["records"]["audit_log"]
+    assert "are not audited (router.records.audit_log is not set)" in _answer(
         _doc(unaudited), "uni-on", Question.RESPONSIBILITY)["answer"]
 
 

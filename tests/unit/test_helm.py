@@ -131,11 +131,11 @@ def test_three_cities_config_map_equals_the_example_config(tmp_path: Path):
     assert _pools(ours) == _pools(theirs)
     assert _links(ours) == _links(theirs)
     assert (ours.local_link.rtt_ms, ours.local_link.gbps) == (theirs.local_link.rtt_ms, theirs.local_link.gbps)
-    assert ours.router.policy == theirs.router.policy
+    assert ours.router.placement.policy == theirs.router.placement.policy
     assert ours.model.dtype == theirs.model.dtype and ours.workers.threads == theirs.workers.threads
     assert ours.cache == theirs.cache and ours.kv.protection == theirs.kv.protection
     # what Kubernetes decides instead
-    assert ours.router.scaling == "external" and ours.tls.enabled and ours.health.worker_port == 8081
+    assert ours.router.pools.scaling == "external" and ours.tls.enabled and ours.health.worker_port == 8081
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -153,7 +153,7 @@ BAD = {
     "link to itself": (["links[0].between[1]=toronto"], "links[0].between: must name two different sites"),
     "wrong type": (["links[0].rtt_ms=fast"], "links.0.rtt_ms: Invalid type. Expected: number"),
     "chart-owned config field": (["config.router.host=0.0.0.0"], "config.router: Additional property host"),
-    "unknown policy": (["config.router.policy=fastest"], "config.router.policy"),
+    "unknown policy": (["config.router.placement.policy=fastest"], "config.router.placement.policy"),
     "replicas above max": (["sites[1].decode.replicas=20"], "sites[1].decode.replicas: 20 is above max_replicas 16"),
     "cuda without a GPU": (["sites[1].decode.device=cuda"], 'sites[1].decode.device: cuda needs a GPU'),
     "router at an unknown site": (["router.site=ottawa"], 'router.site: unknown site "ottawa"'),

@@ -154,7 +154,7 @@ def test_constraint_failure_names_the_jurisdictions():
 
 
 def test_missing_workers_are_worth_waiting_for_only_where_sites_exist():
-    """``absent``: the router waits (router.unavailable_wait_s) for workers that may come back."""
+    """``absent``: the router waits (router.admission.unavailable_wait_s) for workers that may come back."""
     policy = make_policy("cost_model", 0)
     dead = view([w("p", "prefill", "mtl"), w("d", "decode", "mtl", healthy=False)], jur={"mtl": "CA-QC"})
     for allowed, kind in ((None, "unavailable"), (frozenset({"CA-QC"}), "unavailable")):
@@ -295,7 +295,8 @@ def test_the_registry_view_follows_workers_coming_going_and_falling_silent():
                               address="127.0.0.1:1", num_blocks=100)
 
     async def scenario():
-        reg = WorkerRegistry(parse_config({"router": {"worker_timeout_s": 600}}))  # no stall of this machine's counts
+        # no stall of this machine's counts
+        reg = WorkerRegistry(parse_config({"router": {"liveness": {"worker_timeout_s": 600}}}))
         await reg.register(info(0))
         first = reg.view()
         assert [w.worker_id for w in first.workers] == ["local/decode/0"] and reg.view() is first

@@ -79,8 +79,8 @@ def test_caller_deadline():
     assert Caller(deadline=time.monotonic() - 5).time_remaining() == 0.0
 
 
-def _core(tok, **router) -> RouterCore:
-    cfg = parse_config({"router": {"unavailable_wait_s": 0.4, "admission_wait_s": 0.4, **router}})
+def _core(tok, **admission) -> RouterCore:
+    cfg = parse_config({"router": {"admission": {"unavailable_wait_s": 0.4, "admission_wait_s": 0.4, **admission}}})
     return RouterCore(cfg, tok, LIMITS, core_parts(cfg))
 
 
@@ -120,8 +120,8 @@ def test_core_never_waits_past_the_callers_deadline(tok):
 
 def test_admission_wait_tells_what_waiting_can_bring(tok):
     async def go():
-        cfg = parse_config({"router": {"admission_wait_s": 5.0, "unavailable_wait_s": 0.01}})
-        w = AdmissionWait(cfg.router, Caller())
+        cfg = parse_config({"router": {"admission": {"admission_wait_s": 5.0, "unavailable_wait_s": 0.01}}})
+        w = AdmissionWait(cfg.router.admission, Caller())
         return w.allows(Wait.ROOM), w.allows(Wait.WORKERS), w.allows(Wait.NOTHING)
 
     assert asyncio.run(go()) == (True, False, False)

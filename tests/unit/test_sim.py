@@ -27,8 +27,8 @@ from kvrelay.runtime.config import parse_config
 H100 = "h100:llama-3.1-8b"
 
 
-def one_site(prefill: int, decode: int, **router) -> dict:
-    return {"router": {"policy": "least_loaded", "colocate_below_tokens": 0, **router},
+def one_site(prefill: int, decode: int, policy: str = "least_loaded", admission: dict | None = None) -> dict:
+    return {"router": {"placement": {"policy": policy, "colocate_below_tokens": 0}, "admission": admission or {}},
             "sites": [{"name": "a", "prefill": {"replicas": prefill}, "decode": {"replicas": decode}}],
             "local_link": {"rtt_ms": 0.5, "gbps": 100}}
 
@@ -119,7 +119,7 @@ def test_shared_prefixes_are_found_by_the_routers_index_and_the_engines_cache():
 
 def test_overload_queues_then_sheds_after_the_admission_wait():
     arr = [request(2000, 50, at=0.0, index=i) for i in range(6)]
-    rep = run(one_site(0, 1, max_inflight_per_worker=2, admission_wait_s=0.3), arr)
+    rep = run(one_site(0, 1, admission={"max_inflight_per_worker": 2, "admission_wait_s": 0.3}), arr)
     errors = [r["error"] for r in rep["requests"]]
     assert errors.count(None) >= 2 and any(e and e.startswith("RESOURCE_EXHAUSTED") for e in errors)
 
@@ -135,7 +135,7 @@ def test_a_decode_worker_dying_mid_stream_migrates_without_losing_tokens():
 
 
 def test_a_link_down_is_avoided_and_used_again_once_up():
-    cfg = {"router": {"policy": "least_loaded", "colocate_below_tokens": 0},  # disaggregates whenever it can
+    cfg = {"router": {"placement": {"policy": "least_loaded", "colocate_below_tokens": 0}},  # always disaggregates
            "sites": [{"name": "a", "prefill": {"replicas": 1}, "decode": {"replicas": 0}},
                      {"name": "b", "prefill": {"replicas": 0}, "decode": {"replicas": 1}}],
            "links": [{"between": ["a", "b"], "rtt_ms": 10, "gbps": 400}]}
@@ -232,7 +232,7 @@ def test_the_planners_recommendation_meets_the_target_and_is_minimal():
 
 
 def _two_sites() -> dict:
-    return {"router": {"policy": "cost_model"},
+    return {"router": {"placement": {"policy": "cost_model"}},
             "sites": [{"name": "a", "jurisdiction": "X", "prefill": {"replicas": 1, "max_replicas": 6},
                        "decode": {"replicas": 1, "max_replicas": 6}},
                       {"name": "b", "jurisdiction": "X", "prefill": {"replicas": 1, "max_replicas": 6},

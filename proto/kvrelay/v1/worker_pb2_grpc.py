@@ -34,7 +34,7 @@ class RegistryStub:
     is exactly the worker_id (<site>/<role>/<name>), site and role of the
     call. No certificate: UNAUTHENTICATED; another identity, or an operator's
     or client's certificate: PERMISSION_DENIED; a worker_id a live worker
-    (heartbeating within router.worker_timeout_s) holds at another address:
+    (heartbeating within router.liveness.worker_timeout_s) holds at another address:
     ALREADY_EXISTS. ListWorkers needs an operator (token or certificate).
     A refused call changes nothing in the registry.
     """
@@ -76,7 +76,7 @@ class RegistryServicer:
     is exactly the worker_id (<site>/<role>/<name>), site and role of the
     call. No certificate: UNAUTHENTICATED; another identity, or an operator's
     or client's certificate: PERMISSION_DENIED; a worker_id a live worker
-    (heartbeating within router.worker_timeout_s) holds at another address:
+    (heartbeating within router.liveness.worker_timeout_s) holds at another address:
     ALREADY_EXISTS. ListWorkers needs an operator (token or certificate).
     A refused call changes nothing in the registry.
     """
@@ -149,7 +149,7 @@ class Registry:
     is exactly the worker_id (<site>/<role>/<name>), site and role of the
     call. No certificate: UNAUTHENTICATED; another identity, or an operator's
     or client's certificate: PERMISSION_DENIED; a worker_id a live worker
-    (heartbeating within router.worker_timeout_s) holds at another address:
+    (heartbeating within router.liveness.worker_timeout_s) holds at another address:
     ALREADY_EXISTS. ListWorkers needs an operator (token or certificate).
     A refused call changes nothing in the registry.
     """
