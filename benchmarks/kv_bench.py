@@ -68,10 +68,11 @@ PEER_HOST: str | None = None
 """The address peers listen on there."""
 
 
-def _peer(*args: str, full: bool = False) -> tuple[subprocess.Popen, str]:
+def _peer(*args: str, full: bool = False, module: str = "kv_peer") -> tuple[subprocess.Popen, str]:
+    """A peer process (``module``: kv_peer, or kv_limit for the raw-socket receiver) and its endpoint."""
     where = ["ip", "netns", "exec", PEER_NETNS] if PEER_NETNS else []
     host = [f"host={PEER_HOST}"] if PEER_HOST else []
-    proc = subprocess.Popen([*where, sys.executable, "-m", "kvrelay.benchmarks.kv_peer", *args, *host],
+    proc = subprocess.Popen([*where, sys.executable, "-m", f"kvrelay.benchmarks.{module}", *args, *host],
                             stdout=subprocess.PIPE, text=True)
     if proc.stdout is None:  # stdout=PIPE
         raise RuntimeError("benchmark peer has no stdout")
@@ -194,7 +195,7 @@ def raw(nbytes: int, streams: int, repeat: int, mode: str = PLAIN) -> list[float
     """Seconds per round of ``nbytes`` over ``streams`` warm sockets (one
     unmeasured round first, as ours has), doing the cipher work of ``mode``
     (plain, aead, integrity: benchmarks/kv_limit.py)."""
-    proc, endpoint = _peer("raw-receiver", str(nbytes), str(streams), str(repeat + 1), mode)
+    proc, endpoint = _peer(str(nbytes), str(streams), str(repeat + 1), mode, module="kv_limit")
     host, port = endpoint.rsplit(":", 1)
     buf = memoryview(bytearray(nbytes))
     share = nbytes // streams

@@ -4,10 +4,6 @@ kill one side. SPEC is ``dtype,layers,kv_heads,head_dim,block_size,num_blocks[,m
     python -m kvrelay.benchmarks.kv_peer receiver SPEC COUNT [tcp|nixl]
         expects transfers t0..t{COUNT-1}, each into every block;
         prints "ENDPOINT host:port", then serves until killed
-    python -m kvrelay.benchmarks.kv_peer raw-receiver NBYTES STREAMS ROUNDS [MODE]
-        accepts STREAMS connections, then for each of ROUNDS receives on each
-        its share of NBYTES as MODE sends it (plain, aead or integrity:
-        benchmarks/kv_limit.py) and answers one byte; prints "ENDPOINT host:port"
     python -m kvrelay.benchmarks.kv_peer nixl-target NBYTES
         registers NBYTES with a bare NIXL agent; prints "ENDPOINT hex_metadata address"
     python -m kvrelay.benchmarks.kv_peer mooncake-target NBYTES
@@ -17,20 +13,17 @@ kill one side. SPEC is ``dtype,layers,kv_heads,head_dim,block_size,num_blocks[,m
         sends LAYERS layers of N_BLOCKS blocks, prints "SENT", then hangs
 
 Receivers listen on 127.0.0.1, or on ADDR given as ``host=ADDR`` anywhere
-on the command line.
+on the command line. The raw-socket receiver the limits are measured with is
+benchmarks/kv_limit.py (a lighter process: no torch).
 """
 
 from __future__ import annotations
 
-import socket
 import sys
-import threading
 import time
 
 import torch
 
-from kvrelay.benchmarks import kv_limit
-from kvrelay.benchmarks.kv_limit import PLAIN
 from kvrelay.engine.kv_cache import KVCache, KVLayout
 from kvrelay.kvtransfer.base import TransferTarget
 from kvrelay.kvtransfer.config import TransferConfig
@@ -53,30 +46,6 @@ def make_cache(spec: str, seed: int | None = 5) -> KVCache:
     if seed is not None:
         cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(seed)))
     return cache
-
-
-def raw_receiver(nbytes: int, streams: int, rounds: int, mode: str = PLAIN) -> None:
-    srv = socket.create_server((HOST, 0), backlog=64)
-    print("ENDPOINT", f"{HOST}:{srv.getsockname()[1]}", flush=True)
-    buf = memoryview(bytearray(nbytes))
-    share = nbytes // streams
-    conns = [srv.accept()[0] for _ in range(streams)]  # warm connections, as ours are
-    for c in conns:
-        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def pull(i: int, c: socket.socket) -> None:
-        end = nbytes if i == streams - 1 else (i + 1) * share
-        for _ in range(rounds):
-            kv_limit.pull(c, buf[i * share:end], mode, i)
-            c.sendall(b"k")
-
-    ts = [threading.Thread(target=pull, args=(i, c)) for i, c in enumerate(conns)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    for c in conns:
-        c.close()
 
 
 def mooncake_engine():
@@ -116,9 +85,6 @@ def main() -> None:
         sys.argv.remove(a)
         HOST = a.split("=", 1)[1]
     role = sys.argv[1]
-    if role == "raw-receiver":
-        raw_receiver(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])
-        return
     if role == "nixl-target":
         nixl_target(int(sys.argv[2]))
         return

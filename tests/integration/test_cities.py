@@ -140,30 +140,36 @@ def test_down_treats_what_is_already_gone_as_removed(tmp_path):
     assert cities._remove(fails, lambda: True, "device x") == "device x: RTNETLINK answers: Operation not permitted"
 
 
-@needs_root
-@pytest.mark.model
-def test_cluster_across_the_emulated_link(emulated, smollm_path, reference_engine):
-    st, _ = emulated
-    lc = LocalCluster(parse_config(CONFIG), smollm_path, cities=st)
+@pytest.fixture(scope="module")
+def cities_cluster(emulated, smollm_path):
+    """The cluster of CONFIG in the emulated cities, for the tests below (each leaves its link up)."""
+    lc = LocalCluster(parse_config(CONFIG), smollm_path, cities=emulated[0])
     lc.start()
     try:
-        # a probe slower than link_probe_timeout_s marks the link down (a loaded machine can starve
-        # the delay line) and a request placed then is colocated in Montreal: send on an up link
-        assert wait_until(lambda: _link(lc).up, 30, 0.05), _link(lc).down_reason
-        prompt = list(range(1000, 1600))  # 600 tokens: ~27 MiB of KV over a 0.5 Gbit/s, 20 ms link
-        with lc.channel() as ch:
-            msgs = list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
-                token_ids=ipb.TokenIds(ids=prompt), max_tokens=6, ignore_eos=True), timeout=120))
-        pl = msgs[-1].finish.placement
-        assert (pl.prefill_site, pl.decode_site, pl.link) == ("toronto", "montreal", "montreal-toronto")
-        assert pl.kv_bytes > 20 << 20
-        # the transfer's tail (end of prefill to the receiver's ack) includes at least one RTT
-        assert pl.kv_transfer_ms >= RTT_MS
-        tokens = [t for m in msgs for t in m.token_ids]
-        want = reference_engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
-        assert tokens == want
+        yield lc
     finally:
         lc.stop()
+
+
+@needs_root
+@pytest.mark.model
+def test_cluster_across_the_emulated_link(cities_cluster, reference_engine):
+    lc = cities_cluster
+    # a probe slower than link_probe_timeout_s marks the link down (a loaded machine can starve
+    # the delay line) and a request placed then is colocated in Montreal: send on an up link
+    assert wait_until(lambda: _link(lc).up, 30, 0.05), _link(lc).down_reason
+    prompt = list(range(1000, 1600))  # 600 tokens: ~27 MiB of KV over a 0.5 Gbit/s, 20 ms link
+    with lc.channel() as ch:
+        msgs = list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
+            token_ids=ipb.TokenIds(ids=prompt), max_tokens=6, ignore_eos=True), timeout=120))
+    pl = msgs[-1].finish.placement
+    assert (pl.prefill_site, pl.decode_site, pl.link) == ("toronto", "montreal", "montreal-toronto")
+    assert pl.kv_bytes > 20 << 20
+    # the transfer's tail (end of prefill to the receiver's ack) includes at least one RTT
+    assert pl.kv_transfer_ms >= RTT_MS
+    tokens = [t for m in msgs for t in m.token_ids]
+    want = reference_engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    assert tokens == want
 
 
 def _link(lc: LocalCluster) -> wpb.LinkStatus:
@@ -180,21 +186,20 @@ def _generate(lc: LocalCluster, prompt: list[int], max_tokens: int) -> list[ipb.
 
 @needs_root
 @pytest.mark.model
-def test_link_cut_is_detected_within_a_heartbeat_and_avoided(emulated, smollm_path, reference_engine):
+def test_link_cut_is_detected_within_a_heartbeat_and_avoided(emulated, cities_cluster, reference_engine):
     """Cutting the only link while a prompt's KV crosses it: the workers' probes
     report it down, the router re-places the request at once (the decode worker
     computes the prompt itself; the output is unchanged), new requests avoid the
     link while it is down and use it again once it is restored."""
-    st, state_dir = emulated
+    _, state_dir = emulated
     liveness = CONFIG["router"]["liveness"]
     hb, probe = liveness["heartbeat_interval_s"], liveness["link_probe_timeout_s"]
     prompt = list(range(2000, 3500))  # 1,500 tokens: ~70 MiB of KV, seconds on a 0.5 Gbit/s link
     want = reference_engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
-    lc = LocalCluster(parse_config(CONFIG), smollm_path, cities=st)
-    lc.start()
+    lc = cities_cluster
     cut = False
     try:
-        assert _link(lc).up
+        assert wait_until(lambda: _link(lc).up, 30, 0.05), _link(lc).down_reason
         out: dict = {}
         t = threading.Thread(target=lambda: out.update(msgs=_generate(lc, prompt, 6)))
         t.start()
@@ -233,7 +238,6 @@ def test_link_cut_is_detected_within_a_heartbeat_and_avoided(emulated, smollm_pa
     finally:
         if cut:
             cities.link_signal(state_dir, "toronto", "montreal", cut=False)
-        lc.stop()
 
 
 def test_plan_addresses_and_names():
