@@ -18,9 +18,9 @@ from kvrelay.cli.common import (
     table,
 )
 from kvrelay.cli.watch import pool_rows, render_status, watch
-from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import Dialer
+from kvrelay.runtime.tokens import token_sha256
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import worker_pb2 as wpb

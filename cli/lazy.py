@@ -8,6 +8,7 @@ import argparse
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,3 +26,8 @@ class Lazy:
 def local(name: str) -> Lazy:
     """A function of cli/local.py (the commands that run a model or a cluster here)."""
     return Lazy("kvrelay.cli.local", name)
+
+
+def command_module(name: str) -> ModuleType:
+    """The cli module ``name`` (cli/<name>.py), imported when a command it parses is used."""
+    return importlib.import_module(f"kvrelay.cli.{name}")

@@ -2,29 +2,22 @@
 operator commands in cli/admin.py, the WAN emulation's in cli/cities.py; what
 runs a model or a cluster here in cli/local.py, imported only when such a
 command runs (cli/lazy.py), so the client commands load neither torch nor the
-engine. Arguments and environment are read in these modules only; everything
-below them receives typed values."""
+engine. A client command (generate, status, job, ...) is parsed by its own
+module alone (:data:`CLIENT_COMMANDS`): `kvrelay generate` does not import the
+simulator, the benchmarks or the config's validation to read its arguments.
+Arguments and environment are read in these modules only; everything below
+them receives typed values."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
-from kvrelay.cli import admin as cli_admin
-from kvrelay.cli import audit as cli_audit
-from kvrelay.cli import chaos as cli_chaos
-from kvrelay.cli import cities as cli_cities
-from kvrelay.cli import governance as cli_governance
-from kvrelay.cli import jobs as cli_jobs
-from kvrelay.cli import pki as cli_pki
-from kvrelay.cli import sim as cli_sim
-from kvrelay.cli import trace as cli_trace
-from kvrelay.cli import usage as cli_usage
-from kvrelay.cli.cities import cities_flag
 from kvrelay.cli.common import (
     add_connect_flags,
     client_dialer,
@@ -32,10 +25,13 @@ from kvrelay.cli.common import (
     default_token_file,
     grpc_error,
 )
-from kvrelay.cli.lazy import Lazy, local
+from kvrelay.cli.lazy import Lazy, command_module, local
 from kvrelay.engine.errors import EngineError
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
+
+AddFlags = Callable[[argparse.ArgumentParser], None]
+"""A function that adds a module's flags to a parser (cli/cities.py's --cities, cli/chaos.py's --chaos)."""
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -67,27 +63,51 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+PARSER_MODULES = ("admin", "pki", "jobs", "usage", "governance", "audit", "trace", "sim")
+"""The cli modules whose ``add_parsers(sub)`` add top-level commands, in the order `kvrelay --help` lists
+them (cli/cities.py adds its own and bench's)."""
+CLIENT_COMMANDS = {"status": "admin", "scale": "admin", "drain": "admin", "pools": "admin",
+                   "token": "admin", "pki": "pki", "job": "jobs", "usage": "usage", "governance": "governance",
+                   "audit": "audit", "trace": "trace"}
+"""The client and operator commands, each parsed by its module alone (not plan: cli/sim.py adds
+``plan capacity``): such a call imports neither the simulator, the benchmarks, the engine nor the
+config's validation (tests/unit/test_import_graph.py checks both, and the same help as the whole parser)."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; of ``command`` alone when it is generate or a client command."""
     p = argparse.ArgumentParser(prog="kvrelay", description="Disaggregated, multi-site LLM inference.")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
                    help="where prepared models live (default: %(default)s)")
     sub = p.add_subparsers(dest="command", required=True)
+    if command == "generate":
+        _add_generate_parser(sub)
+        return p
+    if command in CLIENT_COMMANDS:
+        command_module(CLIENT_COMMANDS[command]).add_parsers(sub)
+        return p
+    cities, chaos = command_module("cities"), command_module("chaos")
     _add_model_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    _add_serve_parser(sub)
+    _add_serve_parser(sub, cities.cities_flag)
     _add_generate_parser(sub)
-    cli_admin.add_parsers(sub)
-    cli_pki.add_parsers(sub)
-    cli_jobs.add_parsers(sub)
-    cli_usage.add_parsers(sub)
-    cli_governance.add_parsers(sub)
-    cli_audit.add_parsers(sub)
-    cli_trace.add_parsers(sub)
-    cli_sim.add_parsers(sub)
-    _add_bench_parsers(bench)
-    cli_cities.add_parsers(sub, bench)
+    for name in PARSER_MODULES:
+        command_module(name).add_parsers(sub)
+    _add_bench_parsers(bench, cities.cities_flag, chaos.add_flags)
+    cities.add_parsers(sub, bench)
     _add_generate_local_parser(sub)
     return p
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The command ``argv`` names (its first word past the global options), or None."""
+    it = iter(argv)
+    for word in it:
+        if word == "--cache-dir":
+            next(it, None)
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def _add_model_parsers(sub) -> None:
@@ -102,7 +122,7 @@ def _add_model_parsers(sub) -> None:
     tiny.set_defaults(func=local("cmd_model_tiny"))
 
 
-def _add_serve_parser(sub) -> None:
+def _add_serve_parser(sub, cities_flag: AddFlags) -> None:
     serve = sub.add_parser("serve", help="run the cluster (router + workers) in the foreground")
     serve.add_argument("--config", help="cluster config YAML (default: one site, one prefill + one decode worker, "
                                         "the embedded SmolLM2-135M-Instruct)")
@@ -131,7 +151,7 @@ def _add_generate_parser(sub) -> None:
     g.set_defaults(func=cmd_generate)
 
 
-def _add_bench_parsers(bench) -> None:
+def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> None:
     """bench engine, kv, placement and replay (bench cities comes with the cities commands)."""
     be = bench.add_parser("engine", help="engine vs transformers: prefill and decode throughput")
     be.add_argument("--model", help="checkpoint folder (default: the embedded model)")
@@ -163,7 +183,7 @@ def _add_bench_parsers(bench) -> None:
     bp.add_argument("--decisions", type=int, default=500)
     bp.add_argument("--json", help="also write p50/p99 of hashing, lookup, place and their sum to this file")
     bp.set_defaults(func=local("cmd_bench_placement"))
-    _add_replay_parser(bench)
+    _add_replay_parser(bench, cities_flag, chaos_flags)
     _add_hardening_parsers(bench)
     bte = bench.add_parser("telemetry", help="TTFT and decode tokens/s with every request traced vs telemetry off")
     bte.add_argument("--requests", type=int, default=24, help="measured requests per cluster (after 2 warm-up)")
@@ -181,7 +201,7 @@ def _add_bench_parsers(bench) -> None:
     bt.set_defaults(func=local("cmd_bench_tls"))
 
 
-def _add_replay_parser(bench) -> None:
+def _add_replay_parser(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> None:
     br = bench.add_parser("replay", help="replay a request trace (Azure CSV or Mooncake JSONL) and report")
     br.add_argument("--trace", required=True, type=Path, help="trace file")
     br.add_argument("--format", choices=["azure", "mooncake"], help="default: from the file's first line")
@@ -199,7 +219,7 @@ def _add_replay_parser(bench) -> None:
     br.add_argument("--no-progress", action="store_true")
     br.add_argument("--out", required=True, help="directory for report.json and report.md")
     cities_flag(br)
-    cli_chaos.add_flags(br)
+    chaos_flags(br)
     br.set_defaults(func=local("cmd_bench_replay"))
 
 
@@ -241,7 +261,8 @@ def _add_generate_local_parser(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
 
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    args = build_parser(command_of(words)).parse_args(words)
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvrelay.runtime.config import TLSSection
 from kvrelay.runtime.kvsecret import TLS_ENV
 from kvrelay.runtime.pki import (
     CA,
@@ -28,6 +28,9 @@ from kvrelay.runtime.pki import (
     write_private,
 )
 from kvrelay.runtime.tls import TLSMaterial, parse_serials
+
+if TYPE_CHECKING:  # annotations only: the client commands import this module without the config's validation
+    from kvrelay.runtime.config import TLSSection
 
 LOCAL_PKI = "pki"
 """Folder of the per-user CA inside the cache folder."""

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import ipaddress
 import re
 import string
 import sys
@@ -75,6 +74,7 @@ from kvrelay.engine.config import (
 )
 from kvrelay.kvtransfer.base import AUTO, Transport
 from kvrelay.kvtransfer.protection import Protection
+from kvrelay.runtime.addresses import is_loopback
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.tenants import TenantSection, check_tenants
 
@@ -796,18 +796,6 @@ def _validate(cfg: ClusterConfig) -> None:
     if cfg.router.site is not None and cfg.router.site not in sites:
         raise ConfigError(f"router.site: unknown site {cfg.router.site!r} (sites: {', '.join(sorted(sites))})")
     _check_loopback(cfg)
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is a loopback address (127.0.0.0/8, ::1) or ``localhost``;
-    a name such as ``127.example.net`` is not."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _check_loopback(cfg: ClusterConfig) -> None:

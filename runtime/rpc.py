@@ -18,7 +18,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
-from kvrelay.runtime.config import is_loopback
+from kvrelay.runtime.addresses import is_loopback
 from kvrelay.runtime.tls import TLSMaterial
 
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
-from kvrelay.runtime.config import TLSSection
 from kvrelay.runtime.pki import (
     CertRole,
     Identity,
@@ -24,6 +24,9 @@ from kvrelay.runtime.pki import (
     load_cert,
     read_pem,
 )
+
+if TYPE_CHECKING:  # annotations only: the client commands build TLS material without the config's validation
+    from kvrelay.runtime.config import TLSSection
 
 
 class PeerRefused(Exception):

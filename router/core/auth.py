@@ -21,12 +21,7 @@ from kvrelay.router.core.tenancy import ANONYMOUS
 from kvrelay.runtime.config import ClusterConfig, Credential
 from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.tenants import TenantSection, sharing_group
-
-
-def token_sha256(token: str) -> str:
-    """The digest the config lists for ``token``."""
-    return hashlib.sha256(token.encode()).hexdigest()
-
+from kvrelay.runtime.tokens import token_sha256
 
 __all__ = ["ANONYMOUS", "BearerAuth", "CallerAuth", "TenantSalts", "token_sha256"]
 

@@ -31,7 +31,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvrelay.runtime.config import HttpSection, is_loopback
+from kvrelay.runtime.addresses import is_loopback
+from kvrelay.runtime.config import HttpSection
 
 READY_WAIT_S = 5.0
 LINGER_S = 2.0

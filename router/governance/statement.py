@@ -32,7 +32,8 @@ from kvrelay.router.governance.deployment import (
     Reach,
     deployment_state,
 )
-from kvrelay.runtime.config import ClusterConfig, is_loopback
+from kvrelay.runtime.addresses import is_loopback
+from kvrelay.runtime.config import ClusterConfig
 from kvrelay.runtime.tenants import TenantSection
 from kvrelay.runtime.topology import LOCAL_LINK
 

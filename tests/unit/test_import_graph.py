@@ -256,6 +256,45 @@ def test_the_client_commands_load_neither_torch_nor_the_engine():
     assert "usage: kvrelay generate" in res.stdout  # the commands were really parsed
 
 
+def test_a_client_call_reads_its_arguments_without_the_simulator_or_the_config_validation():
+    """generate and the client commands of cli/main.py's CLIENT_COMMANDS are parsed by their own
+    module alone: no pydantic, config validation, simulator or benchmark is imported (what kept
+    `kvrelay generate --help` above 0.5 s). It fails on a parser that imports every command's module."""
+    import subprocess
+    import sys
+
+    from kvrelay.cli.main import CLIENT_COMMANDS as LIGHT
+
+    heavy = ("pydantic", "kvrelay.runtime.config", "kvrelay.benchmarks", "kvrelay.cli.sim", "kvrelay.launch.local")
+    probe = ("import sys\nfrom kvrelay.cli.main import main\n"
+             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+             f"print(sorted(m for m in sys.modules if m.startswith({heavy!r}))[:3], file=sys.stderr)")
+    # trace reads span files with runtime/tracing.py, which knows the config's telemetry section
+    for command in ["generate", *(c for c in LIGHT if c != "trace")]:
+        res = subprocess.run([sys.executable, "-c", probe, command, "--help"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0 and res.stderr.strip().splitlines()[-1] == "[]", (command, res.stderr[-800:])
+        assert f"usage: kvrelay {command}" in res.stdout, (command, res.stdout[:300])
+
+
+def test_a_client_command_parsed_alone_is_parsed_as_in_the_whole_parser():
+    """The light parser of each client command (its module alone) gives the same help, so the same
+    arguments, as the parser of every command."""
+    import argparse
+
+    from kvrelay.cli.main import CLIENT_COMMANDS as LIGHT
+    from kvrelay.cli.main import build_parser
+
+    def command(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return subs.choices[name]
+
+    whole = build_parser()
+    for name in ["generate", *LIGHT]:
+        assert command(build_parser(name), name).format_help() == command(whole, name).format_help(), name
+    assert "capacity" in command(build_parser("plan"), "plan").format_help()
+
+
 def test_every_lazily_imported_command_exists():
     """A command run through cli/lazy.py names a function that exists (found
     here, not when a user first runs the command)."""
