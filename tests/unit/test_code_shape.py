@@ -38,7 +38,8 @@ def test_the_check_sees_a_long_function(tmp_path: Path):
     assert long_functions(tmp_path, tmp_path) == ["m.py:1 f (71 lines)"]
 
 
-@pytest.mark.parametrize("pkg", ["engine", "kvtransfer", "runtime", "router", "benchmarks/sim"])
+@pytest.mark.parametrize("pkg", ["engine", "kvtransfer", "runtime", "router", "benchmarks", "benchmarks/sim", "cli",
+                                 "launch", "prefill_worker", "decode_worker"])
 def test_package_has_a_module_map(pkg: str):
     text = (ROOT / pkg / "README.md").read_text()
     modules = sorted({p.name for p in (ROOT / pkg).rglob("*.py") if p.name not in ("__init__.py", "__main__.py")})
