@@ -100,10 +100,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def command_of(argv: list[str]) -> str | None:
-    """The command ``argv`` names (its first word past the global options), or None."""
+    """The command ``argv`` names (its first word past the global options), or None. The one global
+    option takes a value, which may follow as the next word however the option is abbreviated."""
     it = iter(argv)
     for word in it:
-        if word == "--cache-dir":
+        if word.startswith("--") and "=" not in word and word != "--help":
             next(it, None)
         elif not word.startswith("-"):
             return word

@@ -295,6 +295,17 @@ def test_a_client_command_parsed_alone_is_parsed_as_in_the_whole_parser():
     assert "capacity" in command(build_parser("plan"), "plan").format_help()
 
 
+@pytest.mark.parametrize("argv,command", [
+    (["generate", "hi"], "generate"), (["--cache-dir", "status", "generate", "hi"], "generate"),
+    (["--cache", "status", "job", "list"], "job"), (["--cache-dir=/tmp/x", "status"], "status"),
+    (["--help"], None), (["-h"], None), ([], None)])
+def test_the_command_is_found_past_the_global_option_and_its_value(argv: list[str], command: str | None):
+    """A cache folder named like a client command does not pick that command's light parser."""
+    from kvrelay.cli.main import command_of
+
+    assert command_of(argv) == command
+
+
 def test_every_lazily_imported_command_exists():
     """A command run through cli/lazy.py names a function that exists (found
     here, not when a user first runs the command)."""
