@@ -7,6 +7,7 @@ tokens, so any text round-trips and chat templates work.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -50,16 +51,24 @@ def _tokenizer_json() -> str:
 
 def write_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0, num_layers: int = 3,
                           hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
-                          max_position_embeddings: int = 1024) -> Path:
-    """Writes a random ``arch`` checkpoint folder at ``out`` and returns it."""
+                          max_position_embeddings: int = 1024, tokenizer_from: Path | None = None) -> Path:
+    """Writes a random ``arch`` checkpoint folder at ``out`` and returns it.
+
+    With ``tokenizer_from`` (a checkpoint folder), the tokenizer, its special
+    token ids and its vocabulary size are that checkpoint's: a model that reads
+    and writes the same tokens as the real one at a small fraction of its cost.
+    """
     if arch not in _ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    eos = 256 + SPECIAL_TOKENS.index("<|im_end|>")
+    vocab, bos, eos = 320, 256 + SPECIAL_TOKENS.index("<|im_start|>"), 256 + SPECIAL_TOKENS.index("<|im_end|>")
+    if tokenizer_from is not None:
+        source = json.loads((Path(tokenizer_from) / "config.json").read_text())
+        vocab, bos, eos = source["vocab_size"], source["bos_token_id"], source["eos_token_id"]
     config = {
         **_ARCHS[arch],
-        "vocab_size": 320,
+        "vocab_size": vocab,
         "hidden_size": hidden_size,
         "intermediate_size": hidden_size * 2,
         "num_hidden_layers": num_layers,
@@ -69,7 +78,7 @@ def write_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0, num_lay
         "hidden_act": "silu",
         "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": 1e-6,
-        "bos_token_id": 256 + SPECIAL_TOKENS.index("<|im_start|>"),
+        "bos_token_id": bos,
         "eos_token_id": eos,
         "torch_dtype": "float32",
     }
@@ -87,9 +96,13 @@ def write_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0, num_lay
             weights[name] = torch.randn(shape, generator=gen) / shape[1] ** 0.5
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "tokenizer.json").write_text(_tokenizer_json())
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-        "chat_template": CHAT_TEMPLATE, "model_max_length": max_position_embeddings}, indent=2))
+    if tokenizer_from is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(Path(tokenizer_from) / name, out / name)
+    else:
+        (out / "tokenizer.json").write_text(_tokenizer_json())
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+            "chat_template": CHAT_TEMPLATE, "model_max_length": max_position_embeddings}, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     return out

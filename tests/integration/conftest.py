@@ -3,7 +3,9 @@ prefill and decode worker processes on loopback serving the embedded
 SmolLM2-135M-Instruct), started once for the whole session and used by the
 modules whose tests leave it as they found it, and the reference engine.
 A module that needs another configuration, or changes its cluster (kills a
-worker, restarts the router), starts its own under a name of its own.
+worker, restarts the router), starts its own under a name of its own; a
+module that asserts plumbing rather than language or speed serves
+``plumbing_model`` (tests/conftest.py), a random model with SmolLM2's tokens.
 Helpers are in tests/integration/helpers.py."""
 
 from __future__ import annotations
@@ -34,3 +36,9 @@ def shared_stub(shared_cluster):
 def reference_engine(smollm_path):
     """The same model in this process: what every greedy output is compared with."""
     return LLMEngine(EngineConfig(model_path=smollm_path, cache=CacheConfig(num_blocks=512)))
+
+
+@pytest.fixture(scope="session")
+def plumbing_reference(plumbing_model):
+    """The reference engine of the tests whose clusters serve ``plumbing_model``."""
+    return LLMEngine(EngineConfig(model_path=plumbing_model, cache=CacheConfig(num_blocks=512)))

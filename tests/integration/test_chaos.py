@@ -15,7 +15,7 @@ import yaml
 from kvrelay.benchmarks.traces import SAMPLE_AZURE
 from kvrelay.cli.main import main
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.serial]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "chaos.yaml"
 

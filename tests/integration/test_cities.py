@@ -42,6 +42,7 @@ CONFIG = {
     "cache": {"memory_gib": 0.25},
 }
 
+pytestmark = pytest.mark.serial  # link rates and heartbeats across emulated cities: measured alone
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not Path("/dev/net/tun").exists() or not shutil.which("tc"),
     reason="WAN emulation needs root, /dev/net/tun and iproute2's tc")

@@ -27,12 +27,12 @@ pytestmark = pytest.mark.model
 
 
 @pytest.mark.parametrize("transport", ["local", "nixl"])
-def test_transport_end_to_end(transport, smollm_path, reference_engine):
+def test_transport_end_to_end(transport, plumbing_model, plumbing_reference):
     raw = copy.deepcopy(CLUSTER_YAML)
     # NIXL pulls cross the fabric unencrypted: only an integrity link lets the decode worker pull
     raw["kv"] = {"transport": transport, **({"protection": "integrity"} if transport == "nixl" else {})}
-    warm_references(reference_engine, PROMPTS[:4])
-    lc = LocalCluster(parse_config(raw), smollm_path)
+    warm_references(plumbing_reference, PROMPTS[:4])
+    lc = LocalCluster(parse_config(raw), plumbing_model)
     lc.start()
     try:
         ws = workers(lc)
@@ -43,7 +43,7 @@ def test_transport_end_to_end(transport, smollm_path, reference_engine):
             stub = igrpc.InferenceStub(ch)
             for text in PROMPTS[:4]:
                 tokens, msgs = collect(stub, chat_request(text))
-                assert tokens == reference(reference_engine, text), text
+                assert tokens == reference(plumbing_reference, text), text
                 assert msgs[-1].finish.placement.transport == transport
                 assert msgs[-1].finish.placement.kv_bytes > 0
     finally:

@@ -13,7 +13,7 @@ import pytest
 from kvrelay.benchmarks.fairness import FAIRNESS_CLUSTER, FairnessConfig, fairness_on
 from tests.integration.helpers import running_cluster
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.serial]
 
 
 def test_a_flooding_batch_job_does_not_starve_interactive_requests(smollm_path):

@@ -38,8 +38,8 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def fuzzed_cluster(smollm_path):
-    with running_cluster(copy.deepcopy(FUZZ_CLUSTER), smollm_path, reconcile=False) as lc:
+def fuzzed_cluster(plumbing_model):
+    with running_cluster(copy.deepcopy(FUZZ_CLUSTER), plumbing_model, reconcile=False) as lc:
         yield lc
 
 

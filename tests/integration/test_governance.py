@@ -33,8 +33,8 @@ CONFIG = {
 
 
 @pytest.fixture(scope="module")
-def governed_cluster(smollm_path):
-    with running_cluster(CONFIG, smollm_path) as lc:
+def governed_cluster(plumbing_model):
+    with running_cluster(CONFIG, plumbing_model) as lc:
         yield lc
 
 

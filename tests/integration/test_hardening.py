@@ -1,4 +1,4 @@
-"""A real cluster (router, prefill and decode processes, SmolLM2) against the
+"""A real cluster (router, prefill and decode processes, a model with SmolLM2's tokens) against the
 inputs and loads a hostile or careless client sends: each answer is the
 API's own error shape with a message naming the problem, a normal request is
 served right after, and the router's memory, event loop and connections stay
@@ -46,12 +46,12 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def hardening_cluster(smollm_path):
+def hardening_cluster(plumbing_model):
     raw = copy.deepcopy(CLUSTER_YAML)
     raw["router"] |= {"http_port": 0, "http": {"header_timeout_s": 2.0, "max_connections": 2000,
                                                "max_connections_per_client": 1000}}
     raw["tenants"] = [{"name": "lab-a", "token_sha256": token_sha256(TOKEN)}]
-    with running_cluster(raw, smollm_path, reconcile=False) as lc:
+    with running_cluster(raw, plumbing_model, reconcile=False) as lc:
         yield lc
 
 

@@ -153,8 +153,8 @@ def wait_ready(port: int, what: str, pods: Pods) -> None:
 
 
 @pytest.fixture(scope="module")
-def pods(tmp_path_factory, smollm_path):
-    p = Pods(tmp_path_factory.mktemp("pods"), Path(smollm_path))
+def pods(tmp_path_factory, plumbing_model):
+    p = Pods(tmp_path_factory.mktemp("pods"), Path(plumbing_model))
     try:
         router = p.start("kvrelay-router", "kvrelay-router-6c9d7f8b4-abcde")
         wait_ready(router, "router", p)

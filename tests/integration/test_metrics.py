@@ -188,9 +188,9 @@ def targets_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def metrics_cluster(smollm_path, targets_file):
+def metrics_cluster(plumbing_model, targets_file):
     raw = {**CLUSTER_YAML, "telemetry": {"prometheus_targets": str(targets_file)}}
-    with running_cluster(raw, smollm_path) as lc:
+    with running_cluster(raw, plumbing_model) as lc:
         assert wait_until(lambda: sum(w.healthy for w in workers(lc).values()) == 2, 60)
         yield lc
 

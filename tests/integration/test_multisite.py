@@ -33,16 +33,16 @@ def two_sites(policy: str) -> dict:
     }
 
 
-def start(policy: str, smollm_path) -> LocalCluster:
-    lc = LocalCluster(parse_config(two_sites(policy)), smollm_path)
+def start(policy: str, plumbing_model) -> LocalCluster:
+    lc = LocalCluster(parse_config(two_sites(policy)), plumbing_model)
     lc.start()
     assert wait_until(lambda: len(workers(lc)) == 4, 60)
     return lc
 
 
 @pytest.fixture(scope="module")
-def multisite(smollm_path):
-    lc = start("cost_model", smollm_path)
+def multisite(plumbing_model):
+    lc = start("cost_model", plumbing_model)
     yield lc
     lc.stop()
 

@@ -37,7 +37,8 @@ RAW = "The three primary colours are"
 def http_cluster(smollm_path):
     raw = copy.deepcopy(CLUSTER_YAML)
     raw["router"] |= {"http_port": 0, "admission": {"max_inflight_per_worker": 2, "admission_wait_s": 0.2,
-                                                    "unavailable_wait_s": 0.5}}
+                                                    "unavailable_wait_s": 0.5},
+                      "liveness": {"heartbeat_interval_s": 0.25, "worker_timeout_s": 2.0}}  # the last test waits it
     raw["tenants"] = [{"name": "lab-a", "token_sha256": token_sha256(TOKEN)},
                       {"name": "lab-b", "token_sha256": token_sha256(OTHER)}]
     with running_cluster(raw, smollm_path, reconcile=False) as lc:

@@ -23,10 +23,10 @@ def span_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def traced_cluster(smollm_path, span_dir):
+def traced_cluster(plumbing_model, span_dir):
     """The shared test cluster, tracing every request to span files (this module's only cluster)."""
     raw = {**CLUSTER_YAML, "telemetry": {"traces": "file", "file": str(span_dir / "{process}.jsonl")}}
-    with running_cluster(raw, smollm_path) as lc:
+    with running_cluster(raw, plumbing_model) as lc:
         yield lc
 
 

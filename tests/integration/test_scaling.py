@@ -23,7 +23,7 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from tests.integration.helpers import running_cluster, wait_until, workers
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.serial]
 
 CONFIG = {
     "router": {"port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0},

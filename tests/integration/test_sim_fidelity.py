@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.serial]
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "benchmarks" / "data" / "mooncake_synthetic_head200.jsonl"
 SLICE = ["--trace", str(TRACE), "--limit", "16", "--length-scale", "0.02", "--output-scale", "0.1",

@@ -39,7 +39,7 @@ TORONTO = "toronto/decode/0"
 
 
 @pytest.fixture(scope="module")
-def tenant_cluster(smollm_path):
+def tenant_cluster(plumbing_model):
     raw = {
         "router": {"port": 0, "http_port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0},
                    "liveness": {"heartbeat_interval_s": 0.25}, "admission": {"admission_wait_s": 5.0}},
@@ -54,7 +54,7 @@ def tenant_cluster(smollm_path):
                     {"name": "lab-x", "token_sha256": token_sha256(TOKENS["lab-x"])},
                     {"name": "lab-q", "token_sha256": token_sha256(TOKENS["lab-q"]), "requests_per_minute": 6}],
     }
-    with running_cluster(raw, smollm_path, reconcile=False) as lc:
+    with running_cluster(raw, plumbing_model, reconcile=False) as lc:
         assert wait_until(lambda: len(workers(lc)) == 3, 60)
         yield lc
 

@@ -25,7 +25,7 @@ from tests.integration.helpers import (
     worker_stats,
 )
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.serial]
 
 LONG_PROMPT = "Describe the history of research networks in detail. " * 220  # ~2,400 tokens
 

@@ -61,14 +61,14 @@ def pki(tmp_path_factory):
 TENANT_TOKEN = "trust-tenant-token"
 
 @pytest.fixture(scope="module")
-def trust_cluster(smollm_path, pki):
+def trust_cluster(plumbing_model, pki):
     raw = dict(CLUSTER_YAML, sites=[*CLUSTER_YAML["sites"], {"name": "other", "jurisdiction": "EU",
                                                               "prefill": {"replicas": 0},
                                                               "decode": {"replicas": 0}}])
     raw["tls"] = {"ca": str(pki["folder"] / CA_CERT), "ca_key": str(pki["folder"] / CA_KEY),
                   "revoked_serials": [pki["serial"]]}
     raw["tenants"] = [{"name": "local", "token_sha256": token_sha256(TENANT_TOKEN)}, {"name": "lab-c"}]  # lab-c: cert
-    with running_cluster(raw, smollm_path, reconcile=False) as lc:
+    with running_cluster(raw, plumbing_model, reconcile=False) as lc:
         lc.client_token = TENANT_TOKEN
         yield lc
 

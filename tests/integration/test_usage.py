@@ -53,9 +53,9 @@ def config(usage_db) -> dict:
 
 
 @pytest.fixture(scope="module")
-def usage_cluster(smollm_path, tmp_path_factory):
+def usage_cluster(plumbing_model, tmp_path_factory):
     db = tmp_path_factory.mktemp("usage") / "usage.sqlite"
-    with running_cluster(config(db), smollm_path) as lc:
+    with running_cluster(config(db), plumbing_model) as lc:
         assert wait_until(lambda: sum(w.healthy for w in workers(lc).values()) == 3, 60)
         yield lc
 

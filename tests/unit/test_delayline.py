@@ -13,6 +13,8 @@ import pytest
 
 from kvrelay.launch.delayline import DelayLine
 
+pytestmark = pytest.mark.serial  # timing of an emulated link: measured alone
+
 
 @pytest.fixture
 def line():
