@@ -15,7 +15,7 @@ import yaml
 from kvrelay.benchmarks.traces import SAMPLE_AZURE
 from kvrelay.cli.main import main
 
-pytestmark = [pytest.mark.model, pytest.mark.serial]
+pytestmark = pytest.mark.model
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "chaos.yaml"
 
@@ -29,6 +29,7 @@ def any_free_ports(example: Path, tmp: Path) -> Path:
     return copy
 
 
+@pytest.mark.serial  # workers killed at random instants of a timed replay: run alone
 def test_chaos_replay_loses_nothing_and_changes_no_output(tmp_path, smollm_path, capsys):
     out, config = tmp_path / "chaos", any_free_ports(EXAMPLE, tmp_path)
     rc = main(["bench", "replay", "--config", str(config), "--trace", str(SAMPLE_AZURE), "--limit", "16",

@@ -42,7 +42,7 @@ CONFIG = {
     "cache": {"memory_gib": 0.25},
 }
 
-pytestmark = pytest.mark.serial  # link rates and heartbeats across emulated cities: measured alone
+serial = pytest.mark.serial  # link rates and heartbeats across the emulated cities: measured alone
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not Path("/dev/net/tun").exists() or not shutil.which("tc"),
     reason="WAN emulation needs root, /dev/net/tun and iproute2's tc")
@@ -71,6 +71,7 @@ def _netns_names() -> list[str]:
 
 
 @needs_root
+@serial
 def test_link_has_the_configured_rtt_and_rate(emulated):
     """The link delays and shapes, in both directions. Bounds that hold on a
     busy CI machine (load only adds delay and takes throughput): the RTT is
@@ -93,6 +94,7 @@ def test_link_has_the_configured_rtt_and_rate(emulated):
 
 
 @needs_root
+@serial
 def test_cut_link_drops_everything_until_restored(emulated):
     st, state_dir = emulated
     tor, mtl = st.site("toronto"), st.site("montreal")
@@ -153,6 +155,7 @@ def cities_cluster(emulated, smollm_path):
 
 
 @needs_root
+@serial
 @pytest.mark.model
 def test_cluster_across_the_emulated_link(cities_cluster, reference_engine):
     lc = cities_cluster
@@ -186,6 +189,7 @@ def _generate(lc: LocalCluster, prompt: list[int], max_tokens: int) -> list[ipb.
 
 
 @needs_root
+@serial
 @pytest.mark.model
 def test_link_cut_is_detected_within_a_heartbeat_and_avoided(emulated, cities_cluster, reference_engine):
     """Cutting the only link while a prompt's KV crosses it: the workers' probes

@@ -23,7 +23,7 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from tests.integration.helpers import running_cluster, wait_until, workers
 
-pytestmark = [pytest.mark.model, pytest.mark.serial]
+pytestmark = pytest.mark.model
 
 CONFIG = {
     "router": {"port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0},
@@ -116,6 +116,7 @@ def scale_up_and_down_while_streaming(lc: LocalCluster) -> str:
     return new
 
 
+@pytest.mark.serial  # a worker started and drained under traffic: measured alone
 def test_scale_local_processes(smollm_path):
     with running_cluster(CONFIG, smollm_path) as lc:
         scale_up_and_down_while_streaming(lc)
@@ -134,6 +135,7 @@ def _ray_head(cluster_cls):
     raise AssertionError("unreachable")
 
 
+@pytest.mark.serial
 def test_scale_on_ray_two_nodes(smollm_path):
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
@@ -159,8 +161,8 @@ def test_scale_on_ray_two_nodes(smollm_path):
 
 
 @pytest.fixture(scope="module")
-def small(smollm_path):
-    with running_cluster(CONFIG, smollm_path) as lc:
+def small(plumbing_model):
+    with running_cluster(CONFIG, plumbing_model) as lc:
         yield lc
 
 
