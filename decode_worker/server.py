@@ -185,7 +185,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker is full: {exc}")
             finally:
                 reserve.end()
-            handle = self.receiver.expect(rid, blocks[start:])
+            handle = self.receiver.expect(rid, blocks[start:], sender=request.sender)
             recv = _Receive(tr.start("kvrelay.kv.receive", within(span), attributes={
                 "kvrelay.link": link, "kvrelay.transport": str(self.receiver.name),
                 "kvrelay.kv.blocks": len(blocks) - start, "kvrelay.kv.cached_blocks": start}), link)

@@ -162,7 +162,10 @@ class KVReceiver(ABC):
     """KV bytes landed since start."""
 
     @abstractmethod
-    def expect(self, transfer_id: TransferId, block_ids: list[BlockId]) -> TransferHandle: ...
+    def expect(self, transfer_id: TransferId, block_ids: list[BlockId], sender: str = "") -> TransferHandle:
+        """Reserves ``block_ids`` for the transfer ``transfer_id``; ``sender``
+        (``site/prefill/index``): only a sender whose certificate names it may write
+        them ("" or no certificates in use: any authenticated sender)."""
 
     @abstractmethod
     def cancel(self, transfer_id: TransferId) -> None:

@@ -39,6 +39,12 @@ class TransferConfig:
     """Sender: the kernel drops a connection whose sent bytes stay unacknowledged
     this long (TCP_USER_TIMEOUT: a frozen receiver, a link that went down), so
     its transfers fail and a new connection replaces it, instead of blocking."""
+    max_pending_handshakes: int = 4096
+    """Receiver: connections in their handshake at once (each holds a file
+    descriptor until it authenticates or its deadline passes); more are closed
+    on accept. A worker sizes it to its file-descriptor budget (runtime/fds.py)."""
+    max_pending_per_source: int = 64
+    """Receiver: of those, at most this many from one address."""
     corrupt_first: int = 0
     """Fault injection: the first N transfers of a sender carry one flipped
     sealed byte (as an on-path attacker would flip) or pulled-run MAC the
@@ -65,5 +71,8 @@ class TransferConfig:
             raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
+        if not 1 <= self.max_pending_per_source <= self.max_pending_handshakes:
+            raise ValueError(f"need 1 <= max_pending_per_source ({self.max_pending_per_source}) <= "
+                             f"max_pending_handshakes ({self.max_pending_handshakes})")
         if self.corrupt_first < 0:
             raise ValueError(f"corrupt_first must be >= 0, got {self.corrupt_first}")

@@ -10,9 +10,11 @@ that then serves the connection."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,6 +45,11 @@ from kvrelay.kvtransfer.wire import (
 from kvrelay.v1 import kv_wire_pb2 as pb
 
 NONCE_BYTES = 32
+HELLO_WINDOW_S = 120.0
+"""How far a hello's clock may be from the receiver's (clocks kept by NTP); a
+receiver remembers every hello's nonce this long, so a replayed hello is
+refused at the cost of a MAC."""
+_STAMP_INFO = b"kvrelay kv hello stamp v1"
 
 
 @dataclass(slots=True)
@@ -106,6 +113,37 @@ def _check_signature(creds: Credentials | None, cert: bytes, message: bytes, sig
         raise ProtocolError(f"the {what} failed authentication: its signature does not verify ({exc})") from None
 
 
+def hello_stamp(secret: bytes, hello: pb.KVHello) -> bytes:
+    """HMAC-SHA256, under a key derived from the deployment secret, of ``hello`` with its stamp empty."""
+    unstamped = pb.KVHello()
+    unstamped.CopyFrom(hello)
+    unstamped.stamp = b""
+    key = hmac.new(secret, _STAMP_INFO, hashlib.sha256).digest()
+    return hmac.new(key, unstamped.SerializeToString(deterministic=True), hashlib.sha256).digest()
+
+
+def early_refusal(frame: pb.KVFrame, secret: bytes, now_s: float) -> str:
+    """Receiver, before any certificate or key-exchange work: "" when the frame is
+    a hello of our protocol, stamped with the deployment secret within
+    HELLO_WINDOW_S of ``now_s`` (the receiver still checks its nonce is new)."""
+    if frame.WhichOneof("body") != "hello":
+        return "expected hello"
+    h = frame.hello
+    reason = _hello_refusal(h, None)
+    if reason:
+        return reason
+    if abs(now_s * 1e3 - h.sent_unix_ms) > HELLO_WINDOW_S * 1e3:
+        return f"hello sent more than {HELLO_WINDOW_S:g} s from now (a replay, or the sender's clock is off)"
+    if not hmac.compare_digest(h.stamp, hello_stamp(secret, h)):
+        return "hello failed authentication: not stamped with the deployment secret (wrong secret?)"
+    return ""
+
+
+def refusal_answer(reason: str) -> bytes:
+    """The hello_ack frame that tells a sender its hello was refused, and why."""
+    return _refuse(reason)[1]
+
+
 def _check_answer(a: pb.KVHelloAnswer, hello: pb.KVHello) -> Cipher:
     if not a.accepted:
         raise ProtocolError(f"refused by receiver: {a.reason}")
@@ -125,7 +163,8 @@ def client_handshake(sock: socket.socket, want: SenderHello, offer: pb.KVOffer |
     hello = pb.KVHello(protocol_version=PROTOCOL_VERSION, layout_hash=want.layout_hash, nonce=os.urandom(NONCE_BYTES),
                        key_share=share.public, certificate=creds.certificate if creds else b"",
                        ciphers=[c.value for c in preferred_ciphers()], protection=want.protection.value,
-                       socket_buffer_bytes=want.socket_buffer_bytes or 0)
+                       socket_buffer_bytes=want.socket_buffer_bytes or 0, sent_unix_ms=int(time.time() * 1e3))
+    hello.stamp = hello_stamp(want.secret, hello)
     body = send_frame(sock, pb.KVFrame(hello=hello))
     frame, _ = recv_frame(sock)
     if frame.WhichOneof("body") != "hello_ack":
@@ -186,10 +225,11 @@ class PendingPeer:
     ack: pb.KVHelloAck
 
 
-def _hello_refusal(h: pb.KVHello, policy: ReceiverPolicy) -> str:
+def _hello_refusal(h: pb.KVHello, policy: ReceiverPolicy | None) -> str:
+    """Why the hello's own fields are unacceptable ("" when they are not); the layout too with ``policy``."""
     if h.protocol_version != PROTOCOL_VERSION:
         return f"protocol version {h.protocol_version} unsupported (receiver speaks {PROTOCOL_VERSION})"
-    if h.layout_hash != policy.layout_hash:
+    if policy is not None and h.layout_hash != policy.layout_hash:
         return "KV layout mismatch (model, dtype, layers, KV heads, head dim or block size differ)"
     if len(h.nonce) != NONCE_BYTES or len(h.key_share) != 32:
         return "bad nonce or key share"

@@ -61,6 +61,8 @@ class _Incoming:
     """Zeros left in ``landed``."""
     nbytes: int = 0
     started: float = 0.0
+    sender: str = ""
+    """The only sender (``site/prefill/index``) whose frames it takes; "" any authenticated one."""
     done: pb.KVDone | None = None
     done_conn: _Conn | None = None
     acked: bool = False
@@ -69,6 +71,12 @@ class _Incoming:
     carriers: set = field(default_factory=set)
     """Connections that carried blocks of it (each remembers it in ``_Conn.transfers`` until it ends)."""
     cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def takes_from(self, conn: _Conn) -> bool:
+        """Whether ``conn``'s sender may write into this reservation (the one it names, when it names one
+        and senders have certificates; without them every sender holds the same secret)."""
+        peer = conn.session.peer if conn.session is not None else None
+        return not self.sender or peer is None or peer.path == self.sender
 
     def enter(self, conn: _Conn) -> bool:
         """A connection starts writing into the blocks; False once failed."""
@@ -175,20 +183,24 @@ class ChannelReceiver(KVReceiver):
         self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
         self.bytes_received = 0
         self._refused_after_auth = 0
+        self.wrong_sender = 0
+        """Frames refused because their reservation names another sender."""
         self._conns: set[_Conn] = set()
         self.cfg.check_authenticating()
         policy = ReceiverPolicy(self.cfg.secret, self.layout_hash, self.cfg.credentials, self.cfg.required)
-        self.gate = HandshakeGate(self._listener, GateConfig(policy, self.cfg.connect_timeout_s), self._on_peer)
+        limits = GateConfig(policy, self.cfg.connect_timeout_s, self.cfg.max_pending_handshakes,
+                            self.cfg.max_pending_per_source)
+        self.gate = HandshakeGate(self._listener, limits, self._on_peer)
         """Every connection's handshake until the sender is authenticated (one thread for all)."""
 
-    def expect(self, transfer_id: str, block_ids: list[int]) -> TransferHandle:
+    def expect(self, transfer_id: str, block_ids: list[int], sender: str = "") -> TransferHandle:
         h = StateHandle(transfer_id)
         h.advance(TransferState.WAITING)
         layers = self.cache.layout.num_layers
         with self._lock:
             self._expected[transfer_id] = _Incoming(h, list(block_ids), bytearray(2 * layers * len(block_ids)),
                                                     2 * layers * len(block_ids),
-                                                    started=time.perf_counter())
+                                                    started=time.perf_counter(), sender=sender)
         return h
 
     def cancel(self, transfer_id: str) -> None:
@@ -262,7 +274,9 @@ class ChannelReceiver(KVReceiver):
                 conn.send(pb.KVFrame(done_ack=pb.KVDoneAck(ok=False, reason=f"stream refused: {exc}")))
             who = conn.session.peer if conn.session and conn.session.peer else "the sender"
             if isinstance(exc, RecordError) and exc.transfer_id:
-                conn.transfers.setdefault(exc.transfer_id, self._expected.get(exc.transfer_id))
+                named = self._expected.get(exc.transfer_id)
+                if named is not None and named.takes_from(conn):  # another sender's loss fails nothing of it
+                    conn.transfers.setdefault(exc.transfer_id, named)
             for tid, seen in list(conn.transfers.items()):
                 inc = self._expected.get(tid)
                 if inc is not None and inc is seen:
@@ -300,6 +314,9 @@ class ChannelReceiver(KVReceiver):
     def _on_blocks(self, conn: _Conn, hdr: pb.KVBlocks, payload: int) -> None:
         inc = self._expected.get(hdr.transfer_id)
         layers, pulled = self._frame_shape(conn, hdr, payload)
+        if inc is not None and not inc.takes_from(conn):  # dropped: the reservation is not its to write
+            self._refuse_sender(conn, hdr.transfer_id, inc)
+            inc = None
         bad = self._outside(inc, hdr) if inc is not None else ""
         if inc is None or bad or not inc.enter(conn):
             conn.live.reader.skip_payload()
@@ -365,8 +382,20 @@ class ChannelReceiver(KVReceiver):
         self.bytes_received += nbytes
         self._maybe_complete(hdr.transfer_id, inc)
 
+    def _refuse_sender(self, conn: _Conn, tid: str, inc: _Incoming) -> None:
+        """A sender wrote to a reservation that names another: counted and logged, the reservation untouched."""
+        self.wrong_sender += 1
+        peer = conn.session.peer if conn.session is not None else None
+        log.warning("refused KV for transfer %s from %s: the reservation is for kvrelay://%s", tid[:80], peer,
+                    inc.sender)
+
     def _on_done(self, conn: _Conn, done: pb.KVDone) -> None:
         inc = self._expected.get(done.transfer_id)
+        if inc is not None and not inc.takes_from(conn):
+            self._refuse_sender(conn, done.transfer_id, inc)
+            conn.send(pb.KVFrame(done_ack=pb.KVDoneAck(transfer_id=done.transfer_id, ok=False,
+                                                       reason="the reservation is for another sender")))
+            return
         if inc is None:
             conn.send(pb.KVFrame(done_ack=pb.KVDoneAck(transfer_id=done.transfer_id, ok=False,
                                                        reason="no such reservation (expired or cancelled)")))

@@ -16,7 +16,7 @@ from kvrelay.v1 import kv_wire_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 HANDSHAKE_FRAME_MAX = 4 << 10
 """Largest frame accepted before the peer has authenticated (its hello with
 its certificate, its proofs): no unauthenticated peer makes a receiver

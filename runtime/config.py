@@ -551,7 +551,8 @@ class TelemetrySection(ConfigSection):
     """A process's trace file is moved to ``<name>.1.jsonl`` (replacing the one
     before) when it reaches this size (at least 1 MiB), so spans never fill the disk."""
     sample_ratio: StrictFloat = Field(default=1.0, ge=0, le=1)
-    """Share of requests traced, in [0, 1]; a client's sampled ``traceparent`` is always followed."""
+    """Share of requests traced, in [0, 1], drawn on the router's own random trace ids (a client's
+    ``traceparent`` is a link of the request's root, never its trace, and decides nothing)."""
     metrics_host: StrictStr = "127.0.0.1"
     """Where every process serves /metrics. A non-loopback address needs
     ``metrics_exposed: true``: the exposition is plaintext HTTP without credentials."""

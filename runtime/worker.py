@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -27,6 +27,7 @@ from kvrelay.kvtransfer.base import Transport
 from kvrelay.kvtransfer.config import TransferConfig
 from kvrelay.kvtransfer.select import choose_transport, host_has_rdma
 from kvrelay.runtime.config import ClusterConfig, PoolSection, load_config
+from kvrelay.runtime.fds import handshake_budget, raise_open_files_limit
 from kvrelay.runtime.health import HealthChecks, serve_health
 from kvrelay.runtime.kvcreds import CertCredentials
 from kvrelay.runtime.kvsecret import pem_from_env, read_secret
@@ -350,6 +351,9 @@ def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str,
         raise SystemExit(f"--site {args.site!r} is not a site of the config ({', '.join(s.name for s in cfg.sites)})")
     tls = worker_tls(cfg, role, args.site, args.index, pem or {})
     transfer = kv_transfer_config(cfg, role, args.site, read_secret(cfg.kv.secret_file, kv_secret_env), tls)
+    budget = handshake_budget(raise_open_files_limit())  # the KV port's file-descriptor budget
+    transfer = replace(transfer, max_pending_handshakes=budget,
+                                   max_pending_per_source=min(transfer.max_pending_per_source, budget))
     host = args.host or cfg.workers.host
     if host == "auto":
         host = local_address_towards(args.router)

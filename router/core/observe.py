@@ -30,7 +30,7 @@ from kvrelay.router.core.errors import RouterError
 from kvrelay.router.core.requests import Caller, Priority, Request
 from kvrelay.runtime.metrics import Mode, RouterMetrics, TokenKind
 from kvrelay.runtime.roles import Role
-from kvrelay.runtime.tracing import NO_TRACING, Tracing, remote_parent, trace_id_of, within
+from kvrelay.runtime.tracing import NO_TRACING, Tracing, link_to, trace_id_of, within
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
 
@@ -197,13 +197,16 @@ class RequestObservation:
         self.tel, self.caller = tel, caller
         self.t0 = req.arrived or time.perf_counter()
         wall0 = time.time_ns() - int((time.perf_counter() - self.t0) * 1e9)
-        self.root = tel.tracing.start("kvrelay.request", remote_parent(caller.traceparent), SpanKind.SERVER, {
+        # a trace of the router's own: its id is random here, so the sampler's ratio holds whatever a client
+        # sends, and no tenant can add spans to a trace id it learned; the client's span is a link
+        self.root = tel.tracing.start("kvrelay.request", None, SpanKind.SERVER, {
             "gen_ai.operation.name": "chat" if req.chat else "text_completion", "gen_ai.request.model": model,
             "gen_ai.request.max_tokens": req.work.max_tokens,
             "gen_ai.usage.input_tokens": len(req.work.prompt_token_ids),
             "kvrelay.tenant": caller.tenant, "kvrelay.request_id": req.client_id, "kvrelay.api": caller.api,
             "kvrelay.priority": "batch" if caller.priority is Priority.BATCH else "interactive",
-            "kvrelay.jurisdictions": sorted(req.allowed_jurisdictions or ())}, start_ns=wall0)
+            "kvrelay.jurisdictions": sorted(req.allowed_jurisdictions or ())}, start_ns=wall0,
+            links=link_to(caller.traceparent))
         if req.tokenized_s:
             tel.tracing.start("kvrelay.tokenize", within(self.root), start_ns=wall0).end(
                 wall0 + int(req.tokenized_s * 1e9))

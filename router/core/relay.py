@@ -142,9 +142,10 @@ class Relay:
     # -- the steps ------------------------------------------------------------------------------------------------
     def _reserve(self) -> None:
         """Opens D's Decode stream; its first answer is a reservation, or tokens when colocated."""
-        self.call = self.d.decode_stub.Decode(wpb.DecodeRequest(request=self.wr, colocated=self.p is None,
-                                                                lease_s=self.lease_s, link=self.placement.link),
-                                              metadata=self.metadata)
+        self.call = self.d.decode_stub.Decode(wpb.DecodeRequest(
+            request=self.wr, colocated=self.p is None, lease_s=self.lease_s, link=self.placement.link,
+            sender=self.p.info.worker_id if self.p is not None else ""),  # the only one D takes its KV from
+            metadata=self.metadata)
         # KV crossing a link between sites: if the link goes down meanwhile, re-place at once
         # (the transfer would otherwise stall until its timeout)
         if self.p is not None:

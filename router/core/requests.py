@@ -6,6 +6,7 @@ naming the problem."""
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -149,7 +150,8 @@ def _work_request(req: ipb.GenerateRequest, tok: Tokenizer, limits: ModelLimits,
     if any(not 0 <= t < limits.vocab_size for t in ids):
         raise InvalidRequestError(f"token ids must be in [0, {limits.vocab_size})")
     rid = req.request_id or uuid.uuid4().hex
-    return wpb.WorkRequest(request_id=f"{rid}-{uuid.uuid4().hex[:8]}", prompt_token_ids=ids, sampling=req.sampling,
+    # the workers' request id is also the KV transfer's: 128 random bits nobody can guess
+    return wpb.WorkRequest(request_id=f"{rid}-{secrets.token_hex(16)}", prompt_token_ids=ids, sampling=req.sampling,
                            max_tokens=params.max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                            ignore_eos=req.ignore_eos, salt=salt)
 

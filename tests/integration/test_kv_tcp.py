@@ -24,7 +24,7 @@ from kvrelay.kvtransfer.local import LocalKVSender
 from kvrelay.kvtransfer.nixl import NixlKVReceiver, NixlKVSender
 from kvrelay.kvtransfer.protection import Protection
 from kvrelay.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
-from kvrelay.kvtransfer.wire import recv_frame, send_frame
+from kvrelay.kvtransfer.wire import PROTOCOL_VERSION, recv_frame, send_frame
 from kvrelay.v1 import kv_wire_pb2 as pb
 from tests.integration.helpers import wait_until
 from tests.integration.kv_tap import CuttableLink
@@ -315,7 +315,7 @@ def test_a_trickling_peer_is_cut_at_the_handshake_deadline():
     try:
         host, port = rx.endpoint.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as s:
-            hello = pb.KVFrame(hello=pb.KVHello(protocol_version=4, layout_hash=LAYOUT.compat_hash(),
+            hello = pb.KVFrame(hello=pb.KVHello(protocol_version=PROTOCOL_VERSION, layout_hash=LAYOUT.compat_hash(),
                                                 nonce=b"n" * 32)).SerializeToString()
             data = len(hello).to_bytes(4, "little") + hello
             t0 = time.monotonic()
@@ -357,8 +357,8 @@ def test_a_flood_of_unauthenticated_connections_holds_no_threads_and_a_transfer_
     flood: list[socket.socket] = []
     try:
         threads, rss = threading.active_count(), _rss_bytes()
-        for i in range(1000):
-            s = socket.create_connection((host, int(port)))
+        for i in range(1000):  # from 20 addresses (one address may hold 64): as many hosts would
+            s = socket.create_connection((host, int(port)), source_address=(f"127.0.0.{2 + i % 20}", 0))
             s.sendall(b"\x10\x00" if i % 2 else b"")  # half send part of a length prefix, half nothing
             flood.append(s)
         assert wait_until(lambda: rx.gate.pending == 1000, 10)

@@ -7,6 +7,7 @@ unauthenticated peer never learns where a sender's memory is."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 
@@ -17,14 +18,18 @@ from kvrelay.benchmarks.kv_peer import SECRET
 from kvrelay.engine.kv_cache import KVCache, KVLayout
 from kvrelay.kvtransfer.base import TransferState, TransferTarget
 from kvrelay.kvtransfer.config import TransferConfig
+from kvrelay.kvtransfer.handshake import SenderHello, client_handshake
 from kvrelay.kvtransfer.nixl import NixlKVSender, nixl_available
+from kvrelay.kvtransfer.protection import Protection
 from kvrelay.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
+from kvrelay.kvtransfer.wire import ProtocolError, frame_bytes, recv_frame
 from kvrelay.runtime.config import parse_config
 from kvrelay.runtime.kvcreds import CertCredentials
 from kvrelay.runtime.pki import CertRole, Identity, issue, new_ca
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.tls import TLSMaterial
 from kvrelay.runtime.worker import kv_transfer_config
+from kvrelay.v1 import kv_wire_pb2 as pb
 from tests.integration.helpers import wait_until
 from tests.integration.kv_tap import Tap
 
@@ -97,6 +102,27 @@ def test_the_receiver_enforces_the_link_its_senders_certificate_names():
             h = send(src, rx.endpoint, prefill_cfg(site), protection="integrity")
             assert h.poll() is TransferState.DONE and rh.wait(5) is TransferState.DONE, (site, h.failure())
             rx.cancel("t")
+    finally:
+        rx.close()
+
+
+def test_a_reservation_takes_kv_only_from_the_sender_it_names():
+    """The attack of finding 6 (issue 33): another prefill worker, holding a real prefill certificate and
+    the secret, writes blocks and a first token into a pending reservation: refused, nothing written,
+    the reservation still waiting; the sender the router named then lands its KV."""
+    dst = cache(None)
+    rx = receiver_at("a", dst)
+    try:
+        rh = rx.expect("t", [2, 3], sender="a/prefill/0")
+        intruder = send(cache(7), rx.endpoint, prefill_cfg("a", name="1"), protection="integrity")
+        assert intruder.poll() is TransferState.FAILED
+        assert "the reservation is for another sender" in intruder.failure().reason
+        assert rh.poll() is TransferState.WAITING and rx.wrong_sender >= 1
+        assert not dst.kv.any()
+        src = cache(1)
+        h = send(src, rx.endpoint, prefill_cfg("a"), protection="integrity")
+        assert h.poll() is TransferState.DONE, h.failure()
+        assert rh.wait(5) is TransferState.DONE and torch.equal(dst.kv[:, :, [2, 3]], src.kv[:, :, [0, 1]])
     finally:
         rx.close()
 
@@ -244,3 +270,64 @@ def test_an_unauthenticated_peer_learns_no_nixl_metadata_or_memory_address():
         silent.done.set()
         tx.close()
         wrong.close()
+
+
+def a_real_hello() -> bytes:
+    """A prefill worker's hello exactly as it crosses the wire (what an on-path observer can replay)."""
+    ours, theirs = socket.socketpair()
+    want = SenderHello(SECRET, LAYOUT.compat_hash(), prefill_cfg("a").credentials, Protection.INTEGRITY)
+
+    def handshake() -> None:
+        try:
+            client_handshake(ours, want)
+        except (ProtocolError, OSError):
+            pass  # we hang up after reading its hello
+    t = threading.Thread(target=handshake, daemon=True)
+    t.start()
+    try:
+        return frame_bytes(recv_frame(theirs)[1])
+    finally:
+        theirs.close()
+        t.join(10)
+        ours.close()
+
+
+def hello_answer(endpoint: str, wire: bytes, source: str) -> pb.KVHelloAnswer:
+    host, port = endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0)) as sock:
+        sock.sendall(wire)
+        return pb.KVHelloAnswer.FromString(recv_frame(sock)[0].hello_ack.answer)
+
+
+def test_a_flood_of_idle_and_replayed_hellos_from_one_address_leaves_real_transfers_passing():
+    """The attack of finding 2 (issue 33), against a receiver whose gate holds 128 handshakes:
+    one address (127.0.0.2) opens 200 connections and holds them idle, which before filled the
+    whole gate; another (127.0.0.3) replays a real sender's hello 30 times and sends one with a
+    forged stamp. The idle ones hold 64 places at most, the replays and the forgery are refused
+    at the cost of a MAC (no certificate check, key exchange or signature), and a real sender
+    (127.0.0.1) moves its KV meanwhile."""
+    src, dst = cache(1), cache(None)
+    cfg = kv_transfer_config(CFG, Role.DECODE, "a", SECRET, material("a", CertRole.DECODE))
+    rx = TcpKVReceiver(dst, cfg=dataclasses.replace(cfg, max_pending_handshakes=128, connect_timeout_s=60.0))
+    host, port = rx.endpoint.rsplit(":", 1)
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(200):
+            idle.append(socket.create_connection((host, int(port)), timeout=10, source_address=("127.0.0.2", 0)))
+        assert wait_until(lambda: rx.gate.pending == 64, 10), rx.gate.pending  # the rest closed on accept
+        wire = a_real_hello()
+        assert hello_answer(rx.endpoint, wire, "127.0.0.3").accepted  # the first time, it is new
+        replies = [hello_answer(rx.endpoint, wire, "127.0.0.3") for _ in range(30)]
+        assert all(not a.accepted and "replayed hello" in a.reason for a in replies), {a.reason for a in replies}
+        frame = pb.KVFrame.FromString(wire[4:])
+        frame.hello.sent_unix_ms += 1  # anything changed breaks the stamp, which only the secret makes
+        forged = hello_answer(rx.endpoint, frame_bytes(frame.SerializeToString()), "127.0.0.3")
+        assert not forged.accepted and forged.reason.startswith("hello failed authentication: not stamped")
+        rh = rx.expect("t", [2, 3])
+        h = send(src, rx.endpoint, prefill_cfg("a"), protection="integrity")
+        assert h.poll() is TransferState.DONE, h.failure()
+        assert rh.wait(5) is TransferState.DONE and torch.equal(dst.kv[:, :, [2, 3]], src.kv[:, :, [0, 1]])
+    finally:
+        for sock in idle:
+            sock.close()
+        rx.close()

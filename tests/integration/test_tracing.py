@@ -5,8 +5,8 @@ service), and together they make one tree: the router's request and
 attempt, the prefill and its KV send, the decode and its KV receive
 (linked to the send), with durations that nest and the KV's arrival before
 the first token. A migrated request keeps both attempts in one trace; a
-client's ``traceparent`` (gRPC metadata or HTTP header) becomes the root's
-parent; no prompt text is in any span."""
+client's ``traceparent`` (gRPC metadata or HTTP header) is a link of the
+root, never its trace; no prompt text is in any span."""
 
 from __future__ import annotations
 
@@ -136,22 +136,28 @@ def test_a_disaggregated_request_is_one_trace_across_three_processes(traced, cap
         assert name in shown
 
 
-def test_a_client_traceparent_is_the_parent_of_the_request(traced):
+def test_a_client_traceparent_is_a_link_never_the_trace(traced):
+    """A client's span is linked from the request's root, whose trace is the router's own: a client
+    cannot choose what is sampled, nor add spans to a trace id it learned from another tenant."""
     lc, folder = traced
     msgs = generate(lc, "trace-client", metadata=(("traceparent", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"),))
-    assert msgs[-1].finish.placement.trace_id == CLIENT_TRACE
+    trace_id = msgs[-1].finish.placement.trace_id
+    assert len(trace_id) == 32 and trace_id != CLIENT_TRACE
     spans = spans_in(folder, "trace-client", ALL)
-    assert one(spans, "kvrelay.request")["parent_span_id"] == CLIENT_SPAN
-    assert {s["trace_id"] for s in spans} == {CLIENT_TRACE}
+    root = one(spans, "kvrelay.request")
+    assert root["parent_span_id"] is None
+    assert root["links"] == [{"trace_id": CLIENT_TRACE, "span_id": CLIENT_SPAN}]
+    assert {s["trace_id"] for s in spans} == {trace_id}
     # over HTTP, as a header
     client = openai.OpenAI(base_url=f"https://{lc.http_address}/v1", api_key=lc.client_token, max_retries=0,
                            timeout=120, http_client=openai.DefaultHttpxClient(verify=tls_context(lc)))
     other = "5bf92f3577b34da6a3ce929d0e0e4737"
     client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4,
                               extra_headers={"traceparent": f"00-{other}-{CLIENT_SPAN}-01"})
-    assert wait_until(lambda: any(s["trace_id"] == other and s["name"] == "kvrelay.request"
-                                  and s["parent_span_id"] == CLIENT_SPAN
+    assert wait_until(lambda: any(s["name"] == "kvrelay.request" and s["parent_span_id"] is None
+                                  and s["links"] == [{"trace_id": other, "span_id": CLIENT_SPAN}]
                                   for s in read_spans(sorted(folder.glob("*.jsonl")))), 30)
+    assert not [s for s in read_spans(sorted(folder.glob("*.jsonl"))) if s["trace_id"] == other]
 
 
 def test_a_malformed_traceparent_starts_a_trace_of_its_own(traced):
@@ -249,3 +255,26 @@ def test_otlp_export_to_a_collector_gives_the_same_trace(smollm_path):
             check_disaggregated(spans(), msgs[-1].finish.placement.trace_id)
     finally:
         server.stop(0)
+
+
+def test_crafted_client_trace_ids_do_not_force_tracing(plumbing_model, tmp_path):
+    """The attack of finding 4 (issue 33): at ``sample_ratio: 0.01``, 200 requests whose traceparents
+    carry trace ids a ratio sampler always takes (low 64 bits zero) and the sampled flag. Before, all
+    200 were traced under the client's ids; now about 2 are, each under a trace id of the router's own."""
+    raw = config({"traces": "file", "file": str(tmp_path / "{process}.jsonl"), "sample_ratio": 0.01})
+    crafted = [f"{i + 1:016x}{0:016x}" for i in range(200)]
+
+    def one(trace_id: str) -> str:
+        header = (("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01"),)
+        with lc.channel() as ch:
+            msgs = list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt="hi", max_tokens=1),
+                                                         timeout=120, metadata=header))
+        return msgs[-1].finish.placement.trace_id
+
+    with running_cluster(raw, plumbing_model) as lc:
+        with futures.ThreadPoolExecutor(4) as pool:
+            traced_ids = [t for t in pool.map(one, crafted) if t]
+        assert len(traced_ids) <= 20, f"{len(traced_ids)} of 200 traced at a ratio of 0.01"  # ~2 expected
+        assert not set(traced_ids) & set(crafted)
+        assert len(generate(lc, "after-the-attack", max_tokens=2)[-1].finish.placement.trace_id) in (0, 32)
+    assert not {s["trace_id"] for s in read_spans(sorted(tmp_path.glob("*.jsonl")))} & set(crafted)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHello(_message.Message):
-    __slots__ = ("protocol_version", "layout_hash", "nonce", "key_share", "certificate", "ciphers", "protection", "socket_buffer_bytes")
+    __slots__ = ("protocol_version", "layout_hash", "nonce", "key_share", "certificate", "ciphers", "protection", "socket_buffer_bytes", "sent_unix_ms", "stamp")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class KVHello(_message.Message):
     CIPHERS_FIELD_NUMBER: _ClassVar[int]
     PROTECTION_FIELD_NUMBER: _ClassVar[int]
     SOCKET_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    STAMP_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     layout_hash: str
     nonce: bytes
@@ -24,7 +26,9 @@ class KVHello(_message.Message):
     ciphers: _containers.RepeatedScalarFieldContainer[str]
     protection: str
     socket_buffer_bytes: int
-    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., key_share: _Optional[bytes] = ..., certificate: _Optional[bytes] = ..., ciphers: _Optional[_Iterable[str]] = ..., protection: _Optional[str] = ..., socket_buffer_bytes: _Optional[int] = ...) -> None: ...
+    sent_unix_ms: int
+    stamp: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., key_share: _Optional[bytes] = ..., certificate: _Optional[bytes] = ..., ciphers: _Optional[_Iterable[str]] = ..., protection: _Optional[str] = ..., socket_buffer_bytes: _Optional[int] = ..., sent_unix_ms: _Optional[int] = ..., stamp: _Optional[bytes] = ...) -> None: ...
 
 class KVHelloAnswer(_message.Message):
     __slots__ = ("accepted", "reason", "nonce", "key_share", "certificate", "cipher", "protection")

@@ -310,16 +310,18 @@ class KVTarget(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., start_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., transport: _Optional[str] = ..., link_rtt_ms: _Optional[float] = ..., link_gbps: _Optional[float] = ..., protection: _Optional[str] = ..., receiver: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request", "colocated", "lease_s", "link")
+    __slots__ = ("request", "colocated", "lease_s", "link", "sender")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     COLOCATED_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     LINK_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
     request: WorkRequest
     colocated: bool
     lease_s: float
     link: str
-    def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., colocated: _Optional[bool] = ..., lease_s: _Optional[float] = ..., link: _Optional[str] = ...) -> None: ...
+    sender: str
+    def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., colocated: _Optional[bool] = ..., lease_s: _Optional[float] = ..., link: _Optional[str] = ..., sender: _Optional[str] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("reservation", "output")
