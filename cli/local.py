@@ -18,6 +18,7 @@ from pathlib import Path
 from kvrelay.benchmarks import cities_bench as cb
 from kvrelay.benchmarks import telemetry_bench
 from kvrelay.benchmarks.engine_bench import format_result, run_engine_bench, to_json
+from kvrelay.benchmarks.gate_bench import format_gate, run_gate_bench
 from kvrelay.benchmarks.kv_bench import format_kv, kv_json, machine, run_kv_bench
 from kvrelay.benchmarks.kv_wan import add_wan
 from kvrelay.benchmarks.placement_bench import format_placement, run_placement_bench
@@ -117,6 +118,18 @@ def cmd_bench_placement(args: argparse.Namespace) -> int:
     if args.json:
         out = {"command": "kvrelay bench placement " + " ".join(sys.argv[3:]), "machine": machine(),
                "results": results}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+def cmd_bench_kv_gate(args: argparse.Namespace) -> int:
+    if min(args.blocks, args.transfers, args.idle) < 1:
+        print("kvrelay bench kv-gate: --blocks, --transfers and --idle must be >= 1", file=sys.stderr)
+        return 2
+    res = run_gate_bench(args.blocks, args.transfers, args.idle)
+    print(format_gate(res))
+    if args.json:
+        out = {"command": "kvrelay bench kv-gate " + " ".join(sys.argv[3:]), "machine": machine(), **res.to_dict()}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

@@ -193,6 +193,14 @@ def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> N
     bte.add_argument("--json", help="also write the report to this file")
     bte.set_defaults(func=local("cmd_bench_telemetry"))
 
+    bg = bench.add_parser("kv-gate", help="a real sender's KV transfer time, quiet and under a flood of idle "
+                                          "connections and replayed hellos (from 127.0.0.2 and 127.0.0.3)")
+    bg.add_argument("--blocks", type=int, default=16, help="blocks per transfer (720 KiB each)")
+    bg.add_argument("--transfers", type=int, default=20, help="transfers, quiet and then under the flood")
+    bg.add_argument("--idle", type=int, default=200, help="idle connections the flood holds open")
+    bg.add_argument("--json", help="also write the result to this file")
+    bg.set_defaults(func=local("cmd_bench_kv_gate"))
+
     bt = bench.add_parser("tls", help="TTFT and gRPC round trip with TLS against the same build with TLS off")
     bt.add_argument("--config", help="cluster of both runs (default: the embedded default)")
     bt.add_argument("--prompt-tokens", type=int, default=256)

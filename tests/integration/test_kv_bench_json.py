@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from kvrelay.cli.main import main
+
 
 def test_bench_kv_json_has_its_stable_fields(tmp_path):
     out = tmp_path / "kv.json"
@@ -32,3 +34,13 @@ def test_bench_kv_refuses_an_unknown_mode():
     res = subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "kv", "--modes", "plain", "--no-overlap"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "protection must be aead or integrity, got 'plain'" in res.stderr
+
+
+def test_bench_kv_gate_measures_a_real_sender_under_the_flood(tmp_path, capsys):
+    out = tmp_path / "gate.json"
+    assert main(["bench", "kv-gate", "--blocks", "1", "--transfers", "3", "--idle", "80", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["gate_pending_during_flood"] <= 64 + 1  # one address: 64 at most (+ a replay in flight)
+    assert rec["replays_sent"] >= 1 and rec["replays_refused"] >= rec["replays_sent"] - 1  # only the first is new
+    assert rec["quiet_ms_p50"] > 0 and rec["flood_ms_p50"] > 0 and rec["ratio_p50"] > 0
+    assert rec["machine"]["cpu"] and "KV gate under a flood" in capsys.readouterr().out

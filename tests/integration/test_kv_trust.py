@@ -14,15 +14,16 @@ import threading
 import pytest
 import torch
 
+from kvrelay.benchmarks.gate_bench import captured_hello
 from kvrelay.benchmarks.kv_peer import SECRET
 from kvrelay.engine.kv_cache import KVCache, KVLayout
 from kvrelay.kvtransfer.base import TransferState, TransferTarget
 from kvrelay.kvtransfer.config import TransferConfig
-from kvrelay.kvtransfer.handshake import SenderHello, client_handshake
+from kvrelay.kvtransfer.handshake import SenderHello
 from kvrelay.kvtransfer.nixl import NixlKVSender, nixl_available
 from kvrelay.kvtransfer.protection import Protection
 from kvrelay.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
-from kvrelay.kvtransfer.wire import ProtocolError, frame_bytes, recv_frame
+from kvrelay.kvtransfer.wire import frame_bytes, recv_frame
 from kvrelay.runtime.config import parse_config
 from kvrelay.runtime.kvcreds import CertCredentials
 from kvrelay.runtime.pki import CertRole, Identity, issue, new_ca
@@ -272,26 +273,6 @@ def test_an_unauthenticated_peer_learns_no_nixl_metadata_or_memory_address():
         wrong.close()
 
 
-def a_real_hello() -> bytes:
-    """A prefill worker's hello exactly as it crosses the wire (what an on-path observer can replay)."""
-    ours, theirs = socket.socketpair()
-    want = SenderHello(SECRET, LAYOUT.compat_hash(), prefill_cfg("a").credentials, Protection.INTEGRITY)
-
-    def handshake() -> None:
-        try:
-            client_handshake(ours, want)
-        except (ProtocolError, OSError):
-            pass  # we hang up after reading its hello
-    t = threading.Thread(target=handshake, daemon=True)
-    t.start()
-    try:
-        return frame_bytes(recv_frame(theirs)[1])
-    finally:
-        theirs.close()
-        t.join(10)
-        ours.close()
-
-
 def hello_answer(endpoint: str, wire: bytes, source: str) -> pb.KVHelloAnswer:
     host, port = endpoint.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0)) as sock:
@@ -315,7 +296,8 @@ def test_a_flood_of_idle_and_replayed_hellos_from_one_address_leaves_real_transf
         for _ in range(200):
             idle.append(socket.create_connection((host, int(port)), timeout=10, source_address=("127.0.0.2", 0)))
         assert wait_until(lambda: rx.gate.pending == 64, 10), rx.gate.pending  # the rest closed on accept
-        wire = a_real_hello()
+        wire = captured_hello(SenderHello(SECRET, LAYOUT.compat_hash(), prefill_cfg("a").credentials,
+                                          Protection.INTEGRITY))
         assert hello_answer(rx.endpoint, wire, "127.0.0.3").accepted  # the first time, it is new
         replies = [hello_answer(rx.endpoint, wire, "127.0.0.3") for _ in range(30)]
         assert all(not a.accepted and "replayed hello" in a.reason for a in replies), {a.reason for a in replies}
