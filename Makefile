@@ -23,12 +23,14 @@ run: install
 	$(BIN)/kvrelay model prepare
 	$(BIN)/kvrelay serve $(if $(CONFIG),--config $(CONFIG))
 
-# Two pytest processes (one module each at a time) run every test but the timing-sensitive ones
-# (marked serial: link rates, fairness, chaos, scaling, transfer deadlines), which then run alone.
+# Two pytest processes (one module each at a time, the longest first: tests/conftest.py) run every
+# test but the timing-sensitive ones (marked serial: link rates, fairness, chaos, scaling, transfer
+# deadlines), which then run alone, collected from the files that mark them.
+SERIAL_MODULES = $(shell grep -rlE "pytest\.mark\.serial" tests --include="test_*.py")
 test: install prometheus helm lint
 	$(BIN)/kvrelay model prepare
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial" --durations=15 tests
-	$(BIN)/python -m pytest -q -m "serial and not slow" --durations=15 tests
+	$(BIN)/python -m pytest -q -m "serial and not slow" --durations=15 $(SERIAL_MODULES)
 
 # ruff over the whole tree, then mypy over the kvrelay package (rules and their reasons in
 # pyproject.toml); a finding fails make test. mypy reads kvrelay as installed (pyproject's

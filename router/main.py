@@ -34,7 +34,7 @@ from kvrelay.router.core.pipeline import CoreParts, RouterCore
 from kvrelay.router.core.quotas import Quotas
 from kvrelay.router.core.requests import ModelLimits
 from kvrelay.router.core.tenancy import TenantPolicies
-from kvrelay.router.frontends.grpc_api import add_router_to_server
+from kvrelay.router.frontends.grpc_api import WORKER_CALLS, add_router_to_server
 from kvrelay.router.frontends.http_server import serve_http
 from kvrelay.router.frontends.jobs import JobService, add_jobs_to_server
 from kvrelay.router.frontends.openai_http import OpenAIServer
@@ -48,7 +48,7 @@ from kvrelay.runtime.kvsecret import pem_from_env, read_secret
 from kvrelay.runtime.lifetime import die_with_parent
 from kvrelay.runtime.metrics import serve_metrics
 from kvrelay.runtime.pki import CertRole, PKIError, write_private
-from kvrelay.runtime.rpc import PLAINTEXT, Dialer, bind, create_server
+from kvrelay.runtime.rpc import PLAINTEXT, CallBounds, Dialer, bind, create_server
 from kvrelay.runtime.tls import TLSMaterial, load_material
 from kvrelay.runtime.topology import Topology
 from kvrelay.runtime.tracing import NO_TRACING, Tracing
@@ -152,12 +152,14 @@ async def start_grpc(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: 
     """Both gRPC listeners serving every service, stopped (2 s grace) when ``stack`` unwinds;
     the READY line's addresses."""
     api = cfg.router.api
-    # the public listener takes small messages and a bounded number of calls; the internal one, workers' sizes
+    # the public listener takes small messages and a bounded number of calls; the internal one, workers'
+    # sizes, and the same bounds as the public one on every call but a worker's registration and heartbeats
     public = create_server(max_receive_bytes=api.max_message_bytes, max_concurrent_rpcs=api.max_concurrent_rpcs)
     internal_server = create_server()
-    for server in (public, internal_server):
-        add_router_to_server(core, server, auth, audit)
-        add_jobs_to_server(jobs, server)
+    bounds = CallBounds(api.max_message_bytes, api.max_concurrent_rpcs, WORKER_CALLS)
+    for server, bound in ((public, None), (internal_server, bounds)):
+        add_router_to_server(core, server, auth, audit, bound)
+        add_jobs_to_server(jobs, server, bound)
     host = cfg.router.host
     try:
         port = bind(public, host, cfg.router.port, tls)

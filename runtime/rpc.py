@@ -141,19 +141,71 @@ def _refusing(behavior, streaming: bool):
     return unary
 
 
-def add_service(server: grpc.aio.Server, servicer, service: ServiceDescriptor) -> None:
+@dataclass(slots=True)
+class CallBounds:
+    """The public listener's bounds, applied per call on a listener that also serves callers
+    who need more (the router's internal one: workers' registrations and heartbeats are
+    ``exempt``; tenants' and operators' calls there get these)."""
+
+    max_message_bytes: int
+    """Largest request message taken (RESOURCE_EXHAUSTED above it)."""
+    max_concurrent: int
+    """Bounded calls served at once; more get RESOURCE_EXHAUSTED."""
+    exempt: frozenset[str] = frozenset()
+    """Full method names (``/kvrelay.v1.Registry/Heartbeat``) not bounded."""
+    inflight: int = 0
+
+    async def admit(self, request, context: grpc.aio.ServicerContext) -> None:
+        """Aborts the call when its message or the calls in flight are over the bounds; else counts it."""
+        size = request.ByteSize() if hasattr(request, "ByteSize") else 0
+        if size > self.max_message_bytes:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request of {size} bytes is over the "
+                                f"{self.max_message_bytes} this listener takes from tenants and operators "
+                                "(router.api.max_message_bytes)")
+        if self.inflight >= self.max_concurrent:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_concurrent} calls of tenants and "
+                                "operators in progress on this listener (router.api.max_concurrent_rpcs); retry")
+        self.inflight += 1
+
+    def wrap(self, behavior, streaming: bool):
+        """``behavior`` admitted by :meth:`admit`, counted while it runs."""
+        if streaming:
+            async def stream(request, context):
+                await self.admit(request, context)
+                try:
+                    async for msg in behavior(request, context):
+                        yield msg
+                finally:
+                    self.inflight -= 1
+            return stream
+
+        async def unary(request, context):
+            await self.admit(request, context)
+            try:
+                return await behavior(request, context)
+            finally:
+                self.inflight -= 1
+        return unary
+
+
+def add_service(server: grpc.aio.Server, servicer, service: ServiceDescriptor,
+                bounds: CallBounds | None = None) -> None:
     """Registers ``servicer`` as ``service`` (a generated file's
     ``DESCRIPTOR.services_by_name[...]``), as the generated
     ``add_*Servicer_to_server`` would, except that a request message that
     does not parse (bad wire format, a string that is not UTF-8) gets
-    INVALID_ARGUMENT naming the message rather than gRPC's INTERNAL."""
+    INVALID_ARGUMENT naming the message rather than gRPC's INTERNAL. With
+    ``bounds``, every method it does not exempt is bounded by it."""
     handlers = {}
     for m in service.methods:
         if m.client_streaming:
             raise ValueError(f"{service.full_name}.{m.name}: client streaming is not supported here")
         request, response = GetMessageClass(m.input_type), GetMessageClass(m.output_type)
         make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[m.name] = make(_refusing(getattr(servicer, m.name), m.server_streaming),
+        behavior = _refusing(getattr(servicer, m.name), m.server_streaming)
+        if bounds is not None and f"/{service.full_name}/{m.name}" not in bounds.exempt:
+            behavior = bounds.wrap(behavior, m.server_streaming)
+        handlers[m.name] = make(behavior,
                                 request_deserializer=_lenient(request, m.input_type.name),
                                 response_serializer=response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

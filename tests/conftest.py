@@ -76,8 +76,21 @@ def make_engine():
         assert_no_leaks(eng)
 
 
+LONGEST_FIRST = (
+    "unit/test_default_model.py", "integration/test_cities.py", "integration/test_cli.py",
+    "integration/test_jobs.py", "integration/test_failover.py", "integration/test_e2e.py",
+    "integration/test_kv_bench_json.py", "integration/test_multisite.py", "integration/test_openai_http.py",
+    "integration/test_helm_pods.py", "integration/test_tracing.py", "integration/test_fuzz.py",
+)
+"""The modules that take longest when two pytest processes share the cores (make test's first step,
+a module per process at a time): handed out first, so none of them starts last and runs alone."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` run only where CUDA is available."""
+    """The longest modules first (LONGEST_FIRST; the rest keep their order); tests marked ``gpu``
+    run only where CUDA is available."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -19,7 +19,7 @@ from kvrelay.router.core.records import Auditor
 from kvrelay.router.frontends.admin import AdminService
 from kvrelay.router.frontends.peer import STATUS, GrpcCaller, authorization
 from kvrelay.router.frontends.registry_service import RegistryService
-from kvrelay.runtime.rpc import add_service
+from kvrelay.runtime.rpc import CallBounds, add_service
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
@@ -66,10 +66,15 @@ class InferenceService(igrpc.InferenceServicer):
         return self.core.health()
 
 
-def add_router_to_server(core: RouterCore, server: grpc.aio.Server, auth: GrpcCaller, audit: Auditor | None) -> None:
+def add_router_to_server(core: RouterCore, server: grpc.aio.Server, auth: GrpcCaller, audit: Auditor | None,
+                         bounds: CallBounds | None = None) -> None:
     """Registers the Inference, Registry and Admin services (``audit``: where registrations and
-    operator actions are recorded); every request message parses leniently, so a malformed one
-    gets INVALID_ARGUMENT, not INTERNAL."""
-    add_service(server, RegistryService(core, auth, audit), wpb.DESCRIPTOR.services_by_name["Registry"])
-    add_service(server, AdminService(core, auth, audit), apb.DESCRIPTOR.services_by_name["Admin"])
-    add_service(server, InferenceService(core, auth), ipb.DESCRIPTOR.services_by_name["Inference"])
+    operator actions are recorded; ``bounds``: on every call but a worker's own registry calls);
+    every request message parses leniently, so a malformed one gets INVALID_ARGUMENT, not INTERNAL."""
+    add_service(server, RegistryService(core, auth, audit), wpb.DESCRIPTOR.services_by_name["Registry"], bounds)
+    add_service(server, AdminService(core, auth, audit), apb.DESCRIPTOR.services_by_name["Admin"], bounds)
+    add_service(server, InferenceService(core, auth), ipb.DESCRIPTOR.services_by_name["Inference"], bounds)
+
+
+WORKER_CALLS = frozenset(f"/kvrelay.v1.Registry/{m}" for m in ("Register", "Heartbeat", "Deregister"))
+"""What only workers call: unbounded on the internal listener (a heartbeat carries a worker's prefix index)."""

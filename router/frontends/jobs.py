@@ -24,7 +24,7 @@ from kvrelay.router.core.requests import Caller, Priority
 from kvrelay.router.frontends.grpc_api import STATUS, abort
 from kvrelay.router.frontends.peer import GrpcCaller, authorization
 from kvrelay.router.governance.audit import AuditError
-from kvrelay.runtime.rpc import add_service
+from kvrelay.runtime.rpc import CallBounds, add_service
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
@@ -50,10 +50,10 @@ def _job_proto(row: JobRow) -> jpb.Job:
                    state=row.state)  # type: ignore[arg-type]  # protobuf takes the int; protoc's .pyi: JobState
 
 
-def add_jobs_to_server(jobs: JobService, server: grpc.aio.Server) -> None:
-    """Registers ``jobs`` as ``kvrelay.v1.Jobs``; a request message that does
-    not parse (a string that is not UTF-8) gets INVALID_ARGUMENT, not UNKNOWN."""
-    add_service(server, jobs, jpb.DESCRIPTOR.services_by_name["Jobs"])
+def add_jobs_to_server(jobs: JobService, server: grpc.aio.Server, bounds: CallBounds | None = None) -> None:
+    """Registers ``jobs`` as ``kvrelay.v1.Jobs`` (``bounds``: on every call); a request message that
+    does not parse (a string that is not UTF-8) gets INVALID_ARGUMENT, not UNKNOWN."""
+    add_service(server, jobs, jpb.DESCRIPTOR.services_by_name["Jobs"], bounds)
 
 
 class JobService(jgrpc.JobsServicer):

@@ -25,6 +25,8 @@ from kvrelay.benchmarks.probes import (
     tls_socket,
 )
 from kvrelay.router.core.auth import token_sha256
+from kvrelay.runtime.pki import CertRole, Identity
+from kvrelay.runtime.rpc import Dialer
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
@@ -256,3 +258,40 @@ def test_a_non_streaming_request_whose_client_leaves_is_cancelled(hardening_clus
     assert wait_until(idle, 15), worker_stats(hardening_cluster, wid)
     assert time.monotonic() - t0 < 10
     _served(hardening_cluster)
+
+
+def _outcome(call) -> str:
+    try:
+        list(call)
+        return "served"
+    except grpc.RpcError as exc:
+        return exc.code().name
+
+
+def test_the_internal_listener_bounds_tenants_as_the_public_one_does(plumbing_model):
+    """The attack of finding 7 (issue 33): a tenant with a certificate calls on the internal (mutual-TLS)
+    listener, which takes workers' sizes, with an oversized request and with more calls at once than
+    router.api.max_concurrent_rpcs: both refused as on the public listener; workers keep their
+    heartbeats and a normal request is served right after."""
+    raw = copy.deepcopy(CLUSTER_YAML)
+    raw["router"] |= {"api": {"max_message_bytes": 65_536, "max_concurrent_rpcs": 2},
+                      "liveness": {"heartbeat_interval_s": 0.25}}
+    raw["tenants"] = [{"name": "lab-a", "token_sha256": token_sha256(TOKEN)}, {"name": "lab-c"}]  # lab-c: a cert
+    with running_cluster(raw, plumbing_model, reconcile=False) as lc:
+        tenant = Dialer(lc.creds.material(Identity("local", CertRole.CLIENT, "lab-c")))
+        with tenant.sync(lc.internal_address) as ch:
+            stub = igrpc.InferenceStub(ch)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(ipb.GenerateRequest(prompt="x" * 100_000, max_tokens=1), timeout=30))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "router.api.max_message_bytes" in err.value.details()
+            long = ipb.GenerateRequest(prompt="hi", max_tokens=400, ignore_eos=True)
+            calls = [stub.Generate(long, timeout=120) for _ in range(5)]  # each starts as it is made
+            outcomes = [_outcome(c) for c in calls]
+        assert outcomes.count("served") >= 1 and outcomes.count("RESOURCE_EXHAUSTED") >= 1, outcomes
+        assert set(outcomes) <= {"served", "RESOURCE_EXHAUSTED"}, outcomes
+        assert all(w.healthy for w in workers(lc).values()) and len(workers(lc)) == 2
+        with lc.channel() as ch:
+            msgs = list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt="hi", max_tokens=2),
+                                                         metadata=AUTH, timeout=60))
+        assert msgs[-1].finish.usage.completion_tokens == 2

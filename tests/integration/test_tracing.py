@@ -258,11 +258,11 @@ def test_otlp_export_to_a_collector_gives_the_same_trace(smollm_path):
 
 
 def test_crafted_client_trace_ids_do_not_force_tracing(plumbing_model, tmp_path):
-    """The attack of finding 4 (issue 33): at ``sample_ratio: 0.01``, 200 requests whose traceparents
+    """The attack of finding 4 (issue 33): at ``sample_ratio: 0.01``, 120 requests whose traceparents
     carry trace ids a ratio sampler always takes (low 64 bits zero) and the sampled flag. Before, all
-    200 were traced under the client's ids; now about 2 are, each under a trace id of the router's own."""
+    120 were traced under the client's ids; now about 1 is, under a trace id of the router's own."""
     raw = config({"traces": "file", "file": str(tmp_path / "{process}.jsonl"), "sample_ratio": 0.01})
-    crafted = [f"{i + 1:016x}{0:016x}" for i in range(200)]
+    crafted = [f"{i + 1:016x}{0:016x}" for i in range(120)]
 
     def one(trace_id: str) -> str:
         header = (("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01"),)
@@ -274,7 +274,7 @@ def test_crafted_client_trace_ids_do_not_force_tracing(plumbing_model, tmp_path)
     with running_cluster(raw, plumbing_model) as lc:
         with futures.ThreadPoolExecutor(4) as pool:
             traced_ids = [t for t in pool.map(one, crafted) if t]
-        assert len(traced_ids) <= 20, f"{len(traced_ids)} of 200 traced at a ratio of 0.01"  # ~2 expected
+        assert len(traced_ids) <= 12, f"{len(traced_ids)} of 120 traced at a ratio of 0.01"  # ~1 expected
         assert not set(traced_ids) & set(crafted)
         assert len(generate(lc, "after-the-attack", max_tokens=2)[-1].finish.placement.trace_id) in (0, 32)
     assert not {s["trace_id"] for s in read_spans(sorted(tmp_path.glob("*.jsonl")))} & set(crafted)
