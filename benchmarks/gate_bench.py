@@ -99,9 +99,10 @@ class Flood:
         self.proc = ctx.Process(target=_flood, args=((host, int(port)), hello, idle, self.ready, self._stop,
                                                      self.counts), daemon=True)
         self.proc.start()
-        if not self.ready.wait(60):
+        deadline = time.monotonic() + 60
+        if not self.ready.wait(60) or not _until(lambda: self.sent > 0, deadline):  # under way, however busy
             self.stop()
-            raise RuntimeError("the flood did not open its idle connections within 60 s")
+            raise RuntimeError("the flood did not open its idle connections and replay a hello within 60 s")
 
     @property
     def sent(self) -> int:
@@ -116,6 +117,15 @@ class Flood:
         self.proc.join(30)
         if self.proc.is_alive():
             self.proc.kill()
+
+
+def _until(pred, deadline: float) -> bool:
+    """Polls ``pred`` until it holds (True) or ``deadline`` (time.monotonic) passes (False)."""
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _transfers(rx: TcpKVReceiver, tx: TcpKVSender, blocks: int, n: int, tag: str) -> list[float]:
