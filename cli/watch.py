@@ -88,7 +88,8 @@ def render_status(workers_resp: wpb.ListWorkersResponse, pools_resp: apb.ListPoo
     lines += ["", *table_lines(worker_rows(workers_resp.workers)), "",
               f"placement policy: {workers_resp.policy}", latency_line(workers_resp.latency), "",
               *table_lines(link_rows(workers_resp.links)), "",
-              f"router metrics: {workers_resp.router_metrics_address or 'off'}"]
+              f"router metrics: {workers_resp.router_metrics_address or 'off'}",
+              f"router {workers_resp.storage or 'disk: not reported'}"]
     return "\n".join(lines) + "\n"
 
 

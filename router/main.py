@@ -29,6 +29,7 @@ from kvrelay.router.cluster.registry import WorkerRegistry
 from kvrelay.router.cluster.usage import UsageLedger
 from kvrelay.router.core.admission import FairQueue
 from kvrelay.router.core.auth import TenantSalts
+from kvrelay.router.core.disk import DiskCollector, DiskReserve
 from kvrelay.router.core.observe import TARGETS_REFRESH_S, RouterTelemetry, write_targets
 from kvrelay.router.core.pipeline import CoreParts, RouterCore
 from kvrelay.router.core.quotas import Quotas
@@ -124,19 +125,24 @@ def model_limits(cfg: ClusterConfig, args: argparse.Namespace) -> tuple[Tokenize
 
 def core_parts(cfg: ClusterConfig, dialer: Dialer = PLAINTEXT, policy_seed: int | None = None,
                salt_key: bytes | None = None, tracing: Tracing = NO_TRACING,
-               metrics: CollectorRegistry | None = None) -> CoreParts:
+               metrics: CollectorRegistry | None = None, jobs_db: str | None = None) -> CoreParts:
     """What the core works with, each part built after those it needs. ``dialer``:
     how to reach workers (the router's certificate). ``salt_key``: keys tenants'
     prefix-cache salts (the KV secret; None: a random key for this process's
     life). ``metrics``: the registry the process serves as /metrics (None: one
-    of the core's own)."""
-    usage = UsageLedger(cfg.router.records.usage_db)
+    of the core's own). ``jobs_db``: the jobs database (None: router.records.jobs_db)."""
+    records = cfg.router.records
+    usage = UsageLedger(records.usage_db)
     registry = WorkerRegistry(cfg, dialer, on_load=usage.take_heartbeat)
+    telemetry = RouterTelemetry(tracing, metrics, durable=usage, links=registry.link_states)
+    disk = DiskReserve({"jobs_db": jobs_db or records.jobs_db, "audit_log": records.audit_log,
+                        "usage_db": records.usage_db}, records)
+    telemetry.registry.register(DiskCollector(disk))
     return CoreParts(salts=TenantSalts(salt_key or secrets.token_bytes(32), cfg.tenants),
                      tenants=TenantPolicies(cfg), quotas=Quotas(), queue=FairQueue(), topology=Topology(cfg),
                      usage=usage, registry=registry, pools=PoolManager(cfg, registry),
                      policy=make_policy(cfg.router.placement.policy, policy_seed),
-                     telemetry=RouterTelemetry(tracing, metrics, durable=usage, links=registry.link_states),
+                     telemetry=telemetry, disk=disk,
                      tokenizers=concurrent.futures.ThreadPoolExecutor(cfg.router.api.tokenizer_threads,
                                                                       thread_name_prefix="tokenize"))
 
@@ -209,7 +215,8 @@ async def run(args: argparse.Namespace) -> None:
         metrics = serve_metrics(registry, cfg.telemetry.metrics_host, cfg.telemetry.router_metrics_port)
         if metrics is not None:
             stack.callback(metrics.close)
-        parts = core_parts(cfg, Dialer(tls), salt_key=salt_key, tracing=tracing, metrics=registry)
+        parts = core_parts(cfg, Dialer(tls), salt_key=salt_key, tracing=tracing, metrics=registry,
+                           jobs_db=args.jobs_db)
         core = RouterCore(cfg, tok, limits, parts, audit=audit,
                           metrics_address=metrics.advertised(cfg.router.host) if metrics else "")
         stack.push_async_callback(core.aclose)

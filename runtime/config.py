@@ -301,6 +301,17 @@ class RecordsSection(ConfigSection):
     """How often the retention sweeper deletes jobs and audit records past their tenant's retention."""
     operator_audit_retention_days: StrictFloat = Field(default=365.0, gt=0, le=36_500)
     """Retention of audit records that belong to no tenant (operator actions, worker registrations)."""
+    min_free_bytes_for_jobs: StrictInt = Field(default=512 << 20, ge=0, le=1 << 50)
+    """Free space the filesystems of these files keep: below it, new batch jobs are
+    refused (RESOURCE_EXHAUSTED), so jobs never take the room audit records need."""
+    min_free_bytes: StrictInt = Field(default=64 << 20, ge=0, le=1 << 50)
+    """Below this much free space every new request is refused (UNAVAILABLE) rather
+    than served without its audit record. At most ``min_free_bytes_for_jobs``."""
+
+    def __post_init__(self) -> None:
+        if self.min_free_bytes > self.min_free_bytes_for_jobs:
+            raise FieldError("min_free_bytes", f"{self.min_free_bytes} is more than min_free_bytes_for_jobs "
+                                               f"({self.min_free_bytes_for_jobs}): jobs stop first, then requests")
 
 
 ROUTER_SECTIONS = {"liveness": LivenessSection, "admission": AdmissionSection, "placement": PlacementSection,

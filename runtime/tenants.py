@@ -17,6 +17,8 @@ Example::
         max_context: 4096              # prompt + max_tokens
         share_prefix_cache_with: []    # tenants that list each other share one prefix cache
         job_retention_days: 30
+        max_stored_jobs: 100           # batch jobs it stores at once (finished ones until deleted)
+        max_stored_job_bytes: 1073741824  # their requests and results on disk
         audit_retention_days: 365
         log_prompts: false             # prompt and output text in its audit records
 """
@@ -89,6 +91,12 @@ class TenantSection(ConfigSection):
     needs both sides: every tenant of a sharing group lists all the others."""
     job_retention_days: StrictFloat = Field(default=30.0, gt=0, le=_DAYS)
     """Its finished batch jobs (requests and results) are deleted after this."""
+    max_stored_jobs: StrictInt = Field(default=100, ge=1, le=1_000_000)
+    """Batch jobs it stores at once, queued, running or finished (until deleted): a
+    submission past it is refused (RESOURCE_EXHAUSTED naming the quota)."""
+    max_stored_job_bytes: StrictInt = Field(default=1 << 30, ge=1, le=1 << 50)
+    """Bytes its stored jobs hold on the router's disk (requests, and results as they
+    are stored): a submission that would go past it is refused."""
     audit_retention_days: StrictFloat = Field(default=365.0, gt=0, le=_DAYS)
     """Its audit records are deleted (the deletion itself recorded) after this."""
     log_prompts: StrictBool = False

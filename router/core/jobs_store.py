@@ -11,6 +11,13 @@ files too) in a folder made 0700, and deleted rows are overwritten
 (``secure_delete``). Jobs are deleted by their owner (DeleteJob) or, once
 finished, by the retention sweeper (router/governance/retention.py).
 
+Each job carries ``bytes``, what it holds on disk (its requests, then also
+its results as they are stored): with the count of jobs, what a tenant's
+``max_stored_jobs`` and ``max_stored_job_bytes`` bound (:meth:`JobStore.submit`
+refuses a job past either, in the transaction that would store it). New
+databases vacuum as they go (``auto_vacuum``), so a deleted job's pages go
+back to the filesystem.
+
 Synchronous by design: the router calls it through one worker thread
 (router/frontends/jobs.py), so the event loop never waits on the disk. Each method
 holds the store's lock, so another thread (the retention sweeper's) may
@@ -49,6 +56,10 @@ _SEQ = "ALTER TABLE items ADD COLUMN seq INTEGER"
 _SEQ_BACKFILL = "UPDATE items SET seq = idx + 1 WHERE seq IS NULL AND status IN (?, ?)"
 """Results stored before ``seq`` existed: in index order, before every later one."""
 _SEQ_INDEX = "CREATE INDEX IF NOT EXISTS items_by_seq ON items (job, seq)"
+_BYTES = "ALTER TABLE jobs ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0"
+"""What the job holds on disk: its requests and the results stored so far."""
+_BYTES_BACKFILL = ("UPDATE jobs SET bytes = (SELECT COALESCE(SUM(LENGTH(request) + COALESCE(LENGTH(result), 0)), 0) "
+                   "FROM items WHERE items.job = jobs.id)")
 RESULT_PAGE = 1000
 """Most results one read returns (a reader pages through the rest)."""
 
@@ -65,6 +76,20 @@ class JobRow:
     finished: float
     owner: str = ""
     """Tenant that submitted it ("" without client authentication)."""
+    bytes: int = 0
+    """What it holds on disk: its requests and the results stored so far."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredLimits:
+    """What one tenant may hold in the store (its ``max_stored_jobs`` and ``max_stored_job_bytes``)."""
+
+    jobs: int
+    bytes: int
+
+
+class StoreLimitExceeded(Exception):
+    """A submission past its tenant's :class:`StoredLimits`; the message names the limit."""
 
 
 def _serialized(method):
@@ -87,6 +112,7 @@ class JobStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("PRAGMA secure_delete=ON")  # a deleted prompt does not stay in a free page
+        self.db.execute("PRAGMA auto_vacuum=FULL")  # takes effect on a new database: freed pages leave the file
         if durable:
             private_sqlite_sides(Path(path))
         self.db.executescript(_SCHEMA)
@@ -98,6 +124,11 @@ class JobStore:
                 self.db.execute(_SEQ)
                 self.db.execute(_SEQ_BACKFILL, (DONE, FAILED))
         self.db.execute(_SEQ_INDEX)
+        if "bytes" not in {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}:
+            with self.db:
+                self.db.execute("BEGIN IMMEDIATE")
+                self.db.execute(_BYTES)
+                self.db.execute(_BYTES_BACKFILL)
 
     @_serialized
     def close(self) -> None:
@@ -110,27 +141,50 @@ class JobStore:
             return self.db.execute("UPDATE items SET status=? WHERE status=?", (PENDING, RUNNING)).rowcount
 
     @_serialized
-    def submit(self, name: str, requests: list[bytes], owner: str = "") -> JobRow:
+    def holdings(self, owner: str) -> tuple[int, int]:
+        """How many jobs ``owner`` stores, and their bytes."""
+        n, size = self.db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM jobs WHERE owner=?",
+                                  (owner,)).fetchone()
+        return n, size
+
+    def over_limits(self, owner: str, size: int, limits: StoredLimits) -> str | None:
+        """Why ``owner`` may not store one more job of ``size`` bytes (None: it may)."""
+        n, held = self.holdings(owner)
+        if n + 1 > limits.jobs:
+            return (f"tenant {owner!r} stores {n} jobs, its max_stored_jobs quota; "
+                    "delete finished ones (kvrelay job delete) to submit more")
+        if held + size > limits.bytes:
+            return (f"tenant {owner!r} stores {held} bytes of jobs and this one is {size}: over its "
+                    f"max_stored_job_bytes quota ({limits.bytes}); delete finished ones (kvrelay job delete) first")
+        return None
+
+    @_serialized
+    def submit(self, name: str, requests: list[bytes], owner: str = "", limits: StoredLimits | None = None) -> JobRow:
+        """Stores a job of ``requests``; past ``owner``'s ``limits`` (checked in the same
+        transaction) raises StoreLimitExceeded and stores nothing."""
         job = uuid.uuid4().hex[:16]
         now = time.time()
+        size = sum(len(r) for r in requests)
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            self.db.execute("INSERT INTO jobs (id, name, state, total, created, owner) VALUES (?, ?, ?, ?, ?, ?)",
-                            (job, name, JOB_QUEUED, len(requests), now, owner))
+            if limits is not None and (problem := self.over_limits(owner, size, limits)) is not None:
+                raise StoreLimitExceeded(problem)
+            self.db.execute("INSERT INTO jobs (id, name, state, total, created, owner, bytes) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?)", (job, name, JOB_QUEUED, len(requests), now, owner, size))
             self.db.executemany("INSERT INTO items (job, idx, request, status) VALUES (?, ?, ?, ?)",
                                 [(job, i, r, PENDING) for i, r in enumerate(requests)])
         return self.get(job)
 
     @_serialized
     def get(self, job: str) -> JobRow | None:
-        row = self.db.execute("SELECT id, name, state, total, created, finished, owner FROM jobs WHERE id=?",
+        row = self.db.execute("SELECT id, name, state, total, created, finished, owner, bytes FROM jobs WHERE id=?",
                               (job,)).fetchone()
         if row is None:
             return None
         counts = dict(self.db.execute("SELECT status, COUNT(*) FROM items WHERE job=? GROUP BY status",
                                       (job,)).fetchall())
         return JobRow(row[0], row[1], row[2], row[3], counts.get(DONE, 0), counts.get(FAILED, 0), row[4], row[5],
-                      row[6])
+                      row[6], row[7])
 
     @_serialized
     def list(self, owner: str | None = None) -> list[JobRow]:
@@ -185,6 +239,7 @@ class JobStore:
             if not self.db.execute("UPDATE items SET status=?, result=?, seq=? WHERE job=? AND idx=? AND status=?",
                                    (DONE if ok else FAILED, result, seq, job, idx, RUNNING)).rowcount:
                 return False
+            self.db.execute("UPDATE jobs SET bytes = bytes + ? WHERE id=?", (len(result), job))
             left = self.db.execute("SELECT EXISTS (SELECT 1 FROM items WHERE job=? AND status IN (?, ?))",
                                    (job, PENDING, RUNNING)).fetchone()[0]  # not a count: O(1), not O(rows left)
             if not left:

@@ -30,6 +30,7 @@ from kvrelay.router.cluster.registry import WorkerRegistry
 from kvrelay.router.cluster.usage import UsageLedger
 from kvrelay.router.core.admission import FairQueue
 from kvrelay.router.core.auth import TenantSalts
+from kvrelay.router.core.disk import DiskReserve, Work
 from kvrelay.router.core.errors import ErrorKind, RouterError
 from kvrelay.router.core.observe import RequestObservation, RouterTelemetry, prometheus_targets
 from kvrelay.router.core.quotas import Quotas, TokenBucket
@@ -148,6 +149,8 @@ class CoreParts:
     """Traces, metrics and the last minute's latency (router/core/observe.py)."""
     tokenizers: concurrent.futures.ThreadPoolExecutor
     """Where prompts are tokenized, off the event loop (the tokenizer lets go of the GIL)."""
+    disk: DiskReserve
+    """Free space where the router's records are; new work refused under its reserves (router/core/disk.py)."""
 
 
 class RouterCore:
@@ -172,6 +175,7 @@ class RouterCore:
         self.policy = parts.policy
         self.telemetry = parts.telemetry
         self.tokenizers = parts.tokenizers
+        self.disk = parts.disk
         self._refusals = RateLimit(REFUSALS_PER_S)
         self.audit = audit
         """The audit log's writer (router/governance/audit_writer.py); None: no audit log."""
@@ -234,7 +238,9 @@ class RouterCore:
         tokenizing). A refused request is audited here; an admitted one by :meth:`generate`."""
         t0 = time.perf_counter()
         try:
-            early = self.quotas.refusal(self.tenants.of(caller.tenant), 0)  # rate and concurrency: before tokenizing
+            early = self.disk.refusal(Work.REQUESTS)  # no room for its audit record: not served without one
+            if early is None:  # rate and concurrency: before tokenizing
+                early = self.quotas.refusal(self.tenants.of(caller.tenant), 0)
             if early is not None:
                 raise early
             req = await asyncio.get_running_loop().run_in_executor(self.tokenizers, self.prepare, msg, caller)

@@ -106,6 +106,19 @@ class Quotas:
             raise problem
         return self._take(policy, tokens)
 
+    def take_submission(self, policy: TenantSection) -> QuotaExceeded | None:
+        """A batch job's submission takes one request of ``requests_per_minute`` (its requests
+        take theirs as they run); None when taken, else why not (nothing taken)."""
+        st = self._of(policy)
+        if st.requests is None:
+            return None
+        wait = st.requests.wait_s(1, self.clock())
+        if wait > 0:
+            return _over(policy.name, f"requests_per_minute quota ({policy.requests_per_minute}; a job "
+                                      "submission counts as one request)", wait)
+        st.requests.take(1)
+        return None
+
     def _take(self, policy: TenantSection, tokens: int) -> Grant:
         st = self._of(policy)
         st.running += 1

@@ -14,14 +14,24 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from kvrelay.router.core.disk import Work
 from kvrelay.router.core.errors import ErrorKind, RouterError
 from kvrelay.router.core.job_limits import job_limit_error
-from kvrelay.router.core.jobs_store import JOB_CANCELLED, JOB_DONE, RESULT_PAGE, JobRow, JobStore
+from kvrelay.router.core.jobs_store import (
+    JOB_CANCELLED,
+    JOB_DONE,
+    RESULT_PAGE,
+    JobRow,
+    JobStore,
+    StoredLimits,
+    StoreLimitExceeded,
+)
 from kvrelay.router.core.pipeline import RouterCore
 from kvrelay.router.core.quotas import QuotaExceeded
 from kvrelay.router.core.records import Auditor, RecordKind
 from kvrelay.router.core.requests import Caller, Priority
 from kvrelay.router.frontends.grpc_api import STATUS, abort
+from kvrelay.router.frontends.job_checks import FairChecker
 from kvrelay.router.frontends.peer import GrpcCaller, authorization
 from kvrelay.router.governance.audit import AuditError
 from kvrelay.runtime.rpc import CallBounds, add_service
@@ -68,6 +78,8 @@ class JobService(jgrpc.JobsServicer):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jobs-db")
         self._checker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jobs-check")
         """Validates submitted jobs (tokenizing every prompt), apart from the interactive tokenizer threads."""
+        self._checks = FairChecker(lambda reqs, start, owner: self._first_invalid(reqs, start, owner), self._checker)
+        """Tenants' submissions take turns on the checker thread, chunk by chunk."""
         self.store: JobStore | None = None
         self.db_path = db_path
         self.inflight: set[asyncio.Task] = set()
@@ -100,6 +112,7 @@ class JobService(jgrpc.JobsServicer):
         for t in list(self.inflight):
             t.cancel()
         await asyncio.gather(*self.inflight, return_exceptions=True)
+        await self._checks.aclose()
         if self.store is not None:
             await self._db(self.store.close)
         self._pool.shutdown(wait=True)
@@ -115,27 +128,55 @@ class JobService(jgrpc.JobsServicer):
             await abort(context, exc)
 
     async def SubmitJob(self, request: jpb.SubmitJobRequest, context) -> jpb.Job:
-        """Validates every request as the interactive path would, then stores the job (all or nothing)."""
+        """Validates every request as the interactive path would, then stores the job (all or
+        nothing). Refused (RESOURCE_EXHAUSTED) before any prompt is tokenized: a router short
+        of disk (router.records.min_free_bytes_for_jobs), a tenant over its requests_per_minute
+        quota (a submission counts as one request; its requests count again as they run) or
+        whose stored jobs would go past its max_stored_jobs or max_stored_job_bytes."""
         owner = await self._owner(context)
         if not request.requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a job needs at least one request")
         problem = job_limit_error(request.name, request.requests)
-        if problem is None:  # in a thread of its own: a 100,000-request job holds up no interactive request
-            problem = await asyncio.get_running_loop().run_in_executor(
-                self._checker, self._first_invalid, request.requests, owner)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        row = await self._db(self._store.submit, request.name, [r.SerializeToString() for r in request.requests],
-                             owner)
+        policy = self.core.tenants.of(owner)
+        limits = StoredLimits(policy.max_stored_jobs, policy.max_stored_job_bytes)
+        try:
+            await self._admissible(owner, request, limits)
+            # on the checker thread, tenants in turn: a 100,000-request job holds up no interactive request,
+            # and one tenant's jobs hold up another's submission by at most a chunk
+            problem = await self._checks.check_job(owner, request.requests)
+        except RouterError as exc:
+            log.info("job submission of tenant %s refused: %s", owner, exc.message)
+            await abort(context, exc)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:
+            row = await self._db(self._store.submit, request.name,
+                                 [r.SerializeToString() for r in request.requests], owner, limits)
+        except StoreLimitExceeded as exc:  # another submission of the tenant's was stored meanwhile
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         log.info("job %s (%s): %d requests", row.id, request.name or "unnamed", row.total)
         self._audit({"action": "submitted", "job": row.id, "tenant": owner, "requests": row.total})
         self._wake.set()
         return _job_proto(row)
 
-    def _first_invalid(self, requests: Sequence[ipb.GenerateRequest], owner: str) -> str | None:
-        """``requests[i]: why`` for the first request the router would refuse (None: none)."""
+    async def _admissible(self, owner: str, request: jpb.SubmitJobRequest, limits: StoredLimits) -> None:
+        """Raises RouterError OVERLOADED when the job may not be taken now: the router's disk,
+        the tenant's request quota (charged one submission here), the tenant's stored jobs."""
+        problem = self.core.disk.refusal(Work.JOBS) or self.core.quotas.take_submission(self.core.tenants.of(owner))
+        if problem is not None:
+            raise problem
+        size = sum(r.ByteSize() for r in request.requests)
+        over = await self._db(self._store.over_limits, owner, size, limits)
+        if over is not None:
+            raise RouterError(ErrorKind.OVERLOADED, over)
+
+    def _first_invalid(self, requests: Sequence[ipb.GenerateRequest], start: int, owner: str) -> str | None:
+        """``requests[i]: why`` for the first request the router would refuse (None: none);
+        ``requests`` are the job's from index ``start`` on."""
         caller = Caller(owner)
-        for i, r in enumerate(requests):
+        for i, r in enumerate(requests, start):
             if r.sampling.logprobs or r.sampling.top_logprobs:
                 return f"requests[{i}]: logprobs are not kept in job results; submit without them"
             try:

@@ -150,4 +150,4 @@ class RegistryService(wgrpc.RegistryServicer):
                              cached_blocks=reg.index.blocks_of(w.info.worker_id))
             for w in sorted(reg.workers.values(), key=lambda w: w.info.worker_id)], links=links,
             policy=self.policy.name, latency=self.telemetry.latency(),
-            router_metrics_address=self.core.metrics_address)
+            router_metrics_address=self.core.metrics_address, storage=self.core.disk.describe())

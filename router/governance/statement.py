@@ -344,6 +344,8 @@ def retention(d: Deployment, t: TenantSection, r: Reach) -> dict:
     sharing = sorted(t.share_prefix_cache_with)
     prefix = cfg.cache.enable_prefix_caching
     facts = {"job_retention_days": t.job_retention_days, "jobs_kept_in": rs.jobs_db or "router memory",
+             "max_stored_jobs": t.max_stored_jobs, "max_stored_job_bytes": t.max_stored_job_bytes,
+             "min_free_bytes_for_jobs": rs.min_free_bytes_for_jobs, "min_free_bytes": rs.min_free_bytes,
              "audit_retention_days": t.audit_retention_days, "audit_log": rs.audit_log,
              "expired_audit_records": "replaced by tombstones (seq, time, kind, tenant, hash of the removed line)",
              "operator_audit_retention_days": rs.operator_audit_retention_days,
@@ -357,7 +359,10 @@ def retention(d: Deployment, t: TenantSection, r: Reach) -> dict:
     where = "in the jobs database" if rs.jobs_db else "in the router's memory only (router.records.jobs_db is not set)"
     text = (f"Its batch jobs (requests and results: its prompts and outputs, whatever log_prompts says) are kept "
             f"{where} and deleted {t.job_retention_days:g} days after they finish (done or cancelled), or sooner "
-            f"by the tenant itself (`kvrelay job delete`). ")
+            f"by the tenant itself (`kvrelay job delete`). It may store {t.max_stored_jobs} jobs of "
+            f"{t.max_stored_job_bytes} bytes in all at once (max_stored_jobs, max_stored_job_bytes); the router "
+            f"refuses new jobs while less than {rs.min_free_bytes_for_jobs} bytes are free where its records are, "
+            f"and new requests under {rs.min_free_bytes} (router.records), so that no audit record is lost. ")
     if rs.audit_log:
         text += (f"Its audit records are replaced by tombstones (sequence number, time, kind, tenant and the hash "
                  f"of the removed line stay, so the chain still verifies) {t.audit_retention_days:g} days after "

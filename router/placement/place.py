@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,14 +106,17 @@ class Placement:
 
 # ---------------------------------------------------------------- policies
 class Policy:
-    """Chooses among eligible workers. Stateless apart from a turn counter
-    and a random generator (seedable for tests)."""
+    """Chooses among eligible workers. Stateless apart from turn counters
+    (one per role: ties among decode workers rotate however many prefill
+    workers each request's choice ties among) and a random generator
+    (seedable for tests)."""
 
     name = ""
 
     def __init__(self, seed: int | None = None) -> None:
         self.rng = random.Random(seed)
         self._turn = itertools.count()
+        self._prefill_turn = itertools.count()
 
     def place(self, req: PlacementRequest, view: ClusterView) -> Placement:
         rows = eligible(req, view)  # the hard constraints; PlacementError naming the one that left nothing
@@ -172,38 +175,38 @@ class RoundRobin(Policy):
 class LeastLoaded(Policy):
     name = "least_loaded"
 
-    def _least(self, view: ClusterView, rows: np.ndarray) -> int:
-        """The least loaded row (requests in flight and waiting); ties in turn."""
+    def _least(self, view: ClusterView, rows: np.ndarray, turns: Iterator[int]) -> int:
+        """The least loaded row (requests in flight and waiting); ties in ``turns``."""
         c = view.table.cols
         load = c.inflight[rows] + c.waiting[rows]
         tied = rows[load == load.min()]
-        return int(tied[next(self._turn) % len(tied)])
+        return int(tied[next(turns) % len(tied)])
 
     def choose_rows(self, req, view, rows):
         ws = view.table.workers
-        d = self._least(view, rows.decode)
+        d = self._least(view, rows.decode, self._turn)
         linked = _linked_rows(view, rows.prefill, d)
         if not len(linked) or self._short(req, view):
             return Placement(ws[d], None)
-        return Placement(ws[d], ws[self._least(view, linked)])
+        return Placement(ws[d], ws[self._least(view, linked, self._prefill_turn)])
 
 
 class PrefixAware(LeastLoaded):
     name = "prefix_aware"
 
-    def _best(self, view: ClusterView, rows: np.ndarray, cached: np.ndarray) -> int:
+    def _best(self, view: ClusterView, rows: np.ndarray, cached: np.ndarray, turns: Iterator[int]) -> int:
         """Among the rows holding the most of the prompt, the least loaded."""
         held = cached[rows]
-        return self._least(view, rows[held == held.max()])
+        return self._least(view, rows[held == held.max()], turns)
 
     def choose_rows(self, req, view, rows):
         ws = view.table.workers
-        d = self._best(view, rows.decode, rows.cached)
+        d = self._best(view, rows.decode, rows.cached, self._turn)
         linked = _linked_rows(view, rows.prefill, d)
         whole = rows.cached[d] >= req.prompt_tokens // view.block_size
         if not len(linked) or whole or self._short(req, view):
             return Placement(ws[d], None)
-        return Placement(ws[d], ws[self._best(view, linked, rows.cached)])
+        return Placement(ws[d], ws[self._best(view, linked, rows.cached, self._prefill_turn)])
 
 
 def estimate(req: PlacementRequest, view: ClusterView, p: WorkerView | None, d: WorkerView) -> float:

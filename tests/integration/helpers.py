@@ -13,8 +13,11 @@ import grpc
 
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.launch.local import LocalCluster
+from kvrelay.router.core.disk import DiskReserve
+from kvrelay.router.core.quotas import Quotas
+from kvrelay.router.core.tenancy import TenantPolicies
 from kvrelay.router.frontends.jobs import JobService, add_jobs_to_server
-from kvrelay.runtime.config import parse_config
+from kvrelay.runtime.config import RecordsSection, parse_config
 from kvrelay.runtime.rpc import PLAINTEXT, bind, create_server
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
@@ -28,6 +31,17 @@ CLUSTER_YAML = {
     "workers": {"threads": 1},
     "cache": {"memory_gib": 0.25},
 }
+
+
+class JobGates:
+    """What SubmitJob asks of the router core before it checks a job, for stand-ins of the core:
+    the tenants' policies (every caller a bare tenant), their quotas, and a disk with no stores."""
+
+    def __init__(self) -> None:
+        self.tenants = TenantPolicies(parse_config({"sites": [
+            {"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}]}))
+        self.quotas = Quotas()
+        self.disk = DiskReserve({}, RecordsSection())
 
 
 @contextlib.contextmanager

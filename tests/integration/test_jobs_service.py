@@ -24,7 +24,7 @@ from kvrelay.router.frontends.jobs import JobService
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
-from tests.integration.helpers import jobs_server
+from tests.integration.helpers import JobGates, jobs_server
 
 VOCAB = 1000
 
@@ -41,10 +41,11 @@ class _Auth:
         return _Caller()
 
 
-class _Core:
-    """What SubmitJob needs of the router core: prepare (two of its rules) and the tokenizer threads."""
+class _Core(JobGates):
+    """What SubmitJob needs of the router core: its gates, prepare (two of its rules) and the tokenizer threads."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.tokenizers = concurrent.futures.ThreadPoolExecutor(1)
 
     def prepare(self, req: ipb.GenerateRequest, caller) -> None:

@@ -32,7 +32,7 @@ from kvrelay.runtime.config import parse_config
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
-from tests.integration.helpers import jobs_server
+from tests.integration.helpers import JobGates, jobs_server
 
 CONFIG = {
     "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}],
@@ -222,13 +222,14 @@ class _Auth:
         return _Caller(dict(context.invocation_metadata()).get("tenant", ""))
 
 
-class _Core:
+class _Core(JobGates):
     """The router core as the job runner sees it; every request runs until cancelled."""
 
     waiting_interactive = 0
     can_decode = True  # a decode worker is up
 
     def __init__(self) -> None:
+        super().__init__()
         self.started: list[str] = []
         self.cancelled: list[str] = []
 
@@ -274,7 +275,7 @@ def test_delete_job_stops_a_running_job_and_only_its_owner_may(tmp_path):
 
     async def go():
         async with serving(tmp_path, audit) as (svc, stub):
-            svc._first_invalid = lambda requests, owner: None  # no tokenizer here: every request is valid
+            svc._first_invalid = lambda requests, start, owner: None  # no tokenizer here: every request is valid
             job = await _submit(stub, "a", 3)
             async with asyncio.timeout(10):
                 while len(svc.core.started) < 2:  # two of its three requests in flight (concurrency 2)
@@ -305,7 +306,7 @@ def test_a_deletion_that_cannot_be_audited_is_not_done(tmp_path):
 
     async def go():
         async with serving(tmp_path, audit) as (svc, stub):
-            svc._first_invalid = lambda requests, owner: None
+            svc._first_invalid = lambda requests, start, owner: None
             job = await _submit(stub, "a", 1)
             await svc._db(svc.store.cancel, job)
             audit.close()  # the log cannot be written now
@@ -320,7 +321,7 @@ def test_a_deletion_that_cannot_be_audited_is_not_done(tmp_path):
 def test_delete_job_without_an_audit_log_deletes_a_finished_job(tmp_path):
     async def go():
         async with serving(tmp_path, None) as (svc, stub):
-            svc._first_invalid = lambda requests, owner: None
+            svc._first_invalid = lambda requests, start, owner: None
             svc._runner.cancel()  # nothing runs: the job is finished by hand
             job = await _submit(stub, "", 2)
             store = svc.store

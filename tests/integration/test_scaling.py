@@ -35,7 +35,7 @@ CONFIG = {
     "workers": {"threads": 1},
     "cache": {"memory_gib": 0.25},
 }
-N_REQUESTS, MAX_TOKENS = 24, 16
+N_REQUESTS, MAX_TOKENS = 16, 16
 
 
 def _admin(lc: LocalCluster, method: str, request, token: str | None = None):
@@ -90,7 +90,7 @@ class Traffic:
 
 def scale_up_and_down_while_streaming(lc: LocalCluster) -> str:
     """Montreal decode 1 -> 2 -> 1 under traffic; returns the new worker's name."""
-    traffic = Traffic(lc, gap_s=0.4)
+    traffic = Traffic(lc, gap_s=0.25)
     resp = _admin(lc, "Scale", apb.ScaleRequest(site="montreal", role="decode", replicas=2))
     assert resp.pool.desired == 2 and not resp.draining
     try:
@@ -117,8 +117,8 @@ def scale_up_and_down_while_streaming(lc: LocalCluster) -> str:
 
 
 @pytest.mark.serial  # a worker started and drained under traffic: measured alone
-def test_scale_local_processes(smollm_path):
-    with running_cluster(CONFIG, smollm_path) as lc:
+def test_scale_local_processes(plumbing_model):
+    with running_cluster(CONFIG, plumbing_model) as lc:
         scale_up_and_down_while_streaming(lc)
 
 
@@ -136,7 +136,7 @@ def _ray_head(cluster_cls):
 
 
 @pytest.mark.serial
-def test_scale_on_ray_two_nodes(smollm_path):
+def test_scale_on_ray_two_nodes(plumbing_model):
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
@@ -148,7 +148,7 @@ def test_scale_on_ray_two_nodes(smollm_path):
     ray.init(address=rc.address, log_to_driver=False)
     try:
         rc.wait_for_nodes()
-        with running_cluster(CONFIG, smollm_path, backend=RayBackend(["toronto", "montreal"])) as lc:
+        with running_cluster(CONFIG, plumbing_model, backend=RayBackend(["toronto", "montreal"])) as lc:
             def on_right_node() -> bool:
                 return all(c.proc.node_id() == nodes[c.site].node_id for c in lc.children if c.role)
             assert on_right_node()

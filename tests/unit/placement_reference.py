@@ -263,6 +263,7 @@ class Policy:
     def __init__(self, seed: int | None = None) -> None:
         self.rng = random.Random(seed)
         self._turn = itertools.count()
+        self._prefill_turn = itertools.count()  # (the one change since: ties rotate per role)
 
     def place(self, req: PlacementRequest, view: ClusterView) -> Placement:
         prefills, decodes = _eligible(req, view)
@@ -303,25 +304,25 @@ class RoundRobin(Policy):
 class LeastLoaded(Policy):
     name = "least_loaded"
 
-    def _least(self, workers: list[WorkerView]) -> WorkerView:
+    def _least(self, workers: list[WorkerView], turns=None) -> WorkerView:
         best = min(w.load for w in workers)
         tied = [w for w in workers if w.load == best]
-        return tied[next(self._turn) % len(tied)]
+        return tied[next(turns or self._turn) % len(tied)]
 
     def choose(self, req, view, prefills, decodes):
         d = self._least(decodes)
         linked = _linked(prefills, d, view)
         if not linked or self._short(req, view):
             return Placement(d, None)
-        return Placement(d, self._least(linked))
+        return Placement(d, self._least(linked, self._prefill_turn))
 
 
 class PrefixAware(LeastLoaded):
     name = "prefix_aware"
 
-    def _best(self, workers: list[WorkerView], cached: dict[str, int]) -> WorkerView:
+    def _best(self, workers: list[WorkerView], cached: dict[str, int], turns=None) -> WorkerView:
         top = max(cached.get(w.worker_id, 0) for w in workers)
-        return self._least([w for w in workers if cached.get(w.worker_id, 0) == top])
+        return self._least([w for w in workers if cached.get(w.worker_id, 0) == top], turns)
 
     def choose(self, req, view, prefills, decodes):
         d = self._best(decodes, req.cached_blocks)
@@ -329,7 +330,7 @@ class PrefixAware(LeastLoaded):
         whole = req.cached_blocks.get(d.worker_id, 0) >= req.prompt_tokens // view.block_size
         if not linked or whole or self._short(req, view):
             return Placement(d, None)
-        return Placement(d, self._best(linked, req.cached_blocks))
+        return Placement(d, self._best(linked, req.cached_blocks, self._prefill_turn))
 
 
 def _compute_s(req: PlacementRequest, view: ClusterView, w: WorkerView) -> float:

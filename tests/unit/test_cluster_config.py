@@ -57,6 +57,8 @@ def test_example_configs_parse():
     ({"auth": {"operators": [{"name": "noc", "token_sha256": "a" * 64}, {"name": "noc", "token_sha256": "b" * 64}]}},
      r"auth\.operators\[1\]\.name: must be non-empty and unique"),
     ({"router": {"pools": {"drain_timeout_s": 0}}}, r"router\.pools\.drain_timeout_s: must be positive"),
+    ({"router": {"records": {"min_free_bytes": 2 << 30, "min_free_bytes_for_jobs": 1 << 30}}},
+     r"router\.records\.min_free_bytes: 2147483648 is more than min_free_bytes_for_jobs \(1073741824\)"),
     ({"router": {"port": "x"}}, r"router\.port: expected an integer"),
     ({"router": {"port": 70000}}, r"router\.port"),
     ({"routr": {}}, r"config: unknown field\(s\) routr"),

@@ -208,6 +208,17 @@ def test_round_robin_and_least_loaded_spread_requests():
     assert make_policy("least_loaded").place(PlacementRequest(500), view(ws)).decode.worker_id == "d1"
 
 
+@pytest.mark.parametrize("policy", ["least_loaded", "prefix_aware"])
+def test_ties_among_decode_workers_rotate_whatever_the_prefill_choice(policy):
+    """Idle decode workers take turns even when each request also picks among
+    prefill workers (a shared turn counter once sent every request to d0)."""
+    ws = [w("p0", "prefill"), w("d0", "decode"), w("d1", "decode")]
+    pol = make_policy(policy)
+    got = [pol.place(PlacementRequest(500), view(ws)) for _ in range(6)]
+    assert [pl.decode.worker_id for pl in got] == ["d0", "d1"] * 3
+    assert {pl.prefill.worker_id for pl in got} == {"p0"}
+
+
 def test_cost_model_spreads_equal_candidates():
     ws = [w(f"d{i}", "decode") for i in range(4)] + [w("p", "prefill")]
     pol = make_policy("cost_model", 1)

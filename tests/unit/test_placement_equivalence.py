@@ -1,6 +1,8 @@
 """``place`` (vectorized over the view's columns) chooses exactly what the
-earlier one-worker-at-a-time implementation chose (kept verbatim as
-tests/unit/placement_reference.py): same workers, same estimate, same
+earlier one-worker-at-a-time implementation chose (kept as
+tests/unit/placement_reference.py, verbatim but for one deliberate change
+made to both since: ties among decode workers and among prefill workers
+rotate on counters of their own): same workers, same estimate, same
 errors, for every policy, over random views and request sequences with the
 same seed (so the random tie-breaking draws match one for one)."""
 

@@ -12,7 +12,7 @@ import pytest
 from kvrelay.router.core.admission import PUMP_TRIES, FairQueue
 from kvrelay.router.core.auth import TenantSalts
 from kvrelay.router.core.errors import ErrorKind, RouterError
-from kvrelay.router.core.jobs_store import JobStore
+from kvrelay.router.core.jobs_store import JobStore, StoredLimits, StoreLimitExceeded
 from kvrelay.router.core.quotas import QuotaExceeded, Quotas
 from kvrelay.router.core.tenancy import TenantPolicies
 from kvrelay.router.placement.place import (
@@ -48,6 +48,8 @@ def _cfg(tenants, sites=SITES):
     ([{"name": "a", "requests_per_minute": 0}], SITES, "tenants[0].requests_per_minute: must be >= 1"),
     ([{"name": "a", "weight": -1}], SITES, "tenants[0].weight: must be >= 1e-06"),
     ([{"name": "a", "colour": "red"}], SITES, "tenants[0]: unknown field(s) colour"),
+    ([{"name": "a", "max_stored_jobs": 0}], SITES, "tenants[0].max_stored_jobs: must be >= 1"),
+    ([{"name": "a", "max_stored_job_bytes": "1G"}], SITES, "tenants[0].max_stored_job_bytes"),
     ([{"name": "a"}], [{"name": "x", "decode": {"tenants": ["b"]}}], "sites[0].decode.tenants: 'b' is not a tenant"),
 ])
 def test_the_config_refuses_inconsistent_tenants(tenants, sites, message):
@@ -149,6 +151,57 @@ def test_tenants_with_pending_jobs_take_turns(tmp_path):
     assert sorted(first) == ["lab-a", "lab-a", "lab-b", "lab-b", "lab-c", "lab-c"]
     assert [owner for *_, owner in store.claim(4, frozenset({"lab-a"}))] == ["lab-b"]  # lab-a paused (over quota)
     store.close()
+
+
+def test_the_store_holds_a_tenant_to_its_stored_jobs_and_bytes(tmp_path):
+    store = JobStore(tmp_path / "jobs.sqlite")
+    limits = StoredLimits(jobs=2, bytes=100)
+    a = store.submit("a", [b"x" * 30], owner="lab-a", limits=limits)
+    (job, idx, _, _), = store.claim(1)
+    store.finish(job, idx, b"r" * 20, True)  # a stored result counts too
+    assert store.holdings("lab-a") == (1, 50) and store.get(a.id).bytes == 50
+    with pytest.raises(StoreLimitExceeded, match="stores 50 bytes of jobs and this one is 60: over its "
+                                                 "max_stored_job_bytes quota \\(100\\)"):
+        store.submit("b", [b"y" * 60], owner="lab-a", limits=limits)
+    store.submit("b", [b"y" * 40], owner="lab-a", limits=limits)
+    with pytest.raises(StoreLimitExceeded, match="stores 2 jobs, its max_stored_jobs quota"):
+        store.submit("c", [b"z"], owner="lab-a", limits=limits)
+    assert store.submit("c", [b"z"], owner="lab-b", limits=limits).total == 1  # another tenant's own count
+    assert [r.name for r in store.list("lab-a")] == ["a", "b"]  # nothing of a refused job was stored
+    store.delete(a.id)
+    assert store.holdings("lab-a") == (1, 40)
+    store.close()
+
+
+def test_a_database_from_before_stored_bytes_gets_them_counted(tmp_path):
+    import sqlite3
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE jobs (id TEXT PRIMARY KEY, name TEXT NOT NULL, state INTEGER NOT NULL, total INTEGER NOT NULL,
+                           created REAL NOT NULL, finished REAL NOT NULL DEFAULT 0, owner TEXT NOT NULL DEFAULT '');
+        CREATE TABLE items (job TEXT NOT NULL, idx INTEGER NOT NULL, request BLOB NOT NULL, status INTEGER NOT NULL,
+                            result BLOB, seq INTEGER, PRIMARY KEY (job, idx));
+        INSERT INTO jobs VALUES ('j1', 'old', 3, 2, 1.0, 2.0, 'lab-a');
+        INSERT INTO items VALUES ('j1', 0, X'0102030405', 2, X'0a0b', 1), ('j1', 1, X'01', 2, NULL, NULL);""")
+    db.commit()
+    db.close()
+    store = JobStore(path)
+    assert store.holdings("lab-a") == (1, 8)  # 5 + 2 bytes of the first request, 1 of the second
+    store.close()
+
+
+def test_a_job_submission_takes_one_request_of_the_quota():
+    t = [0.0]
+    q = Quotas(clock=lambda: t[0])
+    policy = TenantSection(name="a", requests_per_minute=2)
+    assert q.take_submission(policy) is None and q.take_submission(policy) is None
+    over = q.take_submission(policy)
+    assert isinstance(over, QuotaExceeded) and "a job submission counts as one request" in over.message
+    assert q.refusal(policy, 1) is not None  # the submissions took the interactive requests' room too
+    t[0] += 30.0  # a minute's 2 refill at one per 30 s
+    assert q.take_submission(policy) is None
+    assert q.take_submission(TenantSection(name="b")) is None  # no quota: never refused
 
 
 def test_prefix_cache_sharing_needs_both_sides():

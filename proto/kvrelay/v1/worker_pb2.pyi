@@ -248,18 +248,20 @@ class LatencySummary(_message.Message):
     def __init__(self, window_s: _Optional[float] = ..., requests: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p90_ms: _Optional[float] = ..., itl_p50_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers", "links", "policy", "latency", "router_metrics_address")
+    __slots__ = ("workers", "links", "policy", "latency", "router_metrics_address", "storage")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     LATENCY_FIELD_NUMBER: _ClassVar[int]
     ROUTER_METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     links: _containers.RepeatedCompositeFieldContainer[LinkStatus]
     policy: str
     latency: LatencySummary
     router_metrics_address: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., router_metrics_address: _Optional[str] = ...) -> None: ...
+    storage: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., router_metrics_address: _Optional[str] = ..., storage: _Optional[str] = ...) -> None: ...
 
 class WorkRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "salt", "tenant", "batch")
