@@ -15,7 +15,7 @@ from kvrelay.launch.credentials import CLIENT_TOKEN, LOCAL_PKI
 from kvrelay.runtime.files import write_private
 from kvrelay.runtime.pki import CA_CERT, PKIError, check_pair, read_pem
 from kvrelay.runtime.rpc import Dialer
-from kvrelay.runtime.tls import TLSMaterial
+from kvrelay.runtime.tls import TLSMaterial, parse_serials
 
 
 def default_cache_dir() -> Path:
@@ -38,6 +38,9 @@ def add_connect_flags(p: argparse.ArgumentParser, router_default: str | None = "
     p.add_argument("--key", type=Path, help="the key of --cert")
     p.add_argument("--plaintext", action="store_true",
                    help="no TLS: only for a router started with tls.enabled: false (loopback)")
+    p.add_argument("--revoked", default="", metavar="SERIALS",
+                   help="certificate serials to refuse the router by, comma-separated hex as `kvrelay pki show` "
+                        "prints them (the cluster's tls.revoked_serials)")
 
 
 def client_token(args: argparse.Namespace) -> str | None:
@@ -62,13 +65,17 @@ def dialer(args: argparse.Namespace, token: str | None) -> Dialer:
         ca_pem = read_pem(ca, "CA bundle")
     except PKIError as exc:
         raise PKIError(f"{exc}{hint}") from None
+    try:
+        revoked = parse_serials([s for s in args.revoked.split(",") if s.strip()])
+    except ValueError:
+        raise PKIError(f"--revoked takes comma-separated hex serials, got {args.revoked!r}") from None
     if args.cert is None:
-        return Dialer(TLSMaterial(ca_pem), token)
+        return Dialer(TLSMaterial(ca_pem, revoked=revoked), token)
     if args.key is None:
         raise PKIError("--cert needs --key")
     cert, key = read_pem(args.cert, "certificate"), read_pem(args.key, "key")
     info = check_pair(cert, key, ca_pem, str(args.cert))
-    return Dialer(TLSMaterial(ca_pem, cert, key, info.identity))
+    return Dialer(TLSMaterial(ca_pem, cert, key, info.identity, revoked))
 
 
 def operator_token(token_file: Path) -> str | None:

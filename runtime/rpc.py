@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
 from kvrelay.runtime.addresses import is_loopback
+from kvrelay.runtime.checked_tls import checked_target
 from kvrelay.runtime.tls import TLSMaterial
 
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -67,7 +68,9 @@ class Dialer:
 
     tls: TLSMaterial | None = None
     """CA to verify servers by, and our certificate; None: plaintext on
-    loopback (tls.enabled: false), through gRPC's local credentials."""
+    loopback (tls.enabled: false), through gRPC's local credentials. With
+    revoked serials, channels reach servers through runtime/checked_tls.py,
+    which refuses a revoked server's certificate (gRPC has no hook for it)."""
     token: str | None = None
     """Bearer token sent with every call."""
 
@@ -77,6 +80,10 @@ class Dialer:
     def _args(self, address: str, server_name: str | None, options: list) -> tuple:
         if self.tls is None:
             creds = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+            server_name = None
+        elif self.tls.revoked:  # gRPC cannot refuse a revoked server: this process's forwarder does
+            address = checked_target(address, server_name, self.tls)
+            creds = grpc.local_channel_credentials(grpc.LocalConnectionType.UDS)
             server_name = None
         else:
             creds = self.tls.channel_credentials()

@@ -1,0 +1,158 @@
+"""Outgoing TLS this process checks itself, for what gRPC cannot check: revoked serials.
+
+gRPC's Python channels verify a server by the CA and the name its certificate
+carries, with no hook for anything else (no verify callback, no CRL option:
+grpc/grpc#32635). So while ``tls.revoked_serials`` lists any serial, a channel
+(runtime/rpc.py ``Dialer``) does not dial the server itself: it dials a Unix
+socket of this process's :class:`Forwarder`, in a folder only this process's
+user may enter, and the forwarder carries each connection the channel opens
+there over a TLS connection of its own to the real address (Python's ssl
+module): the CA, the name and the dates are checked in the handshake, then the
+server's serial against the revoked set, all before one byte of the channel
+crosses. A refused server closes the channel's connection (the call fails
+UNAVAILABLE) and the forwarder logs which serial it refused. With nothing
+revoked, channels dial directly: there is nothing more to check.
+
+The forwarder runs its own event loop on a daemon thread, one per process
+(made again after a fork). Python's ssl module reads a certificate and key
+from files only: they are written once, 0600, into the forwarder's private
+folder, which is removed when the process exits."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import functools
+import logging
+import os
+import shutil
+import ssl
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+
+from kvrelay.runtime.tls import TLSMaterial
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_S = 10.0
+"""Deadline of a connection to the server, TLS handshake included."""
+START_S = 10.0
+"""Deadline for the forwarder's loop to open a new local socket."""
+CHUNK = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One server as one kind of channel reaches it."""
+
+    host: str
+    port: int
+    server_name: str | None
+    """The name its certificate must carry (None: the host)."""
+    material: TLSMaterial
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``) -> (host, port); ValueError naming the address."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class Forwarder:
+    """Local Unix sockets, one per route, whose connections it carries over checked TLS."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="kvrelay-tls-"))  # 0700
+        atexit.register(shutil.rmtree, self.folder, True)
+        self._routes: dict[Route, str] = {}
+        self._contexts: dict[TLSMaterial, ssl.SSLContext] = {}
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, daemon=True, name="checked-tls").start()
+
+    def target(self, address: str, server_name: str | None, material: TLSMaterial) -> str:
+        """The gRPC target (``unix:...``) that reaches ``address`` through the checks."""
+        host, port = split_address(address)
+        route = Route(host, port, server_name, material)
+        with self._lock:
+            path = self._routes.get(route)
+            if path is None:
+                path = str(self.folder / f"{len(self._routes)}.sock")
+                ctx = self._context(material)
+                started = asyncio.run_coroutine_threadsafe(
+                    asyncio.start_unix_server(functools.partial(self._carry, route, ctx), path=path), self._loop)
+                started.result(START_S)
+                self._routes[route] = path
+        return f"unix:{path}"
+
+    def _context(self, material: TLSMaterial) -> ssl.SSLContext:
+        """A client context that verifies servers by ``material``'s CA and presents its certificate."""
+        ctx = self._contexts.get(material)
+        if ctx is not None:
+            return ctx
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=material.ca_pem.decode())
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.set_alpn_protocols(["h2"])
+        if material.cert_pem is not None and material.key_pem is not None:
+            n = len(self._contexts)
+            cert, key = self.folder / f"{n}.crt", self.folder / f"{n}.key"
+            for path, pem in ((cert, material.cert_pem), (key, material.key_pem)):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(pem)
+            ctx.load_cert_chain(cert, key)
+        self._contexts[material] = ctx
+        return ctx
+
+    async def _carry(self, route: Route, ctx: ssl.SSLContext, local_r: asyncio.StreamReader,
+                     local_w: asyncio.StreamWriter) -> None:
+        """One connection of a channel: the checked TLS connection to the server, then bytes both ways."""
+        name = route.server_name or route.host
+        try:
+            remote_r, remote_w = await asyncio.wait_for(asyncio.open_connection(
+                route.host, route.port, ssl=ctx, server_hostname=name), HANDSHAKE_S)
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError: a certificate gRPC would refuse too
+            log.warning("TLS to %s:%d (%s) failed: %s", route.host, route.port, name, exc)
+            local_w.close()
+            return
+        der = remote_w.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        serial = x509.load_der_x509_certificate(der).serial_number
+        if serial in route.material.revoked:
+            log.error("refused %s:%d (%s): its certificate serial %x is revoked (tls.revoked_serials); "
+                      "nothing was sent to it", route.host, route.port, name, serial)
+            remote_w.close()
+            local_w.close()
+            return
+        await asyncio.gather(_pump(local_r, remote_w), _pump(remote_r, local_w))
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copies until either side ends (a gRPC connection closes both ways at once), then closes ``writer``."""
+    try:
+        while data := await reader.read(CHUNK):
+            writer.write(data)
+            await writer.drain()
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+
+
+_forwarder: tuple[int, Forwarder] | None = None
+_made = threading.Lock()
+
+
+def checked_target(address: str, server_name: str | None, material: TLSMaterial) -> str:
+    """This process's forwarder's target for ``address`` (the forwarder made on first use)."""
+    global _forwarder
+    with _made:
+        if _forwarder is None or _forwarder[0] != os.getpid():  # a forked child has no forwarder thread
+            _forwarder = (os.getpid(), Forwarder())
+        fwd = _forwarder[1]
+    return fwd.target(address, server_name, material)
