@@ -74,6 +74,7 @@ class Forwarder:
         self._contexts: dict[TLSMaterial, ssl.SSLContext] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(_quiet_at_exit)
         threading.Thread(target=self._loop.run_forever, daemon=True, name="checked-tls").start()
 
     def target(self, address: str, server_name: str | None, material: TLSMaterial) -> str:
@@ -130,6 +131,13 @@ class Forwarder:
             local_w.close()
             return
         await asyncio.gather(_pump(local_r, remote_w), _pump(remote_r, local_w))
+
+
+def _quiet_at_exit(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The loop's error handler: connections still carried when the process exits are not errors."""
+    if context.get("message") == "Task was destroyed but it is pending!":
+        return
+    loop.default_exception_handler(context)
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

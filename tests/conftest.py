@@ -14,7 +14,10 @@ from kvrelay.engine.default_model import prepare_default_model
 from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.engine.tiny import TINY_ARCHS, write_tiny_checkpoint
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# the cores shared among pytest-xdist's processes: two processes of two threads each on two cores
+# spin against each other (a transformers reference ran 3x slower so)
+_PROCESSES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _PROCESSES)))
 if not any(Path("/sys/class/infiniband").glob("*")):
     os.environ.setdefault("UCX_MODULES", "^ib")  # before any NIXL agent exists (see kvtransfer/nixl.py)
 
