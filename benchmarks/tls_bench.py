@@ -8,7 +8,11 @@ between them (A, B, A, B, ...), so both meet the same machine load. Per
 cluster: time to first token of a prompt of N random token ids (distinct per
 request, so no prefix-cache hit; long enough to go prefill -> KV -> decode),
 and the round trip of a unary gRPC call (``ListModels``, authenticated).
-Results as p50/p90; the JSON field names are stable."""
+With ``checked``, the TLS cluster lists a revoked serial (one no certificate
+has), so every channel of it (client -> router, router -> workers, workers ->
+router) goes through the forwarder that checks revocation
+(runtime/checked_tls.py): what that check costs. Results as p50/p90; the JSON
+field names are stable."""
 
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 MODES = ("tls", "plaintext")
+UNUSED_SERIAL = "1"
+"""A revoked serial no certificate of a run has (random serials are 159-bit): it turns the checks on."""
 
 
 @dataclass(slots=True)
@@ -42,6 +48,8 @@ class TLSBenchResult:
     rtt_calls: int
     tls: ModeResult
     plaintext: ModeResult
+    checked: bool = False
+    """The TLS cluster's channels went through the revocation-checking forwarder."""
 
     @property
     def ttft_overhead_pct(self) -> float:
@@ -80,20 +88,22 @@ def _rtt_us(stub, calls: int) -> list[float]:
     return out
 
 
-def _configs(cfg: ClusterConfig) -> dict[str, ClusterConfig]:
+def _configs(cfg: ClusterConfig, checked: bool) -> dict[str, ClusterConfig]:
     out = {}
     for mode in MODES:
         c = copy.deepcopy(cfg)
         c.router.port, c.router.http_port = 0, None
         c.tls.enabled = mode == "tls"
+        if checked and mode == "tls":
+            c.tls.revoked_serials = [*c.tls.revoked_serials, UNUSED_SERIAL]
         out[mode] = c
     return out
 
 
 def run_tls_bench(cfg: ClusterConfig, model_path: Path, prompt_tokens: int = 256, requests: int = 40,
-                  rtt_calls: int = 400, warmup: int = 4, seed: int = 0) -> TLSBenchResult:
+                  rtt_calls: int = 400, warmup: int = 4, seed: int = 0, checked: bool = False) -> TLSBenchResult:
     """Both clusters up, warmed, then alternating measurements; both stopped after."""
-    clusters = {mode: LocalCluster(c, model_path) for mode, c in _configs(cfg).items()}
+    clusters = {mode: LocalCluster(c, model_path) for mode, c in _configs(cfg, checked).items()}
     try:
         for lc in clusters.values():
             lc.start()
@@ -118,11 +128,12 @@ def run_tls_bench(cfg: ClusterConfig, model_path: Path, prompt_tokens: int = 256
             lc.stop()
     res = {m: ModeResult(statistics.median(ttft[m]), _pct(ttft[m], 0.9), statistics.median(rtt[m]),
                          _pct(rtt[m], 0.9)) for m in MODES}
-    return TLSBenchResult(prompt_tokens, requests, rtt_calls, res["tls"], res["plaintext"])
+    return TLSBenchResult(prompt_tokens, requests, rtt_calls, res["tls"], res["plaintext"], checked)
 
 
 def format_tls(r: TLSBenchResult) -> str:
-    rows = [f"TLS vs plaintext, {r.requests} requests of {r.prompt_tokens} prompt tokens each (alternating), "
+    checked = " (revocation checked)" if r.checked else ""
+    rows = [f"TLS{checked} vs plaintext, {r.requests} requests of {r.prompt_tokens} prompt tokens each (alternating), "
             f"{r.rtt_calls} ListModels calls each",
             f"{'':10} {'TTFT p50':>10} {'TTFT p90':>10} {'RTT p50':>10} {'RTT p90':>10}"]
     for mode in MODES:

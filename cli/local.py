@@ -45,7 +45,7 @@ from kvrelay.launch.credentials import (
     ensure_local_ca,
 )
 from kvrelay.launch.local import LocalCluster
-from kvrelay.launch.ray_backend import RayBackend
+from kvrelay.launch.ray_backend import RayBackend, RayPlaintext
 from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.config import ClusterConfig, ConfigError, load_config
 from kvrelay.runtime.tenants import TenantSection
@@ -137,7 +137,7 @@ def cmd_bench_kv_gate(args: argparse.Namespace) -> int:
 def cmd_bench_tls(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     res = run_tls_bench(cfg, resolve_model(cfg.model.path, args.cache_dir), args.prompt_tokens, args.requests,
-                        args.rtt_calls)
+                        args.rtt_calls, checked=args.checked)
     print(format_tls(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res.to_dict(), indent=2) + "\n")
@@ -234,11 +234,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError("--cities runs workers in this machine's namespaces; it cannot be combined with "
                              "--backend ray")
 
-        if args.ray_address and os.environ.get("RAY_USE_TLS", "0") not in ("1", "true"):
-            print("kvrelay: warning: Ray's TLS is off (RAY_USE_TLS): the launcher hands each worker on another "
-                  "node its certificate key and the KV secret through Ray's control channel, which then "
-                  "crosses the network in clear (README: Two Ray nodes)", file=sys.stderr)
-        backend = RayBackend([s.name for s in cfg.sites], args.ray_address)
+        ray_tls = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+        try:  # without Ray's TLS, refused unless every node is this machine (secrets travel with the actors)
+            backend = RayBackend([s.name for s in cfg.sites], args.ray_address, ray_tls=ray_tls)
+        except RayPlaintext as exc:
+            print(f"kvrelay: {exc}", file=sys.stderr)
+            return 2
     cluster = LocalCluster(cfg, model_path, log_level=args.log_level, cities=cities_for(args), backend=backend)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):

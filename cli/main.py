@@ -206,6 +206,9 @@ def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> N
     bt.add_argument("--prompt-tokens", type=int, default=256)
     bt.add_argument("--requests", type=int, default=40, help="measured requests per cluster (after 4 warm-up)")
     bt.add_argument("--rtt-calls", type=int, default=400, help="unary calls per cluster for the round trip")
+    bt.add_argument("--checked", action="store_true",
+                    help="the TLS cluster lists a revoked serial, so its channels check revocation themselves "
+                         "(runtime/checked_tls.py): what that costs")
     bt.add_argument("--json", help="also write the result to this file")
     bt.set_defaults(func=local("cmd_bench_tls"))
 

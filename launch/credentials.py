@@ -19,7 +19,6 @@ from kvrelay.runtime.pki import (
     CA,
     CA_CERT,
     CA_KEY,
-    CertRole,
     Identity,
     PKIError,
     init_ca_dir,
@@ -27,10 +26,10 @@ from kvrelay.runtime.pki import (
     load_ca,
     write_private,
 )
-from kvrelay.runtime.tls import TLSMaterial, parse_serials
+from kvrelay.runtime.tls import TLSMaterial, parse_serials, router_identity
 
 if TYPE_CHECKING:  # annotations only: the client commands import this module without the config's validation
-    from kvrelay.runtime.config import TLSSection
+    from kvrelay.runtime.config import ClusterConfig, TLSSection
 
 LOCAL_PKI = "pki"
 """Folder of the per-user CA inside the cache folder."""
@@ -107,6 +106,6 @@ class ClusterCredentials:
         return TLSMaterial(self.ca.pem, revoked=self.revoked)
 
 
-def router_identity(first_site: str) -> Identity:
-    """The identity of the router a launcher starts."""
-    return Identity(first_site, CertRole.ROUTER, "0")
+def launched_router(cfg: ClusterConfig) -> Identity:
+    """The identity of the router a launcher starts: the one its workers admit."""
+    return router_identity(cfg)

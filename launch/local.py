@@ -29,7 +29,7 @@ from typing import IO, Protocol
 import grpc
 
 from kvrelay.launch.cities import CitiesState
-from kvrelay.launch.credentials import LOCAL_TENANT, ClusterCredentials, router_identity
+from kvrelay.launch.credentials import LOCAL_TENANT, ClusterCredentials, launched_router
 from kvrelay.launch.zygote import shared_zygote
 from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.config import ClusterConfig, Credential, dump_config
@@ -230,7 +230,8 @@ class LocalCluster:
         """Channels that present a router certificate: what workers admit (tests of the workers)."""
         if self.creds is None:
             return Dialer()
-        return Dialer(self.creds.material(Identity(self.cfg.sites[0].name, CertRole.ROUTER, "launcher")))
+        # the router's own identity: workers admit no other router certificate
+        return Dialer(self.creds.material(launched_router(self.cfg)))
 
     def worker_channel(self, info):
         """A blocking channel to a worker (``WorkerInfo``) as the router makes it."""
@@ -279,7 +280,7 @@ class LocalCluster:
     def _start_router(self, deadline: float) -> str:
         r = self.cfg.router
         hosts = tuple(dict.fromkeys((r.host, "localhost", "127.0.0.1", *self.cfg.tls.server_names)))
-        env = self._env(router_identity(self.cfg.sites[0].name), hosts)
+        env = self._env(launched_router(self.cfg), hosts)
         prefix: list[str] = []
         if self.cities is not None and self.cities.worker_drop().keeps_root_uid:
             # root without capabilities, as the workers (its files stay root's); with an invoking user

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
+
+from kvrelay.runtime.addresses import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +125,47 @@ class RayWorker:
         return code
 
 
+class RayPlaintext(RuntimeError):
+    """Secrets would cross the network in clear: Ray's TLS is off and a node is elsewhere."""
+
+
+def check_nodes_local(nodes: list[dict]) -> None:
+    """RayPlaintext naming the first live node whose address is not this machine's."""
+    for node in nodes:
+        address = node.get("NodeManagerAddress", "")
+        if node.get("Alive") and not is_this_machine(address):
+            raise RayPlaintext(
+                f"Ray's TLS is off (RAY_USE_TLS) and Ray node {node.get('NodeID', '?')[:12]} is at {address}, "
+                "not on this machine: each worker's certificate key and the KV secret would reach it in clear. "
+                "Turn Ray's TLS on on every node before `ray start` (README: Two Ray nodes)")
+
+
+def is_this_machine(address: str) -> bool:
+    """A loopback address, or one of this machine's own (a socket binds to it): traffic to it stays here."""
+    if is_loopback(address):
+        return True
+    try:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((address, 0))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 class RayBackend:
     """Starts workers as Ray actors on the nodes of their site.
 
     ``address``: an existing Ray cluster (``ray://`` or ``host:port``); None
     joins the cluster this process is already connected to, or starts a
-    local one whose single node carries every site's resource."""
+    local one whose single node carries every site's resource. ``ray_tls``:
+    Ray's own TLS is on (``RAY_USE_TLS``, which the caller reads). Each
+    worker's certificate key and the KV secret travel to it with its actor,
+    over Ray's control channel: without Ray's TLS, a node anywhere but this
+    machine is refused (RayPlaintext), before anything is sent."""
 
-    def __init__(self, sites: list[str], address: str | None = None, workers_per_site: int = 64) -> None:
+    def __init__(self, sites: list[str], address: str | None = None, workers_per_site: int = 64,
+                 ray_tls: bool = False) -> None:
         import ray
 
         self._ray = ray
@@ -141,6 +177,8 @@ class RayBackend:
             else:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False)
             self._owns_ray = True
+        if not ray_tls:
+            check_nodes_local(ray.nodes())
         have = ray.cluster_resources()
         missing = [s for s in sites if have.get(site_resource(s), 0) < 1]
         if missing:

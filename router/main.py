@@ -50,7 +50,7 @@ from kvrelay.runtime.lifetime import die_with_parent
 from kvrelay.runtime.metrics import serve_metrics
 from kvrelay.runtime.pki import CertRole, PKIError, write_private
 from kvrelay.runtime.rpc import PLAINTEXT, CallBounds, Dialer, bind, create_server
-from kvrelay.runtime.tls import TLSMaterial, load_material
+from kvrelay.runtime.tls import TLSMaterial, load_material, router_identity
 from kvrelay.runtime.topology import Topology
 from kvrelay.runtime.tracing import NO_TRACING, Tracing
 
@@ -64,6 +64,10 @@ def router_tls(cfg: ClusterConfig) -> TLSMaterial | None:
     if tls is not None and (tls.identity is None or tls.identity.role is not CertRole.ROUTER):
         raise SystemExit(f"router: its certificate names {tls.identity or 'nothing'}, not a router "
                          "(kvrelay pki issue --role router)")
+    if tls is not None and tls.identity != router_identity(cfg):
+        raise SystemExit(f"router: its certificate names {tls.identity}, but workers admit only "
+                         f"{router_identity(cfg)} (tls.router_identity; kvrelay pki issue --role router --site "
+                         f"<site> --name <name> for the one they admit)")
     return tls
 
 

@@ -521,8 +521,15 @@ class TLSSection(ConfigSection):
     server_names: StringList = field(default_factory=list)
     """More DNS names or IP addresses for the router's server certificate
     (its host, localhost and 127.0.0.1 are always in it)."""
+    router_identity: StrictStr | None = None
+    """``kvrelay://<site>/router/<name>``: the one router certificate workers admit
+    and accept when they dial the router. None: the router a launcher or the Helm
+    chart starts, ``kvrelay://<router.site, else the first site>/router/0``."""
 
     def __post_init__(self) -> None:
+        if self.router_identity is not None and not re.fullmatch(
+                r"kvrelay://[a-z0-9_-]{1,63}/router/[a-z0-9_-]{1,63}", self.router_identity):
+            raise FieldError("router_identity", f"must be kvrelay://<site>/router/<name>, got {self.router_identity!r}")
         for i, serial in enumerate(self.revoked_serials):
             if not re.fullmatch(r"[0-9a-fA-F:]{1,64}", serial):
                 raise FieldError(f"revoked_serials[{i}]", f"must be a hex serial, got {serial!r}")
@@ -654,6 +661,11 @@ class ClusterConfig(ConfigSection):
     def tenant(self, name: str) -> TenantSection | None:
         """The policy of tenant ``name`` (None: not configured)."""
         return next((t for t in self.tenants if t.name == name), None)
+
+    @property
+    def router_uri(self) -> str:
+        """The identity of the router workers admit (``tls.router_identity``, else the launcher's and chart's)."""
+        return self.tls.router_identity or f"kvrelay://{self.router.site or self.sites[0].name}/router/0"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (enums as their string values), as YAML and JSON take it."""

@@ -53,11 +53,19 @@ class CertRole(StrEnum):
     """Scales pools, drains workers, lists workers (``kvrelay status``)."""
     CLIENT = "client"
     """A tenant: the certificate's name is the tenant's name."""
+    NODE = "node"
+    """A Ray node's TLS certificate (``RAY_TLS_SERVER_CERT``): it carries Ray's
+    control channel between nodes, and no kvrelay listener admits it."""
 
     @property
     def is_server(self) -> bool:
         """Components that accept connections (and make them)."""
         return self in (CertRole.ROUTER, CertRole.PREFILL, CertRole.DECODE)
+
+    @property
+    def serves_tls(self) -> bool:
+        """Certificates that a TLS server presents (a kvrelay component or a Ray node)."""
+        return self.is_server or self is CertRole.NODE
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +195,7 @@ def issue(ca: CA, identity: Identity, days: float = DEFAULT_CERT_DAYS,
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
-    if identity.role.is_server:
+    if identity.role.serves_tls:
         usages.insert(0, ExtendedKeyUsageOID.SERVER_AUTH)
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity.path)]))

@@ -8,7 +8,7 @@ import inspect
 
 import grpc
 
-from kvrelay.runtime.pki import CertRole
+from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.tls import PeerRefused, TLSMaterial, require_role
 
 
@@ -31,17 +31,24 @@ def _wrap_stream(behaviour, check):
 
 
 class PeerGate(grpc.aio.ServerInterceptor):
-    """Admits calls from peers whose certificate has one of ``roles``."""
+    """Admits calls from peers whose certificate has one of ``roles`` (and,
+    with ``only``, names exactly that identity: a worker admits its
+    deployment's router, not every router certificate the CA signed)."""
 
-    def __init__(self, tls: TLSMaterial, roles: tuple[CertRole, ...]) -> None:
+    def __init__(self, tls: TLSMaterial, roles: tuple[CertRole, ...], only: Identity | None = None) -> None:
         self.tls = tls
         self.roles = roles
+        self.only = only
 
     async def _check(self, context: grpc.aio.ServicerContext) -> None:
         try:
-            require_role(self.tls.peer(context), self.roles, "this worker")
+            ident = require_role(self.tls.peer(context), self.roles, "this worker")
         except PeerRefused as exc:
             await context.abort(exc.code, exc.message)
+        if self.only is not None and ident != self.only:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"this worker admits only its router, {self.only}; {ident} is another "
+                                "(tls.router_identity)")
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)

@@ -26,7 +26,7 @@ from kvrelay.runtime.pki import (
 )
 
 if TYPE_CHECKING:  # annotations only: the client commands build TLS material without the config's validation
-    from kvrelay.runtime.config import TLSSection
+    from kvrelay.runtime.config import ClusterConfig, TLSSection
 
 
 class PeerRefused(Exception):
@@ -96,6 +96,14 @@ def require_role(ident: Identity | None, roles: tuple[CertRole, ...], what: str)
     if ident.role not in roles:
         raise PeerRefused(grpc.StatusCode.PERMISSION_DENIED,
                           f"{what} needs a {wanted} certificate; {ident} is a {ident.role}")
+    return ident
+
+
+def router_identity(cfg: ClusterConfig) -> Identity:
+    """The one router identity this deployment's workers admit and dial (``cfg.router_uri``)."""
+    ident = Identity.parse(cfg.router_uri)
+    if ident is None:  # the config checks tls.router_identity's form; a site name it cannot hold ends here
+        raise PKIError(f"tls.router_identity: {cfg.router_uri!r} names no kvrelay router")
     return ident
 
 

@@ -32,11 +32,11 @@ from kvrelay.runtime.health import HealthChecks, serve_health
 from kvrelay.runtime.kvcreds import CertCredentials
 from kvrelay.runtime.kvsecret import pem_from_env, read_secret
 from kvrelay.runtime.lifetime import die_with_parent
-from kvrelay.runtime.pki import CertRole, PKIError, role_dns
+from kvrelay.runtime.pki import CertRole, Identity, PKIError, role_dns
 from kvrelay.runtime.role_gate import PeerGate
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import Dialer, bind, create_server
-from kvrelay.runtime.tls import TLSMaterial, load_material
+from kvrelay.runtime.tls import TLSMaterial, load_material, router_identity
 from kvrelay.runtime.topology import Topology
 from kvrelay.runtime.usage_meter import UsageMeter
 from kvrelay.v1 import worker_pb2 as wpb
@@ -187,7 +187,7 @@ class _Heartbeats:
 
 async def register_and_heartbeat(router: str, dialer: Dialer, info: wpb.WorkerInfo, load_fn, stop: asyncio.Event,
                                  events_fn=None, register_deadline_s: float = 60.0,
-                                 status: WorkerStatus | None = None) -> None:
+                                 status: WorkerStatus | None = None, router_name: str | None = None) -> None:
     """Registers with the router (retrying until the deadline), then sends a
     heartbeat every interval until ``stop`` is set; re-registers when the
     router has forgotten this worker (router restart). When the router says
@@ -197,9 +197,10 @@ async def register_and_heartbeat(router: str, dialer: Dialer, info: wpb.WorkerIn
     ``events_fn(snapshot)`` returns the prefix-cache events to send; after a
     heartbeat that did not arrive, or when the router asks, a full snapshot
     replaces them, so the router's prefix index never drifts. The channel
-    accepts only a server whose certificate names the router role.
+    accepts only a server whose certificate carries ``router_name`` (the
+    deployment's router exactly; None: any router certificate).
     ``status`` follows the router's answers (the readiness probe reads it)."""
-    async with dialer.aio(router, server_name=role_dns(CertRole.ROUTER)) as ch:
+    async with dialer.aio(router, server_name=router_name or role_dns(CertRole.ROUTER)) as ch:
         hb = _Heartbeats(wgrpc.RegistryStub(ch), info, load_fn, events_fn, status)
         loop = asyncio.get_running_loop()
         end = loop.time() + register_deadline_s
@@ -261,7 +262,7 @@ async def leave(setup: WorkerSetup, worker_id: str, load: wpb.WorkerLoad | None 
     """Tells the router this worker is gone, with its final ``load`` (its
     usage counters); best effort, a few seconds at most."""
     try:
-        async with setup.dialer.aio(setup.router, server_name=role_dns(CertRole.ROUTER)) as ch:
+        async with setup.dialer.aio(setup.router, server_name=setup.router_name) as ch:
             await wgrpc.RegistryStub(ch).Deregister(wpb.DeregisterRequest(worker_id=worker_id, load=load),
                                                     timeout=3.0)
     except grpc.aio.AioRpcError as exc:
@@ -322,6 +323,16 @@ class WorkerSetup:
     @property
     def dialer(self) -> Dialer:
         return Dialer(self.tls)
+
+    @property
+    def router_identity(self) -> Identity:
+        """The one router this worker admits and dials (``tls.router_identity``)."""
+        return router_identity(self.cfg)
+
+    @property
+    def router_name(self) -> str:
+        """The DNS name the router's certificate must carry when this worker dials it."""
+        return self.router_identity.dns
 
 
 def worker_tls(cfg: ClusterConfig, role: Role, site: str, index: int | str,
@@ -404,11 +415,12 @@ async def start_engine(setup: WorkerSetup, kv_shm_path: str | None = None) -> As
 
 def listening_server(setup: WorkerSetup) -> tuple[grpc.aio.Server, int]:
     """The worker's gRPC server, bound to a free port of its host; with TLS,
-    it admits only the router (mutual TLS, router certificate)."""
+    it admits only the deployment's router (mutual TLS, the router certificate
+    naming exactly ``tls.router_identity``)."""
     if setup.tls is None:
         server = create_server()
     else:
-        server = create_server([PeerGate(setup.tls, (CertRole.ROUTER,))])
+        server = create_server([PeerGate(setup.tls, (CertRole.ROUTER,), only=setup.router_identity)])
     return server, bind(server, setup.host, 0, setup.tls, mutual=True)
 
 
@@ -435,7 +447,8 @@ async def serve_worker(setup: WorkerSetup, aengine: AsyncEngine, server: grpc.ai
     health = serve_health(setup.cfg.health.host, setup.cfg.health.worker_port,
                           HealthChecks(asyncio.get_running_loop(), lambda: engine_problem(aengine), status.not_ready))
     hb = asyncio.create_task(register_and_heartbeat(setup.router, setup.dialer, info, load_fn, stop,
-                                                    lambda snapshot: kv_events(aengine, snapshot), status=status))
+                                                    lambda snapshot: kv_events(aengine, snapshot), status=status,
+                                                    router_name=setup.router_name))
     try:
         failure = await serve_until_signal(server, aengine, stop, [hb, asyncio.create_task(engine_watch(aengine))])
     finally:

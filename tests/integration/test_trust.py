@@ -156,14 +156,16 @@ def test_a_certificate_registers_only_its_own_site_role_and_live_id(trust_cluste
     assert registry_state(trust_cluster) == before
 
 
-def test_worker_certificates_cannot_call_the_admin_api(trust_cluster, pki):
-    with as_cert(trust_cluster, pki, Identity("local", CertRole.DECODE, "0")) \
-            .sync(trust_cluster.internal_address) as ch:
+@pytest.mark.parametrize("role", [CertRole.DECODE, CertRole.NODE])
+def test_worker_and_ray_node_certificates_cannot_call_the_admin_api(trust_cluster, pki, role):
+    with as_cert(trust_cluster, pki, Identity("local", role, "0")).sync(trust_cluster.internal_address) as ch:
         for call in (lambda: agrpc.AdminStub(ch).ListPools(apb.ListPoolsRequest(), timeout=10),
                      lambda: agrpc.AdminStub(ch).Scale(apb.ScaleRequest(site="local", role="decode", replicas=0),
                                                        timeout=10),
-                     lambda: wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)):
-            assert code_of(call) == grpc.StatusCode.PERMISSION_DENIED
+                     lambda: wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10),
+                     lambda: list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt="hi", max_tokens=1),
+                                                                   timeout=10))):
+            assert code_of(call) in REFUSED
     with trust_cluster.channel(operator=True) as ch:  # nothing was scaled
         pools = agrpc.AdminStub(ch).ListPools(apb.ListPoolsRequest(), timeout=10).pools
     assert {(p.site, p.role): p.desired for p in pools}[("local", "decode")] == 1
@@ -184,13 +186,17 @@ def test_workers_admit_only_the_router(trust_cluster, pki):
     }
     operator = as_cert(trust_cluster, pki, Identity("local", CertRole.OPERATOR, "noc"))
     peer_worker = as_cert(trust_cluster, pki, Identity("local", CertRole.PREFILL, "0"))
+    # a Ray node's key (README: Two Ray nodes), and a router certificate of the CA that is not this deployment's
+    # router (tls.router_identity): neither calls a worker directly, past tenants, quotas and residency
+    ray_node = as_cert(trust_cluster, pki, Identity("local", CertRole.NODE, "toronto-1"))
+    another_router = as_cert(trust_cluster, pki, Identity("local", CertRole.ROUTER, "launcher"))
     for info, table in ((decode, calls), (prefill, pcalls)):
         site, role, name = info.worker_id.split("/")
         pin = Identity(site, CertRole(role), name).dns
         with trust_cluster.dialer().sync(info.address, server_name=pin) as ch:  # no certificate: no connection
             for what, call in table.items():
                 assert code_of(lambda: call(ch)) == grpc.StatusCode.UNAVAILABLE, what  # noqa: B023 (called before the loop moves on)
-        for dialer in (operator, peer_worker):
+        for dialer in (operator, peer_worker, ray_node, another_router):
             with dialer.sync(info.address, server_name=pin) as ch:
                 for what, call in table.items():
                     assert code_of(lambda: call(ch)) == grpc.StatusCode.PERMISSION_DENIED, what  # noqa: B023 (called before the loop moves on)

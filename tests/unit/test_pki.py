@@ -112,6 +112,28 @@ def test_client_roles_carry_no_dns_names(ca: CA, role: CertRole):
     assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]
 
 
+def test_a_ray_node_certificate_serves_tls_but_names_no_kvrelay_component(ca: CA):
+    """What RAY_TLS_SERVER_CERT needs (server and client use, its node's address), and none of the
+    names a kvrelay channel pins: no worker or router channel takes it for a component."""
+    cert_pem, _ = issue(ca, Identity(SITE, CertRole.NODE, "toronto-1"), hosts=("10.0.0.7",))
+    eku = load_cert(cert_pem, "t").extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert ExtendedKeyUsageOID.SERVER_AUTH in eku and ExtendedKeyUsageOID.CLIENT_AUTH in eku
+    assert dns_names(cert_pem) == set() and cert_info(load_cert(cert_pem, "t")).hosts == ("10.0.0.7",)
+
+
+def test_the_router_workers_admit_is_pinned_by_the_config():
+    from kvrelay.runtime.config import ConfigError, parse_config
+    from kvrelay.runtime.tls import router_identity
+    sites = [{"name": "toronto"}, {"name": "montreal"}]
+    assert router_identity(parse_config({"sites": sites})) == Identity("toronto", CertRole.ROUTER, "0")
+    assert router_identity(parse_config({"sites": sites, "router": {"site": "montreal"}})).uri == \
+        "kvrelay://montreal/router/0"  # the Helm chart's router
+    custom = parse_config({"sites": sites, "tls": {"router_identity": "kvrelay://montreal/router/main"}})
+    assert router_identity(custom) == Identity("montreal", CertRole.ROUTER, "main")
+    with pytest.raises(ConfigError, match=re.escape("tls.router_identity: must be kvrelay://<site>/router/<name>")):
+        parse_config({"sites": sites, "tls": {"router_identity": "kvrelay://montreal/decode/0"}})
+
+
 def test_extra_hosts_are_dns_names_or_ip_addresses(ca: CA):
     cert_pem, _ = issue(ca, Identity(SITE, CertRole.ROUTER, "main"), hosts=("api.example.com", "10.0.0.5", "::1"))
     assert cert_info(load_cert(cert_pem, "t")).hosts == ("api.example.com", "10.0.0.5", "::1")
