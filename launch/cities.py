@@ -52,6 +52,7 @@ from kvrelay.launch.privileges import (
     WorkerDrop,
     share_with_workers,
     unreadable,
+    unwritable,
     worker_drop,
 )
 
@@ -149,6 +150,18 @@ class CitiesState:
         workers, e.g. the config it writes) readable by the workers' group;
         nothing to do when workers keep uid 0."""
         share_with_workers(path, self.worker_drop())
+
+    def check_router_writes(self, paths: list[str]) -> None:
+        """CitiesError naming the records (``paths``) an unprivileged router
+        could not write; nothing to check when it keeps uid 0 (root's files are its own)."""
+        drop = self.worker_drop()
+        if drop.keeps_root_uid:
+            return
+        blocked = unwritable(drop, sys.executable, paths)
+        if blocked:
+            raise CitiesError(f"the router runs as uid {drop.uid} (not root) under --cities and cannot write "
+                              f"{', '.join(blocked)}: keep its records (router.records.*) where that user can "
+                              "write, e.g. --cache-dir in your home, files and folders of that user's own")
 
     def check_worker_access(self, paths: list[Path | str]) -> None:
         """CitiesError naming what of ``paths`` (and the interpreter) the

@@ -149,12 +149,13 @@ class LocalCluster:
         self.config_path = Path(self._worker_tmp.name) / "cluster.yaml"
         if cities is not None:
             cities.share_with_workers(Path(self._worker_tmp.name))
+        records = self._records_folder()
         if cfg.router.records.jobs_db is None:  # durable across router restarts, for this cluster's life
-            cfg.router.records.jobs_db = str(Path(self._tmp.name) / "jobs.sqlite")
+            cfg.router.records.jobs_db = str(records / "jobs.sqlite")
         if cfg.router.records.audit_log is None:
-            cfg.router.records.audit_log = str(Path(self._tmp.name) / "audit" / "audit.jsonl")
+            cfg.router.records.audit_log = str(records / "audit" / "audit.jsonl")
         if cfg.router.records.usage_db is None:
-            cfg.router.records.usage_db = str(Path(self._tmp.name) / "usage.sqlite")
+            cfg.router.records.usage_db = str(records / "usage.sqlite")
         self._secret = secrets.token_hex(32)
         """Per-run KV secret for the workers when the config names no secret file."""
         self.creds = ClusterCredentials.for_config(cfg.tls, Path(self._tmp.name) / "ca")
@@ -164,6 +165,17 @@ class LocalCluster:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_index: dict[tuple[str, str], int] = {}
+
+    def _records_folder(self) -> Path:
+        """Where this run keeps the router's records when the config names none: the launcher's
+        own folder, or, when the router runs as the invoking user of sudo (--cities), a folder
+        of that user's (0700)."""
+        if self.cities is None or self.cities.worker_drop().keeps_root_uid:
+            return Path(self._tmp.name)
+        drop = self.cities.worker_drop()
+        self._router_tmp = tempfile.TemporaryDirectory(prefix="kvrelay-router-")
+        os.chown(self._router_tmp.name, drop.uid, drop.gid)
+        return Path(self._router_tmp.name)
 
     def _add_run_tokens(self, cfg: ClusterConfig) -> None:
         """This run's tokens: tenant ``local``'s when the config lists no
@@ -282,9 +294,9 @@ class LocalCluster:
         hosts = tuple(dict.fromkeys((r.host, "localhost", "127.0.0.1", *self.cfg.tls.server_names)))
         env = self._env(launched_router(self.cfg), hosts)
         prefix: list[str] = []
-        if self.cities is not None and self.cities.worker_drop().keeps_root_uid:
-            # root without capabilities, as the workers (its files stay root's); with an invoking user
-            # to drop to, it stays root: the jobs database is in root's folders
+        if self.cities is not None:  # it parses network input: no root, as the workers (launch/privileges.py)
+            rec = self.cfg.router.records
+            self.cities.check_router_writes([p for p in (rec.jobs_db, rec.audit_log, rec.usage_db) if p])
             prefix = list(self.cities.worker_drop().prefix)
         router = subprocess.Popen([*prefix, sys.executable, "-m", "kvrelay.router", "--config", str(self.config_path),
                                    "--model-path", str(self.model_path), "--log-level", self.log_level],

@@ -154,14 +154,38 @@ _ACCESS_PROBE = ("import os, sys\n"
                  "        print(p)\n")
 
 
-def unreadable(drop: WorkerDrop, python: str, paths: Sequence[str | Path], timeout_s: float = 30.0) -> list[str]:
-    """Those of ``paths`` that a worker (``python`` run through ``drop``)
-    cannot read; ``[python]`` when it cannot even start that interpreter."""
+_WRITE_PROBE = ("import os, sys\n"
+                "for p in sys.argv[1:]:\n"
+                "    d = os.path.dirname(os.path.abspath(p))\n"
+                "    while not os.path.exists(d):\n"
+                "        d = os.path.dirname(d)\n"
+                "    here = os.access(d, os.W_OK | os.X_OK)\n"
+                "    if not here or (os.path.exists(p) and not os.access(p, os.R_OK | os.W_OK)):\n"
+                "        print(p)\n")
+
+
+def _probe(drop: WorkerDrop, python: str, script: str, paths: Sequence[str | Path], what: str,
+           timeout_s: float) -> list[str]:
+    """The lines ``script`` prints run as ``drop`` over ``paths``; ``[python]`` when it cannot start."""
     try:
-        res = subprocess.run([*drop.prefix, python, "-I", "-S", "-c", _ACCESS_PROBE, *map(str, paths)],
+        res = subprocess.run([*drop.prefix, python, "-I", "-S", "-c", script, *map(str, paths)],
                              capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise PrivilegeError(f"could not check what the workers can read: {exc}") from None
+        raise PrivilegeError(f"could not check what {what}: {exc}") from None
     if res.returncode != 0:
         return [python]
     return res.stdout.splitlines()
+
+
+def unreadable(drop: WorkerDrop, python: str, paths: Sequence[str | Path], timeout_s: float = 30.0) -> list[str]:
+    """Those of ``paths`` that a worker (``python`` run through ``drop``)
+    cannot read; ``[python]`` when it cannot even start that interpreter."""
+    return _probe(drop, python, _ACCESS_PROBE, paths, "the workers can read", timeout_s)
+
+
+def unwritable(drop: WorkerDrop, python: str, paths: Sequence[str | Path], timeout_s: float = 30.0) -> list[str]:
+    """Those of ``paths`` (files a process creates, appends to or keeps a
+    SQLite journal beside) that ``python`` run through ``drop`` could not
+    write: the file itself where it exists, and the nearest folder of it
+    that exists; ``[python]`` when it cannot even start that interpreter."""
+    return _probe(drop, python, _WRITE_PROBE, paths, "the router can write", timeout_s)

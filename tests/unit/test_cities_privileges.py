@@ -12,6 +12,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from kvrelay.launch.privileges import (
     WorkerDrop,
     target_ids,
     unreadable,
+    unwritable,
     worker_drop,
 )
 
@@ -186,3 +188,22 @@ def test_unreadable_names_what_the_workers_cannot_read(tmp_path: Path):
     python = _python_for(65534)
     assert unreadable(d, python, [public, private]) == [str(private)]
     assert unreadable(d, "/nonexistent/python", [public]) == ["/nonexistent/python"]
+
+
+@needs_root_setpriv
+def test_unwritable_names_the_records_an_unprivileged_router_cannot_write():
+    """What the launcher checks before it starts the router as the invoking user of sudo."""
+    base = Path(tempfile.mkdtemp(prefix="kvrelay-records-"))  # not under pytest's folders: 65534 reaches it
+    try:
+        base.chmod(0o755)
+        roots = base / "roots"  # the launcher's (root's) own folder
+        roots.mkdir(mode=0o700)
+        mine = base / "mine"  # a folder of that user's, with one record in it that root made earlier
+        mine.mkdir()
+        os.chown(mine, 65534, 65534)
+        (mine / "usage.sqlite").write_bytes(b"")
+        d = worker_drop({"SUDO_UID": "65534", "SUDO_GID": "65534"})
+        paths = [roots / "jobs.sqlite", mine / "audit" / "audit.jsonl", mine / "usage.sqlite", mine / "new.sqlite"]
+        assert unwritable(d, _python_for(65534), paths) == [str(roots / "jobs.sqlite"), str(mine / "usage.sqlite")]
+    finally:
+        shutil.rmtree(base)
