@@ -101,9 +101,9 @@ def test_unreachable_deadline_is_refused_with_a_retry_hint(multisite):
     assert dict(err.value.trailing_metadata())["retry-after-ms"].isdigit()
 
 
-def indexed_blocks(lc: LocalCluster) -> int:
-    """Prompt blocks the router's prefix index holds, over every worker."""
-    return sum(w.cached_blocks for w in workers(lc).values())
+def cached_blocks(lc: LocalCluster) -> dict[str, int]:
+    """Prompt blocks the router's prefix index holds, per worker."""
+    return {wid: w.cached_blocks for wid, w in workers(lc).items()}
 
 
 def settled(lc: LocalCluster) -> bool:
@@ -119,12 +119,14 @@ def hit_rate(lc: LocalCluster, seed: int) -> float:
     before = counters(lc)
     for _ in range(4):
         prefix = [rng.randrange(100, 40000) for _ in range(192)]
-        known = indexed_blocks(lc)
-        generate(lc, token_request(prefix + [rng.randrange(100, 40000) for _ in range(40)]))
-        # the prefix index learns of new blocks with the worker's next heartbeat, and the loads the
-        # estimate reads settle with the one after the request ends (not asserted here: the hit
-        # rates below say whether placement used what it learned)
-        wait_until(lambda known=known: indexed_blocks(lc) > known and settled(lc), 10, 0.05)
+        known = cached_blocks(lc)
+        fin = generate(lc, token_request(prefix + [rng.randrange(100, 40000) for _ in range(40)]))
+        served = {fin.placement.prefill_worker, fin.placement.decode_worker} - {""}
+        # the prefix index learns of each serving worker's new blocks with that worker's next heartbeat
+        # (the decode worker's may come later than the prefill worker's), and the loads the estimate
+        # reads settle with the one after the request ends: the second request waits for all of it
+        assert wait_until(lambda: all(cached_blocks(lc)[w] > known[w] for w in served)  # noqa: B023 (called before the loop moves on)
+                          and settled(lc), 60, 0.05), (served, known, cached_blocks(lc))
         generate(lc, token_request(prefix + [rng.randrange(100, 40000) for _ in range(40)]))
     after = counters(lc)
     hits = sum(after[w][2] - before[w][2] for w in WORKERS)
