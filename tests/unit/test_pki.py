@@ -349,3 +349,20 @@ def test_channel_pinned_to_another_worker_refuses_the_server(tls_server: Pki):
     assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
     assert call(tls_server, tls_server.client, pin=SERVER.dns) == b"kvrelay://montreal/decode/d2"
     assert call(tls_server, tls_server.client, pin=role_dns(CertRole.DECODE)) == b"kvrelay://montreal/decode/d2"
+
+
+def test_a_router_whose_certificate_workers_would_refuse_does_not_start(ca: CA, tmp_path: Path, monkeypatch):
+    """Workers admit only tls.router_identity: a router with another router certificate says so at once."""
+    from kvrelay.router.main import router_tls
+    from kvrelay.runtime.config import parse_config
+    for key in ("KVRELAY_TLS_CA", "KVRELAY_TLS_CERT", "KVRELAY_TLS_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    cert_pem, key_pem = issue(ca, Identity("toronto", CertRole.ROUTER, "other"))
+    for name, pem in (("ca.pem", ca.pem), ("router.pem", cert_pem), ("router.key", key_pem)):
+        (tmp_path / name).write_bytes(pem)
+    tls = {"ca": str(tmp_path / "ca.pem"), "cert": str(tmp_path / "router.pem"), "key": str(tmp_path / "router.key")}
+    with pytest.raises(SystemExit, match=re.escape("names kvrelay://toronto/router/other, but workers admit only "
+                                                   "kvrelay://toronto/router/0 (tls.router_identity")):
+        router_tls(parse_config({"sites": [{"name": "toronto"}], "tls": tls}))
+    pinned = parse_config({"sites": [{"name": "toronto"}], "tls": tls | {"router_identity": "kvrelay://toronto/router/other"}})
+    assert router_tls(pinned).identity == Identity("toronto", CertRole.ROUTER, "other")
