@@ -26,10 +26,10 @@ from kvrelay.runtime.pki import (
     load_ca,
     write_private,
 )
-from kvrelay.runtime.tls import TLSMaterial, parse_serials, router_identity
+from kvrelay.runtime.tls import TLSMaterial, parse_serials
 
 if TYPE_CHECKING:  # annotations only: the client commands import this module without the config's validation
-    from kvrelay.runtime.config import ClusterConfig, TLSSection
+    from kvrelay.runtime.config import TLSSection
 
 LOCAL_PKI = "pki"
 """Folder of the per-user CA inside the cache folder."""
@@ -105,7 +105,3 @@ class ClusterCredentials:
         """What a client that presents no certificate needs: the CA."""
         return TLSMaterial(self.ca.pem, revoked=self.revoked)
 
-
-def launched_router(cfg: ClusterConfig) -> Identity:
-    """The identity of the router a launcher starts: the one its workers admit."""
-    return router_identity(cfg)

@@ -29,7 +29,7 @@ from typing import IO, Protocol
 import grpc
 
 from kvrelay.launch.cities import CitiesState
-from kvrelay.launch.credentials import LOCAL_TENANT, ClusterCredentials, launched_router
+from kvrelay.launch.credentials import LOCAL_TENANT, ClusterCredentials
 from kvrelay.launch.zygote import shared_zygote
 from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.config import ClusterConfig, Credential, dump_config
@@ -37,7 +37,7 @@ from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import Dialer
 from kvrelay.runtime.tenants import TenantSection
-from kvrelay.runtime.tls import TLSMaterial
+from kvrelay.runtime.tls import TLSMaterial, router_identity
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import worker_pb2 as wpb
@@ -144,6 +144,8 @@ class LocalCluster:
         """host:port of the router's /metrics ("" when off)."""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-")
         """The launcher's own files: the jobs database, the CA of this run."""
+        self._router_tmp: tempfile.TemporaryDirectory | None = None
+        """The router's records when it runs as the invoking user of sudo (--cities): that user's folder."""
         self._worker_tmp = tempfile.TemporaryDirectory(prefix="kvrelay-workers-")
         """What the workers read (the config): readable by unprivileged workers under --cities."""
         self.config_path = Path(self._worker_tmp.name) / "cluster.yaml"
@@ -173,9 +175,9 @@ class LocalCluster:
         if self.cities is None or self.cities.worker_drop().keeps_root_uid:
             return Path(self._tmp.name)
         drop = self.cities.worker_drop()
-        self._router_tmp = tempfile.TemporaryDirectory(prefix="kvrelay-router-")
-        os.chown(self._router_tmp.name, drop.uid, drop.gid)
-        return Path(self._router_tmp.name)
+        tmp = self._router_tmp = tempfile.TemporaryDirectory(prefix="kvrelay-router-")
+        os.chown(tmp.name, drop.uid, drop.gid)
+        return Path(tmp.name)
 
     def _add_run_tokens(self, cfg: ClusterConfig) -> None:
         """This run's tokens: tenant ``local``'s when the config lists no
@@ -243,7 +245,7 @@ class LocalCluster:
         if self.creds is None:
             return Dialer()
         # the router's own identity: workers admit no other router certificate
-        return Dialer(self.creds.material(launched_router(self.cfg)))
+        return Dialer(self.creds.material(router_identity(self.cfg)))
 
     def worker_channel(self, info):
         """A blocking channel to a worker (``WorkerInfo``) as the router makes it."""
@@ -292,7 +294,7 @@ class LocalCluster:
     def _start_router(self, deadline: float) -> str:
         r = self.cfg.router
         hosts = tuple(dict.fromkeys((r.host, "localhost", "127.0.0.1", *self.cfg.tls.server_names)))
-        env = self._env(launched_router(self.cfg), hosts)
+        env = self._env(router_identity(self.cfg), hosts)
         prefix: list[str] = []
         if self.cities is not None:  # it parses network input: no root, as the workers (launch/privileges.py)
             rec = self.cfg.router.records

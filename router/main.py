@@ -64,10 +64,11 @@ def router_tls(cfg: ClusterConfig) -> TLSMaterial | None:
     if tls is not None and (tls.identity is None or tls.identity.role is not CertRole.ROUTER):
         raise SystemExit(f"router: its certificate names {tls.identity or 'nothing'}, not a router "
                          "(kvrelay pki issue --role router)")
-    if tls is not None and tls.identity != router_identity(cfg):
-        raise SystemExit(f"router: its certificate names {tls.identity}, but workers admit only "
-                         f"{router_identity(cfg)} (tls.router_identity; kvrelay pki issue --role router --site "
-                         f"<site> --name <name> for the one they admit)")
+    pinned = router_identity(cfg)
+    if tls is not None and tls.identity != pinned:
+        raise SystemExit(f"router: its certificate names {tls.identity}, but workers admit only {pinned} "
+                         "(tls.router_identity; kvrelay pki issue --role router --site <site> --name <name> "
+                         "for the one they admit)")
     return tls
 
 

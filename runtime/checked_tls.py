@@ -14,7 +14,9 @@ UNAVAILABLE) and the forwarder logs which serial it refused. With nothing
 revoked, channels dial directly: there is nothing more to check.
 
 The forwarder runs its own event loop on a daemon thread, one per process
-(made again after a fork). Python's ssl module reads a certificate and key
+(made again after a fork), with one local socket per server address the
+process has dialed, kept for its life (a channel may reconnect through it at
+any time): a router holds one per worker address it has known. Python's ssl module reads a certificate and key
 from files only: they are written once, 0600, into the forwarder's private
 folder, which is removed when the process exits."""
 

@@ -35,6 +35,7 @@ from kvrelay.router.frontends.job_checks import FairChecker
 from kvrelay.router.frontends.peer import GrpcCaller, authorization
 from kvrelay.router.governance.audit import AuditError
 from kvrelay.runtime.rpc import CallBounds, add_service
+from kvrelay.runtime.tenants import TenantSection
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
@@ -142,7 +143,7 @@ class JobService(jgrpc.JobsServicer):
         policy = self.core.tenants.of(owner)
         limits = StoredLimits(policy.max_stored_jobs, policy.max_stored_job_bytes)
         try:
-            await self._admissible(owner, request, limits)
+            await self._admissible(owner, request, policy, limits)
             # on the checker thread, tenants in turn: a 100,000-request job holds up no interactive request,
             # and one tenant's jobs hold up another's submission by at most a chunk
             problem = await self._checks.check_job(owner, request.requests)
@@ -161,16 +162,21 @@ class JobService(jgrpc.JobsServicer):
         self._wake.set()
         return _job_proto(row)
 
-    async def _admissible(self, owner: str, request: jpb.SubmitJobRequest, limits: StoredLimits) -> None:
+    async def _admissible(self, owner: str, request: jpb.SubmitJobRequest, policy: TenantSection,
+                          limits: StoredLimits) -> None:
         """Raises RouterError OVERLOADED when the job may not be taken now: the router's disk,
-        the tenant's request quota (charged one submission here), the tenant's stored jobs."""
-        problem = self.core.disk.refusal(Work.JOBS) or self.core.quotas.take_submission(self.core.tenants.of(owner))
-        if problem is not None:
-            raise problem
+        the tenant's stored jobs, its request quota (charged one submission, last, so a
+        submission refused for another reason costs the tenant nothing)."""
+        disk = self.core.disk.refusal(Work.JOBS)
+        if disk is not None:
+            raise disk
         size = sum(r.ByteSize() for r in request.requests)
         over = await self._db(self._store.over_limits, owner, size, limits)
         if over is not None:
             raise RouterError(ErrorKind.OVERLOADED, over)
+        quota = self.core.quotas.take_submission(policy)
+        if quota is not None:
+            raise quota
 
     def _first_invalid(self, requests: Sequence[ipb.GenerateRequest], start: int, owner: str) -> str | None:
         """``requests[i]: why`` for the first request the router would refuse (None: none);
