@@ -4,9 +4,11 @@ with the rendered ConfigMap as the config, and only what a kubelet supplies
 replaced (mount paths by folders here, $(POD_NAME) and $(POD_IP), the
 Service name by 127.0.0.1, each pod's fixed ports by free ones; and the
 policy round_robin, so the KV crosses between the pods whatever their
-measured speeds). The CA is
-made as the chart's README says (kvrelay pki init). Checks: each pod's
-certificate comes from its init container; the probes answer; a tenant's
+measured speeds). The CA is made as the chart's README says (kvrelay pki
+init), and cert-manager's part is played by `kvrelay pki issue` with that
+CA, issuing exactly what the rendered Certificate (the router) and csi
+volume attributes (each worker pod) ask for. Checks: each pod's certificate
+is the one the chart asked cert-manager for; the probes answer; a tenant's
 request is served through the router's Service name; `kvrelay scale` is
 refused saying what to change."""
 
@@ -69,8 +71,6 @@ class Pods:
         subprocess.run([str(BIN / "kvrelay"), "pki", "init", str(root / "pki")], check=True, capture_output=True)
         (root / "ca").mkdir()
         shutil.copy(root / "pki" / "ca.pem", root / "ca" / "ca.crt")
-        (root / "ca-signer").mkdir()
-        shutil.copy(root / "pki" / "ca.key", root / "ca-signer" / "ca.key")
         (root / "kv").mkdir()
         (root / "kv" / "secret").write_text(os.urandom(32).hex())
         self.router_ports = {"grpc": free_port(), "internal": free_port(), "http": free_port()}
@@ -78,8 +78,8 @@ class Pods:
     def mounts(self, pod: str) -> dict[str, str]:
         """Paths in the pod -> folders here (the pod's own tls, tmp and state)."""
         own = self.root / pod
-        return {"/etc/kvrelay/config": str(own / "config"), "/etc/kvrelay/ca-signer": str(self.root / "ca-signer"),
-                "/etc/kvrelay/ca": str(self.root / "ca"), "/etc/kvrelay/kv": str(self.root / "kv"),
+        return {"/etc/kvrelay/config": str(own / "config"), "/etc/kvrelay/ca": str(self.root / "ca"),
+                "/etc/kvrelay/kv": str(self.root / "kv"),
                 "/var/run/kvrelay/tls": str(own / "tls"), "/var/lib/kvrelay": str(own / "state"),
                 "/opt/kvrelay/models/SmolLM2-135M-Instruct": str(self.model), "/tmp": str(own / "tmp")}
 
@@ -115,6 +115,30 @@ class Pods:
         head = {"python": str(sys.executable), "kvrelay": str(BIN / "kvrelay")}
         return [head.get(out[0], out[0]), *out[1:]]
 
+    def certificate_request(self, spec: dict, pod: str) -> tuple[str, list[str], int]:
+        """What the pod's tls volume asks cert-manager for: (URI SAN, DNS names, hours)."""
+        tls = next(v for v in spec["volumes"] if v["name"] == "tls")
+        if "csi" in tls:  # a worker: cert-manager's csi-driver, with the pod's name filled in
+            attrs = {k.removeprefix("csi.cert-manager.io/"): v.replace("${POD_NAME}", pod)
+                     for k, v in tls["csi"]["volumeAttributes"].items()}
+            assert (attrs["certificate-file"], attrs["privatekey-file"]) == ("tls.pem", "tls.key")
+            return attrs["uri-sans"], attrs["dns-names"].split(","), int(attrs["duration"].removesuffix("h"))
+        # the router: the Secret of a Certificate resource, its keys mounted as tls.pem and tls.key
+        assert tls["secret"]["items"] == [{"key": "tls.crt", "path": "tls.pem"}, {"key": "tls.key", "path": "tls.key"}]
+        cert = next(d for d in self.docs if d["kind"] == "Certificate"
+                    and d["spec"]["secretName"] == tls["secret"]["secretName"])
+        (uri,) = cert["spec"]["uris"]
+        return uri, cert["spec"]["dnsNames"], int(cert["spec"]["duration"].removesuffix("h"))
+
+    def issue_as_cert_manager(self, spec: dict, pod: str) -> None:
+        """Issues the certificate the pod's tls volume asks for into its tls folder."""
+        uri, hosts, hours = self.certificate_request(spec, pod)
+        site, role, name = uri.removeprefix("kvrelay://").split("/")
+        subprocess.run([str(BIN / "kvrelay"), "pki", "issue", "--role", role, "--site", site, "--name", name,
+                        "--ca-dir", str(self.root / "pki"), "--out", str(self.root / pod / "tls"), "--stem", "tls",
+                        "--days", str(hours / 24), *(f"--host={h}" for h in hosts)],
+                       check=True, capture_output=True, timeout=120)
+
     def start(self, deployment: str, pod: str) -> int:
         """Runs the pod's init containers, then its main container; returns its probe port."""
         doc = next(d for d in self.docs if d["kind"] == "Deployment" and d["metadata"]["name"] == deployment)
@@ -123,6 +147,7 @@ class Pods:
         self.config_for(pod, health, free_port())
         env = {**os.environ, "POD_NAME": pod, "POD_IP": "127.0.0.1", "HOME": str(self.root / pod / "tmp"),
                "UCX_MODULES": "^ib"}
+        self.issue_as_cert_manager(spec, pod)
         for init in spec.get("initContainers", []):
             subprocess.run(self.argv(init, pod), check=True, capture_output=True, env=env, timeout=120)
         main = spec["containers"][0]
@@ -168,7 +193,11 @@ def pods(tmp_path_factory, plumbing_model):
         p.stop()
 
 
-def test_each_pod_has_the_certificate_its_init_container_issued(pods: Pods):
+def test_the_pods_have_the_identities_the_chart_asked_for_and_no_ca_key(pods: Pods):
+    for pod in pods.docs:
+        if pod["kind"] == "Deployment":
+            assert "initContainers" not in pod["spec"]["template"]["spec"]  # no pod issues with the CA key
+    assert not any(p.name == "ca.key" for p in pods.root.rglob("*") if "pki" not in p.parts)
     for pod, want in (("kvrelay-router-6c9d7f8b4-abcde", "kvrelay://local/router/0"),
                       ("kvrelay-local-decode-5f7b9c8d6-decod", "kvrelay://local/decode/kvrelay-local-decode-5f7b9c8d6-decod")):
         cert = load_cert(read_pem(str(pods.root / pod / "tls" / "tls.pem"), "cert"), "cert")

@@ -79,14 +79,22 @@ def test_a_stale_example_is_caught(helm_bin: Path, tmp_path: Path, monkeypatch, 
     assert "stale: examples/three-cities/rendered.yaml" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("variant", [*NAMES, "three-cities+certManager"])
+ISSUER = ["tls.mode=issuer", "tls.issuer.caKeyInEveryPod=true"]
+"""The opt-in mode whose init containers issue each pod's certificate with the CA key."""
+
+
+def issuer_rendering(helm_bin: Path, name: str = "three-cities") -> list[dict]:
+    out = chart.template([chart.EXAMPLES / name / "values.yaml"], ISSUER, helm_bin)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.mark.parametrize("variant", [*NAMES, "three-cities+issuer"])
 def test_manifests_validate_against_kubernetes_schemas(helm_bin: Path, tmp_path: Path, variant: str):
     name, _, mode = variant.partition("+")
     if mode:
-        out = chart.template([chart.EXAMPLES / name / "values.yaml"], [f"tls.mode={mode}"], helm_bin)
-        assert out.returncode == 0, out.stderr
         path = tmp_path / "rendered.yaml"
-        path.write_text(out.stdout)
+        path.write_text(yaml.safe_dump_all(issuer_rendering(helm_bin, name)))
     else:
         path = chart.EXAMPLES / name / "rendered.yaml"
     res = subprocess.run([str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", "-k", "1.31.0",
@@ -164,6 +172,8 @@ BAD = {
     "KV secret neither named nor generated": (["kvSecret.existingSecret=", "kvSecret.generate=false"],
                                               "kvSecret: set existingSecret"),
     "dedicated pool for nobody": (["sites[0].prefill.tenants[0]=ghost"], 'sites[0].prefill.tenants: "ghost"'),
+    "chart's Issuer under a ClusterIssuer's name": (["tls.certManager.issuerRef.kind=ClusterIssuer"],
+                                                    "tls.certManager.issuerRef: createIssuer makes an Issuer"),
 }
 
 
@@ -194,14 +204,15 @@ def _expand(args: list[str]) -> list[str]:
             for a in args]
 
 
-def test_container_command_lines_are_accepted_by_the_entry_points():
-    """Every container's command parses with the real argument parser of what it runs."""
+def test_container_command_lines_are_accepted_by_the_entry_points(helm_bin: Path):
+    """Every container's command parses with the real argument parser of what it runs
+    (the issuer mode's too: its init containers run `kvrelay pki issue`)."""
     from kvrelay.cli.main import build_parser
     from kvrelay.router.main import parse_args as router_args
     from kvrelay.runtime.roles import Role
     from kvrelay.runtime.worker import parse_args as worker_args
     seen = set()
-    for doc in rendered("three-cities"):
+    for doc in rendered("three-cities") + issuer_rendering(helm_bin):
         if doc["kind"] != "Deployment":
             continue
         for c in _containers(doc):
@@ -220,12 +231,55 @@ def test_container_command_lines_are_accepted_by_the_entry_points():
     assert seen == {"router", "prefill_worker", "decode_worker", "pki"}
 
 
-def test_the_ca_key_is_mounted_only_where_certificates_are_issued():
-    for doc in rendered("three-cities"):
+def _secret_keys(doc: dict, secret: str) -> dict[str, set[str]]:
+    """Container -> the keys of Secret ``secret`` it can read (a Secret volume without
+    ``items`` gives every key: "*")."""
+    spec = doc["spec"]["template"]["spec"]
+    keys = {}
+    for v in spec.get("volumes", []):
+        if v.get("secret", {}).get("secretName") == secret:
+            keys[v["name"]] = {i["key"] for i in v["secret"].get("items", [{"key": "*"}])}
+    return {c["name"]: set().union(*(keys.get(m["name"], set()) for m in c.get("volumeMounts", [])))
+            for c in _containers(doc)}
+
+
+@pytest.mark.parametrize("name", ["defaults", *NAMES])
+def test_no_pod_can_read_the_ca_key_by_default(helm_bin: Path, name: str):
+    """The attack: take any one node and read the cluster CA's key from a pod's files. By
+    default (tls.mode certManager) every container sees ca.crt of the CA Secret and nothing
+    else of it; the key is read by cert-manager alone, through the chart's Issuer."""
+    if name == "defaults":
+        out = chart.template([], helm=helm_bin)
+        assert out.returncode == 0, out.stderr
+        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    else:
+        docs = rendered(name)
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    assert len(deployments) >= 3
+    for doc in deployments:
+        for container, keys in _secret_keys(doc, "kvrelay-ca").items():
+            assert keys == {"ca.crt"}, (doc["metadata"]["name"], container, keys)
+    issuer = next(d for d in docs if d["kind"] == "Issuer")
+    assert issuer["spec"] == {"ca": {"secretName": "kvrelay-ca"}}
+    cert = next(d for d in docs if d["kind"] == "Certificate")
+    assert cert["spec"]["issuerRef"] == {"name": issuer["metadata"]["name"], "kind": "Issuer",
+                                         "group": "cert-manager.io"}
+    workers = [d for d in deployments if not d["metadata"]["name"].endswith("-router")]
+    for doc in workers:
+        tls = next(v for v in doc["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+        assert tls["csi"]["volumeAttributes"]["csi.cert-manager.io/issuer-name"] == issuer["metadata"]["name"]
+
+
+def test_the_issuer_mode_is_refused_unless_its_risk_is_accepted(helm_bin: Path):
+    out = chart.template([chart.EXAMPLES / "three-cities" / "values.yaml"], ["tls.mode=issuer"], helm_bin)
+    assert out.returncode != 0
+    assert "tls.mode: issuer mounts the CA key into every pod's init container" in out.stderr
+    assert "tls.issuer.caKeyInEveryPod" in out.stderr, out.stderr
+    # accepted: the key reaches the init containers that issue certificates, and no main container
+    for doc in issuer_rendering(helm_bin):
         if doc["kind"] == "Deployment":
-            for c in _containers(doc):
-                mounts = {m["name"] for m in c.get("volumeMounts", [])}
-                assert ("ca-signer" in mounts) == (c["name"] == "certificate"), (doc["metadata"]["name"], c["name"])
+            for container, keys in _secret_keys(doc, "kvrelay-ca").items():
+                assert ("ca.key" in keys) == (container == "certificate"), (doc["metadata"]["name"], container)
 
 
 def test_dockerfile_lints():
