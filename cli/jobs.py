@@ -4,7 +4,8 @@ fetch its results, list, cancel and delete jobs.
 One request per line, as a JSON object with the fields of
 ``kvrelay.v1.GenerateRequest``; shortcuts: ``"token_ids": [..]`` for a
 tokenized prompt, ``"messages": [{"role": .., "content": ..}]`` for a chat,
-and ``temperature``/``top_p``/``top_k``/``seed`` at the top level::
+and the sampling fields (``temperature``, ``top_p``, ``top_k``, ``seed``, the
+penalties, ``min_p``, ``min_tokens``: :data:`SAMPLING_FIELDS`) at the top level::
 
     {"prompt": "What is an NREN?", "max_tokens": 64}
     {"messages": [{"role": "user", "content": "Hello"}], "temperature": 0.7, "seed": 1}
@@ -36,7 +37,8 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import jobs_pb2 as jpb
 from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "min_p", "min_tokens")
 SHORTCUTS = ("token_ids", "messages", *SAMPLING_FIELDS)
 """Fields a line may have besides GenerateRequest's own (see the module's docstring)."""
 REQUEST_FIELDS = frozenset(f.name for f in ipb.GenerateRequest.DESCRIPTOR.fields) | frozenset(

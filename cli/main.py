@@ -43,6 +43,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     req.sampling.temperature = args.temperature
     if args.seed is not None:
         req.sampling.seed = args.seed
+    if args.repetition_penalty is not None:
+        req.sampling.repetition_penalty = args.repetition_penalty
+    req.sampling.presence_penalty, req.sampling.frequency_penalty = args.presence_penalty, args.frequency_penalty
+    req.sampling.min_p, req.sampling.min_tokens = args.min_p, args.min_tokens
     finish = None
     with client_dialer(args).sync(args.router) as ch:
         try:
@@ -145,6 +149,11 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int)
+    g.add_argument("--repetition-penalty", type=float, help="vLLM's, over prompt and output: (0, 2], 1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2], over the output")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2], over the output")
+    g.add_argument("--min-p", type=float, default=0.0, help="[0, 1]: drop tokens below min_p x the top one's")
+    g.add_argument("--min-tokens", type=int, default=0, help="at least this many tokens")
     g.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     g.add_argument("--jurisdiction", action="append", help="allowed jurisdiction (repeatable)")
     g.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")

@@ -255,13 +255,20 @@ class LLMEngine:
         sampled = [e.seq for e in entries if e.sample]
         if not sampled:
             return []
-        rows = [SampleRequest(s.params, s.seed, len(s.output_token_ids)) for s in sampled]
+        rows = [self._sample_request(s) for s in sampled]
         tokens, logprobs, tops = self.sampler(logits, rows)
         outputs = []
         for i, seq in enumerate(sampled):
             outputs.append(self._append_token(seq, tokens[i], None if logprobs is None else logprobs[i],
                                               None if tops is None else tops[i]))
         return outputs
+
+    def _sample_request(self, seq: Sequence) -> SampleRequest:
+        """What the sampler needs of ``seq`` for its next token."""
+        p = seq.params
+        stops = frozenset(p.stop_token_ids) if p.ignore_eos else self.eos_token_ids | frozenset(p.stop_token_ids)
+        return SampleRequest(p, seq.seed, p.prior_output_tokens + len(seq.output_token_ids), seq.prompt_token_ids,
+                             seq.output_token_ids, stops if p.min_tokens else frozenset())
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         bs = self.layout.block_size
@@ -283,7 +290,7 @@ class LLMEngine:
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
             reason = "stop"
         else:
-            detok.add(token)
+            detok.add(token, check_stop=params.prior_output_tokens + len(seq.output_token_ids) >= params.min_tokens)
             if detok.stopped:
                 reason = "stop"
             elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:

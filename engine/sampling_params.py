@@ -15,6 +15,13 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per token a request may ask for (OpenAI's limit)."""
+MAX_MIN_TOKENS = 1 << 20
+"""Bound of ``min_tokens`` (a context window is far shorter; checked against max_tokens by the router)."""
+
+
+def _number_in(value: object, low: float, high: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and low <= value <= high
 
 
 @dataclass(slots=True)
@@ -37,6 +44,25 @@ class SamplingParams:
     """Token ids that end generation (in addition to the model's EOS)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks force output lengths with this)."""
+    repetition_penalty: float = 1.0
+    """Scales the logits of every token already in the prompt or the output
+    (divides a positive logit, multiplies a negative one; vLLM's rule);
+    1 disables, > 1 discourages repeats. In (0, 2]."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token the output already holds
+    (OpenAI's rule). In [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output holds it. In [-2, 2]."""
+    min_p: float = 0.0
+    """Drop tokens whose probability (after temperature) is below ``min_p``
+    times the most likely token's. In [0, 1]; 0 disables."""
+    min_tokens: int = 0
+    """Generate at least this many tokens: until then EOS and ``stop_token_ids``
+    cannot be sampled and stop strings do not end the output."""
+    prior_output_tokens: int = 0
+    """How many trailing prompt tokens are this request's own earlier output
+    (a request resumed after its decode worker failed): they count as output
+    for the penalties, ``min_tokens`` and a seeded request's token index."""
     logprobs: bool = False
     """Return the log-probability of each chosen token."""
     top_logprobs: int = 0
@@ -70,6 +96,25 @@ class SamplingParams:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        if not _number_in(self.repetition_penalty, 0.0, 2.0) or self.repetition_penalty == 0.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _number_in(getattr(self, name), -2.0, 2.0):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not _number_in(self.min_p, 0.0, 1.0):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("min_tokens", "prior_output_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_MIN_TOKENS:
+                raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_MIN_TOKENS}], got {value!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:

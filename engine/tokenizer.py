@@ -190,8 +190,9 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self.stopped = False
 
-    def add(self, token_id: int) -> None:
-        """Feeds one generated token; sets ``stopped`` when a stop string appears."""
+    def add(self, token_id: int, check_stop: bool = True) -> None:
+        """Feeds one generated token; sets ``stopped`` when a stop string appears
+        (looked for only with ``check_stop``: not before a request's ``min_tokens``)."""
         self._ids.append(token_id)
         prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
         new_text = self._tok.decode(self._ids[self._prefix:])
@@ -201,7 +202,7 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         start = max(0, len(self.text) - self._holdback)
         self.text += delta
-        for s in self._stop:
+        for s in self._stop if check_stop else ():
             pos = self.text.find(s, start)
             if pos != -1:
                 self.text = self.text[:pos]

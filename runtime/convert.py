@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
@@ -19,7 +20,7 @@ _FINISH = {"stop": ipb.FINISH_REASON_STOP, "length": ipb.FINISH_REASON_LENGTH, "
 
 
 def sampling_params(sampling: ipb.SamplingParams, max_tokens: int, stop: list[str], stop_token_ids: list[int],
-                    ignore_eos: bool) -> SamplingParams:
+                    ignore_eos: bool, prior_output_tokens: int = 0) -> SamplingParams:
     """Validated engine parameters (raises InvalidRequestError)."""
     return SamplingParams(
         max_tokens=max_tokens if max_tokens else DEFAULT_MAX_TOKENS,
@@ -28,12 +29,26 @@ def sampling_params(sampling: ipb.SamplingParams, max_tokens: int, stop: list[st
         top_k=int(sampling.top_k),
         seed=int(sampling.seed) if sampling.HasField("seed") else None,
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+        repetition_penalty=float(sampling.repetition_penalty) if sampling.HasField("repetition_penalty") else 1.0,
+        presence_penalty=float(sampling.presence_penalty), frequency_penalty=float(sampling.frequency_penalty),
+        min_p=float(sampling.min_p), min_tokens=int(sampling.min_tokens), prior_output_tokens=prior_output_tokens,
         logprobs=sampling.logprobs, top_logprobs=int(sampling.top_logprobs))
 
 
+def request_params(req: ipb.GenerateRequest, max_tokens: int) -> SamplingParams:
+    """A client's request as engine parameters, with the rules only the whole request can
+    check (``min_tokens`` at most ``max_tokens``); raises InvalidRequestError."""
+    params = sampling_params(req.sampling, max_tokens, list(req.stop), list(req.stop_token_ids), req.ignore_eos)
+    if params.min_tokens > params.max_tokens:
+        raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})")
+    return params
+
+
 def work_params(wr: wpb.WorkRequest, max_tokens: int | None = None) -> SamplingParams:
+    """What a worker runs: ``max_tokens`` overrides the request's (a prefill worker samples one
+    token; ``min_tokens`` still holds for it)."""
     return sampling_params(wr.sampling, max_tokens or wr.max_tokens, list(wr.stop), list(wr.stop_token_ids),
-                           wr.ignore_eos)
+                           wr.ignore_eos, wr.prior_output_tokens)
 
 
 def output_to_proto(out: RequestOutput) -> ipb.GenerateResponse:

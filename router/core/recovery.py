@@ -80,6 +80,7 @@ class Recovery:
         wr = wpb.WorkRequest()
         wr.CopyFrom(self.base)
         wr.prompt_token_ids.extend(self.emitted)
+        wr.prior_output_tokens = len(self.emitted)  # still output: penalties, min_tokens, seeds
         wr.max_tokens = remaining
         wr.request_id = f"{self.base.request_id}.{self.attempt}"  # the failed workers may still know the old id
         return wr

@@ -15,7 +15,7 @@ from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.sampling_params import check_request_length
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.router.core.errors import ErrorKind, RouterError
-from kvrelay.runtime.convert import sampling_params
+from kvrelay.runtime.convert import request_params
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
 
@@ -144,7 +144,7 @@ def tokenize(req: ipb.GenerateRequest, tok: Tokenizer) -> list[int]:
 def _work_request(req: ipb.GenerateRequest, tok: Tokenizer, limits: ModelLimits, salt: str) -> wpb.WorkRequest:
     if req.HasField("max_tokens") and req.max_tokens < 1:  # absent: the default; 0 is refused, as over HTTP
         raise InvalidRequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
-    params = sampling_params(req.sampling, req.max_tokens, list(req.stop), list(req.stop_token_ids), req.ignore_eos)
+    params = request_params(req, req.max_tokens)
     ids = tokenize(req, tok)
     check_request_length(len(ids), params.max_tokens, limits.max_model_len)
     if any(not 0 <= t < limits.vocab_size for t in ids):

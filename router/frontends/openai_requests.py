@@ -12,6 +12,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from kvrelay.engine.sampling_params import MAX_MIN_TOKENS
 from kvrelay.router.core.requests import ROLES
 from kvrelay.router.frontends.openai_schema import (
     CHAT,
@@ -135,6 +136,32 @@ def _sampling(body: dict, req: ipb.GenerateRequest) -> None:
         req.sampling.seed = seed
 
 
+_PENALTY_RANGES = {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0), "min_p": (0.0, 1.0)}
+
+
+def _penalties(body: dict, req: ipb.GenerateRequest) -> None:
+    """vLLM's and OpenAI's penalties, min_p and min_tokens (engine/sampling_params.py)."""
+    rp = _get(body, "repetition_penalty", (int, float), "a number")
+    if rp is not None:
+        if not 0 < rp <= 2:
+            raise ApiError(400, f"repetition_penalty must be in (0, 2], got {rp}", param="repetition_penalty")
+        req.sampling.repetition_penalty = rp
+    for name, (low, high) in _PENALTY_RANGES.items():
+        value = _get(body, name, (int, float), "a number")
+        if value is not None:
+            if not low <= value <= high:
+                raise ApiError(400, f"{name} must be in [{low:g}, {high:g}], got {value}", param=name)
+            setattr(req.sampling, name, value)
+    min_tokens = _get(body, "min_tokens", (int,), "an integer")
+    if min_tokens is not None:
+        if not 0 <= min_tokens <= MAX_MIN_TOKENS:
+            raise ApiError(400, f"min_tokens must be in [0, {MAX_MIN_TOKENS}], got {min_tokens}", param="min_tokens")
+        if req.HasField("max_tokens") and min_tokens > req.max_tokens:
+            raise ApiError(400, f"min_tokens ({min_tokens}) must be at most max_tokens ({req.max_tokens})",
+                           param="min_tokens")
+        req.sampling.min_tokens = min_tokens
+
+
 def _stop(body: dict, req: ipb.GenerateRequest) -> None:
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -168,6 +195,7 @@ def _common(body: dict, req: ipb.GenerateRequest) -> tuple[bool, bool]:
     req.model = _get(body, "model", (str,), "a string", "")
     _max_tokens(body, req)
     _sampling(body, req)
+    _penalties(body, req)
     _stop(body, req)
     n = _get(body, "n", (int,), "an integer", 1)
     if n != 1:

@@ -22,25 +22,19 @@ NOT_IMPLEMENTED = {
     "function_call": "function calling is not implemented",
     "response_format": "structured output (json_object, json_schema) is not implemented; only {\"type\": \"text\"}",
     "logit_bias": "logit_bias is not implemented",
-    "presence_penalty": "penalties are not implemented; only 0",
-    "frequency_penalty": "penalties are not implemented; only 0",
     "audio": "audio output is not implemented", "modalities": "only text output is implemented",
     "prediction": "predicted outputs are not implemented", "store": "stored completions are not implemented",
     "metadata": "stored completions are not implemented", "user": "end-user ids are not recorded",
     "service_tier": "service tiers are not implemented", "reasoning_effort": "this model does not reason",
     "web_search_options": "web search is not implemented",
-    "repetition_penalty": "penalties are not implemented; only 1",
-    "min_p": "min_p sampling is not implemented; only 0",
-    "min_tokens": "a minimum output length is not implemented; only 0",
 }
 """OpenAI fields kvrelay knows and does not implement, with why; any value but the neutral one is refused."""
 
 NEUTRAL: dict[str, tuple[Any, ...]]
-NEUTRAL = {"response_format": ({"type": "text"},), "logit_bias": ({},), "presence_penalty": (0, 0.0),
-           "frequency_penalty": (0, 0.0), "tools": ([],), "tool_choice": ("none",), "store": (False,),
-           "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,)}
+NEUTRAL = {"response_format": ({"type": "text"},), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
+           "store": (False,)}
 """Values of not-implemented fields that ask for exactly what kvrelay does anyway (accepted: real
-clients send them, e.g. ``vllm bench serve`` always sends ``repetition_penalty: 1.0``)."""
+clients send them)."""
 
 
 def is_neutral(name: str, value: Any) -> bool:
@@ -82,6 +76,14 @@ COMMON: dict[str, dict] = {
     "ignore_eos": _nullable(_BOOL),
     "stop_token_ids": _nullable({"type": "array", "items": {**_INT, "minimum": 0, "maximum": (1 << 31) - 1},
                                  "maxItems": 64, "description": "vLLM's extension: token ids that end the output"}),
+    "repetition_penalty": _nullable({**_NUM, "exclusiveMinimum": 0, "maximum": 2, "description":
+                                     "vLLM's extension: scales the logits of tokens in the prompt or output; 1: off"}),
+    "presence_penalty": _nullable({**_NUM, "minimum": -2, "maximum": 2}),
+    "frequency_penalty": _nullable({**_NUM, "minimum": -2, "maximum": 2}),
+    "min_p": _nullable({**_NUM, "minimum": 0, "maximum": 1, "description":
+                        "vLLM's extension: drop tokens below min_p x the most likely one's probability"}),
+    "min_tokens": _nullable({**_INT, "minimum": 0, "description":
+                             "vLLM's extension: at least this many tokens before EOS, stop ids or strings"}),
     "kvrelay": _EXTENSION,
     **{name: {"description": f"accepted only as {NEUTRAL[name][0]!r}: {why}"}
        for name, why in NOT_IMPLEMENTED.items() if name in NEUTRAL},

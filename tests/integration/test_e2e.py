@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 
+from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.v1 import inference_pb2 as ipb
 from tests.integration.helpers import (
     PROMPTS,
@@ -39,6 +40,26 @@ def test_greedy_outputs_match_engine_and_decode_never_prefills(shared_cluster, s
     assert worker_stats(shared_cluster, "local/prefill/0").prefill_tokens_total > 0
     text = "".join(m.text for m in collect(shared_stub, chat_request(PROMPTS[0]))[1])
     assert "Paris" in text
+
+
+def test_penalties_and_min_tokens_cross_the_cluster_as_the_engine_runs_them(shared_cluster, shared_stub,
+                                                                            reference_engine):
+    """vLLM's sampling extensions reach both workers: the prefill worker samples the first token
+    with them, the decode worker the rest, and the answer is the engine's own with the same
+    parameters (values exact in float32, as they cross the wire)."""
+    sampling = ipb.SamplingParams(repetition_penalty=1.25, presence_penalty=0.75, frequency_penalty=0.5,
+                                  min_tokens=12)
+    params = SamplingParams(max_tokens=16, repetition_penalty=1.25, presence_penalty=0.75, frequency_penalty=0.5,
+                            min_tokens=12)
+    changed = False
+    for text in PROMPTS[:2]:
+        ids = reference_engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+        want = reference_engine.generate([ids], params)[0].token_ids
+        tokens, msgs = collect(shared_stub, chat_request(text, max_tokens=16, sampling=sampling))
+        assert tokens == want, text
+        assert len(tokens) >= 12 and not msgs[-1].finish.placement.colocated
+        changed |= tokens != reference(reference_engine, text, 16)
+    assert changed  # the penalties changed what greedy decoding says
 
 
 def test_32_concurrent_streams(shared_cluster, shared_stub, reference_engine):

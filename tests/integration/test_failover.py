@@ -33,12 +33,17 @@ def failover_cluster(smollm_path):
 
 
 def test_decode_worker_killed_mid_stream_is_migrated(failover_cluster, reference_engine):
+    """With penalties: the resumed request counts the tokens already sent as output
+    (WorkRequest.prior_output_tokens), so the continuation is the uninterrupted one."""
     prompt = reference_engine.tokenizer.encode("The first research networks in Canada connected universities")
-    want = reference_engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
+    penalties = dict(repetition_penalty=1.125, presence_penalty=0.25, frequency_penalty=0.5)
+    want = reference_engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                              **penalties))[0].token_ids
     tokens, msgs, killed = [], [], None
     with failover_cluster.channel() as ch:
         call = igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
-            token_ids=ipb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True), timeout=180)
+            token_ids=ipb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True,
+            sampling=ipb.SamplingParams(**penalties)), timeout=180)
         for msg in call:
             msgs.append(msg)
             tokens += msg.token_ids

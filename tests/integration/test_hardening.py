@@ -106,12 +106,14 @@ def test_fields_not_implemented_are_refused_by_name(hardening_cluster):
         ({"tool_choice": "auto"}, "'tool_choice' is not supported"),
         ({"response_format": {"type": "json_object"}}, "'response_format' is not supported"),
         ({"logit_bias": {"42": 5}}, "'logit_bias' is not supported"),
-        ({"presence_penalty": 0.5}, "'presence_penalty' is not supported"),
-        ({"repetition_penalty": 1.2}, "'repetition_penalty' is not supported"),
-        ({"repetition_penalty": True}, "'repetition_penalty' is not supported"),  # true is not 1
-        ({"min_p": 0.1}, "'min_p' is not supported"),
-        ({"min_tokens": 4}, "'min_tokens' is not supported"),
-        ({"min_tokens": False}, "'min_tokens' is not supported"),  # false is not 0
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5"),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2], got -3"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 2], got 0"),
+        ({"repetition_penalty": True}, "'repetition_penalty' must be a number"),  # true is not 1
+        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5"),
+        ({"min_tokens": -1}, "min_tokens must be in [0, "),
+        ({"min_tokens": False}, "'min_tokens' must be an integer"),  # false is not 0
+        ({"min_tokens": 3}, "min_tokens (3) must be at most max_tokens (2)"),
         ({"stop_token_ids": [1, -2]}, "'stop_token_ids' must be a list of non-negative 32-bit integers"),
         ({"stop_token_ids": 7}, "'stop_token_ids' must be a list of token ids"),
         ({"user": "alice"}, "'user' is not supported"),
@@ -133,10 +135,11 @@ def test_fields_not_implemented_are_refused_by_name(hardening_cluster):
         assert body["error"]["param"], body
     status, body = _post(hardening_cluster, "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6})
     _assert_error(status, body, 400, "logprobs must be in [0, 5]")
-    # the values that ask for what kvrelay does anyway are accepted
-    neutral = {"response_format": {"type": "text"}, "tools": [], "logit_bias": {}, "presence_penalty": 0,
-               "frequency_penalty": 0.0, "tool_choice": None, "role": None, "repetition_penalty": 1.0,
-               "min_p": 0, "min_tokens": 0, "stop_token_ids": []}
+    # the values that ask for what kvrelay does anyway are accepted, and so are the sampling
+    # extensions vLLM's clients send (what each does: tests/unit/test_sampler.py)
+    neutral = {"response_format": {"type": "text"}, "tools": [], "logit_bias": {}, "presence_penalty": 0.5,
+               "frequency_penalty": 0.0, "tool_choice": None, "role": None, "repetition_penalty": 1.2,
+               "min_p": 0.05, "min_tokens": 2, "stop_token_ids": []}
     neutral.pop("role")
     status, body = _post(hardening_cluster, CHAT, base | neutral)
     assert status == 200, body
