@@ -10,6 +10,7 @@ platform baselines; the engine's decode-only rate is reported as well.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,6 +22,7 @@ import torch
 from kvrelay.engine.config import CacheConfig, DType, EngineConfig, SchedulerConfig
 from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.launch.vllm_env import installed_version
 
 CORPUS = ("Research and education networks connect universities, laboratories and hospitals across "
           "cities and countries. They carry physics data, genomes, climate models and lecture videos, "
@@ -35,7 +37,10 @@ class EngineBenchResult:
     ours_prefill_tok_s: float
     hf_prefill_tok_s: float | None
     decode: dict[int, dict[str, float | None]] = field(default_factory=dict)
-    """batch -> {ours, ours_decode_only, hf} tokens/s."""
+    """batch -> {ours, ours_decode_only, hf, vllm} tokens/s (None: not measured)."""
+    vllm_prefill_tok_s: float | None = None
+    """vLLM's offline engine (``--engine vllm``) on the same prompt, dtype and cores."""
+    vllm_version: str | None = None
     memcpy_gb_s: float = 0.0
     read_gb_s: float = 0.0
     b1_bytes_per_step: int = 0
@@ -116,8 +121,37 @@ def bench_hf(path: Path, dtype: torch.dtype, tokenizer, prompt512: list[int], ba
     return prefill, out
 
 
+VLLM_MAX_MODEL_LEN = 1024
+VLLM_KV_CACHE_GIB = "1"
+
+
+def bench_vllm(path: Path, dtype: str, prompt512: list[int], prompts: dict[int, list[list[int]]], new_tokens: int,
+               repeat: int) -> tuple[float, dict[int, float]]:
+    """vLLM's offline engine (eager, no prefix caching), measured as :func:`bench_ours` measures
+    whole generate calls: (prefill tok/s of ``prompt512``, batch -> decode tok/s)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", VLLM_KV_CACHE_GIB)  # GiB of KV (vLLM's own setting)
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    llm = vllm.LLM(model=str(path), dtype=cast(Any, dtype), enforce_eager=True, max_model_len=VLLM_MAX_MODEL_LEN,
+                   enable_prefix_caching=False, seed=0)
+
+    def run(batch: list[list[int]], n: int) -> None:
+        sp = vllm.SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+        llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], sp, use_tqdm=False)
+
+    run([prompt512], 1)  # warm-up
+    prefill = len(prompt512) / _time(lambda: run([prompt512], 1), repeat)
+    decode = {}
+    for b, batch in prompts.items():
+        run(batch, 4)
+        decode[b] = b * new_tokens / _time(lambda: run(batch, new_tokens), repeat)  # noqa: B023 (called at once)
+    return prefill, decode
+
+
 def run_engine_bench(model_path: Path, dtype: str = "float32", threads: int = 2, batches: tuple[int, ...] = (1, 8, 32),
-                     new_tokens: int = 64, repeat: int = 3, with_hf: bool = True) -> EngineBenchResult:
+                     new_tokens: int = 64, repeat: int = 3, with_hf: bool = True,
+                     with_vllm: bool = False) -> EngineBenchResult:
     torch.set_num_threads(threads)
     eng = LLMEngine(EngineConfig(model_path=model_path, dtype=cast(DType, dtype),  # a DType: EngineConfig checks
                                  cache=CacheConfig(memory_gib=1.0),
@@ -129,16 +163,25 @@ def run_engine_bench(model_path: Path, dtype: str = "float32", threads: int = 2,
     if with_hf:
         hf_prefill, hf_decode = bench_hf(model_path, eng.model.dtype, eng.tokenizer, prompt512, list(batches),
                                          new_tokens, repeat)
+    vllm_prefill: float | None = None
+    vllm_decode: dict[int, float] = {}
+    vllm_version = None
+    if with_vllm:
+        vllm_version = installed_version()
+        vllm_prefill, vllm_decode = bench_vllm(model_path, dtype, prompt512,
+                                               {b: _prompts(eng.tokenizer, b, 32) for b in batches}, new_tokens,
+                                               repeat)
     copy_bw, read_bw = measure_bandwidth()
     ctx = 32 + new_tokens // 2
     step_bytes = eng.model.weight_bytes() + ctx * eng.layout.bytes_per_token
     res = EngineBenchResult(dtype=dtype, threads=threads, prefill_tokens=len(prompt512),
                             ours_prefill_tok_s=ours_prefill, hf_prefill_tok_s=hf_prefill,
                             memcpy_gb_s=copy_bw, read_gb_s=read_bw, b1_bytes_per_step=step_bytes,
-                            b1_bound_tok_s=read_bw * 1e9 / step_bytes)
+                            b1_bound_tok_s=read_bw * 1e9 / step_bytes, vllm_prefill_tok_s=vllm_prefill,
+                            vllm_version=vllm_version)
     for b in batches:
         res.decode[b] = {"ours": ours_decode[b][0], "ours_decode_only": ours_decode[b][1],
-                         "hf": hf_decode.get(b)}
+                         "hf": hf_decode.get(b), "vllm": vllm_decode.get(b)}
     return res
 
 
@@ -150,12 +193,14 @@ def format_result(r: EngineBenchResult) -> str:
         return "n/a" if v is None else f"{v:,.0f}"
 
     lines = [f"## engine bench: SmolLM2-135M-Instruct, {r.dtype}, {r.threads} threads",
-             "", "| measure | kvrelay | transformers | ratio |", "|---|---|---|---|",
+             "", "| measure | kvrelay | transformers | ratio | vLLM | ratio |", "|---|---|---|---|---|---|",
              f"| prefill {r.prefill_tokens} tok (tok/s) | {num(r.ours_prefill_tok_s)} | {num(r.hf_prefill_tok_s)} | "
-             f"{ratio(r.ours_prefill_tok_s, r.hf_prefill_tok_s)} |"]
+             f"{ratio(r.ours_prefill_tok_s, r.hf_prefill_tok_s)} | {num(r.vllm_prefill_tok_s)} | "
+             f"{ratio(r.ours_prefill_tok_s, r.vllm_prefill_tok_s)} |"]
     for b, d in r.decode.items():
         lines.append(f"| decode batch {b} (tok/s) | {num(d['ours'])} (decode only {num(d['ours_decode_only'])}) | "
-                     f"{num(d['hf'])} | {ratio(d['ours'], d['hf'])} |")
+                     f"{num(d['hf'])} | {ratio(d['ours'], d['hf'])} | {num(d.get('vllm'))} | "
+                     f"{ratio(d['ours'], d.get('vllm'))} |")
     b1 = r.decode.get(1, {}).get("ours_decode_only")
     lines += ["", f"memory: copy {r.memcpy_gb_s:.1f} GB/s, read {r.read_gb_s:.1f} GB/s; batch-1 decode reads "
               f"{r.b1_bytes_per_step / 1e6:.0f} MB/step -> bound {r.b1_bound_tok_s:.0f} tok/s"

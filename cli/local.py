@@ -71,7 +71,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     batches = tuple(int(b) for b in args.batches.split(","))
     for dtype in args.dtype.split(","):
         r = run_engine_bench(path, dtype=dtype, threads=args.threads, batches=batches,
-                             new_tokens=args.new_tokens, repeat=args.repeat, with_hf=not args.no_reference)
+                             new_tokens=args.new_tokens, repeat=args.repeat, with_hf=not args.no_reference,
+                             with_vllm=args.engine == "vllm")
         print(format_result(r), flush=True)
         if args.json:
             Path(args.json).with_suffix(f".{dtype}.json").write_text(to_json(r))

@@ -161,8 +161,8 @@ def _add_generate_parser(sub) -> None:
     g.set_defaults(func=cmd_generate)
 
 
-def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> None:
-    """bench engine, kv, placement and replay (bench cities comes with the cities commands)."""
+def _add_bench_engine_parser(bench) -> None:
+    """bench engine: kvrelay's engine against transformers (and vLLM) in one run."""
     be = bench.add_parser("engine", help="engine vs transformers: prefill and decode throughput")
     be.add_argument("--model", help="checkpoint folder (default: the embedded model)")
     be.add_argument("--dtype", default="float32", help="comma-separated dtypes (float32, bfloat16)")
@@ -171,8 +171,15 @@ def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> N
     be.add_argument("--new-tokens", type=int, default=64)
     be.add_argument("--repeat", type=int, default=3)
     be.add_argument("--no-reference", action="store_true", help="skip transformers")
+    be.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
+                    help="vllm: also measure vLLM's offline engine in the same run, beside kvrelay's (builtin)")
     be.add_argument("--json", help="also write results to this path (.<dtype>.json)")
     be.set_defaults(func=local("cmd_bench_engine"))
+
+
+def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> None:
+    """bench engine, kv, placement and replay (bench cities comes with the cities commands)."""
+    _add_bench_engine_parser(bench)
 
     bk = bench.add_parser("kv", help="KV transfer throughput vs raw sockets and memcpy; layer-wise overlap")
     bk.add_argument("--sizes", default="1,16,256", help="MiB of KV per transfer, comma-separated")

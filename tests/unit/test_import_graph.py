@@ -37,7 +37,8 @@ FORBIDDEN = {
 }
 """The rules the README's Architecture section states outright (the layer order implies most of them)."""
 
-LAZY_ALLOWED = {"ray", "matplotlib", "transformers", "nixl", "nixl_cu12", "mooncake", "uvicorn", "openai", "torch"}
+LAZY_ALLOWED = {"ray", "matplotlib", "transformers", "nixl", "nixl_cu12", "mooncake", "uvicorn", "openai", "torch",
+                "vllm"}
 """Heavy optional dependencies that may be imported inside a function."""
 
 
