@@ -129,7 +129,7 @@ def bench_vllm(path: Path, dtype: str, prompt512: list[int], prompts: dict[int, 
                repeat: int) -> tuple[float, dict[int, float]]:
     """vLLM's offline engine (eager, no prefix caching), measured as :func:`bench_ours` measures
     whole generate calls: (prefill tok/s of ``prompt512``, batch -> decode tok/s)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", VLLM_KV_CACHE_GIB)  # GiB of KV (vLLM's own setting)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = VLLM_KV_CACHE_GIB  # GiB of KV: vLLM's CPU build takes it from here only
     import vllm
     from vllm.inputs import TokensPrompt
 

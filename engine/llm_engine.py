@@ -265,10 +265,11 @@ class LLMEngine:
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:
         """What the sampler needs of ``seq`` for its next token."""
-        p = seq.params
-        stops = frozenset(p.stop_token_ids) if p.ignore_eos else self.eos_token_ids | frozenset(p.stop_token_ids)
-        return SampleRequest(p, seq.seed, p.prior_output_tokens + len(seq.output_token_ids), seq.prompt_token_ids,
-                             seq.output_token_ids, stops if p.min_tokens else frozenset())
+        p, index = seq.params, seq.num_generated
+        stops: frozenset[int] = frozenset()
+        if index < p.min_tokens:  # only then: this runs for every sequence at every step
+            stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
+        return SampleRequest(p, seq.seed, index, seq.prompt_token_ids, seq.output_token_ids, stops)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         bs = self.layout.block_size
@@ -290,7 +291,7 @@ class LLMEngine:
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
             reason = "stop"
         else:
-            detok.add(token, check_stop=params.prior_output_tokens + len(seq.output_token_ids) >= params.min_tokens)
+            detok.add(token, check_stop=seq.num_generated >= params.min_tokens)
             if detok.stopped:
                 reason = "stop"
             elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -15,6 +15,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per token a request may ask for (OpenAI's limit)."""
+RANGES = {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0), "min_p": (0.0, 1.0)}
+"""Closed bounds of the float extensions (vLLM's); ``repetition_penalty`` is in (0, 2]."""
 MAX_MIN_TOKENS = 1 << 20
 """Bound of ``min_tokens`` (a context window is far shorter; checked against max_tokens by the router)."""
 
@@ -101,11 +103,9 @@ class SamplingParams:
     def _check_penalties(self) -> None:
         if not _number_in(self.repetition_penalty, 0.0, 2.0) or self.repetition_penalty == 0.0:
             raise InvalidRequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not _number_in(getattr(self, name), -2.0, 2.0):
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if not _number_in(self.min_p, 0.0, 1.0):
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name, (low, high) in RANGES.items():
+            if not _number_in(getattr(self, name), low, high):
+                raise InvalidRequestError(f"{name} must be in [{low:g}, {high:g}], got {getattr(self, name)!r}")
         for name in ("min_tokens", "prior_output_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_MIN_TOKENS:

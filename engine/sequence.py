@@ -54,6 +54,12 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_generated(self) -> int:
+        """Output tokens so far, an earlier attempt's included (``params.prior_output_tokens``):
+        the sampled token's index, and what ``min_tokens`` counts."""
+        return self.params.prior_output_tokens + len(self.output_token_ids)
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from kvrelay.engine.sampling_params import MAX_MIN_TOKENS
+from kvrelay.engine.sampling_params import MAX_MIN_TOKENS, RANGES
 from kvrelay.router.core.requests import ROLES
 from kvrelay.router.frontends.openai_schema import (
     CHAT,
@@ -136,9 +136,6 @@ def _sampling(body: dict, req: ipb.GenerateRequest) -> None:
         req.sampling.seed = seed
 
 
-_PENALTY_RANGES = {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0), "min_p": (0.0, 1.0)}
-
-
 def _penalties(body: dict, req: ipb.GenerateRequest) -> None:
     """vLLM's and OpenAI's penalties, min_p and min_tokens (engine/sampling_params.py)."""
     rp = _get(body, "repetition_penalty", (int, float), "a number")
@@ -146,7 +143,7 @@ def _penalties(body: dict, req: ipb.GenerateRequest) -> None:
         if not 0 < rp <= 2:
             raise ApiError(400, f"repetition_penalty must be in (0, 2], got {rp}", param="repetition_penalty")
         req.sampling.repetition_penalty = rp
-    for name, (low, high) in _PENALTY_RANGES.items():
+    for name, (low, high) in RANGES.items():
         value = _get(body, name, (int, float), "a number")
         if value is not None:
             if not low <= value <= high:
