@@ -17,6 +17,7 @@ here (colocated), and each engine step's time by the tokens it computed.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
@@ -63,6 +64,8 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         """Per tenant and link: requests, tokens, KV bytes received, engine time (decode_worker_s)."""
         self.engine.step_hook = self.usage.on_step
         self.tel = telemetry
+        self.reserve_timeout_s = 10.0
+        """How long a reservation may wait for an engine that allocates in a step (vLLM)."""
 
     def load(self) -> wpb.WorkerLoad:
         return worker_load(self.ident, self.engine, kv_in=self.receiver.bytes_received, usage=self.usage)
@@ -168,6 +171,18 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             recv.span.set_status(Status(StatusCode.ERROR, (error or "")[:300]))
         recv.span.end()
 
+    async def _reserve(self, rid, prompt, params, salt, key: UsageKey) -> tuple[list[int], int]:
+        """Blocks for the prompt's KV (and the first not cached here); OutOfBlocksError
+        when an engine that allocates in a step (vLLM) has none before the reserve deadline."""
+        res = await self.aengine.call(self.engine.reserve, rid, prompt, params, salt, key)
+        if not isinstance(res, concurrent.futures.Future):
+            return res
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(res), self.reserve_timeout_s)
+        except TimeoutError:
+            raise OutOfBlocksError(f"no blocks for {len(prompt)} prompt tokens within "
+                                   f"{self.reserve_timeout_s:g} s") from None
+
     async def _disaggregated(self, rid, prompt, params, salt, request: wpb.DecodeRequest, context, key: UsageKey,
                              span: Span):
         q = self.aengine.open_stream(rid)
@@ -177,7 +192,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         try:
             reserve = tr.start("kvrelay.decode.reserve", within(span))
             try:
-                blocks, start = await self.aengine.call(self.engine.reserve, rid, prompt, params, salt, key)
+                blocks, start = await self._reserve(rid, prompt, params, salt, key)
             except InvalidRequestError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except OutOfBlocksError as exc:
@@ -200,16 +215,18 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                                                 res.first_logprob if params.logprobs else None)
             except InvalidRequestError as exc:  # from the wire: the router recovers as for a failed transfer
                 await context.abort(grpc.StatusCode.ABORTED, f"KV transfer refused: {exc}")
-            finished = first.finished
-            self.usage.count_output(key, first)
-            self._generated(gen, first, True)
-            yield wpb.DecodeEvent(output=output_to_proto(first))
-            if finished:
-                return
+            if first is not None:  # else the engine samples the first token itself (vLLM)
+                finished = first.finished
+                self.usage.count_output(key, first)
+                self._generated(gen, first, True)
+                yield wpb.DecodeEvent(output=output_to_proto(first))
+                if finished:
+                    return
             async for out in self.aengine.outputs(rid, q):
-                finished = out.finished
                 self.usage.count_output(key, out)
-                self._generated(gen, out, False)
+                self._generated(gen, out, first is None)
+                first = first or out
+                finished = out.finished
                 yield wpb.DecodeEvent(output=output_to_proto(out))
         finally:
             if recv is not None and recv.open:  # the router left while the KV was on its way

@@ -1,4 +1,4 @@
-"""Runs an :class:`LLMEngine` on its own thread and exposes it to asyncio.
+"""Runs an engine (a :class:`~kvrelay.engine.interface.WorkerEngine`) on its own thread and exposes it to asyncio.
 
 Lifecycle: ``start()`` from a running event loop starts the engine thread;
 it steps while there is work and otherwise sleeps on its command queue.
@@ -18,7 +18,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvrelay.engine.llm_engine import LLMEngine, RequestOutput
+from kvrelay.engine.interface import WorkerEngine
+from kvrelay.engine.llm_engine import RequestOutput
 from kvrelay.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ class EngineStopped(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, call_timeout_s: float = 60.0) -> None:
+    def __init__(self, engine: WorkerEngine, call_timeout_s: float = 60.0) -> None:
         self.engine = engine
         self.call_timeout_s = call_timeout_s
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()

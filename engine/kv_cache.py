@@ -36,6 +36,12 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    kinds: int = 2
+    """Planes per layer and block: 2 when K and V of a block lie apart (this
+    engine's cache), 1 when one page holds both (vLLM's CPU cache)."""
+    format: str = "kvrelay-kv-v1"
+    """How the bytes of a block are arranged; equal formats (and fields) mean
+    byte-compatible KV. vLLM's names its platform, layout and kernel ISA."""
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, dtype: str, block_size: int) -> KVLayout:
@@ -47,8 +53,14 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of K (or of V) of one layer of one block."""
-        return self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+        """Bytes of one plane of one layer of one block: K (or V) when
+        ``kinds`` is 2, the whole page when it is 1."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.element_size * (2 // self.kinds)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block over all layers, K and V."""
+        return self.kinds * self.num_layers * self.block_bytes
 
     @property
     def bytes_per_token(self) -> int:
@@ -58,7 +70,7 @@ class KVLayout:
     def compat_hash(self) -> str:
         """Hex digest identifying the layout; equal hashes mean byte-compatible KV."""
         text = (f"{self.model}|{self.dtype}|{self.num_layers}|{self.num_kv_heads}|"
-                f"{self.head_dim}|{self.block_size}|kvrelay-kv-v1")
+                f"{self.head_dim}|{self.block_size}|{self.format}")
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -97,11 +109,24 @@ class KVCache:
                                       dtype=torch_dtype(layout.dtype)).view(shape)
 
     @classmethod
+    def wrap(cls, layout: KVLayout, kv: torch.Tensor) -> KVCache:
+        """A cache over memory another engine owns: ``kv`` shaped
+        ``[num_layers, layout.kinds, num_blocks, ...]``, each layer's block one
+        contiguous run of ``layout.kinds * layout.block_bytes`` bytes."""
+        if kv.shape[0] != layout.num_layers or kv.shape[1] != layout.kinds or not kv.is_contiguous():
+            raise ValueError(f"a wrapped KV tensor must be contiguous [{layout.num_layers}, {layout.kinds}, blocks, "
+                             f"...], got {tuple(kv.shape)}")
+        cache = cls.__new__(cls)
+        cache.layout, cache.num_blocks, cache.device, cache.shm_path = layout, kv.shape[2], str(kv.device), None
+        cache.kv = kv
+        return cache
+
+    @classmethod
     def attach(cls, layout: KVLayout, num_blocks: int, shm_path: str) -> KVCache:
         """Maps another process's shared-memory KV cache (same layout)."""
         if not os.path.exists(shm_path):
             raise FileNotFoundError(f"{shm_path}: no such shared KV cache")
-        expected = 2 * layout.num_layers * num_blocks * layout.block_bytes
+        expected = num_blocks * layout.bytes_per_block
         if os.path.getsize(shm_path) != expected:
             raise ValueError(f"{shm_path}: {os.path.getsize(shm_path)} bytes, layout implies {expected}")
         return cls(layout, num_blocks, "cpu", shm_path, create=False)
@@ -113,8 +138,7 @@ class KVCache:
 
     @staticmethod
     def blocks_for_budget(layout: KVLayout, memory_bytes: int) -> int:
-        per_block = 2 * layout.num_layers * layout.block_bytes
-        return max(2, memory_bytes // per_block)
+        return max(2, memory_bytes // layout.bytes_per_block)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of one layer, each ``[num_blocks, block_size, H, D]``."""
@@ -127,4 +151,4 @@ class KVCache:
 
     def block_offset(self, layer: int, kind: int, block: int) -> int:
         """Byte offset of K (``kind=0``) or V (``kind=1``) of ``layer``, ``block``."""
-        return ((layer * 2 + kind) * self.num_blocks + block) * self.layout.block_bytes
+        return ((layer * self.layout.kinds + kind) * self.num_blocks + block) * self.layout.block_bytes

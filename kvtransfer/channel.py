@@ -58,15 +58,15 @@ class LayerRun:
     num_layers: int = 1
 
     def nbytes(self, block_bytes: int) -> int:
-        """Bytes of K and V the run carries."""
-        return self.num_layers * 2 * len(self.src) * block_bytes
+        """Bytes of K and V the run carries (``block_bytes``: of every plane of a layer's block)."""
+        return self.num_layers * len(self.src) * block_bytes
 
     def merges_with(self, later: LayerRun, block_bytes: int) -> bool:
         """``later`` is the next layer of the same blocks of the same transfer,
         and the merged frame fits MERGE_BYTES."""
         return (later.handle is self.handle and later.src == self.src and later.first == self.first
                 and later.layer == self.layer + self.num_layers and later.num_layers == 1
-                and (self.num_layers + 1) * 2 * len(self.src) * block_bytes <= MERGE_BYTES)
+                and (self.num_layers + 1) * len(self.src) * block_bytes <= MERGE_BYTES)
 
 
 @dataclass(slots=True)
@@ -173,7 +173,7 @@ class SendStream:
             log.warning("KV connection to %s lost before the receiver got any of transfer %s (%s): "
                         "resending it on a fresh connection", self.pool.endpoint, h.transfer_id, reason)
             for item in items:
-                self.put(item, item.nbytes(self.pool.mem.block_bytes) if isinstance(item, LayerRun) else 0)
+                self.put(item, item.nbytes(self.pool.mem.layer_block_bytes) if isinstance(item, LayerRun) else 0)
         if sock is not None:
             try:  # shutdown first: it wakes the reader blocked on this socket and sends the FIN, which
                 sock.shutdown(socket.SHUT_RDWR)  # close alone does not while that read holds the socket
@@ -189,7 +189,7 @@ class SendStream:
         blocks and consecutive layers into one multi-layer run of at most
         MERGE_BYTES (so a receiver that pulls overlaps pulling one frame with
         checking the last)."""
-        block_bytes = self.pool.mem.block_bytes
+        block_bytes = self.pool.mem.layer_block_bytes
         while True:
             items = [self.q.get()]
             while True:
@@ -210,7 +210,7 @@ class SendStream:
         """An item's byte count and views into the KV tensor; None (counted
         as sent) when its transfer already failed."""
         mem = self.pool.mem
-        nbytes = item.nbytes(mem.block_bytes) if isinstance(item, LayerRun) else 0
+        nbytes = item.nbytes(mem.layer_block_bytes) if isinstance(item, LayerRun) else 0
         if not item.handle.enter():
             self._sent(nbytes)
             return None
@@ -218,7 +218,7 @@ class SendStream:
         if isinstance(item, LayerRun):
             runs = coalesce(item.src)
             views = [mem.run(lyr, kind, b, n) for lyr in range(item.layer, item.layer + item.num_layers)
-                     for kind in (0, 1) for _, b, n in runs]
+                     for kind in mem.kinds for _, b, n in runs]
         return nbytes, views
 
     def _write_loop(self) -> None:
@@ -319,7 +319,7 @@ class SendStream:
         if self.shared:  # the receiver pulls: block ids and a MAC of each run it pulls
             dest = list(h.target.block_ids[first:first + len(src)])
             mem = self.pool.mem
-            runs = [mem.run(lyr, kind, s, n) for lyr in range(layer, layer + num_layers) for kind in (0, 1)
+            runs = [mem.run(lyr, kind, s, n) for lyr in range(layer, layer + num_layers) for kind in mem.kinds
                     for s, _, n in paired_runs(src, dest)]
             tags = bytearray(self._live().writer.tag_pulled(runs))
             if tamper:
@@ -468,7 +468,7 @@ class ChannelSendHandle(StateHandle, SendHandle):
         self.advance(TransferState.TRANSFERRING)
         self._stream = self.pool.pick(self._stream)
         run = LayerRun(self, layer, list(src_blocks), first)
-        self._stream.put(run, run.nbytes(self.pool.mem.block_bytes))
+        self._stream.put(run, run.nbytes(self.pool.mem.layer_block_bytes))
 
     def finish(self, first_token_id: int, first_logprob: float) -> None:
         self.first_token, self.first_logprob = first_token_id, first_logprob

@@ -56,7 +56,7 @@ class SharedMemorySource:
         s = torch.tensor(src, dtype=torch.long)
         d = torch.tensor(dest, dtype=torch.long)
         for layer in layers:
-            for kind in (0, 1):
+            for kind in range(self.cache.layout.kinds):
                 self.cache.kv[layer, kind].index_copy_(0, d, self.peer.kv[layer, kind].index_select(0, s))
 
 

@@ -45,8 +45,13 @@ class KVBytes:
         raw = cache.kv.view(-1).view(torch.uint8).numpy()
         self.mem = memoryview(raw)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only on 3.12+
         self.block_bytes = cache.layout.block_bytes
+        """Bytes of one plane (K or V, or the page holding both) of one layer's block."""
+        self.kinds = range(cache.layout.kinds)
+        """The planes of a layer's block, as ``run``'s ``kind``."""
+        self.layer_block_bytes = cache.layout.kinds * self.block_bytes
+        """Bytes of every plane of one layer's block."""
 
     def run(self, layer: int, kind: int, first_block: int, count: int) -> memoryview:
-        """K (kind 0) or V (kind 1) of ``layer`` for blocks [first, first + count)."""
+        """Plane ``kind`` (K 0 or V 1; 0 for a page of both) of ``layer`` for blocks [first, first + count)."""
         off = self.cache.block_offset(layer, kind, first_block)
         return self.mem[off:off + count * self.block_bytes]

@@ -132,14 +132,14 @@ class NixlAgent:
     def read(self, peer: NixlPeer, layers: range, src: list[int], dest: list[int], timeout_s: float) -> None:
         """READs K and V of ``layers`` for the sender's ``src`` blocks into our
         ``dest`` blocks; raises RuntimeError on a NIXL error or the deadline."""
-        bb = self.cache.layout.block_bytes
+        bb, kinds = self.cache.layout.block_bytes, self.cache.layout.kinds
         local, remote = [], []
         base = self.base_address
         for layer in layers:
-            for kind in (0, 1):
+            for kind in range(kinds):
                 for s, d, n in paired_runs(src, dest):
                     local.append((base + self.cache.block_offset(layer, kind, d), n * bb, self.device_id))
-                    r_off = ((layer * 2 + kind) * peer.num_blocks + s) * bb
+                    r_off = ((layer * kinds + kind) * peer.num_blocks + s) * bb
                     remote.append((peer.base_address + r_off, n * bb, peer.device_id))
         agent = self.agent
         handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, self.mem_type),

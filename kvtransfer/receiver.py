@@ -196,10 +196,10 @@ class ChannelReceiver(KVReceiver):
     def expect(self, transfer_id: str, block_ids: list[int], sender: str = "") -> TransferHandle:
         h = StateHandle(transfer_id)
         h.advance(TransferState.WAITING)
-        layers = self.cache.layout.num_layers
+        layers, kinds = self.cache.layout.num_layers, self.cache.layout.kinds
         with self._lock:
-            self._expected[transfer_id] = _Incoming(h, list(block_ids), bytearray(2 * layers * len(block_ids)),
-                                                    2 * layers * len(block_ids),
+            self._expected[transfer_id] = _Incoming(h, list(block_ids), bytearray(kinds * layers * len(block_ids)),
+                                                    kinds * layers * len(block_ids),
                                                     started=time.perf_counter(), sender=sender)
         return h
 
@@ -291,7 +291,7 @@ class ChannelReceiver(KVReceiver):
         """The frame's layers and whether we pull its blocks; ProtocolError
         when the (authenticated) frame contradicts itself or the model."""
         layers = range(hdr.layer, hdr.layer + max(1, hdr.num_layers))
-        runs = len(layers) * 2 * hdr.count
+        runs = len(layers) * self.cache.layout.kinds * hdr.count
         pulled = len(hdr.src_blocks) > 0
         if pulled and (conn.source is None or len(hdr.src_blocks) != hdr.count
                        or max(hdr.src_blocks) >= conn.source.num_blocks):
@@ -326,10 +326,10 @@ class ChannelReceiver(KVReceiver):
             return
         dest = inc.block_ids[hdr.first:hdr.first + hdr.count]
         if pulled:  # one view per run consecutive at both ends: what the sender tagged
-            views = [self.mem.run(layer, kind, d, n) for layer in layers for kind in (0, 1)
+            views = [self.mem.run(layer, kind, d, n) for layer in layers for kind in self.mem.kinds
                      for _, d, n in paired_runs(list(hdr.src_blocks), dest)]
         else:
-            views = [self.mem.run(layer, kind, first_id, n) for layer in layers for kind in (0, 1)
+            views = [self.mem.run(layer, kind, first_id, n) for layer in layers for kind in self.mem.kinds
                      for _, first_id, n in coalesce(dest)]
         seq = conn.live.reader.last_seq
         conn.transfers[hdr.transfer_id] = inc
@@ -370,14 +370,14 @@ class ChannelReceiver(KVReceiver):
             self._land(inc, hdr, layers)
 
     def _land(self, inc: _Incoming, hdr: pb.KVBlocks, layers: range) -> None:
-        n, ones = len(inc.block_ids), b"\x01" * hdr.count
+        n, ones, kinds = len(inc.block_ids), b"\x01" * hdr.count, self.cache.layout.kinds
         with inc.cond:
             for layer in layers:
-                for kind in (0, 1):
-                    at = (layer * 2 + kind) * n + hdr.first
+                for kind in range(kinds):
+                    at = (layer * kinds + kind) * n + hdr.first
                     inc.missing -= hdr.count - inc.landed.count(1, at, at + hdr.count)  # a block sent twice counts once
                     inc.landed[at:at + hdr.count] = ones
-            nbytes = len(layers) * 2 * hdr.count * self.cache.layout.block_bytes
+            nbytes = len(layers) * kinds * hdr.count * self.cache.layout.block_bytes
             inc.nbytes += nbytes
         self.bytes_received += nbytes
         self._maybe_complete(hdr.transfer_id, inc)

@@ -27,6 +27,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.blocks import blocks_for
 from kvrelay.engine.errors import InvalidRequestError
+from kvrelay.engine.interface import WorkerEngine
+from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.kvtransfer.base import KVSender, TransferTarget, Transport
 from kvrelay.kvtransfer.errors import KVTransferError
 from kvrelay.kvtransfer.handles import wait_async
@@ -35,12 +37,27 @@ from kvrelay.prefill_worker.streamer import LayerStreamer
 from kvrelay.runtime.convert import top_logprobs_proto, work_params
 from kvrelay.runtime.tracing import context_from_metadata, traceparent, within
 from kvrelay.runtime.usage_meter import UsageKey, UsageMeter, kv_link
+from kvrelay.runtime.vllm_bridge import LayerSends
+from kvrelay.runtime.vllm_engine import VllmEngine
 from kvrelay.runtime.worker import WorkerIdentity, worker_load
 from kvrelay.runtime.worker_telemetry import DISABLED, ChunkSpans, WorkerTelemetry
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
+
+
+def streamer_for(engine: WorkerEngine) -> LayerStreamer | LayerSends:
+    """What sends each layer's blocks as the engine computes it: the builtin engine's layer
+    hook (prefill_worker/streamer.py) or a vLLM engine's connector (runtime/vllm_bridge.py)."""
+    if isinstance(engine, VllmEngine):
+        sends = engine.bridge.sends
+        if sends is None:
+            raise RuntimeError("the vLLM engine has no KV cache registered with kvrelay's connector")
+        return sends
+    if not isinstance(engine, LLMEngine):
+        raise TypeError(f"no layer streamer for a {type(engine).__name__}")
+    return LayerStreamer(engine.runner, engine.layout.num_layers)
 
 
 class PrefillService(wgrpc.PrefillWorkerServicer):
@@ -50,7 +67,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         self.engine = aengine.engine
         self.ident = ident
         self.sender = sender
-        self.streamer = LayerStreamer(self.engine.runner, self.engine.layout.num_layers)
+        self.streamer = streamer_for(self.engine)
         self.transfer_timeout_s = transfer_timeout_s
         self.kv_bytes_sent = 0
         self.usage = UsageMeter()

@@ -75,6 +75,7 @@ from kvrelay.engine.config import (
 from kvrelay.kvtransfer.base import AUTO, Transport
 from kvrelay.kvtransfer.protection import Protection
 from kvrelay.runtime.addresses import is_loopback
+from kvrelay.runtime.engines import EngineField, EngineKind, VllmSection
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.tenants import TenantSection, check_tenants
 
@@ -369,8 +370,15 @@ class PoolSection(ConfigSection):
     """cpu or cuda[:N] for this pool; None = model.device."""
     tenants: StringList = field(default_factory=list)
     """Dedicated pool: only these tenants' requests are placed on it. Empty: shared by every tenant."""
+    engine: EngineField = EngineKind.BUILTIN
+    """What computes this pool's requests: builtin (kvrelay's engine) or vllm (needs vLLM installed)."""
+    vllm: VllmSection | None = None
+    """vLLM's engine arguments (engine: vllm only); None = every default."""
 
     def __post_init__(self) -> None:
+        if self.vllm is not None and self.engine is not EngineKind.VLLM:
+            raise FieldError("vllm", f"engine arguments for vLLM on a pool whose engine is {self.engine}; "
+                                     "set engine: vllm, or remove the section")
         for name in ("min_replicas", "replicas"):  # their lower bound 0 depends on max_replicas: checked here
             if getattr(self, name) < -_MAX_REPLICAS:  # past the bound's size, as for every other field
                 raise FieldError(name, f"must be >= 0, got {show(getattr(self, name))}")

@@ -22,11 +22,13 @@ import grpc
 
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.interface import WorkerEngine
 from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.kvtransfer.base import Transport
 from kvrelay.kvtransfer.config import TransferConfig
 from kvrelay.kvtransfer.select import choose_transport, host_has_rdma
 from kvrelay.runtime.config import ClusterConfig, PoolSection, load_config
+from kvrelay.runtime.engines import VLLM_MISSING, EngineKind, VllmSection, vllm_installed
 from kvrelay.runtime.fds import handshake_budget, raise_open_files_limit
 from kvrelay.runtime.health import HealthChecks, serve_health
 from kvrelay.runtime.kvcreds import CertCredentials
@@ -39,6 +41,7 @@ from kvrelay.runtime.rpc import Dialer, bind, create_server
 from kvrelay.runtime.tls import TLSMaterial, load_material, router_identity
 from kvrelay.runtime.topology import Topology
 from kvrelay.runtime.usage_meter import UsageMeter
+from kvrelay.runtime.vllm_engine import VllmEngine, VllmSpec, prepare_process
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
@@ -74,7 +77,7 @@ def build_engine(cfg: ClusterConfig, model_path: str, kv_shm_path: str | None = 
                                   kv_shm_path=kv_shm_path))
 
 
-def worker_load(ident: WorkerIdentity, engine: LLMEngine, kv_in: int = 0, kv_out: int = 0,
+def worker_load(ident: WorkerIdentity, engine: WorkerEngine, kv_in: int = 0, kv_out: int = 0,
                 usage: UsageMeter | None = None) -> wpb.WorkerLoad:
     """The load a worker reports (heartbeats, Stats), with its usage counters and incarnation."""
     st = engine.stats()
@@ -368,9 +371,22 @@ def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str,
     host = args.host or cfg.workers.host
     if host == "auto":
         host = local_address_towards(args.router)
+    transport = choose_transport(cfg.kv.transport)
+    check_engine(site.pool(role), f"sites.{args.site}.{role}", transport)
     return WorkerSetup(cfg, WorkerIdentity(f"{args.site}/{role}/{args.index}", role, args.site),
-                       site.pool(role), choose_transport(cfg.kv.transport), transfer, host, args.router,
-                       args.model_path, tls)
+                       site.pool(role), transport, transfer, host, args.router, args.model_path, tls)
+
+
+def check_engine(pool: PoolSection, where: str, transport: Transport) -> None:
+    """SystemExit, naming the pool, when its engine cannot run here (vLLM missing; vLLM's
+    memory is not a shared file, so the local transport cannot carry its KV)."""
+    if pool.engine is not EngineKind.VLLM:
+        return
+    if not vllm_installed():
+        raise SystemExit(f"{where}.engine: vllm: {VLLM_MISSING}")
+    if transport is Transport.LOCAL:
+        raise SystemExit(f"{where}.engine: vllm needs kv.transport tcp or nixl (the local transport shares "
+                         "the builtin engine's cache file; vLLM's cache is not one)")
 
 
 def kv_transfer_config(cfg: ClusterConfig, role: Role, site: str, secret: bytes,
@@ -401,9 +417,22 @@ def failing_step(step, at: int):
     return wrapped
 
 
+def build_vllm_engine(setup: WorkerSetup) -> VllmEngine:
+    """A vLLM pool's engine (runtime/vllm_engine.py), in this process."""
+    cfg = setup.cfg
+    prepare_process(cfg.workers.threads)
+    spec = VllmSpec(Path(setup.model_path), setup.ident.worker_id, setup.pool.vllm or VllmSection(),
+                    cfg.model.dtype, setup.pool.device or cfg.model.device, cfg.cache.memory_gib, cfg.scheduler)
+    return VllmEngine(spec)
+
+
 async def start_engine(setup: WorkerSetup, kv_shm_path: str | None = None) -> AsyncEngine:
-    """Builds this worker's engine and starts its step loop."""
-    engine = build_engine(setup.cfg, setup.model_path, kv_shm_path, setup.pool.device)
+    """Builds this worker's engine (its pool's: builtin or vLLM) and starts its step loop."""
+    engine: WorkerEngine
+    if setup.pool.engine is EngineKind.VLLM:
+        engine = build_vllm_engine(setup)
+    else:
+        engine = build_engine(setup.cfg, setup.model_path, kv_shm_path, setup.pool.device)
     w = setup.cfg.workers
     if w.fail_engine_worker == setup.ident.worker_id:
         failing = failing_step(engine.step, w.fail_engine_at_step)
@@ -424,14 +453,14 @@ def listening_server(setup: WorkerSetup) -> tuple[grpc.aio.Server, int]:
     return server, bind(server, setup.host, 0, setup.tls, mutual=True)
 
 
-def worker_info(setup: WorkerSetup, engine: LLMEngine, port: int, kv_endpoint: str) -> wpb.WorkerInfo:
+def worker_info(setup: WorkerSetup, engine: WorkerEngine, port: int, kv_endpoint: str) -> wpb.WorkerInfo:
     """What the worker tells the router about itself when it registers."""
     layout = engine.layout
     return wpb.WorkerInfo(worker_id=setup.ident.worker_id, role=setup.ident.role.proto, site=setup.ident.site,
                           address=f"{setup.host}:{port}", kv_endpoint=kv_endpoint, transport=setup.transport,
                           model=engine.model_config.name, layout_hash=layout.compat_hash(),
-                          block_size=layout.block_size, num_blocks=engine.pool.num_blocks,
-                          num_layers=layout.num_layers, kv_block_bytes=2 * layout.num_layers * layout.block_bytes,
+                          block_size=layout.block_size, num_blocks=engine.cache.num_blocks,
+                          num_layers=layout.num_layers, kv_block_bytes=layout.bytes_per_block,
                           device=str(engine.cache.kv.device))
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
-from kvrelay.engine.llm_engine import LLMEngine, StepUsage
+from kvrelay.engine.interface import WorkerEngine
+from kvrelay.engine.llm_engine import StepUsage
 from kvrelay.runtime.config import TelemetrySection
 from kvrelay.runtime.metrics import (
     EngineCollector,
@@ -35,7 +36,7 @@ from kvrelay.runtime.tracing import NO_TRACING, Tracing, process_name, within
 log = logging.getLogger(__name__)
 
 
-def engine_state(engine: LLMEngine) -> EngineState:
+def engine_state(engine: WorkerEngine) -> EngineState:
     """The engine's gauges now (read from any thread: plain counters)."""
     st = engine.stats()
     used = 1.0 - st.num_free_blocks / st.num_blocks if st.num_blocks else 0.0
@@ -113,7 +114,7 @@ class WorkerTelemetry:
         """What every span of this worker carries."""
         return {"kvrelay.site": self.site, "kvrelay.worker": self.worker_id}
 
-    def serve(self, engine: LLMEngine, advertise: str) -> str:
+    def serve(self, engine: WorkerEngine, advertise: str) -> str:
         """Registers the engine's gauges and starts /metrics; returns the address
         to advertise ("" when off; ``advertise`` replaces a wildcard bind address)."""
         labels = {"worker": self.worker_id, "site": self.site, "role": str(self.role)}
