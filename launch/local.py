@@ -33,6 +33,7 @@ from kvrelay.launch.credentials import LOCAL_TENANT, ClusterCredentials
 from kvrelay.launch.zygote import shared_zygote
 from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.config import ClusterConfig, Credential, dump_config
+from kvrelay.runtime.engines import pool_engine_problem
 from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import Dialer
@@ -106,6 +107,16 @@ class Child:
     """The router's stdout (its READY line); None for a worker."""
 
 
+def refuse_engines_this_host_cannot_run(cfg: ClusterConfig) -> None:
+    """ValueError naming the first pool whose engine cannot run on this host (vLLM missing)."""
+    transport = cfg.kv.transport  # auto never chooses local
+    for i, site in enumerate(cfg.sites):
+        for role in Role:
+            problem = pool_engine_problem(site.pool(role), f"sites[{i}].{role} ({site.name})", transport)
+            if problem is not None:
+                raise ValueError(problem)
+
+
 class LocalCluster:
     def __init__(self, cfg: ClusterConfig, model_path: str | Path, log_level: str = "WARNING",
                  cities: CitiesState | None = None, backend: WorkerBackend | None = None,
@@ -117,6 +128,8 @@ class LocalCluster:
         follow ``kvrelay scale``); tests that kill workers on purpose turn it off.
         The launcher works on its own copy of ``cfg`` (``self.cfg``)."""
         cfg = copy.deepcopy(cfg)  # it adds its credential, a jobs database, the router address
+        if backend is None:  # the workers run here: their engines must
+            refuse_engines_this_host_cannot_run(cfg)
         if cities is not None:
             mismatch = cities.matches(cfg)
             if mismatch:

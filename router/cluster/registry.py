@@ -327,7 +327,8 @@ class WorkerRegistry:
                 kv_block_bytes, num_layers = info.kv_block_bytes, max(1, info.num_layers)
             workers.append(WorkerView(info.worker_id, Role.of(info.role), info.site, True, rec.draining,
                                       rec.inflight, r.admission.max_inflight_per_worker,
-                                      tenants=self.dedicated.get((info.site, Role.of(info.role)), frozenset())))
+                                      tenants=self.dedicated.get((info.site, Role.of(info.role)), frozenset()),
+                                      layout=info.layout_hash))
         view = ClusterView(workers, self.jurisdiction, self.links, self.local_link,
                            block_size=self.cfg.cache.block_size, kv_block_bytes=kv_block_bytes,
                            num_layers=num_layers, default_prefill_tokens_per_s=r.placement.default_prefill_tokens_per_s,

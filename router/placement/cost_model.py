@@ -65,6 +65,29 @@ def _disaggregated(req, view: ClusterView, a_site: np.ndarray, p_sites: np.ndarr
     return best_cost[inverse], site[inverse]
 
 
+def _layout_groups(d_layout: np.ndarray, p_layout: np.ndarray, num_layouts: int):
+    """(decode mask, prefill mask) per KV layout both sides have: a prefill and a
+    decode worker exchange KV only when their layouts are equal."""
+    if num_layouts == 1:
+        yield slice(None), slice(None)
+        return
+    for code in np.intersect1d(d_layout, p_layout):
+        yield d_layout == code, p_layout == code
+
+
+def _best_by_site(req, view: ClusterView, a: np.ndarray, site_of: np.ndarray, d_site: np.ndarray,
+                  d_cached: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per decode row: the cheapest queue + compute + exposed transfer over the sites of the
+    prefill rows (``a``: each one's queue and compute, ``site_of``: its site) and that site."""
+    a_best = np.full(len(view.table.sites), np.inf)
+    np.minimum.at(a_best, site_of, a)
+    first = np.full(len(a_best), len(site_of))
+    np.minimum.at(first, site_of, np.arange(len(site_of)))
+    seen = np.flatnonzero(first < len(site_of))
+    p_sites = seen[np.argsort(first[seen], kind="stable")]  # in first-seen order
+    return _disaggregated(req, view, a_best[p_sites], p_sites, d_site, d_cached)
+
+
 def _near(costs: np.ndarray, best: float, herd: float) -> np.ndarray:
     return costs <= best * (1 + herd) + 1e-4
 
@@ -86,17 +109,14 @@ def choose_cost_model(req, view: ClusterView, rows: Eligible, rng: random.Random
     p = rows.prefill
     dis = np.full(len(d), np.inf)
     dis_site = np.full(len(d), -1)
+    a = np.zeros(len(p))
+    site_of = view.table.site[p]
+    lay = view.table.layout
     if disaggregate and len(p):
         a = prefill_s(c.queued_prefill_tokens[p], prompt, rows.cached[p], bs, tput[p])
-        site_of = view.table.site[p]
-        a_best = np.full(len(view.table.sites), np.inf)
-        np.minimum.at(a_best, site_of, a)
-        first = np.full(len(a_best), len(site_of))
-        np.minimum.at(first, site_of, np.arange(len(site_of)))
-        seen = np.flatnonzero(first < len(site_of))
-        p_sites = seen[np.argsort(first[seen], kind="stable")]  # in first-seen order
-        cost, dis_site = _disaggregated(req, view, a_best[p_sites], p_sites, view.table.site[d], rows.cached[d])
-        dis = disaggregated_s(cost, admit)
+        for dm, pm in _layout_groups(lay[d], lay[p], view.table.num_layouts):
+            cost, site = _best_by_site(req, view, a[pm], site_of[pm], view.table.site[d[dm]], rows.cached[d[dm]])
+            dis[dm], dis_site[dm] = disaggregated_s(cost, admit[dm]), site
     best = min(colocated.min(), dis.min())
     j_col = np.flatnonzero(_near(colocated, best, view.herd_tolerance))
     j_dis = np.flatnonzero(_near(dis, best, view.herd_tolerance) & (dis_site >= 0))
@@ -107,7 +127,7 @@ def choose_cost_model(req, view: ClusterView, rows: Eligible, rng: random.Random
     if key % 2 == 0:
         return int(d[j]), None
     site = dis_site[j]
-    in_site = site_of == site
-    ps = np.flatnonzero(in_site & _near(a, a_best[site], view.herd_tolerance))
+    in_site = (site_of == site) & (lay[p] == lay[d[j]])
+    ps = np.flatnonzero(in_site & _near(a, a[in_site].min(), view.herd_tolerance))
     ps = _most_cached(ps, rows.cached[p[ps]])
     return int(d[j]), int(p[ps[rng.randrange(len(ps))]])

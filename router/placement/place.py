@@ -143,10 +143,14 @@ class Policy:
 
 
 def _linked_rows(view: ClusterView, prefill: np.ndarray, d: int) -> np.ndarray:
-    """The prefill rows (in view order) with a usable link to decode row ``d``'s site."""
+    """The prefill rows (in view order) with a usable link to decode row ``d``'s site
+    and decode row ``d``'s KV layout."""
     gbps, _ = view.link_matrix()
     site = view.table.site
-    return prefill[~np.isnan(gbps[site[prefill], site[d]])]
+    linked = prefill[~np.isnan(gbps[site[prefill], site[d]])]
+    if view.table.num_layouts > 1:
+        linked = linked[view.table.layout[linked] == view.table.layout[d]]
+    return linked
 
 
 def _by_name(view: ClusterView, rows: np.ndarray) -> np.ndarray:

@@ -70,7 +70,7 @@ class _Column:
 class WorkerView:
     """What placement knows about one worker (from registration and heartbeats)."""
 
-    __slots__ = ("_cols", "_row", "role", "site", "tenants", "worker_id")
+    __slots__ = ("_cols", "_row", "layout", "role", "site", "tenants", "worker_id")
 
     healthy = _Column()
     draining = _Column()
@@ -90,8 +90,11 @@ class WorkerView:
     def __init__(self, worker_id: str, role: Role, site: str, healthy: bool = True, draining: bool = False,
                  inflight: int = 0, max_inflight: int = 64, queued_prefill_tokens: int = 0, running: int = 0,
                  waiting: int = 0, free_blocks: int = 1 << 30, prefill_tokens_per_s: float = 0.0,
-                 decode_step_s: float = 0.0, tenants: frozenset[str] = frozenset()) -> None:
+                 decode_step_s: float = 0.0, tenants: frozenset[str] = frozenset(), layout: str = "") -> None:
         self.worker_id, self.role, self.site = worker_id, role, site
+        self.layout = layout
+        """Its KV layout's compatibility hash: a prefill and a decode worker pair only when
+        theirs are equal ("" for every worker of a view where all are alike, e.g. the simulator's)."""
         self.tenants = tenants
         """Its pool is dedicated to these tenants; empty: shared by every tenant."""
         self._cols, self._row = Columns(1), 0
@@ -215,6 +218,9 @@ class Table:
         self.prefill = np.zeros(n, np.bool_)
         self.decode = np.zeros(n, np.bool_)
         self.dedicated = np.zeros(n, np.bool_)
+        self.layout = np.zeros(n, np.int64)
+        """Each row's KV layout, coded: equal codes may exchange KV."""
+        layout_code: dict[str, int] = {}
         self.row: dict[str, int] = {}
         for i, w in enumerate(workers):
             for name in _COLUMNS:
@@ -223,8 +229,10 @@ class Table:
             self.site[i] = site_code.setdefault(w.site, len(site_code))
             self.prefill[i], self.decode[i] = w.role == Role.PREFILL, w.role == Role.DECODE
             self.dedicated[i] = bool(w.tenants)
+            self.layout[i] = layout_code.setdefault(w.layout, len(layout_code))
             self.row[w.worker_id] = i
         self.sites = list(site_code)
+        self.num_layouts = len(layout_code)
         self.workers = workers
         self.by_name = np.array(sorted(range(n), key=lambda i: workers[i].worker_id), np.int64)
         """Rows in worker-id order."""

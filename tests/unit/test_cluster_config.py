@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvrelay.launch.local import refuse_engines_this_host_cannot_run
+from kvrelay.runtime import engines
 from kvrelay.runtime.config import ConfigError, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,3 +206,41 @@ def test_generated_stubs_are_fresh():
     r = subprocess.run([sys.executable, str(ROOT / "proto" / "codegen.py"), "--check"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def _vllm_site(**pool) -> dict:
+    return {"sites": [{"name": "a", "decode": {"engine": "vllm", **pool}}]}
+
+
+def test_a_pool_chooses_its_engine_and_vllms_arguments_are_typed():
+    cfg = parse_config(_vllm_site(vllm={"max_model_len": 4096, "block_size": 32, "enforce_eager": False}))
+    pool = cfg.sites[0].decode
+    assert pool.engine == "vllm" and pool.vllm is not None and pool.vllm.max_model_len == 4096
+    assert cfg.sites[0].prefill.engine == "builtin" and load_config(None).sites[0].decode.engine == "builtin"
+    for raw, match in [
+        (_vllm_site(vllm={"swap_space": 4}),
+         r"sites\[0\]\.decode\.vllm: unknown field\(s\) swap_space; expected dtype"),
+        (_vllm_site(vllm={"tensor_parallel_size": 2}), r"sites\[0\]\.decode\.vllm\.tensor_parallel_size: must be <= 1"),
+        (_vllm_site(vllm={"block_size": 40}), r"sites\[0\]\.decode\.vllm\.block_size: must be a multiple of 16"),
+        (_vllm_site(vllm={"kv_cache_dtype": "fp8"}), r"kv_cache_dtype: must be auto \(fp8 KV is not moved yet\)"),
+        (_vllm_site(engine="sglang"), r"sites\[0\]\.decode\.engine: must be builtin or vllm, got 'sglang'"),
+        ({"sites": [{"name": "a", "decode": {"vllm": {}}}]},
+         r"sites\[0\]\.decode\.vllm: engine arguments for vLLM on a pool whose engine is builtin"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            parse_config(raw)
+
+
+def test_a_vllm_pool_is_refused_at_start_where_vllm_is_missing_or_the_transport_cannot_carry_it(monkeypatch):
+    cfg = parse_config({"sites": [{"name": "toronto", "decode": {"engine": "vllm"}}]})
+    monkeypatch.setattr(engines.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"sites\[0\]\.decode \(toronto\) has engine: vllm, but vLLM is not "
+                                         r"installed: `make vllm`"):
+        refuse_engines_this_host_cannot_run(cfg)
+    refuse_engines_this_host_cannot_run(parse_config({"sites": [{"name": "toronto"}]}))  # builtin needs nothing
+    monkeypatch.undo()
+    if engines.vllm_installed():
+        local = parse_config({"sites": [{"name": "toronto", "decode": {"engine": "vllm"}}],
+                              "kv": {"transport": "local"}})
+        with pytest.raises(ValueError, match=r"needs kv\.transport tcp or nixl"):
+            refuse_engines_this_host_cannot_run(local)

@@ -53,7 +53,7 @@ def clusters(draw):
             queued_prefill_tokens=draw(st.integers(0, 50_000)), running=draw(st.integers(0, 64)),
             waiting=draw(st.integers(0, 10)), free_blocks=draw(st.integers(0, 5000)),
             prefill_tokens_per_s=draw(st.sampled_from([0.0, 50.0, 400.0, 20_000.0])),
-            decode_step_s=draw(st.floats(0, 0.2))))
+            decode_step_s=draw(st.floats(0, 0.2)), layout=draw(st.sampled_from(["builtin", "builtin", "vllm"]))))
     cv = ClusterView(workers, jur, links, LinkView(0.2, 10.0), kv_block_bytes=KV_BLOCK, num_layers=30)
     allowed = draw(st.none() | st.frozensets(st.sampled_from(["CA-ON", "CA-QC", "EU", "US"]), max_size=2))
     cached = {wv.worker_id: draw(st.integers(0, 40)) for wv in workers if draw(st.booleans())}
@@ -86,6 +86,7 @@ def test_constraints_are_never_violated(case, policy, seed):
     if pl.prefill is not None:
         assert pl.prefill.role == "prefill"
         assert cv.link(pl.prefill.site, pl.decode.site) is not None, "placed across a missing or down link"
+        assert pl.prefill.layout == pl.decode.layout, "paired workers whose KV layouts differ"
     assert pl.est_ttft_s > 0 and pl.policy == policy
 
 
@@ -169,6 +170,25 @@ def test_missing_workers_are_worth_waiting_for_only_where_sites_exist():
     with pytest.raises(PlacementError) as err:  # no site in the EU at all: nothing to wait for
         policy.place(PlacementRequest(100, allowed_jurisdictions=frozenset({"EU"})), two)
     assert (err.value.kind, err.value.absent) == ("constraint", False)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_decode_worker_gets_kv_only_from_a_prefill_worker_of_its_layout(policy):
+    """A vLLM pool beside a builtin pool: each decode worker pairs only with prefill
+    workers of its own KV layout; with none, its requests are computed where they decode."""
+    ps = [w("p-builtin", "prefill", layout="builtin"), w("p-vllm", "prefill", layout="vllm")]
+    ds = [w("d-builtin", "decode", layout="builtin", running=60), w("d-vllm", "decode", layout="vllm", running=60)]
+    cv = view(ps + ds)
+    seen = set()
+    pol = make_policy(policy, 0)
+    for _ in range(16):
+        pl = pol.place(PlacementRequest(4000), cv)
+        assert pl.prefill is not None and pl.prefill.layout == pl.decode.layout
+        seen.add((pl.prefill.worker_id, pl.decode.worker_id))
+    assert seen <= {("p-builtin", "d-builtin"), ("p-vllm", "d-vllm")} and len(seen) == 2
+    alone = view([ps[0], ds[1]])
+    pl = make_policy(policy, 0).place(PlacementRequest(4000), alone)
+    assert pl.colocated and pl.decode.worker_id == "d-vllm"
 
 
 def test_prefill_in_a_forbidden_jurisdiction_is_not_used_even_when_cheaper():
