@@ -91,6 +91,8 @@ class Bridge:
     """Internal ids whose held blocks may be freed (reported as finished_sending)."""
     received: set[str] = field(default_factory=set)
     """Internal ids whose KV is in place, or will never be written (reported as finished_recving)."""
+    local_hits: dict[str, int] = field(default_factory=dict)
+    """Receive requests: prompt tokens this worker's own prefix cache held (the rest arrives)."""
     held: set[str] = field(default_factory=set)
     """kvrelay ids of finished send requests whose blocks vLLM keeps for the transfer."""
     model_name: str = ""

@@ -93,7 +93,9 @@ class KvrelayConnector(KVConnectorBase_V1):
         if fut is None or num_external_tokens == 0:
             return
         ids = list(blocks.get_block_ids()[0])
-        start = (request.num_prompt_tokens - num_external_tokens) // self.block_size
+        local = request.num_prompt_tokens - num_external_tokens
+        start = local // self.block_size
+        self.bridge.local_hits[rid] = local
         if not fut.done():
             fut.set_result((ids, start))
 

@@ -23,6 +23,7 @@ Differences from the builtin engine, by design:
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from kvrelay.engine.sampler import TopLogprobs
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.runtime.engines import VllmSection
 from kvrelay.runtime.vllm_bridge import Bridge, register_bridge, unregister_bridge
+from kvrelay.runtime.vllm_events import PrefixEvents
 
 CONNECTOR_MODULE = "kvrelay.runtime.vllm_connector"
 CONNECTOR_CLASS = "KvrelayConnector"
@@ -56,6 +58,8 @@ class VllmSpec:
     device: str
     kv_cache_gib: float
     scheduler: SchedulerConfig
+    index_block_size: int = 16
+    """The router's prefix-index block size (cache.block_size): prefix-cache events are named in it."""
 
 
 def prepare_process(threads: int | None) -> None:
@@ -70,7 +74,7 @@ def prepare_process(threads: int | None) -> None:
 
 def engine_args(spec: VllmSpec):
     """vLLM's EngineArgs for ``spec``, its KV connector kvrelay's."""
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
 
     s, sched = spec.section, spec.scheduler
@@ -86,7 +90,9 @@ def engine_args(spec: VllmSpec):
         enable_prefix_caching=s.enable_prefix_caching, max_num_seqs=s.max_num_seqs or sched.max_num_seqs,
         max_num_batched_tokens=max(s.max_num_batched_tokens or sched.max_num_batched_tokens, max_len or 0) or None,
         kv_transfer_config=KVTransferConfig(kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE,
-                                            kv_role="kv_both", engine_id=spec.engine_id))
+                                            kv_role="kv_both", engine_id=spec.engine_id),
+        # events on, published nowhere: VllmEngine puts its own publisher in (runtime/vllm_events.py)
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=s.enable_prefix_caching, publisher="null"))
     return EngineArgs(**kw)
 
 
@@ -123,6 +129,10 @@ class VllmEngine:
         self.cache: KVCache = self.bridge.cache
         self.layout: KVLayout = self.cache.layout
         self._core = cast(Any, self.llm.engine_core).engine_core  # in-process: the EngineCore itself
+        self._salts: dict[str, str] = {}
+        """The cache_salt given to vLLM (a digest: vLLM limits its characters) -> kvrelay's salt."""
+        self.events = PrefixEvents(spec.index_block_size, self._salts)
+        self._core.scheduler.kv_event_publisher = self.events
         self._accounts: dict[str, object] = {}
         self._prompt_len: dict[str, int] = {}
         self._awaiting: set[str] = set()
@@ -131,8 +141,8 @@ class VllmEngine:
         """A release or receive was signalled: the next step must run to tell vLLM."""
         self._totals = [0, 0]  # prefill, decode tokens computed
         self._cached = [0, 0]  # prefix-cache hit tokens, prompt tokens looked up
-        self._seen: set[str] = set()
-        """Requests with an output already (their prompt counted in ``_cached``)."""
+        self._seen: dict[str, int] = {}
+        """Requests with an output already -> prompt tokens their prefix cache held (counted in ``_cached``)."""
         self.step_hook: Callable[[StepUsage], None] | None = None
 
     # -- requests ------------------------------------------------------------
@@ -142,7 +152,9 @@ class VllmEngine:
 
         tp = TokensPrompt(prompt_token_ids=list(prompt))
         if salt:
-            tp["cache_salt"] = salt
+            vsalt = hashlib.blake2b(salt.encode(), digest_size=16, person=b"kvrelay-vllm").hexdigest()
+            self._salts[vsalt] = salt
+            tp["cache_salt"] = vsalt
         try:
             self.llm.add_request(request_id, tp, vllm_params(params, {"id": request_id, "mode": mode}))
         except (ValueError, TypeError) as exc:
@@ -203,7 +215,8 @@ class VllmEngine:
         return req is not None
 
     def _forget(self, request_id: str) -> None:
-        self._seen.discard(request_id)
+        self._seen.pop(request_id, None)
+        self.bridge.local_hits.pop(request_id, None)
         self._accounts.pop(request_id, None)
         self._prompt_len.pop(request_id, None)
 
@@ -257,9 +270,10 @@ class VllmEngine:
                                 key=lambda x: x[0])
                 tops.append(TopLogprobs([t for _, t, _ in ranked], [float(lp) for _, _, lp in ranked]))
         finished = bool(o.finished)
-        cached = o.num_cached_tokens or 0
-        if o.request_id not in self._seen:
-            self._seen.add(o.request_id)
+        cached = self._seen.get(o.request_id)
+        if cached is None:
+            # a received prompt: what this worker's cache held (vLLM counts the KV that arrived as cached too)
+            cached = self._seen[o.request_id] = self.bridge.local_hits.pop(o.request_id, o.num_cached_tokens or 0)
             self._cached[0] += cached
             self._cached[1] += len(o.prompt_token_ids or ())
         if finished and o.request_id not in self.bridge.held:
@@ -281,8 +295,8 @@ class VllmEngine:
                            prefix_query_blocks=self._cached[1] // bs)
 
     def drain_kv_events(self, snapshot: bool = False) -> KVEvents:
-        """No events yet: the router's prefix index does not see vLLM pools' caches."""
-        return KVEvents()
+        """vLLM's prefix-cache changes named as the router's index names blocks (runtime/vllm_events.py)."""
+        return self.events.drain(snapshot)
 
     def close(self) -> None:
         unregister_bridge(self.spec.engine_id)

@@ -412,7 +412,8 @@ def build_vllm_engine(setup: WorkerSetup) -> VllmEngine:
     cfg = setup.cfg
     prepare_process(cfg.workers.threads)
     spec = VllmSpec(Path(setup.model_path), setup.ident.worker_id, setup.pool.vllm or VllmSection(),
-                    cfg.model.dtype, setup.pool.device or cfg.model.device, cfg.cache.memory_gib, cfg.scheduler)
+                    cfg.model.dtype, setup.pool.device or cfg.model.device, cfg.cache.memory_gib, cfg.scheduler,
+                    cfg.cache.block_size)
     return VllmEngine(spec)
 
 

@@ -1,11 +1,14 @@
-"""Pools that run vLLM (issue 34): a real cluster whose prefill and decode
-workers each run vLLM's engine (the CPU build `make test` installs), with
-kvrelay's connector moving the KV over its sealed TCP transport.
+"""Pools that run vLLM (issue 34): a real cluster whose workers run vLLM's
+engine (the CPU build `make test` installs), with kvrelay's connector
+moving the KV over its sealed TCP transport.
 
 One module-scoped cluster (vLLM engines take seconds to start) on the
-plumbing model: what is asserted is who computes what, what moves and what
-is freed, and that the answer is vLLM's own. The reference is vLLM alone
-(``vllm.LLM``, greedy) in a child process, on the same prompt tokens."""
+plumbing model, two sites: toronto (CA-ON) has a vLLM prefill pool and two
+vLLM decode workers; montreal (CA-QC) a builtin prefill pool beside a vLLM
+decode pool, whose layouts differ. What is asserted is who computes what,
+what moves, what is freed, where, and that the answer is vLLM's own: the
+reference is vLLM alone (``vllm.LLM``, greedy) in a child process, on the
+same prompt tokens."""
 
 from __future__ import annotations
 
@@ -20,13 +23,17 @@ import pytest
 
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.runtime.engines import vllm_installed
+from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-from tests.integration.helpers import CLUSTER_YAML, chat_request, collect, running_cluster, worker_stats, workers
+from tests.integration.helpers import CLUSTER_YAML, chat_request, running_cluster, wait_until, worker_stats, workers
 
 pytestmark = [pytest.mark.model,
               pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (make vllm)")]
 
-VLLM_POOL = {"engine": "vllm", "vllm": {"max_model_len": 2048, "kv_cache_memory_gib": 0.25}}
+VLLM_POOL = {"engine": "vllm", "vllm": {"max_model_len": 2048, "kv_cache_memory_gib": 0.125}}
+TORONTO_P, MONTREAL_P = "toronto/prefill/0", "montreal/prefill/0"
+TORONTO_D = ("toronto/decode/0", "toronto/decode/1")
+MONTREAL_D = "montreal/decode/0"
 TEXTS = ["Hello there, how are you?", "Tell me about Toronto and its winters. " * 12]
 MAX_TOKENS = 12
 
@@ -57,10 +64,29 @@ def vllm_alone(model, prompts: list[list[int]], max_tokens: int) -> list[list[in
 @pytest.fixture(scope="module")
 def vllm_cluster(plumbing_model):
     raw = copy.deepcopy(CLUSTER_YAML)
-    raw["sites"][0]["prefill"].update(VLLM_POOL)
-    raw["sites"][0]["decode"].update(VLLM_POOL)
+    raw["router"]["placement"]["policy"] = "prefix_aware"
+    raw["sites"] = [
+        {"name": "toronto", "jurisdiction": "CA-ON", "prefill": dict(VLLM_POOL),
+         "decode": {**VLLM_POOL, "replicas": 2}},
+        {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 1}, "decode": dict(VLLM_POOL)}]
+    raw["links"] = [{"between": ["toronto", "montreal"], "rtt_ms": 5, "gbps": 10}]
     with running_cluster(raw, plumbing_model) as lc:
+        assert wait_until(lambda: len(workers(lc)) == 5, 60)
         yield lc
+
+
+def token_request(ids: list[int], max_tokens: int = MAX_TOKENS, **kw) -> ipb.GenerateRequest:
+    return ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=ids), max_tokens=max_tokens, **kw)
+
+
+def generate(lc, req: ipb.GenerateRequest) -> tuple[list[int], ipb.Finish]:
+    with lc.channel() as ch:
+        msgs = list(igrpc.InferenceStub(ch).Generate(req, timeout=120))
+    return [t for m in msgs for t in m.token_ids], msgs[-1].finish
+
+
+def computed_prompt_tokens(lc) -> dict[str, int]:
+    return {w: worker_stats(lc, w).prefill_tokens_total for w in workers(lc)}
 
 
 @pytest.fixture(scope="module")
@@ -73,28 +99,59 @@ def references(plumbing_model):
 def test_disaggregated_answer_is_vllms_and_the_prompt_was_moved(vllm_cluster, references):
     prompts, expected = references
     ws = workers(vllm_cluster)
-    p, d = ws["local/prefill/0"].info, ws["local/decode/0"].info
-    assert p.layout_hash == d.layout_hash and p.block_size == 128, "vLLM pools register vLLM's layout"
-    before = worker_stats(vllm_cluster, "local/decode/0")
-    with vllm_cluster.channel() as ch:
-        stub = igrpc.InferenceStub(ch)
-        for text, prompt, want in zip(TEXTS, prompts, expected):
-            tokens, msgs = collect(stub, chat_request(text, max_tokens=MAX_TOKENS))
-            assert tokens == want, text
-            placement = msgs[-1].finish.placement
-            assert (placement.prefill_worker, placement.decode_worker) == ("local/prefill/0", "local/decode/0")
-            assert placement.kv_bytes >= len(prompt) * p.kv_block_bytes // p.block_size
-    after = worker_stats(vllm_cluster, "local/decode/0")
-    # the decode worker computed one token of each prompt (vLLM recomputes the last one) and the outputs
-    computed = after.prefill_tokens_total - before.prefill_tokens_total
-    assert computed == len(TEXTS), f"the decode worker computed {computed} prompt tokens"
-    assert after.kv_bytes_received - before.kv_bytes_received > 0
+    p = ws[TORONTO_P].info
+    assert all(ws[d].info.layout_hash == p.layout_hash for d in (*TORONTO_D, MONTREAL_D)) and p.block_size == 128
+    assert ws[MONTREAL_P].info.layout_hash != p.layout_hash, "the builtin pool registers its own layout"
+    before = computed_prompt_tokens(vllm_cluster)
+    for prompt, want in zip(prompts, expected):
+        tokens, fin = generate(vllm_cluster, token_request(prompt, allowed_jurisdictions=["CA-ON"]))
+        assert tokens == want
+        assert fin.placement.prefill_worker == TORONTO_P and fin.placement.decode_worker in TORONTO_D
+        assert fin.placement.kv_bytes >= len(prompt) * p.kv_block_bytes // p.block_size
+        assert fin.usage.cached_prompt_tokens == 0, "the decode worker's cache held none of it: all of it moved"
+    after = computed_prompt_tokens(vllm_cluster)
+    # the decode workers computed one token of each prompt (vLLM recomputes the last one), the prefill worker all
+    computed = sum(after[d] - before[d] for d in TORONTO_D)
+    assert computed == len(prompts), f"the decode workers computed {computed} prompt tokens"
+    assert after[TORONTO_P] - before[TORONTO_P] == sum(map(len, prompts))
+
+
+def test_a_request_pinned_to_a_jurisdiction_stays_there_and_never_meets_an_other_layout(vllm_cluster, references):
+    """CA-QC has a vLLM decode pool and a builtin prefill pool: the request is computed where it
+    decodes (the builtin pool's KV is not vLLM's), and never leaves Quebec."""
+    prompts, expected = references
+    before = computed_prompt_tokens(vllm_cluster)
+    tokens, fin = generate(vllm_cluster, token_request(prompts[1], allowed_jurisdictions=["CA-QC"]))
+    assert tokens == expected[1]
+    assert fin.placement.decode_worker == MONTREAL_D and fin.placement.prefill_worker in ("", MONTREAL_D)
+    assert fin.placement.decode_site == "montreal" and fin.placement.kv_bytes == 0
+    after = computed_prompt_tokens(vllm_cluster)
+    assert after[MONTREAL_P] == before[MONTREAL_P] and after[TORONTO_P] == before[TORONTO_P]
+    for _ in range(4):  # unpinned: the builtin pool never prefills for a vLLM decode worker
+        _, fin = generate(vllm_cluster, token_request(prompts[1], max_tokens=2))
+        assert fin.placement.prefill_worker != MONTREAL_P
+    assert computed_prompt_tokens(vllm_cluster)[MONTREAL_P] == before[MONTREAL_P]
+
+
+def test_prefix_aware_placement_sends_a_repeated_prompt_to_the_worker_that_holds_it(vllm_cluster):
+    """vLLM's prefix-cache events reach the router's index under kvrelay's block hashes."""
+    prompt = [100 + (i * 7919) % 30000 for i in range(300)]  # two full vLLM blocks and a tail
+    known = {w: s.cached_blocks for w, s in workers(vllm_cluster).items()}
+    _, first = generate(vllm_cluster, token_request(prompt, max_tokens=2, allowed_jurisdictions=["CA-ON"]))
+    holder = first.placement.decode_worker
+    assert wait_until(lambda: workers(vllm_cluster)[holder].cached_blocks >= known[holder] + 256 // 16, 30), \
+        "the router's prefix index never learned the decode worker's new blocks"
+    for _ in range(3):
+        _, again = generate(vllm_cluster, token_request(prompt, max_tokens=2, allowed_jurisdictions=["CA-ON"]))
+        assert again.placement.decode_worker == holder
+        assert again.usage.cached_prompt_tokens >= 256, "the decode worker's own cache served the prefix"
 
 
 def test_cancel_frees_blocks_on_both_workers(vllm_cluster):
     with vllm_cluster.channel() as ch:
         stub = igrpc.InferenceStub(ch)
-        call = stub.Generate(chat_request("Count slowly to a thousand. " * 20, max_tokens=1500, ignore_eos=True))
+        call = stub.Generate(chat_request("Count slowly to a thousand. " * 20, max_tokens=1500, ignore_eos=True,
+                                          allowed_jurisdictions=["CA-ON"]))
         first = next(iter(call))
         assert first.token_ids
         call.cancel()
@@ -102,10 +159,10 @@ def test_cancel_frees_blocks_on_both_workers(vllm_cluster):
             list(call)
 
     def free() -> bool:
-        loads = [worker_stats(vllm_cluster, w) for w in ("local/prefill/0", "local/decode/0")]
+        loads = [worker_stats(vllm_cluster, w) for w in (TORONTO_P, *TORONTO_D)]
         return all(ld.running == 0 and ld.reservations == 0 and ld.free_blocks == ld.total_blocks
                    for ld in loads)
     deadline = time.monotonic() + 30
     while not free() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert free(), [worker_stats(vllm_cluster, w) for w in ("local/prefill/0", "local/decode/0")]
+    assert free(), [worker_stats(vllm_cluster, w) for w in (TORONTO_P, *TORONTO_D)]
