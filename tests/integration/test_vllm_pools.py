@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +37,8 @@ TORONTO_D = ("toronto/decode/0", "toronto/decode/1")
 MONTREAL_D = "montreal/decode/0"
 TEXTS = ["Hello there, how are you?", "Tell me about Toronto and its winters. " * 12]
 MAX_TOKENS = 12
+LONG_TOKENS = 300
+"""The stream a decode worker is killed in."""
 
 _ALONE = """
 import json, os, sys
@@ -46,14 +49,15 @@ from vllm.inputs import TokensPrompt
 args = json.loads(sys.argv[1])
 llm = vllm.LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=2048,
                kv_cache_memory_bytes=1 << 28, seed=0)
-sp = vllm.SamplingParams(max_tokens=args["max_tokens"], temperature=0.0)
-outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in args["prompts"]], sp, use_tqdm=False)
+sps = [vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in args["max_tokens"]]
+outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in args["prompts"]], sps, use_tqdm=False)
 print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
 
 
-def vllm_alone(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy outputs of vLLM alone (its offline engine) for ``prompts``."""
+def vllm_alone(model, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Greedy outputs of vLLM alone (its offline engine) for ``prompts``, each its ``max_tokens``
+    (EOS ignored: every request here sets ignore_eos)."""
     arg = json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens})
     proc = subprocess.run([sys.executable, "-c", _ALONE, arg], capture_output=True, text=True, timeout=300)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -76,7 +80,7 @@ def vllm_cluster(plumbing_model):
 
 
 def token_request(ids: list[int], max_tokens: int = MAX_TOKENS, **kw) -> ipb.GenerateRequest:
-    return ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=ids), max_tokens=max_tokens, **kw)
+    return ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=ids), max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 def generate(lc, req: ipb.GenerateRequest) -> tuple[list[int], ipb.Finish]:
@@ -93,7 +97,7 @@ def computed_prompt_tokens(lc) -> dict[str, int]:
 def references(plumbing_model):
     tok = Tokenizer(plumbing_model)
     prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in TEXTS]
-    return prompts, vllm_alone(plumbing_model, prompts, MAX_TOKENS)
+    return prompts, vllm_alone(plumbing_model, prompts + prompts[:1], [MAX_TOKENS] * len(prompts) + [LONG_TOKENS])
 
 
 def test_disaggregated_answer_is_vllms_and_the_prompt_was_moved(vllm_cluster, references):
@@ -166,3 +170,58 @@ def test_cancel_frees_blocks_on_both_workers(vllm_cluster):
     while not free() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert free(), [worker_stats(vllm_cluster, w) for w in (TORONTO_P, *TORONTO_D)]
+
+
+@pytest.fixture(scope="module")
+def faulty_cluster(plumbing_model):
+    """One site, a vLLM prefill worker whose first transfer is tampered with, two vLLM decode workers;
+    a killed worker stays dead."""
+    raw = copy.deepcopy(CLUSTER_YAML)
+    raw["sites"][0]["prefill"].update(VLLM_POOL)
+    raw["sites"][0]["decode"].update(VLLM_POOL, replicas=2)
+    raw["kv"] = {"transport": "tcp", "corrupt_first_transfers": 1}
+    raw["router"]["liveness"] = {"heartbeat_interval_s": 0.25}
+    with running_cluster(raw, plumbing_model, reconcile=False) as lc:
+        assert wait_until(lambda: len(workers(lc)) == 3, 60)
+        yield lc
+
+
+def _all_free(lc, wid: str) -> bool:
+    ld = worker_stats(lc, wid)
+    return ld.running == 0 and ld.waiting == 0 and ld.reservations == 0 and ld.free_blocks == ld.total_blocks
+
+
+def test_tampered_kv_is_refused_and_the_prompt_recomputed(faulty_cluster, references):
+    """The prefill worker flips a sealed byte of its first transfer: the decode worker's AEAD
+    check refuses it, vLLM frees the parked request's blocks, and the router recovers."""
+    prompts, expected = references
+    tokens, fin = generate(faulty_cluster, token_request(prompts[1]))
+    assert tokens == expected[1]
+    assert fin.placement.retries >= 1
+    assert worker_stats(faulty_cluster, "local/prefill/0").kv_bytes_sent == 0  # the tampered one was never acked
+    assert wait_until(lambda: all(_all_free(faulty_cluster, d) for d in ("local/decode/0", "local/decode/1")), 10)
+    tokens, fin = generate(faulty_cluster, token_request(prompts[1]))
+    assert tokens == expected[1] and fin.placement.retries == 0 and fin.placement.kv_bytes > 0
+
+
+def test_a_decode_worker_killed_mid_stream_is_migrated(faulty_cluster, references):
+    """The other decode worker computes the prompt and the tokens already sent; the client's
+    stream is vLLM's uninterrupted greedy output, nothing duplicated or missing."""
+    prompts, expected = references
+    tokens, msgs, killed = [], [], None
+    with faulty_cluster.channel() as ch:
+        for msg in igrpc.InferenceStub(ch).Generate(token_request(prompts[0], LONG_TOKENS), timeout=180):
+            msgs.append(msg)
+            tokens += msg.token_ids
+            if killed is None and len(tokens) >= 8:
+                busy = [w for w, st in workers(faulty_cluster).items() if st.info.role == 2 and st.inflight > 0]
+                assert len(busy) == 1
+                killed = busy[0]
+                child = next(c for c in faulty_cluster.children if c.name == killed)
+                child.proc.send_signal(signal.SIGKILL)
+                child.proc.wait(10)
+    assert killed is not None
+    assert tokens == expected[-1]
+    fin = msgs[-1].finish
+    assert fin.placement.migrations == 1 and fin.placement.decode_worker != killed
+    assert fin.usage.completion_tokens == LONG_TOKENS
