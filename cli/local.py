@@ -26,6 +26,7 @@ from kvrelay.benchmarks.replay import trace_slice
 from kvrelay.benchmarks.sim.profiler import ProfileGrid, Profiler
 from kvrelay.benchmarks.tls_bench import format_tls, run_tls_bench
 from kvrelay.benchmarks.traces import SAMPLE_AZURE, TraceError, build_prompts, load_trace
+from kvrelay.benchmarks.vllm_pd import VllmPdConfig, format_vllm_pd, run_vllm_pd_bench
 from kvrelay.cli.chaos import run_chaos
 from kvrelay.cli.cities import cities_for
 from kvrelay.cli.common import write_secret
@@ -46,6 +47,7 @@ from kvrelay.launch.credentials import (
 )
 from kvrelay.launch.local import LocalCluster
 from kvrelay.launch.ray_backend import RayBackend, RayPlaintext
+from kvrelay.launch.vllm_env import installed_version
 from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.config import ClusterConfig, ConfigError, load_config
 from kvrelay.runtime.tenants import TenantSection
@@ -76,6 +78,24 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         print(format_result(r), flush=True)
         if args.json:
             Path(args.json).with_suffix(f".{dtype}.json").write_text(to_json(r))
+    return 0
+
+
+def cmd_bench_vllm_pd(args: argparse.Namespace) -> int:
+    """vLLM alone against kvrelay P/D with vLLM and builtin pools (benchmarks/vllm_pd.py)."""
+    if installed_version() is None:
+        raise SystemExit("kvrelay bench vllm-pd: vLLM is not installed (make vllm)")
+    if args.requests < 1 or args.request_rate <= 0 or args.length_scale <= 0 or args.tail_prompts < 0:
+        raise SystemExit("kvrelay bench vllm-pd: --requests >= 1, --request-rate and --length-scale > 0, "
+                         "--tail-prompts >= 0")
+    cfg = VllmPdConfig(trace=args.trace or SAMPLE_AZURE, requests=args.requests, length_scale=args.length_scale,
+                       max_output_tokens=args.max_output_tokens, request_rate=args.request_rate,
+                       tail_prompts=args.tail_prompts, seed=args.seed)
+    report = run_vllm_pd_bench(resolve_model(None, args.cache_dir), cfg)
+    print(format_vllm_pd(report))
+    if args.json:
+        out = report | {"command": "kvrelay bench vllm-pd " + " ".join(sys.argv[3:])}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 

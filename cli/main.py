@@ -177,9 +177,24 @@ def _add_bench_engine_parser(bench) -> None:
     be.set_defaults(func=local("cmd_bench_engine"))
 
 
+def _add_bench_vllm_pd_parser(bench) -> None:
+    """bench vllm-pd: vLLM alone, kvrelay P/D with vLLM pools and with builtin pools, one run, one client."""
+    bv = bench.add_parser("vllm-pd", help="vLLM alone vs kvrelay P/D with vLLM and builtin pools (vllm bench serve)")
+    bv.add_argument("--trace", type=Path, help="Azure CSV trace (default: the shared sample)")
+    bv.add_argument("--requests", type=int, default=16, help="first N requests of the trace")
+    bv.add_argument("--length-scale", type=float, default=0.25, help="multiply prompt lengths by this")
+    bv.add_argument("--max-output-tokens", type=int, default=32)
+    bv.add_argument("--request-rate", type=float, default=0.5, help="requests per second (Poisson)")
+    bv.add_argument("--tail-prompts", type=int, default=3, help="2k-token prompts for the exposed transfer tail")
+    bv.add_argument("--seed", type=int, default=0)
+    bv.add_argument("--json", help="also write the report to this file")
+    bv.set_defaults(func=local("cmd_bench_vllm_pd"))
+
+
 def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> None:
     """bench engine, kv, placement and replay (bench cities comes with the cities commands)."""
     _add_bench_engine_parser(bench)
+    _add_bench_vllm_pd_parser(bench)
 
     bk = bench.add_parser("kv", help="KV transfer throughput vs raw sockets and memcpy; layer-wise overlap")
     bk.add_argument("--sizes", default="1,16,256", help="MiB of KV per transfer, comma-separated")

@@ -130,10 +130,8 @@ class LocalCluster:
         cfg = copy.deepcopy(cfg)  # it adds its credential, a jobs database, the router address
         if backend is None:  # the workers run here: their engines must
             refuse_engines_this_host_cannot_run(cfg)
-        if cities is not None:
-            mismatch = cities.matches(cfg)
-            if mismatch:
-                raise ValueError(f"the emulated cities do not fit this config: {mismatch}")
+        if cities is not None and (mismatch := cities.matches(cfg)):
+            raise ValueError(f"the emulated cities do not fit this config: {mismatch}")
         if cfg.router.port == 0:  # any free port for gRPC: the same for the others (tests, benchmarks)
             cfg.router.internal_port = 0
             if cfg.router.http_port is not None:
