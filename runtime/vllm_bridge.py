@@ -55,6 +55,14 @@ class LayerSends:
     def remove(self, request_id: str) -> None:
         self._active.pop(request_id, None)
 
+    def abandon(self, request_id: str, reason: str, timeout_s: float = 10.0) -> None:
+        """Fails a send whose blocks vLLM is about to reuse, and returns once no transport
+        thread reads them (or after ``timeout_s``)."""
+        a = self._active.pop(request_id, None)
+        if a is not None:
+            a.handle.fail(reason)
+            a.handle.quiesce(timeout_s)
+
     def on_layer(self, layer: int, step: list[StepSend]) -> None:
         bs = self.block_size
         for s in step:

@@ -51,10 +51,12 @@ def _request_params(request) -> dict | None:
 
 
 class KvrelayMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, each step: the send requests of the step."""
+    """Scheduler -> worker, each step: the send requests of the step, and the
+    kvrelay ids of sends vLLM preempted (their blocks are reused this step)."""
 
-    def __init__(self, sends: list[StepSend]) -> None:
+    def __init__(self, sends: list[StepSend], preempted: list[str]) -> None:
         self.sends = sends
+        self.preempted = preempted
 
 
 class KvrelayConnector(KVConnectorBase_V1):
@@ -108,7 +110,8 @@ class KvrelayConnector(KVConnectorBase_V1):
         for i, req_id in enumerate(cached.req_ids):
             new = cached.new_block_ids[i]
             self._step_request(step, req_id, list(new[0]) if new else [], cached.num_computed_tokens[i], n_sched)
-        return KvrelayMetadata(step)
+        preempted = [self._sends.pop(i)[0] for i in scheduler_output.preempted_req_ids or () if i in self._sends]
+        return KvrelayMetadata(step, preempted)
 
     def _step_request(self, step: list[StepSend], req_id: str, new_blocks: list[int], computed: int,
                       n_sched: dict[str, int]) -> None:
@@ -136,6 +139,13 @@ class KvrelayConnector(KVConnectorBase_V1):
         self.bridge.layer_index = {name: i for i, name in enumerate(names)}
         self.bridge.cache = cache_over(kv_caches, self.block_size, self.bridge.model_name)
         self.bridge.sends = LayerSends(self.block_size, len(names))
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward pass: a preempted prefill's transfer fails (the router
+        recovers it) and nothing reads its blocks any more when they are overwritten."""
+        if isinstance(kv_connector_metadata, KvrelayMetadata) and self.bridge.sends is not None:
+            for rid in kv_connector_metadata.preempted:
+                self.bridge.sends.abandon(rid, "vLLM preempted the prefill (its blocks are reused)")
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         pass  # kvrelay's receiver wrote the KV before the request was released
