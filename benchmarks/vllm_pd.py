@@ -37,6 +37,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import grpc
+
 from kvrelay.benchmarks.kv_bench import machine
 from kvrelay.benchmarks.traces import load_trace
 from kvrelay.engine.tokenizer import Tokenizer
@@ -201,7 +203,8 @@ def _tails(lc: LocalCluster, cfg: VllmPdConfig, r: SystemResult) -> None:
         for _ in range(cfg.tail_prompts):
             ids = [rng.randrange(1000, 40000) for _ in range(cfg.tail_prompt_tokens)]
             msgs = list(stub.Generate(ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=ids), max_tokens=2,
-                                                          ignore_eos=True), timeout=600))
+                                                          ignore_eos=True), timeout=600,
+                                    metadata=[("authorization", f"Bearer {TOKEN}")]))
             pl = msgs[-1].finish.placement
             r.tail_prefill_ms.append(pl.prefill_ms)
             r.tail_transfer_ms.append(pl.kv_transfer_ms)
@@ -221,7 +224,7 @@ def run_vllm_pd_bench(model: Path, cfg: VllmPdConfig) -> dict:
         for name in SYSTEMS:
             try:
                 results.append(asdict(runs[name]()))
-            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            except (RuntimeError, OSError, subprocess.SubprocessError, grpc.RpcError) as exc:
                 results.append(asdict(SystemResult(name, error=f"{type(exc).__name__}: {exc}"[:2000])))
     cfg_out = asdict(cfg) | {"trace": str(cfg.trace)}
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "vllm_version": vllm_env.installed_version(),

@@ -328,7 +328,8 @@ class WorkerRegistry:
             workers.append(WorkerView(info.worker_id, Role.of(info.role), info.site, True, rec.draining,
                                       rec.inflight, r.admission.max_inflight_per_worker,
                                       tenants=self.dedicated.get((info.site, Role.of(info.role)), frozenset()),
-                                      layout=info.layout_hash))
+                                      layout=info.layout_hash,
+                                      block_size=_own_block_size(info.block_size, self.cfg.cache.block_size)))
         view = ClusterView(workers, self.jurisdiction, self.links, self.local_link,
                            block_size=self.cfg.cache.block_size, kv_block_bytes=kv_block_bytes,
                            num_layers=num_layers, default_prefill_tokens_per_s=r.placement.default_prefill_tokens_per_s,
@@ -347,3 +348,8 @@ class WorkerRegistry:
     async def close(self) -> None:
         for rec in self.workers.values():
             await rec.channel.close()
+
+
+def _own_block_size(worker: int, cluster: int) -> int:
+    """A worker's block size for placement's view: 0 when it is the cluster's (the common case)."""
+    return 0 if worker == cluster else worker

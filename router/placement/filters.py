@@ -69,8 +69,14 @@ def slot_free(req: PlacementRequest, view: ClusterView) -> np.ndarray:
 
 
 def blocks_free(req: PlacementRequest, view: ClusterView, cached: np.ndarray) -> np.ndarray:
-    """Stage 3, decode rows: free KV blocks for the prompt (and its first token) less what the row holds."""
-    return view.table.cols.free_blocks >= blocks_for(req.prompt_tokens + 1, view.block_size) - cached
+    """Stage 3, decode rows: free KV blocks for the prompt (and its first token) less what the row
+    holds, each row in its own block size (``cached`` counts the view's blocks)."""
+    t = view.table
+    if not t.own_block_sizes:
+        return t.cols.free_blocks >= blocks_for(req.prompt_tokens + 1, view.block_size) - cached
+    bs = np.where(t.block_size > 0, t.block_size, view.block_size)
+    need = -(-(req.prompt_tokens + 1) // bs) - cached * view.block_size // bs
+    return t.cols.free_blocks >= need
 
 
 def queue_short(view: ClusterView) -> np.ndarray:

@@ -70,7 +70,7 @@ class _Column:
 class WorkerView:
     """What placement knows about one worker (from registration and heartbeats)."""
 
-    __slots__ = ("_cols", "_row", "layout", "role", "site", "tenants", "worker_id")
+    __slots__ = ("_cols", "_row", "block_size", "layout", "role", "site", "tenants", "worker_id")
 
     healthy = _Column()
     draining = _Column()
@@ -90,8 +90,11 @@ class WorkerView:
     def __init__(self, worker_id: str, role: Role, site: str, healthy: bool = True, draining: bool = False,
                  inflight: int = 0, max_inflight: int = 64, queued_prefill_tokens: int = 0, running: int = 0,
                  waiting: int = 0, free_blocks: int = 1 << 30, prefill_tokens_per_s: float = 0.0,
-                 decode_step_s: float = 0.0, tenants: frozenset[str] = frozenset(), layout: str = "") -> None:
+                 decode_step_s: float = 0.0, tenants: frozenset[str] = frozenset(), layout: str = "",
+                 block_size: int = 0) -> None:
         self.worker_id, self.role, self.site = worker_id, role, site
+        self.block_size = block_size
+        """Tokens per block of its KV cache (its ``free_blocks``' unit); 0 = the view's block size."""
         self.layout = layout
         """Its KV layout's compatibility hash: a prefill and a decode worker pair only when
         theirs are equal ("" for every worker of a view where all are alike, e.g. the simulator's)."""
@@ -220,6 +223,10 @@ class Table:
         self.dedicated = np.zeros(n, np.bool_)
         self.layout = np.zeros(n, np.int64)
         """Each row's KV layout, coded: equal codes may exchange KV."""
+        self.block_size = np.array([w.block_size for w in workers], np.int64)
+        """Each row's tokens per block (0: the view's)."""
+        self.own_block_sizes = bool(self.block_size.any())
+        """Some row counts its blocks in a size of its own (a vLLM pool's)."""
         layout_code: dict[str, int] = {}
         self.row: dict[str, int] = {}
         for i, w in enumerate(workers):

@@ -191,6 +191,17 @@ def test_a_decode_worker_gets_kv_only_from_a_prefill_worker_of_its_layout(policy
     assert pl.colocated and pl.decode.worker_id == "d-vllm"
 
 
+def test_free_blocks_are_counted_in_each_workers_own_block_size():
+    """A vLLM decode worker counts 128-token blocks: 20 free hold a 2000-token prompt that
+    125 of the view's 16-token blocks would not fit in 20."""
+    vllm_d = w("d-vllm", "decode", block_size=128, free_blocks=20, running=50)
+    builtin_d = w("d-builtin", "decode", free_blocks=20, running=50)
+    pl = make_policy("least_loaded", 0).place(PlacementRequest(2000), view([w("p", "prefill"), vllm_d, builtin_d]))
+    assert pl.decode.worker_id == "d-vllm"
+    with pytest.raises(PlacementError):
+        make_policy("least_loaded", 0).place(PlacementRequest(2600), view([vllm_d]))  # 21 blocks
+
+
 def test_prefill_in_a_forbidden_jurisdiction_is_not_used_even_when_cheaper():
     cv = view([w("p-eu", "prefill", "ams", tps=1e6), w("d-qc", "decode", "mtl", running=40)],
               jur={"ams": "EU", "mtl": "CA-QC"}, links={frozenset(("ams", "mtl")): LinkView(80, 100)})
