@@ -223,6 +223,7 @@ def test_a_pool_chooses_its_engine_and_vllms_arguments_are_typed():
         (_vllm_site(vllm={"tensor_parallel_size": 2}), r"sites\[0\]\.decode\.vllm\.tensor_parallel_size: must be <= 1"),
         (_vllm_site(vllm={"block_size": 40}), r"sites\[0\]\.decode\.vllm\.block_size: must be a multiple of 16"),
         (_vllm_site(vllm={"kv_cache_dtype": "fp8"}), r"kv_cache_dtype: must be auto \(fp8 KV is not moved yet\)"),
+        (_vllm_site(device="cuda"), r"sites\[0\]\.decode\.device: cuda with engine: vllm is not supported yet"),
         (_vllm_site(engine="sglang"), r"sites\[0\]\.decode\.engine: must be builtin or vllm, got 'sglang'"),
         ({"sites": [{"name": "a", "decode": {"vllm": {}}}]},
          r"sites\[0\]\.decode\.vllm: engine arguments for vLLM on a pool whose engine is builtin"),
