@@ -134,7 +134,9 @@ def run_vllm_alone(model: Path, cfg: VllmPdConfig, data: Path, work: Path) -> Sy
     args = ["serve", str(model), "--served-model-name", MODEL_NAME, "--port", str(port), "--dtype", "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0",
             "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * 2**30))]
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
+    # every core for its torch threads, as kvrelay's vLLM workers get (vLLM lowers an unset count to 1)
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
     log = (work / "vllm_serve.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "kvrelay.launch.vllm_env", "cli", *args], env=env,
                             stdout=log, stderr=subprocess.STDOUT)
@@ -227,7 +229,8 @@ def run_vllm_pd_bench(model: Path, cfg: VllmPdConfig) -> dict:
             except (RuntimeError, OSError, subprocess.SubprocessError, grpc.RpcError) as exc:
                 results.append(asdict(SystemResult(name, error=f"{type(exc).__name__}: {exc}"[:2000])))
     cfg_out = asdict(cfg) | {"trace": str(cfg.trace)}
-    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "vllm_version": vllm_env.installed_version(),
+    return {"machine": machine(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+            "vllm_version": vllm_env.installed_version(),
             "model": MODEL_NAME, "dtype": "float32", "config": cfg_out, "prompt_tokens": total_in,
             "output_tokens": total_out, "systems": results}
 
