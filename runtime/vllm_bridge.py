@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field
-from typing import Any
+
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from kvrelay.engine.blocks import blocks_for
 from kvrelay.engine.kv_cache import KVCache
@@ -26,6 +27,8 @@ class _Send:
     num_blocks: int
     sent: list[int]
     """Per layer: blocks of the prompt sent so far (from block 0)."""
+    span: Span = INVALID_SPAN
+    """The transfer's span: an event per layer's blocks queued for sending."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,10 +50,10 @@ class LayerSends:
         self.num_layers = num_layers
         self._active: dict[str, _Send] = {}
 
-    def add(self, request_id: str, handle: SendHandle, start_block: int, num_blocks: int, span: Any = None) -> None:
-        """Streams ``num_blocks`` prompt blocks from ``start_block`` on (``span``: the
-        prefill worker's LayerStreamer takes one; the transfer's events are its own here)."""
-        self._active[request_id] = _Send(handle, start_block, num_blocks, [start_block] * self.num_layers)
+    def add(self, request_id: str, handle: SendHandle, start_block: int, num_blocks: int,
+            span: Span = INVALID_SPAN) -> None:
+        """Streams ``num_blocks`` prompt blocks from ``start_block`` on (``span``: the transfer's)."""
+        self._active[request_id] = _Send(handle, start_block, num_blocks, [start_block] * self.num_layers, span)
 
     def remove(self, request_id: str) -> None:
         self._active.pop(request_id, None)
@@ -75,6 +78,8 @@ class LayerSends:
             if upto > lo:
                 a.handle.send_layer(layer, list(s.block_ids[lo:upto]), lo - a.start_block)
                 a.sent[layer] = upto
+                if a.span.is_recording():
+                    a.span.add_event("layer", {"kvrelay.layer": layer, "kvrelay.kv.blocks": upto - lo})
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ import pytest
 
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.runtime.engines import vllm_installed
+from kvrelay.runtime.tracing import read_spans
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from tests.integration.helpers import CLUSTER_YAML, chat_request, running_cluster, wait_until, worker_stats, workers
@@ -66,8 +67,14 @@ def vllm_alone(model, prompts: list[list[int]], max_tokens: list[int]) -> list[l
 
 
 @pytest.fixture(scope="module")
-def vllm_cluster(plumbing_model):
+def span_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm-traces")
+
+
+@pytest.fixture(scope="module")
+def vllm_cluster(plumbing_model, span_dir):
     raw = copy.deepcopy(CLUSTER_YAML)
+    raw["telemetry"] = {"traces": "file", "file": str(span_dir / "{process}.jsonl")}
     raw["router"]["placement"]["policy"] = "prefix_aware"
     raw["sites"] = [
         {"name": "toronto", "jurisdiction": "CA-ON", "prefill": dict(VLLM_POOL),
@@ -118,6 +125,32 @@ def test_disaggregated_answer_is_vllms_and_the_prompt_was_moved(vllm_cluster, re
     computed = sum(after[d] - before[d] for d in TORONTO_D)
     assert computed == len(prompts), f"the decode workers computed {computed} prompt tokens"
     assert after[TORONTO_P] - before[TORONTO_P] == sum(map(len, prompts))
+
+
+def test_a_disaggregated_request_on_vllm_pools_is_one_trace_across_three_processes(vllm_cluster, span_dir,
+                                                                                    references):
+    prompts, _ = references
+    with vllm_cluster.channel() as ch:
+        msgs = list(igrpc.InferenceStub(ch).Generate(token_request(
+            prompts[1], request_id="vllm-trace", allowed_jurisdictions=["CA-ON"]), timeout=120))
+    trace_id = msgs[-1].finish.placement.trace_id
+    want = {"kvrelay.request", "kvrelay.attempt", "kvrelay.prefill", "kvrelay.decode", "kvrelay.kv.send",
+            "kvrelay.kv.receive", "kvrelay.decode.generate"}
+    found: list[dict] = []
+
+    def ready() -> bool:
+        nonlocal found
+        ids = {s["trace_id"] for s in read_spans(sorted(span_dir.glob("*.jsonl"))) if s["name"] == "kvrelay.request"
+               and s["attributes"].get("kvrelay.request_id") == "vllm-trace"}
+        found = [s for s in read_spans(sorted(span_dir.glob("*.jsonl"))) if s["trace_id"] in ids]
+        return want <= {s["name"] for s in found}
+    assert wait_until(ready, 30), sorted(s["name"] for s in found)
+    assert {s["trace_id"] for s in found} == {trace_id}
+    assert {s["service"] for s in found} == {"kvrelay-router", "kvrelay-prefill", "kvrelay-decode"}
+    send = next(s for s in found if s["name"] == "kvrelay.kv.send")
+    recv = next(s for s in found if s["name"] == "kvrelay.kv.receive")
+    assert send["attributes"]["kvrelay.kv.bytes"] == recv["attributes"]["kvrelay.kv.bytes"] > 0
+    assert {e["attributes"]["kvrelay.layer"] for e in send["events"] if e["name"] == "layer"} == set(range(4))
 
 
 def test_a_request_pinned_to_a_jurisdiction_stays_there_and_never_meets_an_other_layout(vllm_cluster, references):
