@@ -233,6 +233,8 @@ def test_tampered_kv_is_refused_and_the_prompt_recomputed(faulty_cluster, refere
     assert fin.placement.retries >= 1
     assert worker_stats(faulty_cluster, "local/prefill/0").kv_bytes_sent == 0  # the tampered one was never acked
     assert wait_until(lambda: all(_all_free(faulty_cluster, d) for d in ("local/decode/0", "local/decode/1")), 10)
+    # the failed call made the router suspect the prefill worker until its next heartbeat
+    assert wait_until(lambda: workers(faulty_cluster)["local/prefill/0"].healthy, 10)
     tokens, fin = generate(faulty_cluster, token_request(prompts[1]))
     assert tokens == expected[1] and fin.placement.retries == 0 and fin.placement.kv_bytes > 0
 
