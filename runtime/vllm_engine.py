@@ -88,6 +88,7 @@ def engine_args(spec: VllmSpec):
         gpu_memory_utilization=s.gpu_memory_utilization,
         kv_cache_memory_bytes=int(kv_gib * 2**30) if kv_gib else None,
         enable_prefix_caching=s.enable_prefix_caching, max_num_seqs=s.max_num_seqs or sched.max_num_seqs,
+        scheduling_policy="priority",  # kvrelay's priorities: 0 interactive before 1 batch, as vLLM orders them
         max_num_batched_tokens=max(s.max_num_batched_tokens or sched.max_num_batched_tokens, max_len or 0) or None,
         kv_transfer_config=KVTransferConfig(kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE,
                                             kv_role="kv_both", engine_id=spec.engine_id),
@@ -135,6 +136,8 @@ class VllmEngine:
         self._core.scheduler.kv_event_publisher = self.events
         self._accounts: dict[str, object] = {}
         self._prompt_len: dict[str, int] = {}
+        self._top: dict[str, int] = {}
+        """Alternatives each request asked for per token (``top_logprobs``)."""
         self._awaiting: set[str] = set()
         """Reserved requests whose KV has not been committed."""
         self._poke = False
@@ -147,7 +150,7 @@ class VllmEngine:
 
     # -- requests ------------------------------------------------------------
     def _add(self, request_id: str, prompt: list[int], params: SamplingParams, salt: str, account: object,
-             mode: str) -> None:
+             mode: str, priority: int = 0) -> None:
         from vllm.inputs import TokensPrompt
 
         tp = TokensPrompt(prompt_token_ids=list(prompt))
@@ -156,16 +159,19 @@ class VllmEngine:
             self._salts[vsalt] = salt
             tp["cache_salt"] = vsalt
         try:
-            self.llm.add_request(request_id, tp, vllm_params(params, {"id": request_id, "mode": mode}))
+            self.llm.add_request(request_id, tp, vllm_params(params, {"id": request_id, "mode": mode}),
+                                 priority=priority)
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(str(exc)) from exc
         self._accounts[request_id] = account
         self._prompt_len[request_id] = len(prompt)
+        self._top[request_id] = params.top_logprobs
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, salt: str = "",
                     hold_blocks: bool = False, account: object = None, priority: int = 0) -> None:
-        """Queues a request; ``hold_blocks``: a prefill whose blocks stream to a decode worker."""
-        self._add(request_id, prompt_token_ids, params, salt, account, "send" if hold_blocks else "none")
+        """Queues a request; ``hold_blocks``: a prefill whose blocks stream to a decode worker;
+        ``priority``: 0 interactive, 1 batch (vLLM's priority scheduling admits lower values first)."""
+        self._add(request_id, prompt_token_ids, params, salt, account, "send" if hold_blocks else "none", priority)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, salt: str = "",
                 account: object = None) -> concurrent.futures.Future:
@@ -219,6 +225,7 @@ class VllmEngine:
         self.bridge.local_hits.pop(request_id, None)
         self._accounts.pop(request_id, None)
         self._prompt_len.pop(request_id, None)
+        self._top.pop(request_id, None)
 
     # -- stepping ------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -263,11 +270,13 @@ class VllmEngine:
         ids = list(c.token_ids)
         lps: list[float] = []
         tops: list[TopLogprobs] = []
+        k = self._top.get(o.request_id, 0)
         if c.logprobs:
             for tok, entry in zip(ids, c.logprobs):
                 lps.append(float(entry[tok].logprob))
-                ranked = sorted(((lp.rank, t, lp.logprob) for t, lp in entry.items() if t != tok or lp.rank),
-                                key=lambda x: x[0])
+                # vLLM adds the sampled token to the top k even when it ranks below them
+                ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items()
+                                if lp.rank is not None and lp.rank <= k)
                 tops.append(TopLogprobs([t for _, t, _ in ranked], [float(lp) for _, _, lp in ranked]))
         finished = bool(o.finished)
         cached = self._seen.get(o.request_id)
@@ -281,7 +290,7 @@ class VllmEngine:
             self._forget(o.request_id)
         return RequestOutput(o.request_id, ids, c.text, finished, c.finish_reason if finished else None,
                              len(o.prompt_token_ids or ()), cached, lps if c.logprobs else [],
-                             tops if c.logprobs else [])
+                             tops if c.logprobs and k else [])
 
     # -- what the worker reports ---------------------------------------------
     def stats(self) -> EngineStats:

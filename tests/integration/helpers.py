@@ -5,6 +5,7 @@ requests and reference outputs of the end-to-end tests, and waiting."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from kvrelay.router.frontends.jobs import JobService, add_jobs_to_server
 from kvrelay.runtime.config import RecordsSection, parse_config
 from kvrelay.runtime.rpc import PLAINTEXT, bind, create_server
 from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
@@ -128,6 +130,27 @@ def reference(engine, text, max_tokens=24):
         ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
         _REFERENCES[key] = list(engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0].token_ids)
     return list(_REFERENCES[key])
+
+
+def stream_killing_its_decode_worker(cluster, req: ipb.GenerateRequest, after_tokens: int = 8,
+                                     timeout: float = 180) -> tuple[list[int], list, str | None]:
+    """Streams ``req``; once ``after_tokens`` arrived, SIGKILLs the one decode worker serving it.
+    (tokens, messages, the killed worker's id; None if the stream ended first)."""
+    tokens: list[int] = []
+    msgs: list = []
+    killed = None
+    with cluster.channel() as ch:
+        for msg in igrpc.InferenceStub(ch).Generate(req, timeout=timeout):
+            msgs.append(msg)
+            tokens += msg.token_ids
+            if killed is None and len(tokens) >= after_tokens:
+                busy = [w for w, s in workers(cluster).items() if s.info.role == wpb.ROLE_DECODE and s.inflight > 0]
+                assert len(busy) == 1, busy
+                killed = busy[0]
+                child = next(c for c in cluster.children if c.name == killed)
+                child.proc.send_signal(signal.SIGKILL)
+                child.proc.wait(10)
+    return tokens, msgs, killed
 
 
 @contextlib.asynccontextmanager

@@ -5,14 +5,12 @@ reference, with no token duplicated or missing."""
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-from tests.integration.helpers import running_cluster, wait_until, workers
+from tests.integration.helpers import running_cluster, stream_killing_its_decode_worker, wait_until, workers
 
 pytestmark = pytest.mark.model
 
@@ -39,21 +37,9 @@ def test_decode_worker_killed_mid_stream_is_migrated(failover_cluster, reference
     penalties = dict(repetition_penalty=1.125, presence_penalty=0.25, frequency_penalty=0.5)
     want = reference_engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
                                                               **penalties))[0].token_ids
-    tokens, msgs, killed = [], [], None
-    with failover_cluster.channel() as ch:
-        call = igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
-            token_ids=ipb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True,
-            sampling=ipb.SamplingParams(**penalties)), timeout=180)
-        for msg in call:
-            msgs.append(msg)
-            tokens += msg.token_ids
-            if killed is None and len(tokens) >= 8:
-                busy = [w for w, s in workers(failover_cluster).items() if s.info.role == 2 and s.inflight > 0]
-                assert len(busy) == 1
-                killed = busy[0]
-                child = next(c for c in failover_cluster.children if c.name == killed)
-                child.proc.send_signal(signal.SIGKILL)
-                child.proc.wait(10)
+    tokens, msgs, killed = stream_killing_its_decode_worker(failover_cluster, ipb.GenerateRequest(
+        token_ids=ipb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True,
+        sampling=ipb.SamplingParams(**penalties)))
     assert killed is not None
     assert tokens == want  # nothing duplicated, nothing missing, same greedy continuation
     fin = msgs[-1].finish

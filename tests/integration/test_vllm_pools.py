@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,15 @@ from kvrelay.runtime.engines import vllm_installed
 from kvrelay.runtime.tracing import read_spans
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
-from tests.integration.helpers import CLUSTER_YAML, chat_request, running_cluster, wait_until, worker_stats, workers
+from tests.integration.helpers import (
+    CLUSTER_YAML,
+    chat_request,
+    running_cluster,
+    stream_killing_its_decode_worker,
+    wait_until,
+    worker_stats,
+    workers,
+)
 
 pytestmark = [pytest.mark.model,
               pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (make vllm)")]
@@ -127,13 +134,14 @@ def test_disaggregated_answer_is_vllms_and_the_prompt_was_moved(vllm_cluster, re
     assert after[TORONTO_P] - before[TORONTO_P] == sum(map(len, prompts))
 
 
-def test_a_disaggregated_request_on_vllm_pools_is_one_trace_across_three_processes(vllm_cluster, span_dir,
-                                                                                    references):
-    prompts, _ = references
+def test_a_disaggregated_request_on_vllm_pools_is_one_trace_across_three_processes(vllm_cluster, span_dir):
+    prompt = [200 + (i * 31) % 20000 for i in range(200)]  # cached nowhere: all of it moves
     with vllm_cluster.channel() as ch:
         msgs = list(igrpc.InferenceStub(ch).Generate(token_request(
-            prompts[1], request_id="vllm-trace", allowed_jurisdictions=["CA-ON"]), timeout=120))
-    trace_id = msgs[-1].finish.placement.trace_id
+            prompt, request_id="vllm-trace", allowed_jurisdictions=["CA-ON"]), timeout=120))
+    placement = msgs[-1].finish.placement
+    assert placement.prefill_worker == TORONTO_P and placement.kv_bytes > 0, placement
+    trace_id = placement.trace_id
     want = {"kvrelay.request", "kvrelay.attempt", "kvrelay.prefill", "kvrelay.decode", "kvrelay.kv.send",
             "kvrelay.kv.receive", "kvrelay.decode.generate"}
     found: list[dict] = []
@@ -145,12 +153,30 @@ def test_a_disaggregated_request_on_vllm_pools_is_one_trace_across_three_process
         found = [s for s in read_spans(sorted(span_dir.glob("*.jsonl"))) if s["trace_id"] in ids]
         return want <= {s["name"] for s in found}
     assert wait_until(ready, 30), sorted(s["name"] for s in found)
-    assert {s["trace_id"] for s in found} == {trace_id}
-    assert {s["service"] for s in found} == {"kvrelay-router", "kvrelay-prefill", "kvrelay-decode"}
+    assert {s["trace_id"] for s in found} == {trace_id}, found
+    assert {s["service"] for s in found} == {"kvrelay-router", "kvrelay-prefill", "kvrelay-decode"}, found
     send = next(s for s in found if s["name"] == "kvrelay.kv.send")
     recv = next(s for s in found if s["name"] == "kvrelay.kv.receive")
-    assert send["attributes"]["kvrelay.kv.bytes"] == recv["attributes"]["kvrelay.kv.bytes"] > 0
-    assert {e["attributes"]["kvrelay.layer"] for e in send["events"] if e["name"] == "layer"} == set(range(4))
+    assert send["attributes"]["kvrelay.kv.bytes"] == recv["attributes"]["kvrelay.kv.bytes"] > 0, (send, recv)
+    assert {e["attributes"]["kvrelay.layer"] for e in send["events"] if e["name"] == "layer"} == set(range(4)), send
+
+
+def test_logprobs_and_top_logprobs_come_from_vllm_per_token(vllm_cluster, references):
+    """Greedy on a vLLM decode worker: each token is the first of its top 3 alternatives, with the
+    token's own log-probability; the sampled token is not added when it ranks below them."""
+    prompts, expected = references
+    with vllm_cluster.channel() as ch:
+        msgs = list(igrpc.InferenceStub(ch).Generate(token_request(
+            prompts[0], allowed_jurisdictions=["CA-ON"], sampling=ipb.SamplingParams(logprobs=True, top_logprobs=3)),
+            timeout=120))
+    tokens = [t for m in msgs for t in m.token_ids]
+    lps = [lp for m in msgs for lp in m.logprobs]
+    tops = [t for m in msgs for t in m.top_logprobs]
+    assert tokens == expected[0] and len(lps) == len(tops) == len(tokens)
+    for tok, lp, top in zip(tokens, lps, tops):
+        assert len(top.token_ids) == 3 and top.token_ids[0] == tok
+        assert top.logprobs[0] == pytest.approx(lp, abs=1e-5)
+        assert list(top.logprobs) == sorted(top.logprobs, reverse=True)
 
 
 def test_a_request_pinned_to_a_jurisdiction_stays_there_and_never_meets_an_other_layout(vllm_cluster, references):
@@ -243,18 +269,7 @@ def test_a_decode_worker_killed_mid_stream_is_migrated(faulty_cluster, reference
     """The other decode worker computes the prompt and the tokens already sent; the client's
     stream is vLLM's uninterrupted greedy output, nothing duplicated or missing."""
     prompts, expected = references
-    tokens, msgs, killed = [], [], None
-    with faulty_cluster.channel() as ch:
-        for msg in igrpc.InferenceStub(ch).Generate(token_request(prompts[0], LONG_TOKENS), timeout=180):
-            msgs.append(msg)
-            tokens += msg.token_ids
-            if killed is None and len(tokens) >= 8:
-                busy = [w for w, st in workers(faulty_cluster).items() if st.info.role == 2 and st.inflight > 0]
-                assert len(busy) == 1
-                killed = busy[0]
-                child = next(c for c in faulty_cluster.children if c.name == killed)
-                child.proc.send_signal(signal.SIGKILL)
-                child.proc.wait(10)
+    tokens, msgs, killed = stream_killing_its_decode_worker(faulty_cluster, token_request(prompts[0], LONG_TOKENS))
     assert killed is not None
     assert tokens == expected[-1]
     fin = msgs[-1].finish
