@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build). On a CUDA host: make TORCH=torch test
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test lint test-slow bench-engine clean prometheus helm helm-examples vllm
+.PHONY: install run test lint test-slow bench-engine clean prometheus helm helm-examples vllm gpu-check
 
 install: $(VENV)/.installed
 
@@ -57,6 +57,17 @@ lint: install
 test-slow: install prometheus helm
 	$(BIN)/kvrelay model prepare
 	$(BIN)/python -m pytest -q -m slow tests
+
+# On a GPU host, bounded to a few minutes: the CUDA tests (the builtin engine's parity, KV from and to VRAM over
+# tcp and nixl, vLLM pools on CUDA where a CUDA build of vLLM is installed) and the KV figures, in $(GPU_OUT).
+# A CUDA host installs with: make TORCH=torch VLLM=vllm install vllm; GPU_PYTHON picks another interpreter.
+GPU_PYTHON ?= $(BIN)/python
+GPU_OUT ?= gpu-check
+gpu-check:
+	mkdir -p $(GPU_OUT)
+	timeout 600 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu --junitxml=$(GPU_OUT)/tests.xml \
+		tests/unit/test_engine_gpu.py tests/unit/test_kv_cuda.py tests/integration/test_vllm_cuda.py; \
+		rc=$$?; $(GPU_PYTHON) -m kvrelay.benchmarks.gpu_check --json $(GPU_OUT)/figures.json && exit $$rc
 
 # Debian's Prometheus server and promtool, for the metrics tests (as root; else they are skipped)
 prometheus:

@@ -9,7 +9,10 @@ platform baselines; the engine's decode-only rate is reported as well.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import json
+import multiprocessing
 import os
 import statistics
 import time
@@ -23,6 +26,8 @@ from kvrelay.engine.config import CacheConfig, DType, EngineConfig, SchedulerCon
 from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.launch.vllm_env import installed_version
+from kvrelay.runtime.vllm_bridge import Bridge, register_bridge
+from kvrelay.runtime.vllm_engine import CONNECTOR_CLASS, CONNECTOR_MODULE
 
 CORPUS = ("Research and education networks connect universities, laboratories and hospitals across "
           "cities and countries. They carry physics data, genomes, climate models and lecture videos, "
@@ -37,9 +42,11 @@ class EngineBenchResult:
     ours_prefill_tok_s: float
     hf_prefill_tok_s: float | None
     decode: dict[int, dict[str, float | None]] = field(default_factory=dict)
-    """batch -> {ours, ours_decode_only, hf, vllm} tokens/s (None: not measured)."""
+    """batch -> {ours, ours_decode_only, hf, vllm, vllm_connector} tokens/s (None: not measured)."""
     vllm_prefill_tok_s: float | None = None
     """vLLM's offline engine (``--engine vllm``) on the same prompt, dtype and cores."""
+    vllm_connector_prefill_tok_s: float | None = None
+    """The same with kvrelay's KV connector attached, as in a vLLM pool (``vllm_connector`` in ``decode``)."""
     vllm_version: str | None = None
     memcpy_gb_s: float = 0.0
     read_gb_s: float = 0.0
@@ -123,18 +130,31 @@ def bench_hf(path: Path, dtype: torch.dtype, tokenizer, prompt512: list[int], ba
 
 VLLM_MAX_MODEL_LEN = 1024
 VLLM_KV_CACHE_GIB = "1"
+VLLM_TIMEOUT_S = 1800.0
+"""One vLLM measurement (start, prefill and every batch), at most."""
 
 
 def bench_vllm(path: Path, dtype: str, prompt512: list[int], prompts: dict[int, list[list[int]]], new_tokens: int,
-               repeat: int) -> tuple[float, dict[int, float]]:
-    """vLLM's offline engine (eager, no prefix caching), measured as :func:`bench_ours` measures
-    whole generate calls: (prefill tok/s of ``prompt512``, batch -> decode tok/s)."""
+               repeat: int, connector: bool = False) -> tuple[float, dict[int, float]]:
+    """vLLM's offline engine (eager, no prefix caching, its engine core in the process), measured as
+    :func:`bench_ours` measures whole generate calls: (prefill tok/s of ``prompt512``, batch -> decode
+    tok/s). With ``connector``, kvrelay's KV connector is attached as a vLLM pool attaches it (its
+    per-layer hooks run on every forward; these requests move no KV). Run it in a child process of
+    its own (:func:`bench_vllm_apart`): vLLM's process state allows one engine per process."""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = VLLM_KV_CACHE_GIB  # GiB of KV: vLLM's CPU build takes it from here only
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as in a vLLM pool's worker, where the connector lives
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # else vLLM lowers its threads to 1
     import vllm
+    from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    kw: dict[str, Any] = {}
+    if connector:
+        register_bridge("engine-bench", Bridge(model_name=path.name))
+        kw["kv_transfer_config"] = KVTransferConfig(kv_connector=CONNECTOR_CLASS, kv_connector_module_path=
+                                                    CONNECTOR_MODULE, kv_role="kv_both", engine_id="engine-bench")
     llm = vllm.LLM(model=str(path), dtype=cast(Any, dtype), enforce_eager=True, max_model_len=VLLM_MAX_MODEL_LEN,
-                   enable_prefix_caching=False, seed=0)
+                   enable_prefix_caching=False, seed=0, **kw)
 
     def run(batch: list[list[int]], n: int) -> None:
         sp = vllm.SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
@@ -147,6 +167,14 @@ def bench_vllm(path: Path, dtype: str, prompt512: list[int], prompts: dict[int, 
         run(batch, 4)
         decode[b] = b * new_tokens / _time(lambda: run(batch, new_tokens), repeat)  # noqa: B023 (called at once)
     return prefill, decode
+
+
+def bench_vllm_apart(*args: Any, threads: int, connector: bool) -> tuple[float, dict[int, float]]:
+    """:func:`bench_vllm` in a fresh (spawned) process with ``threads`` torch threads."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=torch.set_num_threads,
+                                                initargs=(threads,)) as pool:
+        return pool.submit(functools.partial(bench_vllm, connector=connector), *args).result(timeout=VLLM_TIMEOUT_S)
 
 
 def run_engine_bench(model_path: Path, dtype: str = "float32", threads: int = 2, batches: tuple[int, ...] = (1, 8, 32),
@@ -165,12 +193,14 @@ def run_engine_bench(model_path: Path, dtype: str = "float32", threads: int = 2,
                                          new_tokens, repeat)
     vllm_prefill: float | None = None
     vllm_decode: dict[int, float] = {}
+    hooked_prefill: float | None = None
+    hooked_decode: dict[int, float] = {}
     vllm_version = None
     if with_vllm:
         vllm_version = installed_version()
-        vllm_prefill, vllm_decode = bench_vllm(model_path, dtype, prompt512,
-                                               {b: _prompts(eng.tokenizer, b, 32) for b in batches}, new_tokens,
-                                               repeat)
+        args = (model_path, dtype, prompt512, {b: _prompts(eng.tokenizer, b, 32) for b in batches}, new_tokens, repeat)
+        vllm_prefill, vllm_decode = bench_vllm_apart(*args, threads=threads, connector=False)
+        hooked_prefill, hooked_decode = bench_vllm_apart(*args, threads=threads, connector=True)
     copy_bw, read_bw = measure_bandwidth()
     ctx = 32 + new_tokens // 2
     step_bytes = eng.model.weight_bytes() + ctx * eng.layout.bytes_per_token
@@ -178,29 +208,33 @@ def run_engine_bench(model_path: Path, dtype: str = "float32", threads: int = 2,
                             ours_prefill_tok_s=ours_prefill, hf_prefill_tok_s=hf_prefill,
                             memcpy_gb_s=copy_bw, read_gb_s=read_bw, b1_bytes_per_step=step_bytes,
                             b1_bound_tok_s=read_bw * 1e9 / step_bytes, vllm_prefill_tok_s=vllm_prefill,
-                            vllm_version=vllm_version)
+                            vllm_connector_prefill_tok_s=hooked_prefill, vllm_version=vllm_version)
     for b in batches:
         res.decode[b] = {"ours": ours_decode[b][0], "ours_decode_only": ours_decode[b][1],
-                         "hf": hf_decode.get(b), "vllm": vllm_decode.get(b)}
+                         "hf": hf_decode.get(b), "vllm": vllm_decode.get(b),
+                         "vllm_connector": hooked_decode.get(b)}
     return res
 
 
 def format_result(r: EngineBenchResult) -> str:
     def ratio(a, b):
-        return f"{a / b:.2f}x" if b else "n/a"
+        return f"{a / b:.2f}x" if a is not None and b else "n/a"
 
     def num(v):
         return "n/a" if v is None else f"{v:,.0f}"
 
     lines = [f"## engine bench: SmolLM2-135M-Instruct, {r.dtype}, {r.threads} threads",
-             "", "| measure | kvrelay | transformers | ratio | vLLM | ratio |", "|---|---|---|---|---|---|",
+             "", "| measure | kvrelay | transformers | ratio | vLLM | ratio | vLLM + kvrelay's connector | "
+             "/ vLLM |", "|---|---|---|---|---|---|---|---|",
              f"| prefill {r.prefill_tokens} tok (tok/s) | {num(r.ours_prefill_tok_s)} | {num(r.hf_prefill_tok_s)} | "
              f"{ratio(r.ours_prefill_tok_s, r.hf_prefill_tok_s)} | {num(r.vllm_prefill_tok_s)} | "
-             f"{ratio(r.ours_prefill_tok_s, r.vllm_prefill_tok_s)} |"]
+             f"{ratio(r.ours_prefill_tok_s, r.vllm_prefill_tok_s)} | {num(r.vllm_connector_prefill_tok_s)} | "
+             f"{ratio(r.vllm_connector_prefill_tok_s, r.vllm_prefill_tok_s)} |"]
     for b, d in r.decode.items():
         lines.append(f"| decode batch {b} (tok/s) | {num(d['ours'])} (decode only {num(d['ours_decode_only'])}) | "
                      f"{num(d['hf'])} | {ratio(d['ours'], d['hf'])} | {num(d.get('vllm'))} | "
-                     f"{ratio(d['ours'], d.get('vllm'))} |")
+                     f"{ratio(d['ours'], d.get('vllm'))} | {num(d.get('vllm_connector'))} | "
+                     f"{ratio(d.get('vllm_connector'), d.get('vllm'))} |")
     b1 = r.decode.get(1, {}).get("ours_decode_only")
     lines += ["", f"memory: copy {r.memcpy_gb_s:.1f} GB/s, read {r.read_gb_s:.1f} GB/s; batch-1 decode reads "
               f"{r.b1_bytes_per_step / 1e6:.0f} MB/step -> bound {r.b1_bound_tok_s:.0f} tok/s"

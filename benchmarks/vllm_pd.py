@@ -12,6 +12,9 @@ seeded). Each system serves SmolLM2-135M-Instruct (the embedded model) in
 float32 on this machine's cores:
 
 - ``vllm_alone``: ``vllm serve`` (one engine, no disaggregation);
+- ``vllm_nixl_pd``: vLLM's own disaggregation, a prefill and a decode
+  ``vllm serve`` with its NixlConnector behind a proxy
+  (benchmarks/vllm_nixl.py);
 - ``kvrelay_vllm``: kvrelay, one prefill and one decode worker running vLLM,
   KV over kvrelay's sealed TCP transport (never colocated);
 - ``kvrelay_builtin``: the same cluster with kvrelay's own engine.
@@ -20,14 +23,14 @@ Per system: vLLM's client figures (TTFT, TPOT, output throughput), the KV
 bytes the decode workers received, and, after the load, the exposed
 transfer tail of ``tail_prompts`` prompts of ``tail_prompt_tokens`` sent one
 at a time over gRPC (the transfer time after the prefill ended, against the
-prefill time). vLLM's own P/D (its NixlConnector and proxy) is not run here
-(see benchmarks/RESULTS.md). The JSON field names are stable."""
+prefill time). The JSON field names are stable."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -38,7 +41,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvrelay.benchmarks import vllm_nixl
 from kvrelay.benchmarks.kv_bench import machine
 from kvrelay.benchmarks.traces import load_trace
 from kvrelay.engine.tokenizer import Tokenizer
@@ -51,7 +56,7 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
-SYSTEMS = ("vllm_alone", "kvrelay_vllm", "kvrelay_builtin")
+SYSTEMS = ("vllm_alone", "vllm_nixl_pd", "kvrelay_vllm", "kvrelay_builtin")
 TOKEN = "bench-vllm-pd-token"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 4096
@@ -70,6 +75,8 @@ class VllmPdConfig:
     tail_prompt_tokens: int = 2000
     kv_cache_gib: float = 0.5
     seed: int = 0
+    systems: tuple[str, ...] = SYSTEMS
+    """Which of :data:`SYSTEMS` to run, in this order."""
 
 
 @dataclass(slots=True)
@@ -128,40 +135,100 @@ def _fill(r: SystemResult, b: dict) -> None:
     r.duration_s = b["duration"]
 
 
-def run_vllm_alone(model: Path, cfg: VllmPdConfig, data: Path, work: Path) -> SystemResult:
-    r = SystemResult("vllm_alone")
-    port = 18000 + random.Random().randrange(2000)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(model: Path, cfg: VllmPdConfig, log: Path, extra: list[str],
+           env: dict[str, str]) -> tuple[int, subprocess.Popen]:
+    """A ``vllm serve`` of the model as every system here serves it (its log in ``log``): its port and process."""
+    port = _free_port()
     args = ["serve", str(model), "--served-model-name", MODEL_NAME, "--port", str(port), "--dtype", "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0",
-            "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * 2**30))]
-    # every core for its torch threads, as kvrelay's vLLM workers get (vLLM lowers an unset count to 1)
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
-    log = (work / "vllm_serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.launch.vllm_env", "cli", *args], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+            "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * 2**30)), *extra]
+    # vLLM's own thread count for serving on CPU (it lowers an unset OMP_NUM_THREADS to 1, against spin-wait
+    # contention with its API server; every core measured worse here: RESULTS.md), unless ``env`` sets one
+    inherited = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {**inherited, "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1", **env}
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvrelay.launch.vllm_env", "cli", *args], env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    return port, proc
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def run_vllm_alone(model: Path, cfg: VllmPdConfig, data: Path, work: Path) -> SystemResult:
+    r = SystemResult("vllm_alone")
+    port, proc = _serve(model, cfg, work / "vllm_serve.log", [], {})
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", proc)
+        _wait_http(f"http://127.0.0.1:{port}/health", proc, work / "vllm_serve.log")
         _fill(r, bench_client(f"http://127.0.0.1:{port}", model, data, cfg, work / "vllm_alone.json", {}))
     finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
+        _stop([proc])
     return r
 
 
-def _wait_http(url: str, proc: subprocess.Popen) -> None:
+def run_vllm_nixl_pd(model: Path, cfg: VllmPdConfig, data: Path, work: Path) -> SystemResult:
+    """vLLM's own P/D: a prefill and a decode ``vllm serve`` with NixlConnector behind the proxy
+    of benchmarks/vllm_nixl.py; UCX without InfiniBand (none here)."""
+    r = SystemResult("vllm_nixl_pd")
+    procs: list[subprocess.Popen] = []
+    try:
+        urls = []
+        for role in ("prefill", "decode"):
+            # no pinning of cores: two instances share them (as kvrelay's vLLM workers do)
+            env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()), "UCX_MODULES": "^ib",
+                   "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+            log = work / f"vllm_nixl_{role}.log"
+            port, proc = _serve(model, cfg, log, ["--kv-transfer-config", vllm_nixl.kv_transfer_config()], env)
+            procs.append(proc)
+            _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
+            urls.append(f"http://127.0.0.1:{port}")
+        port = _free_port()
+        procs.append(subprocess.Popen([sys.executable, "-m", "kvrelay.benchmarks.vllm_nixl", "--port", str(port),
+                                       "--prefill", urls[0], "--decode", urls[1]]))
+        _wait_http(f"http://127.0.0.1:{port}/health", procs[-1], None)
+        before = _nixl_bytes(urls[1])
+        _fill(r, bench_client(f"http://127.0.0.1:{port}", model, data, cfg, work / "vllm_nixl_pd.json", {}))
+        r.kv_bytes = _nixl_bytes(urls[1]) - before
+    finally:
+        _stop(procs)
+    return r
+
+
+def _nixl_bytes(url: str) -> int:
+    """KV bytes a vLLM decode instance pulled over NIXL (its ``vllm:nixl_bytes_transferred`` histogram's sum)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return int(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "vllm:nixl_bytes_transferred_sum"))
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path | None) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode} while starting")
+            tail = log.read_text(errors="replace")[-1500:] if log is not None else ""
+            raise RuntimeError(f"{url.rsplit('/', 1)[0]} exited with {proc.returncode} while starting: {tail}")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
                     return
         except OSError:
             time.sleep(1.0)
-    raise RuntimeError(f"vllm serve did not answer {url} within {START_TIMEOUT_S:g} s")
+    raise RuntimeError(f"{url} did not answer within {START_TIMEOUT_S:g} s")
 
 
 def kvrelay_config(engine: str, cfg: VllmPdConfig) -> dict:
@@ -213,7 +280,7 @@ def _tails(lc: LocalCluster, cfg: VllmPdConfig, r: SystemResult) -> None:
 
 
 def run_vllm_pd_bench(model: Path, cfg: VllmPdConfig) -> dict:
-    """Every system of :data:`SYSTEMS` in turn; a system that fails is reported with its error."""
+    """Every system of ``cfg.systems`` in turn; a system that fails is reported with its error."""
     tok = Tokenizer(model)
     results = []
     with tempfile.TemporaryDirectory(prefix="kvrelay-vllm-pd-") as tmp:
@@ -221,9 +288,10 @@ def run_vllm_pd_bench(model: Path, cfg: VllmPdConfig) -> dict:
         data = work / "dataset.jsonl"
         total_in, total_out = dataset(cfg, tok, data)
         runs = {"vllm_alone": lambda: run_vllm_alone(model, cfg, data, work),
+                "vllm_nixl_pd": lambda: run_vllm_nixl_pd(model, cfg, data, work),
                 "kvrelay_vllm": lambda: run_kvrelay("vllm", model, cfg, data, work),
                 "kvrelay_builtin": lambda: run_kvrelay("builtin", model, cfg, data, work)}
-        for name in SYSTEMS:
+        for name in cfg.systems:
             try:
                 results.append(asdict(runs[name]()))
             except (RuntimeError, OSError, subprocess.SubprocessError, grpc.RpcError) as exc:

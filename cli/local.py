@@ -26,7 +26,7 @@ from kvrelay.benchmarks.replay import trace_slice
 from kvrelay.benchmarks.sim.profiler import ProfileGrid, Profiler
 from kvrelay.benchmarks.tls_bench import format_tls, run_tls_bench
 from kvrelay.benchmarks.traces import SAMPLE_AZURE, TraceError, build_prompts, load_trace
-from kvrelay.benchmarks.vllm_pd import VllmPdConfig, format_vllm_pd, run_vllm_pd_bench
+from kvrelay.benchmarks.vllm_pd import SYSTEMS, VllmPdConfig, format_vllm_pd, run_vllm_pd_bench
 from kvrelay.cli.chaos import run_chaos
 from kvrelay.cli.cities import cities_for
 from kvrelay.cli.common import write_secret
@@ -88,9 +88,13 @@ def cmd_bench_vllm_pd(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.request_rate <= 0 or args.length_scale <= 0 or args.tail_prompts < 0:
         raise SystemExit("kvrelay bench vllm-pd: --requests >= 1, --request-rate and --length-scale > 0, "
                          "--tail-prompts >= 0")
+    systems = tuple(s.strip() for s in args.systems.split(","))
+    if unknown := [s for s in systems if s not in SYSTEMS]:
+        raise SystemExit(f"kvrelay bench vllm-pd: --systems: unknown {', '.join(unknown)} "
+                         f"(known: {', '.join(SYSTEMS)})")
     cfg = VllmPdConfig(trace=args.trace or SAMPLE_AZURE, requests=args.requests, length_scale=args.length_scale,
                        max_output_tokens=args.max_output_tokens, request_rate=args.request_rate,
-                       tail_prompts=args.tail_prompts, seed=args.seed)
+                       tail_prompts=args.tail_prompts, seed=args.seed, systems=systems)
     report = run_vllm_pd_bench(resolve_model(None, args.cache_dir), cfg)
     print(format_vllm_pd(report))
     if args.json:

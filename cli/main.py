@@ -187,6 +187,8 @@ def _add_bench_vllm_pd_parser(bench) -> None:
     bv.add_argument("--request-rate", type=float, default=0.5, help="requests per second (Poisson)")
     bv.add_argument("--tail-prompts", type=int, default=3, help="2k-token prompts for the exposed transfer tail")
     bv.add_argument("--seed", type=int, default=0)
+    bv.add_argument("--systems", default="vllm_alone,vllm_nixl_pd,kvrelay_vllm,kvrelay_builtin",
+                    help="comma-separated systems to run, in this order")
     bv.add_argument("--json", help="also write the report to this file")
     bv.set_defaults(func=local("cmd_bench_vllm_pd"))
 

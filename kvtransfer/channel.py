@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvrelay.engine.kv_cache import KVCache
 from kvrelay.kvtransfer.base import (
@@ -27,7 +27,8 @@ from kvrelay.kvtransfer.base import (
 from kvrelay.kvtransfer.config import TransferConfig
 from kvrelay.kvtransfer.handles import StateHandle
 from kvrelay.kvtransfer.handshake import SenderHello, Session, client_handshake
-from kvrelay.kvtransfer.memory import KVBytes, coalesce, paired_runs
+from kvrelay.kvtransfer.memory import coalesce, paired_runs
+from kvrelay.kvtransfer.staging import DeviceKV, Staged, kv_memory
 from kvrelay.kvtransfer.wire import ProtocolError, acked_bytes, retransmitting, tune_socket, written_mark
 from kvrelay.v1 import kv_wire_pb2 as pb
 
@@ -56,6 +57,16 @@ class LayerRun:
     src: list[int]
     first: int
     num_layers: int = 1
+    staged: list[Staged] = field(default_factory=list)
+    """A cache in CUDA memory: each layer's blocks on their way to a pinned buffer (kvtransfer/staging.py)."""
+
+    def views(self, mem, runs: list[tuple[int, int, int]]) -> list[memoryview]:
+        """The run's bytes, one view per (layer, plane, run of ``runs``: (source block, any, count))."""
+        if not self.staged:
+            return [mem.run(lyr, kind, b, n) for lyr in range(self.layer, self.layer + self.num_layers)
+                    for kind in mem.kinds for b, _, n in runs]
+        sizes = [n * mem.block_bytes for _ in mem.kinds for _, _, n in runs]
+        return [v for st in self.staged for v in st.views(sizes)]
 
     def nbytes(self, block_bytes: int) -> int:
         """Bytes of K and V the run carries (``block_bytes``: of every plane of a layer's block)."""
@@ -202,6 +213,7 @@ class SendStream:
                 prev = merged[-1] if merged else None
                 if isinstance(it, LayerRun) and isinstance(prev, LayerRun) and prev.merges_with(it, block_bytes):
                     prev.num_layers += 1
+                    prev.staged.extend(it.staged)
                 else:
                     merged.append(it)
             yield from merged
@@ -216,9 +228,7 @@ class SendStream:
             return None
         views = None
         if isinstance(item, LayerRun):
-            runs = coalesce(item.src)
-            views = [mem.run(lyr, kind, b, n) for lyr in range(item.layer, item.layer + item.num_layers)
-                     for kind in mem.kinds for _, b, n in runs]
+            views = item.views(mem, [(b, b, n) for _, b, n in coalesce(item.src)])
         return nbytes, views
 
     def _write_loop(self) -> None:
@@ -318,9 +328,7 @@ class SendStream:
         h.add_bytes(nbytes)
         if self.shared:  # the receiver pulls: block ids and a MAC of each run it pulls
             dest = list(h.target.block_ids[first:first + len(src)])
-            mem = self.pool.mem
-            runs = [mem.run(lyr, kind, s, n) for lyr in range(layer, layer + num_layers) for kind in mem.kinds
-                    for s, _, n in paired_runs(src, dest)]
+            runs = run.views(self.pool.mem, paired_runs(src, dest))
             tags = bytearray(self._live().writer.tag_pulled(runs))
             if tamper:
                 tags[0] ^= 1
@@ -373,7 +381,7 @@ class PeerChannel:
         """``receiver``: the identity the receiver's certificate must name (None: any we accept)."""
         self.endpoint = endpoint
         self.cache = cache
-        self.mem = KVBytes(cache)
+        self.mem = kv_memory(cache)
         self.cfg = cfg
         self.memory = memory
         """What lets receivers pull from us (NIXL, shared memory); None = bytes only."""
@@ -468,6 +476,8 @@ class ChannelSendHandle(StateHandle, SendHandle):
         self.advance(TransferState.TRANSFERRING)
         self._stream = self.pool.pick(self._stream)
         run = LayerRun(self, layer, list(src_blocks), first)
+        if isinstance(self.pool.mem, DeviceKV):  # copied out once the engine's writes to the layer are complete
+            run.staged.append(self.pool.mem.stage(range(layer, layer + 1), run.src))
         self._stream.put(run, run.nbytes(self.pool.mem.layer_block_bytes))
 
     def finish(self, first_token_id: int, first_logprob: float) -> None:

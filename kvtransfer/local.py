@@ -54,10 +54,12 @@ class SharedMemorySource:
 
     def pull(self, layers: range, src: list[int], dest: list[int]) -> None:
         s = torch.tensor(src, dtype=torch.long)
-        d = torch.tensor(dest, dtype=torch.long)
+        device = self.cache.kv.device  # a receiver's cache may be in CUDA memory: the rows go there
+        d = torch.tensor(dest, dtype=torch.long, device=device)
         for layer in layers:
             for kind in range(self.cache.layout.kinds):
-                self.cache.kv[layer, kind].index_copy_(0, d, self.peer.kv[layer, kind].index_select(0, s))
+                rows = self.peer.kv[layer, kind].index_select(0, s).to(device)
+                self.cache.kv[layer, kind].index_copy_(0, d, rows)
 
 
 class SharedMemoryAttacher:

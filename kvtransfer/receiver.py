@@ -38,9 +38,10 @@ from kvrelay.kvtransfer.handshake import (
     Session,
     accept_peer,
 )
-from kvrelay.kvtransfer.memory import KVBytes, coalesce, paired_runs
+from kvrelay.kvtransfer.memory import coalesce, paired_runs
 from kvrelay.kvtransfer.protection import Protection
 from kvrelay.kvtransfer.record import RecordError
+from kvrelay.kvtransfer.staging import DeviceKV, kv_memory
 from kvrelay.kvtransfer.wire import ProtocolError, tune_socket
 from kvrelay.v1 import kv_wire_pb2 as pb
 
@@ -171,7 +172,7 @@ class ChannelReceiver(KVReceiver):
     def __init__(self, cache: KVCache, host: str = "127.0.0.1", cfg: TransferConfig | None = None,
                  attachers: Sequence[PeerAttacher] = ()) -> None:
         self.cache = cache
-        self.mem = KVBytes(cache)
+        self.mem = kv_memory(cache)
         self.cfg = cfg or TransferConfig()
         self.attachers = tuple(attachers)
         """How we pull from senders that offer their memory, in order of preference."""
@@ -325,12 +326,6 @@ class ChannelReceiver(KVReceiver):
                 self._maybe_complete(hdr.transfer_id, inc)
             return
         dest = inc.block_ids[hdr.first:hdr.first + hdr.count]
-        if pulled:  # one view per run consecutive at both ends: what the sender tagged
-            views = [self.mem.run(layer, kind, d, n) for layer in layers for kind in self.mem.kinds
-                     for _, d, n in paired_runs(list(hdr.src_blocks), dest)]
-        else:
-            views = [self.mem.run(layer, kind, first_id, n) for layer in layers for kind in self.mem.kinds
-                     for _, first_id, n in coalesce(dest)]
         seq = conn.live.reader.last_seq
         conn.transfers[hdr.transfer_id] = inc
         try:
@@ -339,8 +334,10 @@ class ChannelReceiver(KVReceiver):
                 if conn.source is None:  # _frame_shape refused it already
                     raise ProtocolError("shared-memory blocks frame without a valid shared KV mapping")
                 conn.source.pull(layers, list(hdr.src_blocks), dest)
+                # one view per run consecutive at both ends: what the sender tagged
+                views = self._views(layers, dest, paired_runs(list(hdr.src_blocks), dest))
             else:
-                conn.live.reader.recv_payload(views, hdr.count * self.cache.layout.block_bytes)
+                self._receive(conn, layers, dest, hdr.count * self.cache.layout.block_bytes)
         finally:
             inc.leave(conn)
         if not pulled:  # the tags authenticated every byte
@@ -349,6 +346,25 @@ class ChannelReceiver(KVReceiver):
             self._verify(conn, seq, inc, hdr, layers, views)
         else:
             conn.verify.put((conn, seq, inc, hdr, layers, views))
+
+    def _views(self, layers: range, dest: list[int], runs: list[tuple[int, int, int]]) -> list[memoryview]:
+        """The landed bytes of ``dest``, one view per (layer, plane, run: (any, first block, count))."""
+        if isinstance(self.mem, DeviceKV):  # host copies of what the pull wrote into device memory
+            return self.mem.read(layers, dest).views([n * self.mem.block_bytes for _ in layers
+                                                      for _ in self.mem.kinds for _, _, n in runs])
+        return [self.mem.run(layer, kind, d, n) for layer in layers for kind in self.mem.kinds for _, d, n in runs]
+
+    def _receive(self, conn: _Conn, layers: range, dest: list[int], record_bytes: int) -> None:
+        """A frame's payload into blocks ``dest`` of ``layers``: straight into host memory, or through a
+        pinned buffer into device memory."""
+        if isinstance(self.mem, DeviceKV):
+            landing = self.mem.landing(layers, dest)
+            conn.live.reader.recv_payload(landing.views(), record_bytes)
+            self.mem.land(landing)
+            return
+        views = [self.mem.run(layer, kind, first_id, n) for layer in layers for kind in self.mem.kinds
+                 for _, first_id, n in coalesce(dest)]
+        conn.live.reader.recv_payload(views, record_bytes)
 
     def _verify_loop(self, conn: _Conn) -> None:
         """Checks pulled frames off the receiving thread, so the next frame is

@@ -108,11 +108,14 @@ class Child:
 
 
 def refuse_engines_this_host_cannot_run(cfg: ClusterConfig) -> None:
-    """ValueError naming the first pool whose engine cannot run on this host (vLLM missing)."""
+    """ValueError naming the first pool whose engine cannot run on this host (vLLM missing, or its
+    CPU build for a pool on a GPU)."""
     transport = cfg.kv.transport  # auto never chooses local
     for i, site in enumerate(cfg.sites):
         for role in Role:
-            problem = pool_engine_problem(site.pool(role), f"sites[{i}].{role} ({site.name})", transport)
+            pool = site.pool(role)
+            problem = pool_engine_problem(pool, f"sites[{i}].{role} ({site.name})", transport,
+                                          pool.device or cfg.model.device)
             if problem is not None:
                 raise ValueError(problem)
 

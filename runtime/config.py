@@ -821,7 +821,6 @@ def _message(err: ErrorDetails) -> str:
 def _validate(cfg: ClusterConfig) -> None:
     """The rules that span sections (each section checked its own fields when built)."""
     sites = _check_sites(cfg.sites)
-    _check_engines(cfg)
     if cfg.local_link.between:
         raise ConfigError("local_link.between: must be empty (it is the network inside every site)")
     _check_links(cfg.links, sites)
@@ -829,17 +828,6 @@ def _validate(cfg: ClusterConfig) -> None:
     if cfg.router.site is not None and cfg.router.site not in sites:
         raise ConfigError(f"router.site: unknown site {cfg.router.site!r} (sites: {', '.join(sorted(sites))})")
     _check_loopback(cfg)
-
-
-def _check_engines(cfg: ClusterConfig) -> None:
-    """vLLM pools keep their KV in host memory for now: kvrelay's transports do not read VRAM yet."""
-    for i, site in enumerate(cfg.sites):
-        for role in Role:
-            pool = site.pool(role)
-            device = pool.device or cfg.model.device
-            if pool.engine is EngineKind.VLLM and device != "cpu":
-                raise ConfigError(f"sites[{i}].{role}.device: {device} with engine: vllm is not supported yet "
-                                  "(kvrelay's KV transports do not move GPU memory yet); use cpu")
 
 
 def _check_loopback(cfg: ClusterConfig) -> None:

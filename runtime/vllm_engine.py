@@ -62,11 +62,14 @@ class VllmSpec:
     """The router's prefix-index block size (cache.block_size): prefix-cache events are named in it."""
 
 
-def prepare_process(threads: int | None) -> None:
+def prepare_process(threads: int | None, device: str = "cpu") -> None:
     """Sets what vLLM reads from the environment, before it is imported: its engine
     core and model in this process, torch's threads, no pinning of cores (a worker
-    shares its host), warnings only in the worker's log."""
+    shares its host), warnings only in the worker's log; on ``cuda:N``, that device
+    as the only one vLLM sees (it runs on the first it sees)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if device.startswith("cuda:"):
+        os.environ["CUDA_VISIBLE_DEVICES"] = device.removeprefix("cuda:")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads or os.cpu_count() or 1))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -143,6 +146,7 @@ class VllmEngine:
         self._poke = False
         """A release or receive was signalled: the next step must run to tell vLLM."""
         self._totals = [0, 0]  # prefill, decode tokens computed
+        self._seconds = [0.0, 0.0, 0]  # steps with prompt tokens (s), decode-only steps (s), decode-only steps
         self._cached = [0, 0]  # prefix-cache hit tokens, prompt tokens looked up
         self._seen: dict[str, int] = {}
         """Requests with an output already -> prompt tokens their prefix cache held (counted in ``_cached``)."""
@@ -246,7 +250,9 @@ class VllmEngine:
         outs = self.llm.step()
         self._poke = False
         ns = time.perf_counter_ns() - t0
+        before = self._totals[0]
         tokens = self._count_step()
+        self._time_step(ns, bool(tokens), self._totals[0] > before)
         results = [self._convert(o) for o in outs]
         if self.step_hook is not None and tokens:
             self.step_hook(StepUsage(ns, [(self._accounts.get(r), n) for r, n in tokens], [r for r, _ in tokens],
@@ -264,6 +270,16 @@ class VllmEngine:
             out.append((rid, n))
         self.bridge.step_tokens = []
         return out
+
+    def _time_step(self, ns: int, computed: bool, prompt: bool) -> None:
+        """A step that computed prompt tokens counts as prefill time (as the builtin engine counts a mixed step)."""
+        if not computed:
+            return
+        if prompt:
+            self._seconds[0] += ns / 1e9
+        else:
+            self._seconds[1] += ns / 1e9
+            self._seconds[2] += 1
 
     def _convert(self, o) -> RequestOutput:
         c = o.outputs[0]
@@ -297,11 +313,17 @@ class VllmEngine:
         sched = self._core.scheduler
         pool = sched.kv_cache_manager.block_pool
         bs = self.layout.block_size
+        parked = {self.bridge.internal.get(r) for r in self._awaiting}
+        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*sched.waiting, *sched.running)
+                     if r.request_id not in parked)
+        pre_s, dec_s, dec_steps = self._seconds
         return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
                            num_free_blocks=pool.get_num_free_blocks(), num_blocks=pool.num_gpu_blocks - 1,
                            num_prefill_tokens=self._totals[0], num_decode_tokens=self._totals[1],
                            num_preemptions=0, prefix_hit_blocks=self._cached[0] // bs,
-                           prefix_query_blocks=self._cached[1] // bs)
+                           prefix_query_blocks=self._cached[1] // bs, queued_prefill_tokens=queued,
+                           prefill_tokens_per_s=self._totals[0] / pre_s if pre_s else 0.0,
+                           decode_step_s=dec_s / dec_steps if dec_steps else 0.0)
 
     def drain_kv_events(self, snapshot: bool = False) -> KVEvents:
         """vLLM's prefix-cache changes named as the router's index names blocks (runtime/vllm_events.py)."""

@@ -372,7 +372,8 @@ def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str,
     if host == "auto":
         host = local_address_towards(args.router)
     transport = choose_transport(cfg.kv.transport)
-    problem = pool_engine_problem(site.pool(role), f"site {args.site}'s {role} pool", transport)
+    pool = site.pool(role)
+    problem = pool_engine_problem(pool, f"site {args.site}'s {role} pool", transport, pool.device or cfg.model.device)
     if problem is not None:
         raise SystemExit(problem)
     return WorkerSetup(cfg, WorkerIdentity(f"{args.site}/{role}/{args.index}", role, args.site),
@@ -410,10 +411,10 @@ def failing_step(step, at: int):
 def build_vllm_engine(setup: WorkerSetup) -> VllmEngine:
     """A vLLM pool's engine (runtime/vllm_engine.py), in this process."""
     cfg = setup.cfg
-    prepare_process(cfg.workers.threads)
+    device = setup.pool.device or cfg.model.device
+    prepare_process(cfg.workers.threads, device)
     spec = VllmSpec(Path(setup.model_path), setup.ident.worker_id, setup.pool.vllm or VllmSection(),
-                    cfg.model.dtype, setup.pool.device or cfg.model.device, cfg.cache.memory_gib, cfg.scheduler,
-                    cfg.cache.block_size)
+                    cfg.model.dtype, device, cfg.cache.memory_gib, cfg.scheduler, cfg.cache.block_size)
     return VllmEngine(spec)
 
 

@@ -5,8 +5,11 @@ requests and reference outputs of the end-to-end tests, and waiting."""
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import ssl
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -165,3 +168,28 @@ async def jobs_server(svc: JobService) -> AsyncIterator[grpc.aio.Channel]:
             yield ch
     finally:
         await server.stop(None)
+
+
+_ALONE = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+import vllm
+from vllm.inputs import TokensPrompt
+args = json.loads(sys.argv[1])
+llm = vllm.LLM(model=args["model"], dtype=args["dtype"], enforce_eager=True, max_model_len=2048,
+               kv_cache_memory_bytes=1 << 28, seed=0)
+sps = [vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in args["max_tokens"]]
+outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in args["prompts"]], sps, use_tqdm=False)
+print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+def vllm_alone(model, prompts: list[list[int]], max_tokens: list[int], dtype: str = "float32") -> list[list[int]]:
+    """Greedy outputs of vLLM alone (its offline engine, in a child process: one engine per process)
+    for ``prompts``, each its ``max_tokens`` (EOS ignored: the vLLM pool tests set ignore_eos)."""
+    arg = json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "dtype": dtype})
+    proc = subprocess.run([sys.executable, "-c", _ALONE, arg], capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    return json.loads(line.removeprefix("RESULT "))

@@ -1,5 +1,6 @@
 """`kvrelay bench engine --engine vllm` on the smallest run: kvrelay's engine
-and vLLM's offline engine measured in one process on the same prompts, and
+and vLLM's offline engine, with and without kvrelay's connector (each in a
+process of its own), measured on the same prompts, and
 the record's field names (other tools read them). Slow (vLLM's engine starts
 in 35-50 s on two cores); `make test-slow` runs it, RESULTS.md has its figures."""
 
@@ -27,8 +28,9 @@ def test_bench_engine_with_vllm_has_its_stable_fields(plumbing_model, tmp_path):
     rec = json.loads(out.with_suffix(".float32.json").read_text())
     assert rec["vllm_version"] == vllm_env.installed_version()
     assert rec["vllm_prefill_tok_s"] > 0 and rec["ours_prefill_tok_s"] > 0 and rec["hf_prefill_tok_s"] is None
+    assert rec["vllm_connector_prefill_tok_s"] > 0
     assert set(rec["decode"]) == {"1", "4"}
     for row in rec["decode"].values():
-        assert set(row) == {"ours", "ours_decode_only", "hf", "vllm"}
-        assert row["vllm"] > 0 and row["ours"] > 0 and row["hf"] is None
+        assert set(row) == {"ours", "ours_decode_only", "hf", "vllm", "vllm_connector"}
+        assert row["vllm"] > 0 and row["vllm_connector"] > 0 and row["ours"] > 0 and row["hf"] is None
     assert "| vLLM |" in res.stdout

