@@ -47,6 +47,8 @@ class EngineBenchResult:
     """vLLM's offline engine (``--engine vllm``) on the same prompt, dtype and cores."""
     vllm_connector_prefill_tok_s: float | None = None
     """The same with kvrelay's KV connector attached, as in a vLLM pool (``vllm_connector`` in ``decode``)."""
+    vllm_rounds: int = 0
+    """vLLM runs without and with the connector, in turn; each figure is their median (0: not measured)."""
     vllm_version: str | None = None
     memcpy_gb_s: float = 0.0
     read_gb_s: float = 0.0
@@ -177,9 +179,15 @@ def bench_vllm_apart(*args: Any, threads: int, connector: bool) -> tuple[float, 
         return pool.submit(functools.partial(bench_vllm, connector=connector), *args).result(timeout=VLLM_TIMEOUT_S)
 
 
+def _median_of(runs: list[tuple[float, dict[int, float]]]) -> tuple[float, dict[int, float]]:
+    """The median over runs of each figure of :func:`bench_vllm`."""
+    return (statistics.median(p for p, _ in runs),
+            {b: statistics.median(d[b] for _, d in runs) for b in runs[0][1]})
+
+
 def run_engine_bench(model_path: Path, dtype: str = "float32", threads: int = 2, batches: tuple[int, ...] = (1, 8, 32),
                      new_tokens: int = 64, repeat: int = 3, with_hf: bool = True,
-                     with_vllm: bool = False) -> EngineBenchResult:
+                     with_vllm: bool = False, vllm_rounds: int = 1) -> EngineBenchResult:
     torch.set_num_threads(threads)
     eng = LLMEngine(EngineConfig(model_path=model_path, dtype=cast(DType, dtype),  # a DType: EngineConfig checks
                                  cache=CacheConfig(memory_gib=1.0),
@@ -199,8 +207,12 @@ def run_engine_bench(model_path: Path, dtype: str = "float32", threads: int = 2,
     if with_vllm:
         vllm_version = installed_version()
         args = (model_path, dtype, prompt512, {b: _prompts(eng.tokenizer, b, 32) for b in batches}, new_tokens, repeat)
-        vllm_prefill, vllm_decode = bench_vllm_apart(*args, threads=threads, connector=False)
-        hooked_prefill, hooked_decode = bench_vllm_apart(*args, threads=threads, connector=True)
+        plain, hooked = [], []
+        for _ in range(vllm_rounds):  # interleaved: a drift of the machine hits both alike
+            plain.append(bench_vllm_apart(*args, threads=threads, connector=False))
+            hooked.append(bench_vllm_apart(*args, threads=threads, connector=True))
+        vllm_prefill, vllm_decode = _median_of(plain)
+        hooked_prefill, hooked_decode = _median_of(hooked)
     copy_bw, read_bw = measure_bandwidth()
     ctx = 32 + new_tokens // 2
     step_bytes = eng.model.weight_bytes() + ctx * eng.layout.bytes_per_token
@@ -208,7 +220,8 @@ def run_engine_bench(model_path: Path, dtype: str = "float32", threads: int = 2,
                             ours_prefill_tok_s=ours_prefill, hf_prefill_tok_s=hf_prefill,
                             memcpy_gb_s=copy_bw, read_gb_s=read_bw, b1_bytes_per_step=step_bytes,
                             b1_bound_tok_s=read_bw * 1e9 / step_bytes, vllm_prefill_tok_s=vllm_prefill,
-                            vllm_connector_prefill_tok_s=hooked_prefill, vllm_version=vllm_version)
+                            vllm_connector_prefill_tok_s=hooked_prefill, vllm_version=vllm_version,
+                            vllm_rounds=vllm_rounds if with_vllm else 0)
     for b in batches:
         res.decode[b] = {"ours": ours_decode[b][0], "ours_decode_only": ours_decode[b][1],
                          "hf": hf_decode.get(b), "vllm": vllm_decode.get(b),

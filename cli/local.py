@@ -69,12 +69,14 @@ def cmd_model_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
+    if args.vllm_rounds < 1:
+        raise SystemExit("kvrelay bench engine: --vllm-rounds must be >= 1")
     path = resolve_model(args.model, args.cache_dir)
     batches = tuple(int(b) for b in args.batches.split(","))
     for dtype in args.dtype.split(","):
         r = run_engine_bench(path, dtype=dtype, threads=args.threads, batches=batches,
                              new_tokens=args.new_tokens, repeat=args.repeat, with_hf=not args.no_reference,
-                             with_vllm=args.engine == "vllm")
+                             with_vllm=args.engine == "vllm", vllm_rounds=args.vllm_rounds)
         print(format_result(r), flush=True)
         if args.json:
             Path(args.json).with_suffix(f".{dtype}.json").write_text(to_json(r))

@@ -173,6 +173,8 @@ def _add_bench_engine_parser(bench) -> None:
     be.add_argument("--no-reference", action="store_true", help="skip transformers")
     be.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
                     help="vllm: also measure vLLM's offline engine in the same run, beside kvrelay's (builtin)")
+    be.add_argument("--vllm-rounds", type=int, default=1,
+                    help="vLLM without and with kvrelay's connector, this many times in turn (medians)")
     be.add_argument("--json", help="also write results to this path (.<dtype>.json)")
     be.set_defaults(func=local("cmd_bench_engine"))
 

@@ -824,6 +824,7 @@ def _validate(cfg: ClusterConfig) -> None:
     if cfg.local_link.between:
         raise ConfigError("local_link.between: must be empty (it is the network inside every site)")
     _check_links(cfg.links, sites)
+    _check_layouts(cfg)
     _check_tenants(cfg)
     if cfg.router.site is not None and cfg.router.site not in sites:
         raise ConfigError(f"router.site: unknown site {cfg.router.site!r} (sites: {', '.join(sorted(sites))})")
@@ -866,6 +867,39 @@ def _check_links(links: list[LinkSection], sites: set[str]) -> None:
         if pair in pairs:
             raise ConfigError(f"{where}: duplicate link between {link.between[0]} and {link.between[1]}")
         pairs.add(pair)
+
+
+def _kv_kind(cfg: ClusterConfig, pool: PoolSection) -> tuple[str, str, int | None]:
+    """What the config fixes of a pool's KV layout: its engine, dtype and block size (None: vLLM's default)."""
+    if pool.engine is EngineKind.VLLM:
+        v = pool.vllm or VllmSection()
+        return EngineKind.VLLM.value, v.dtype or cfg.model.dtype, v.block_size
+    return EngineKind.BUILTIN.value, cfg.model.dtype, cfg.cache.block_size
+
+
+def _same_kind(a: tuple[str, str, int | None], b: tuple[str, str, int | None]) -> bool:
+    return a[:2] == b[:2] and (a[2] is None or b[2] is None or a[2] == b[2])
+
+
+def _check_layouts(cfg: ClusterConfig) -> None:
+    """A decode pool whose site has no prefill pool gets its prompts' KV only over links: a prefill pool they
+    reach must share its KV layout (placement never pairs layouts that differ), or no prompt would move."""
+    by_name = {s.name: s for s in cfg.sites}
+    linked: dict[str, list[str]] = {s.name: [] for s in cfg.sites}
+    for link in cfg.links:
+        linked[link.between[0]].append(link.between[1])
+        linked[link.between[1]].append(link.between[0])
+    for i, site in enumerate(cfg.sites):
+        if site.decode.replicas == 0 or site.prefill.replicas > 0:
+            continue
+        want = _kv_kind(cfg, site.decode)
+        sources = [by_name[n] for n in sorted(linked[site.name]) if by_name[n].prefill.replicas > 0]
+        if sources and not any(_same_kind(want, _kv_kind(cfg, s.prefill)) for s in sources):
+            reached = ", ".join(f"{s.name} ({'/'.join(str(x) for x in _kv_kind(cfg, s.prefill))})" for s in sources)
+            raise ConfigError(f"sites[{i}].decode.engine: {'/'.join(str(x) for x in want)} KV, but the site has no "
+                              f"prefill pool and its links reach only prefill pools of another KV layout: "
+                              f"{reached}; the link would never carry a prompt (match engine, dtype and block "
+                              "size, or give the site a prefill pool)")
 
 
 def _check_tenants(cfg: ClusterConfig) -> None:

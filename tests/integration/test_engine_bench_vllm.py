@@ -28,7 +28,7 @@ def test_bench_engine_with_vllm_has_its_stable_fields(plumbing_model, tmp_path):
     rec = json.loads(out.with_suffix(".float32.json").read_text())
     assert rec["vllm_version"] == vllm_env.installed_version()
     assert rec["vllm_prefill_tok_s"] > 0 and rec["ours_prefill_tok_s"] > 0 and rec["hf_prefill_tok_s"] is None
-    assert rec["vllm_connector_prefill_tok_s"] > 0
+    assert rec["vllm_connector_prefill_tok_s"] > 0 and rec["vllm_rounds"] == 1
     assert set(rec["decode"]) == {"1", "4"}
     for row in rec["decode"].values():
         assert set(row) == {"ours", "ours_decode_only", "hf", "vllm", "vllm_connector"}

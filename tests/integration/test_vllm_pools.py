@@ -301,8 +301,7 @@ def test_a_vllm_engine_that_dies_takes_its_worker_out_and_the_request_recovers(p
     the worker deregisters and exits non-zero, the launcher starts local/decode/1, and the stream,
     waiting for it, continues there as vLLM's uninterrupted greedy output."""
     prompts, expected = references
-    raw = copy.deepcopy(CLUSTER_YAML)
-    raw["sites"][0]["prefill"].update(VLLM_POOL)
+    raw = copy.deepcopy(CLUSTER_YAML)  # a builtin prefill pool: the vLLM decode workers compute their prompts
     raw["sites"][0]["decode"].update(VLLM_POOL)
     raw["workers"] |= {"fail_engine_worker": "local/decode/0", "fail_engine_at_step": 6}
     raw["router"] |= {"liveness": {"heartbeat_interval_s": 0.25}, "admission": {"unavailable_wait_s": 240.0}}

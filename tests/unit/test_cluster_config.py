@@ -231,6 +231,25 @@ def test_a_pool_chooses_its_engine_and_vllms_arguments_are_typed():
             parse_config(raw)
 
 
+def test_a_link_that_would_carry_kv_between_layouts_that_differ_is_refused():
+    """ottawa has decode workers and no prefill pool: its prompts' KV can come only over its link."""
+    def cfg(prefill: dict, decode: dict) -> dict:
+        return {"sites": [{"name": "toronto", "prefill": {"replicas": 1, **prefill}, "decode": {"replicas": 1}},
+                          {"name": "ottawa", "prefill": {"replicas": 0}, "decode": {"replicas": 1, **decode}}],
+                "links": [{"between": ["toronto", "ottawa"], "rtt_ms": 5, "gbps": 10}]}
+    vllm = {"engine": "vllm"}
+    with pytest.raises(ConfigError, match=r"sites\[1\]\.decode\.engine: vllm/float32/None KV, but the site has no "
+                                          r"prefill pool and its links reach only prefill pools of another KV "
+                                          r"layout: toronto \(builtin/float32/16\)"):
+        parse_config(cfg({}, vllm))
+    with pytest.raises(ConfigError, match=r"toronto \(vllm/float32/32\)"):
+        parse_config(cfg({**vllm, "vllm": {"block_size": 32}}, {**vllm, "vllm": {"block_size": 64}}))
+    parse_config(cfg(vllm, vllm))  # the same engine: the link carries it
+    parse_config(cfg({**vllm, "vllm": {"block_size": 32}}, vllm))  # vLLM's default block size may be 32
+    unlinked = cfg({}, vllm) | {"links": []}
+    parse_config(unlinked)  # no link: ottawa computes its prompts itself, as any decode worker can
+
+
 def test_a_vllm_pool_is_refused_at_start_where_vllm_is_missing_or_the_transport_cannot_carry_it(monkeypatch):
     cfg = parse_config({"sites": [{"name": "toronto", "decode": {"engine": "vllm"}}]})
     monkeypatch.setattr(engines.importlib.util, "find_spec", lambda name: None)
