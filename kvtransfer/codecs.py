@@ -1,0 +1,122 @@
+"""KV codecs (issue 35, first part): a run of blocks of one K or V plane,
+``[blocks, tokens, heads, head_dim]`` in the cache's dtype, as fewer bytes,
+and back into any dtype. Not wired into the transports yet.
+
+- ``int8``: symmetric, one float32 scale per (block, head): amax / 127.
+- ``fp8``: e4m3 (torch.float8_e4m3fn), one float32 scale per (block, head):
+  amax / 448 (e4m3's largest finite value).
+- ``int4``: symmetric, one float16 scale per group of :data:`INT4_GROUP`
+  channels of a (block, token, head), amax / 7; two values a byte.
+
+The scales are dynamic (computed from the data), so they travel with the
+bytes; :func:`encoded_bytes` counts both. Error bounds, per element, for a
+finite input (tests/unit/test_kv_codecs.py checks them on a real model's KV):
+int8 and int4 at most half a step of their scale; fp8 at most 2^-4 of the
+value (three mantissa bits, rounded) plus half its smallest subnormal step
+times the scale."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+
+class KVCodec(StrEnum):
+    NONE = "none"
+    INT8 = "int8"
+    FP8 = "fp8"
+    INT4 = "int4"
+
+
+INT4_GROUP = 32
+"""Channels of a head that share an int4 scale (head_dim must be a multiple)."""
+FP8_MAX = 448.0
+"""e4m3's largest finite value."""
+FP8_SUBNORMAL_STEP = 2.0 ** -9
+"""e4m3's smallest subnormal."""
+
+
+@dataclass(slots=True)
+class EncodedRun:
+    """A plane's run of blocks, encoded: ``data`` (uint8) and its ``scales``."""
+
+    codec: KVCodec
+    shape: tuple[int, ...]
+    """The run's shape, [blocks, tokens, heads, head_dim]."""
+    data: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def _scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """amax / top, with 1 where a group is all zeros (any scale encodes zeros exactly)."""
+    return torch.where(amax > 0, amax / top, torch.ones_like(amax))
+
+
+def encode(codec: KVCodec, x: torch.Tensor) -> EncodedRun:
+    """``x`` ([blocks, tokens, heads, head_dim], any float dtype) under ``codec``."""
+    if x.dim() != 4:
+        raise ValueError(f"a KV run is [blocks, tokens, heads, head_dim], got shape {tuple(x.shape)}")
+    shape = tuple(x.shape)
+    if codec is KVCodec.NONE:
+        return EncodedRun(codec, shape, x.contiguous().view(-1).view(torch.uint8), torch.empty(0))
+    xf = x.float()
+    if codec is KVCodec.INT4:
+        return _encode_int4(xf, shape)
+    amax = xf.abs().amax(dim=(1, 3))  # [blocks, heads]
+    if codec is KVCodec.INT8:
+        scale = _scale(amax, 127.0)
+        q = torch.round(xf / scale[:, None, :, None]).clamp_(-127, 127).to(torch.int8)
+        return EncodedRun(codec, shape, q.view(torch.uint8).view(-1), scale)
+    if codec is KVCodec.FP8:
+        scale = _scale(amax, FP8_MAX)
+        q = (xf / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return EncodedRun(codec, shape, q.view(torch.uint8).view(-1), scale)
+    raise ValueError(f"unknown KV codec {codec!r}")
+
+
+def _encode_int4(xf: torch.Tensor, shape: tuple[int, ...]) -> EncodedRun:
+    b, t, h, d = shape
+    if d % INT4_GROUP:
+        raise ValueError(f"int4 needs head_dim a multiple of {INT4_GROUP}, got {d}")
+    g = xf.view(b, t, h, d // INT4_GROUP, INT4_GROUP)
+    scale = _scale(g.abs().amax(dim=-1), 7.0).to(torch.float16)  # [b, t, h, groups]
+    q = torch.round(g / scale.float()[..., None]).clamp_(-7, 7).to(torch.int16) + 8  # 1..15
+    q = q.view(-1, 2)
+    packed = (q[:, 0] | (q[:, 1] << 4)).to(torch.uint8)
+    return EncodedRun(KVCodec.INT4, shape, packed, scale)
+
+
+def decode(enc: EncodedRun, dtype: torch.dtype) -> torch.Tensor:
+    """The run back, in ``dtype`` (the receiver's cache dtype)."""
+    b, t, h, d = enc.shape
+    if enc.codec is KVCodec.NONE:
+        raise ValueError("a run under codec none is the cache's own bytes: copy them, do not decode")
+    if enc.codec is KVCodec.INT4:
+        lo = (enc.data & 0x0F).to(torch.int16) - 8
+        hi = (enc.data >> 4).to(torch.int16) - 8
+        q = torch.stack((lo, hi), dim=1).view(b, t, h, d // INT4_GROUP, INT4_GROUP)
+        return (q.float() * enc.scales.float()[..., None]).view(b, t, h, d).to(dtype)
+    if enc.codec is KVCodec.INT8:
+        q = enc.data.view(torch.int8).view(b, t, h, d).float()
+    elif enc.codec is KVCodec.FP8:
+        q = enc.data.view(torch.float8_e4m3fn).view(b, t, h, d).float()
+    else:
+        raise ValueError(f"unknown KV codec {enc.codec!r}")
+    return (q * enc.scales[:, None, :, None]).to(dtype)
+
+
+def encoded_bytes(codec: KVCodec, shape: tuple[int, ...], element_bytes: int) -> int:
+    """Bytes a run of ``shape`` takes under ``codec`` (data and scales) whose cache elements take ``element_bytes``."""
+    b, t, h, d = shape
+    n = b * t * h * d
+    if codec is KVCodec.NONE:
+        return n * element_bytes
+    if codec is KVCodec.INT4:
+        return n // 2 + b * t * h * (d // INT4_GROUP) * 2
+    return n + b * h * 4
