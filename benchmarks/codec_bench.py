@@ -11,13 +11,11 @@ The JSON field names are stable."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
-from kvrelay.benchmarks.kv_bench import machine
+from kvrelay.benchmarks.kv_bench import emit_report, machine
 from kvrelay.kvtransfer.codecs import KVCodec, decode, encode, encoded_bytes
 
 SHAPE_TAIL = (16, 3, 64)
@@ -57,10 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.mib < 1 or args.repeat < 1:
         p.error("--mib and --repeat must be >= 1")
-    report = run(args.mib, args.repeat)
-    print(json.dumps(report, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    emit_report(run(args.mib, args.repeat), args.json)
     return 0
 
 

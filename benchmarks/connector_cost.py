@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import cProfile
-import json
 import multiprocessing
 import os
 import pstats
@@ -28,9 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvrelay.benchmarks.kv_bench import machine
-from kvrelay.runtime.vllm_bridge import Bridge, register_bridge
-from kvrelay.runtime.vllm_engine import CONNECTOR_CLASS, CONNECTOR_MODULE
+import torch
+
+from kvrelay.benchmarks.engine_bench import offline_vllm
+from kvrelay.benchmarks.kv_bench import emit_report, machine
 
 HOOK_FILES = ("runtime/vllm_connector.py", "runtime/vllm_bridge.py", "attention/kv_transfer_utils.py",
               "kv_transfer/kv_transfer_state.py", "kv_connector/v1/base.py", "kv_connector_model_runner_mixin.py")
@@ -39,19 +39,11 @@ HOOK_FILES = ("runtime/vllm_connector.py", "runtime/vllm_bridge.py", "attention/
 
 def _measure(model: str, connector: bool, calls: int, new_tokens: int, threads: int) -> dict[str, Any]:
     """In a fresh process: wall times of ``calls`` generate calls, and with ``connector`` the hooks' share."""
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="1",
-                      VLLM_LOGGING_LEVEL="WARNING")
+    torch.set_num_threads(threads)
     import vllm
-    from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    kw: dict[str, Any] = {}
-    if connector:
-        register_bridge("connector-cost", Bridge(model_name=Path(model).name))
-        kw["kv_transfer_config"] = KVTransferConfig(kv_connector=CONNECTOR_CLASS, kv_connector_module_path=
-                                                    CONNECTOR_MODULE, kv_role="kv_both", engine_id="connector-cost")
-    llm = vllm.LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, enable_prefix_caching=False,
-                   seed=0, **kw)
+    llm = offline_vllm(Path(model), "float32", connector)
     prompt = [TokensPrompt(prompt_token_ids=list(range(100, 132)))]
     sp = vllm.SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
     llm.generate(prompt, sp, use_tqdm=False)  # warm-up
@@ -100,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.rounds, args.calls, args.new_tokens, args.threads) < 1:
         p.error("--rounds, --calls, --new-tokens and --threads must be >= 1")
-    report = run(args.model, args.rounds, args.calls, args.new_tokens, args.threads)
-    print(json.dumps(report, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    emit_report(run(args.model, args.rounds, args.calls, args.new_tokens, args.threads), args.json)
     return 0
 
 

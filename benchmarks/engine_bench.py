@@ -136,27 +136,35 @@ VLLM_TIMEOUT_S = 1800.0
 """One vLLM measurement (start, prefill and every batch), at most."""
 
 
-def bench_vllm(path: Path, dtype: str, prompt512: list[int], prompts: dict[int, list[list[int]]], new_tokens: int,
-               repeat: int, connector: bool = False) -> tuple[float, dict[int, float]]:
-    """vLLM's offline engine (eager, no prefix caching, its engine core in the process), measured as
-    :func:`bench_ours` measures whole generate calls: (prefill tok/s of ``prompt512``, batch -> decode
-    tok/s). With ``connector``, kvrelay's KV connector is attached as a vLLM pool attaches it (its
-    per-layer hooks run on every forward; these requests move no KV). Run it in a child process of
-    its own (:func:`bench_vllm_apart`): vLLM's process state allows one engine per process."""
+def offline_vllm(path: Path, dtype: str, connector: bool):
+    """vLLM's offline engine as the benchmarks run it: eager, no prefix caching, its engine core in
+    this process, this process's torch threads. With ``connector``, kvrelay's KV connector is attached
+    as a vLLM pool attaches it (its per-layer hooks run on every forward). One per process: vLLM's
+    process state allows no second engine (run it in a child, as :func:`bench_vllm_apart` does)."""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = VLLM_KV_CACHE_GIB  # GiB of KV: vLLM's CPU build takes it from here only
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as in a vLLM pool's worker, where the connector lives
     os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # else vLLM lowers its threads to 1
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import vllm
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     kw: dict[str, Any] = {}
     if connector:
-        register_bridge("engine-bench", Bridge(model_name=path.name))
+        register_bridge("offline", Bridge(model_name=path.name))
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector=CONNECTOR_CLASS, kv_connector_module_path=
-                                                    CONNECTOR_MODULE, kv_role="kv_both", engine_id="engine-bench")
-    llm = vllm.LLM(model=str(path), dtype=cast(Any, dtype), enforce_eager=True, max_model_len=VLLM_MAX_MODEL_LEN,
-                   enable_prefix_caching=False, seed=0, **kw)
+                                                    CONNECTOR_MODULE, kv_role="kv_both", engine_id="offline")
+    return vllm.LLM(model=str(path), dtype=cast(Any, dtype), enforce_eager=True, max_model_len=VLLM_MAX_MODEL_LEN,
+                    enable_prefix_caching=False, seed=0, **kw)
+
+
+def bench_vllm(path: Path, dtype: str, prompt512: list[int], prompts: dict[int, list[list[int]]], new_tokens: int,
+               repeat: int, connector: bool = False) -> tuple[float, dict[int, float]]:
+    """:func:`offline_vllm` measured as :func:`bench_ours` measures whole generate calls: (prefill tok/s
+    of ``prompt512``, batch -> decode tok/s); with ``connector``, requests that move no KV."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    llm = offline_vllm(path, dtype, connector)
 
     def run(batch: list[list[int]], n: int) -> None:
         sp = vllm.SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)

@@ -17,14 +17,13 @@ The layout is a Llama-3-8B-like one (32 layers, 8 KV heads of 128, bf16,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import torch
 
-from kvrelay.benchmarks.kv_bench import machine
+from kvrelay.benchmarks.kv_bench import emit_report, machine
 from kvrelay.benchmarks.kv_peer import SECRET
 from kvrelay.engine.kv_cache import KVCache, KVLayout
 from kvrelay.kvtransfer.base import TransferState, TransferTarget
@@ -101,11 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    report = run(args.mib)
-    print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    emit_report(run(args.mib), args.json)
     return 0
 
 

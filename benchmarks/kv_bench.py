@@ -371,6 +371,14 @@ def kv_json(res: KVBenchResult, command: str) -> dict:
     return out
 
 
+def emit_report(report: dict, json_path: str | None) -> None:
+    """Prints a benchmark's report as JSON and, with ``json_path``, writes it there too."""
+    text = json.dumps(report, indent=1)
+    print(text)
+    if json_path:
+        Path(json_path).write_text(text + "\n")
+
+
 def machine() -> dict:
     """CPU model and the flags that matter for these numbers (lscpu)."""
     try:

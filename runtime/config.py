@@ -825,6 +825,7 @@ def _validate(cfg: ClusterConfig) -> None:
         raise ConfigError("local_link.between: must be empty (it is the network inside every site)")
     _check_links(cfg.links, sites)
     _check_layouts(cfg)
+    _check_vllm_memory(cfg)
     _check_tenants(cfg)
     if cfg.router.site is not None and cfg.router.site not in sites:
         raise ConfigError(f"router.site: unknown site {cfg.router.site!r} (sites: {', '.join(sorted(sites))})")
@@ -900,6 +901,23 @@ def _check_layouts(cfg: ClusterConfig) -> None:
                               f"prefill pool and its links reach only prefill pools of another KV layout: "
                               f"{reached}; the link would never carry a prompt (match engine, dtype and block "
                               "size, or give the site a prefill pool)")
+
+
+def _check_vllm_memory(cfg: ClusterConfig) -> None:
+    """gpu_memory_utilization sizes a GPU pool's KV only, and only without kv_cache_memory_gib: refused where
+    vLLM would ignore it."""
+    for i, site in enumerate(cfg.sites):
+        for role in Role:
+            pool = site.pool(role)
+            v = pool.vllm
+            if v is None or v.gpu_memory_utilization is None:
+                continue
+            where = f"sites[{i}].{role}.vllm.gpu_memory_utilization"
+            if (pool.device or cfg.model.device) == "cpu":
+                raise ConfigError(f"{where}: applies to GPU pools; a vLLM pool on cpu sizes its KV by "
+                                  "kv_cache_memory_gib (default: cache.memory_gib)")
+            if v.kv_cache_memory_gib is not None:
+                raise ConfigError(f"{where}: not with kv_cache_memory_gib (vLLM sizes the KV by that one)")
 
 
 def _check_tenants(cfg: ClusterConfig) -> None:

@@ -51,8 +51,8 @@ class VllmSection(ConfigSection):
     quantization: StrictStr | None = None
     """vLLM's quantization method (e.g. fp8, awq); None = the checkpoint's."""
     kv_cache_dtype: _KVDTypeField = "auto"
-    gpu_memory_utilization: StrictFloat = Field(default=0.9, gt=0.0, le=1.0)
-    """Share of the GPU's memory vLLM may take (CUDA pools)."""
+    gpu_memory_utilization: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    """Share of the GPU's memory vLLM may take (GPU pools only; None = vLLM's 0.9); not with kv_cache_memory_gib."""
     kv_cache_memory_gib: StrictFloat | None = Field(default=None, gt=0.0, le=65_536.0)
     """KV cache size; None = cache.memory_gib on CPU, gpu_memory_utilization's share on CUDA."""
     enable_prefix_caching: StrictBool = True

@@ -88,7 +88,6 @@ def engine_args(spec: VllmSpec):
         model=str(spec.model_path), dtype=s.dtype or spec.dtype, seed=0, max_model_len=max_len,
         enforce_eager=cpu if s.enforce_eager is None else s.enforce_eager, block_size=s.block_size,
         tensor_parallel_size=s.tensor_parallel_size, quantization=s.quantization, kv_cache_dtype=s.kv_cache_dtype,
-        gpu_memory_utilization=s.gpu_memory_utilization,
         kv_cache_memory_bytes=int(kv_gib * 2**30) if kv_gib else None,
         enable_prefix_caching=s.enable_prefix_caching, max_num_seqs=s.max_num_seqs or sched.max_num_seqs,
         scheduling_policy="priority",  # kvrelay's priorities: 0 interactive before 1 batch, as vLLM orders them
@@ -97,6 +96,8 @@ def engine_args(spec: VllmSpec):
                                             kv_role="kv_both", engine_id=spec.engine_id),
         # events on, published nowhere: VllmEngine puts its own publisher in (runtime/vllm_events.py)
         kv_events_config=KVEventsConfig(enable_kv_cache_events=s.enable_prefix_caching, publisher="null"))
+    if s.gpu_memory_utilization is not None:  # else vLLM's own default (a float: it takes no None)
+        kw["gpu_memory_utilization"] = s.gpu_memory_utilization
     return EngineArgs(**kw)
 
 

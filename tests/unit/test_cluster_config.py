@@ -224,6 +224,10 @@ def test_a_pool_chooses_its_engine_and_vllms_arguments_are_typed():
         (_vllm_site(vllm={"block_size": 40}), r"sites\[0\]\.decode\.vllm\.block_size: must be a multiple of 16"),
         (_vllm_site(vllm={"kv_cache_dtype": "fp8"}), r"kv_cache_dtype: must be auto \(fp8 KV is not moved yet\)"),
         (_vllm_site(engine="sglang"), r"sites\[0\]\.decode\.engine: must be builtin or vllm, got 'sglang'"),
+        (_vllm_site(vllm={"gpu_memory_utilization": 0.5}),
+         r"sites\[0\]\.decode\.vllm\.gpu_memory_utilization: applies to GPU pools; a vLLM pool on cpu"),
+        (_vllm_site(device="cuda", vllm={"gpu_memory_utilization": 0.5, "kv_cache_memory_gib": 4.0}),
+         r"sites\[0\]\.decode\.vllm\.gpu_memory_utilization: not with kv_cache_memory_gib"),
         ({"sites": [{"name": "a", "decode": {"vllm": {}}}]},
          r"sites\[0\]\.decode\.vllm: engine arguments for vLLM on a pool whose engine is builtin"),
     ]:
