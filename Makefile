@@ -60,12 +60,15 @@ test-slow: install prometheus helm
 
 # On a GPU host, bounded to a few minutes: the CUDA tests (the builtin engine's parity, KV from and to VRAM over
 # tcp and nixl, vLLM pools on CUDA where a CUDA build of vLLM is installed) and the KV figures, in $(GPU_OUT).
-# A CUDA host installs with: make TORCH=torch VLLM=vllm install vllm; GPU_PYTHON picks another interpreter.
+# A CUDA host installs with: make TORCH=torch VLLM=vllm install vllm; GPU_PYTHON picks another interpreter,
+# GPU_MARKS another selection (e.g. "gpu and not model" on a host without the embedded model).
 GPU_PYTHON ?= $(BIN)/python
 GPU_OUT ?= gpu-check
+GPU_MARKS ?= gpu
+GPU_TIMEOUT ?= 600
 gpu-check:
 	mkdir -p $(GPU_OUT)
-	timeout 600 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu --junitxml=$(GPU_OUT)/tests.xml \
+	timeout $(GPU_TIMEOUT) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m "$(GPU_MARKS)" --junitxml=$(GPU_OUT)/tests.xml \
 		tests/unit/test_engine_gpu.py tests/unit/test_kv_cuda.py tests/integration/test_vllm_cuda.py; \
 		rc=$$?; $(GPU_PYTHON) -m kvrelay.benchmarks.gpu_check --json $(GPU_OUT)/figures.json && exit $$rc
 

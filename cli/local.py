@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from kvrelay.benchmarks import cities_bench as cb
-from kvrelay.benchmarks import telemetry_bench
+from kvrelay.benchmarks import codec_bench, codec_quality, telemetry_bench
 from kvrelay.benchmarks.engine_bench import format_result, run_engine_bench, to_json
 from kvrelay.benchmarks.gate_bench import format_gate, run_gate_bench
-from kvrelay.benchmarks.kv_bench import format_kv, kv_json, machine, run_kv_bench
+from kvrelay.benchmarks.kv_bench import emit_report, format_kv, kv_json, machine, run_kv_bench
 from kvrelay.benchmarks.kv_wan import add_wan
 from kvrelay.benchmarks.placement_bench import format_placement, run_placement_bench
 from kvrelay.benchmarks.replay import trace_slice
@@ -181,6 +181,25 @@ def cmd_bench_telemetry(args: argparse.Namespace) -> int:
     if args.json:
         out = report | {"command": "kvrelay bench telemetry " + " ".join(sys.argv[3:])}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+def cmd_bench_kv_codec(args: argparse.Namespace) -> int:
+    """KV codecs: ratio and speed per core, then perplexity and agreement with the prompt's KV under each."""
+    try:
+        setup = codec_quality.QualitySetup(prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
+                                           windows=args.windows, prompts=args.prompts,
+                                           greedy_tokens=args.greedy_tokens)
+        setup.check()
+    except ValueError as e:
+        raise SystemExit(f"kvrelay bench kv-codec: {e}") from None
+    if args.mib < 1:
+        raise SystemExit("kvrelay bench kv-codec: --mib must be >= 1")
+    model = resolve_model(args.model, args.cache_dir)
+    report = {"command": "kvrelay bench kv-codec " + " ".join(sys.argv[3:]),
+              "speed": codec_bench.run(args.mib, 3),
+              "quality": codec_quality.run(model, setup, dtype=args.dtype)}
+    emit_report(report, args.json)
     return 0
 
 

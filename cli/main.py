@@ -195,6 +195,22 @@ def _add_bench_vllm_pd_parser(bench) -> None:
     bv.set_defaults(func=local("cmd_bench_vllm_pd"))
 
 
+def _add_bench_kv_codec_parser(bench) -> None:
+    """bench kv-codec: the KV codecs' ratio and speed, and their cost in answers (issue 35)."""
+    bkc = bench.add_parser("kv-codec", help="KV codecs: ratio, speed per core, and perplexity and greedy agreement "
+                                             "with the prompt's KV passed through each")
+    bkc.add_argument("--model", help="checkpoint folder (default: the embedded model)")
+    bkc.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the engine's and KV's dtype")
+    bkc.add_argument("--prefix-tokens", type=int, default=256, help="tokens whose KV goes through the codec (x16)")
+    bkc.add_argument("--suffix-tokens", type=int, default=256, help="tokens scored after the prefix, per window")
+    bkc.add_argument("--windows", type=int, default=8, help="perplexity windows of real text")
+    bkc.add_argument("--prompts", type=int, default=32, help="greedy prompts compared")
+    bkc.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens that must match per prompt")
+    bkc.add_argument("--mib", type=int, default=64, help="bf16 KV per speed measurement")
+    bkc.add_argument("--json", help="also write the report to this file")
+    bkc.set_defaults(func=local("cmd_bench_kv_codec"))
+
+
 def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> None:
     """bench engine, kv, placement and replay (bench cities comes with the cities commands)."""
     _add_bench_engine_parser(bench)
@@ -227,6 +243,8 @@ def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> N
     bte.add_argument("--model", help="checkpoint folder (default: the embedded model)")
     bte.add_argument("--json", help="also write the report to this file")
     bte.set_defaults(func=local("cmd_bench_telemetry"))
+
+    _add_bench_kv_codec_parser(bench)
 
     bg = bench.add_parser("kv-gate", help="a real sender's KV transfer time, quiet and under a flood of idle "
                                           "connections and replayed hellos (from 127.0.0.2 and 127.0.0.3)")

@@ -314,14 +314,18 @@ class LLMEngine:
 
     # -- convenience ---------------------------------------------------------
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams],
-                 deadline_s: float = 600.0) -> list[CompletedRequest]:
-        """Runs prompts to completion (offline use, tests, benchmarks)."""
+                 deadline_s: float = 600.0, salts: list[str] | None = None) -> list[CompletedRequest]:
+        """Runs prompts to completion (offline use, tests, benchmarks); ``salts``
+        (one per prompt) scope their prefix-cache hits as a tenant's salt does."""
         prompts = list(prompts)
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        slist = salts if salts is not None else [""] * len(prompts)
+        if len(slist) != len(prompts):
+            raise ValueError(f"generate got {len(slist)} salts for {len(prompts)} prompts")
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         done: dict[str, CompletedRequest] = {i: CompletedRequest(i) for i in ids}
-        for rid, p, sp in zip(ids, prompts, plist):
-            self.add_request(rid, p, sp)
+        for rid, p, sp, salt in zip(ids, prompts, plist, slist):
+            self.add_request(rid, p, sp, salt=salt)
         end = time.monotonic() + deadline_s
         while any(not c.finished for c in done.values()):
             if time.monotonic() > end:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrelay.benchmarks import codec_quality
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.kvtransfer.codecs import FP8_SUBNORMAL_STEP, INT4_GROUP, KVCodec, decode, encode, encoded_bytes
 
@@ -82,3 +83,34 @@ def test_zeros_and_bad_shapes():
         encode(KVCodec.INT4, torch.zeros(1, 16, 3, 48))
     with pytest.raises(ValueError, match="'zstd' is not a valid KVCodec"):
         KVCodec("zstd")
+
+
+SMALL = codec_quality.QualitySetup(prefix_tokens=64, suffix_tokens=64, windows=2, prompts=2, greedy_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def quality(smollm_path) -> dict:
+    """`kvrelay bench kv-codec`'s quality figures on SmolLM2, on a small slice of its text."""
+    return codec_quality.run(smollm_path, SMALL, codecs=(KVCodec.INT8, KVCodec.INT4))["codecs"]
+
+
+def test_quality_without_a_codec_is_the_reference_exactly(quality):
+    """codec none passes nothing through: the same perplexity and every token the same."""
+    none = quality["none"]
+    assert none["perplexity_delta_pct"] == 0.0 and none["top1_agreement"] == 1.0 and none["greedy_agreement"] == 1.0
+    assert 1.0 < none["perplexity"] < 100.0  # real prose under a real model, not noise (vocabulary 49152)
+
+
+def test_quality_sees_the_codecs_loss(quality):
+    """The prompt's KV really goes through each codec before the model continues from it: int4's
+    coarser steps move the perplexity and more than int8's do; neither destroys the text."""
+    int8, int4 = quality["int8"], quality["int4"]
+    assert int4["perplexity_delta_pct"] != 0.0
+    assert abs(int4["perplexity_delta_pct"]) > abs(int8["perplexity_delta_pct"])
+    assert abs(int8["perplexity_delta_pct"]) < 5.0 and abs(int4["perplexity_delta_pct"]) < 25.0
+    assert int8["top1_agreement"] >= 0.8 and int4["top1_agreement"] >= 0.6
+
+
+def test_quality_refuses_a_prefix_of_partial_blocks(smollm_path):
+    with pytest.raises(ValueError, match="prefix_tokens must be a positive multiple of 16"):
+        codec_quality.run(smollm_path, codec_quality.QualitySetup(prefix_tokens=40))
