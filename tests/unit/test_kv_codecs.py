@@ -10,7 +10,15 @@ import torch
 
 from kvrelay.benchmarks import codec_quality
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.kvtransfer.codecs import FP8_SUBNORMAL_STEP, INT4_GROUP, KVCodec, decode, encode, encoded_bytes
+from kvrelay.kvtransfer.codecs import (
+    FP8_SUBNORMAL_STEP,
+    INT4_GROUP,
+    SCALE_BLOCKS,
+    KVCodec,
+    decode,
+    encode,
+    encoded_bytes,
+)
 
 pytestmark = pytest.mark.model
 
@@ -32,18 +40,27 @@ def real_kv(smollm_path) -> torch.Tensor:
     return kv[:, :, full].flatten(0, 2).float().clone()
 
 
-def test_int8_is_within_half_a_step_of_its_block_head_scale(real_kv):
-    enc = encode(KVCodec.INT8, real_kv)
-    err = (decode(enc, torch.float32) - real_kv).abs()
-    step = enc.scales[:, None, :, None]
+def _per_block(scales: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[groups, heads, head_dim] scales as [blocks, 1, heads, head_dim]: each block's group's."""
+    return scales.repeat_interleave(SCALE_BLOCKS, dim=0)[:blocks, None]
+
+
+def test_int8_is_within_half_a_step_of_its_channel_scale(real_kv):
+    run = real_kv[:8 * SCALE_BLOCKS + 3]  # a last group shorter than the others
+    enc = encode(KVCodec.INT8, run)
+    err = (decode(enc, torch.float32) - run).abs()
+    step = _per_block(enc.scales, run.shape[0])
     assert torch.all(err <= step / 2 * (1 + 1e-5) + 1e-12)
-    assert enc.scales.shape == (real_kv.shape[0], real_kv.shape[2])
+    assert enc.scales.shape == (9, run.shape[2], run.shape[3])
+    # a group's scale is its own amax / 127, per head and channel: no other group's outliers reach it
+    first = run[:SCALE_BLOCKS].abs().amax(dim=(0, 1))
+    assert torch.allclose(enc.scales[0], torch.where(first > 0, first / 127, torch.ones_like(first)))
 
 
 def test_fp8_is_within_its_mantissa_and_subnormal_bounds(real_kv):
     enc = encode(KVCodec.FP8, real_kv)
     err = (decode(enc, torch.float32) - real_kv).abs()
-    scale = enc.scales[:, None, :, None]
+    scale = _per_block(enc.scales, real_kv.shape[0])
     bound = real_kv.abs() * 2.0 ** -4 + scale * FP8_SUBNORMAL_STEP / 2
     assert torch.all(err <= bound * (1 + 1e-5) + 1e-12)
 
