@@ -943,9 +943,41 @@ def _check_tenants(cfg: ClusterConfig) -> None:
 _ADAPTER = TypeAdapter(ClusterConfig)
 
 
+def _check_unicode(raw: Any) -> None:
+    """Refuses, naming where, a key or string that is not Unicode text (a lone surrogate, which YAML's
+    ``"\\ud800"`` escape makes and no file, log or peer can carry); pydantic would fail on it unnamed."""
+    stack: list[tuple[Any, tuple]] = [(raw, ())]
+    seen: set[int] = set()  # YAML's anchors make shared and self-containing nodes: each is read once
+    while stack:
+        value, loc = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            if isinstance(key, str) and not _encodes(key):
+                raise ConfigError(f"{_where(loc) if loc else 'config'}: a key that is not Unicode text "
+                                  f"(a lone surrogate): {key!a}")
+            if isinstance(item, str) and not _encodes(item):
+                raise ConfigError(f"{_where((*loc, key))}: not Unicode text (a lone surrogate): {ascii(item)[:80]}")
+            stack.append((item, (*loc, key)))
+    if isinstance(raw, str) and not _encodes(raw):
+        raise ConfigError(f"config: not Unicode text (a lone surrogate): {ascii(raw)[:80]}")
+
+
+def _encodes(text: str) -> bool:
+    """Whether ``text`` is encodable as UTF-8 (has no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_config(raw: Any) -> ClusterConfig:
     """The config in ``raw`` (YAML's data: mappings, lists, scalars), validated;
     a ConfigError names the first field at fault."""
+    _check_unicode(raw)
     try:
         cfg = _ADAPTER.validate_python(raw)
     except ValidationError as exc:

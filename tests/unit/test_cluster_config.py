@@ -178,6 +178,9 @@ def test_a_hostile_file_is_a_config_error(tmp_path):
         ("router: &r {port: *r}", "router.port: expected an integer"),
         ("router: {1: 2, null: 3, 2.5: 4}", "router: unknown field(s) 1, 2.5, None"),
         ("# " + "x" * (1 << 20), "config file is larger than 1 MiB"),
+        # YAML's escapes make lone surrogates, which no file, log or peer can carry
+        ('sites: [{name: "a\\ud800b"}]', "sites[0].name: not Unicode text (a lone surrogate): 'a\\ud800b'"),
+        ('router: {"p\\udfff": 1}', "router: a key that is not Unicode text (a lone surrogate): 'p\\udfff'"),
     ]
     for text, message in cases:
         f.write_text(text)
