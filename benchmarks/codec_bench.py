@@ -16,7 +16,8 @@ import time
 import torch
 
 from kvrelay.benchmarks.kv_bench import emit_report, machine
-from kvrelay.kvtransfer.codecs import KVCodec, decode, encode, encoded_bytes
+from kvrelay.kvtransfer.base import KVCodec
+from kvrelay.kvtransfer.codecs import decode, encode, encoded_bytes
 
 SHAPE_TAIL = (16, 3, 64)
 """A block of one plane: tokens, KV heads, head_dim (SmolLM2-135M)."""

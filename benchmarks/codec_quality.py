@@ -37,7 +37,8 @@ from kvrelay.engine.config import CacheConfig, DType, EngineConfig, SchedulerCon
 from kvrelay.engine.hashing import hash_blocks
 from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.kvtransfer.codecs import KVCodec, decode, encode
+from kvrelay.kvtransfer.base import KVCodec
+from kvrelay.kvtransfer.codecs import decode, encode
 
 BLOCK_SIZE = 16
 

@@ -34,6 +34,28 @@ TransferId = str
 BlockId = int
 
 
+class KVCodec(enum.StrEnum):
+    """How a run of KV crosses a link: the cache's own bytes (none), or fewer, lossy."""
+
+    NONE = "none"
+    INT8 = "int8"
+    FP8 = "fp8"
+    INT4 = "int4"
+
+    @classmethod
+    def parse(cls, name: str) -> KVCodec:
+        """The codec named ``name`` ("" is none); ValueError naming it when unknown."""
+        try:
+            return cls(name or cls.NONE)
+        except ValueError:
+            raise ValueError(f"unknown KV codec {name!r} (known: {', '.join(cls)})") from None
+
+    @property
+    def lossy(self) -> bool:
+        """Whether a run decodes to other values than it had (every codec but none)."""
+        return self is not KVCodec.NONE
+
+
 class Transport(enum.StrEnum):
     """The KV transports kvtransfer implements (the config's and the wire's word for each)."""
 
@@ -77,6 +99,8 @@ class TransferTarget:
     receiver: str | None = None
     """The receiver's identity (``site/role/name``) its certificate must name;
     None = any receiver the sender's credentials accept."""
+    codec: str | None = None
+    """Per link and request: the KV codec (none, int8, fp8, int4: kvtransfer/codecs.py); None = the sender's config."""
     traceparent: str = ""
     """The sender's transfer span (W3C traceparent), sent with the last frame so
     that the receiver's span can link to it; "" = not traced."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.engine.kv_cache import KVCache
 from kvrelay.kvtransfer.base import (
+    KVCodec,
     MemoryOffer,
     SendHandle,
     TransferHandle,
@@ -24,6 +25,7 @@ from kvrelay.kvtransfer.base import (
     TransferState,
     TransferTarget,
 )
+from kvrelay.kvtransfer.coded import coded_bytes, encode_planes
 from kvrelay.kvtransfer.config import TransferConfig
 from kvrelay.kvtransfer.handles import StateHandle
 from kvrelay.kvtransfer.handshake import SenderHello, Session, client_handshake
@@ -65,6 +67,8 @@ class LayerRun:
         if not self.staged:
             return [mem.run(lyr, kind, b, n) for lyr in range(self.layer, self.layer + self.num_layers)
                     for kind in mem.kinds for b, _, n in runs]
+        if self.staged[0].coded:  # each layer's planes, encoded on the device: the frame's payload as it is
+            return [v for st in self.staged for v in st.views([st.buf.numel()])]
         sizes = [n * mem.block_bytes for _ in mem.kinds for _, _, n in runs]
         return [v for st in self.staged for v in st.views(sizes)]
 
@@ -325,7 +329,9 @@ class SendStream:
         tamper, h.corrupt = h.corrupt, False  # fault injection: what arrives must be refused
         # counted before the frame leaves: the receiver may acknowledge the whole transfer (on
         # another stream's reader thread) before this thread runs again after the send
-        h.add_bytes(nbytes)
+        codec = self.pool.hello.codec  # what crosses the wire: the coded bytes under a codec
+        h.add_bytes(nbytes if codec is KVCodec.NONE
+                    else coded_bytes(codec, self.pool.cache.layout, len(src), num_layers))
         if self.shared:  # the receiver pulls: block ids and a MAC of each run it pulls
             dest = list(h.target.block_ids[first:first + len(src)])
             runs = run.views(self.pool.mem, paired_runs(src, dest))
@@ -335,10 +341,31 @@ class SendStream:
             frame = pb.KVBlocks(transfer_id=h.transfer_id, layer=layer, num_layers=num_layers, first=first,
                                 count=len(src), src_blocks=src, pulled_tags=bytes(tags))
             self._live().writer.send(pb.KVFrame(blocks=frame))
+        elif codec is not KVCodec.NONE:
+            self._send_coded(run, views, tamper)
         else:
             frame = pb.KVBlocks(transfer_id=h.transfer_id, layer=layer, num_layers=num_layers, first=first,
                                 count=len(src), payload_bytes=nbytes)
             self._live().writer.send(pb.KVFrame(blocks=frame), views, tamper, len(src) * self.pool.mem.block_bytes)
+
+    def _send_coded(self, run: LayerRun, views: list[memoryview], tamper: bool) -> None:
+        """The frame of ``run`` under the channel's codec: its planes encoded (scales first, so a flipped
+        first byte, ``tamper``, lands in a scale), sealed as any payload."""
+        codec, layout = self.pool.hello.codec, self.pool.cache.layout
+        if run.staged:  # encoded on the device already (DeviceKV.stage_coded)
+            payload = views
+        else:
+            per_plane = len(views) // (run.num_layers * layout.kinds)
+            planes = [views[i:i + per_plane] for i in range(0, len(views), per_plane)]
+            payload = encode_planes(codec, layout, planes, len(run.src))
+        frame = pb.KVBlocks(transfer_id=run.handle.transfer_id, layer=run.layer, num_layers=run.num_layers,
+                            first=run.first, count=len(run.src), payload_bytes=sum(len(v) for v in payload),
+                            codec=self._header_codec())
+        self._live().writer.send(pb.KVFrame(blocks=frame), payload, tamper)
+
+    def _header_codec(self) -> str:
+        """The codec a blocks frame names: the connection's (a test makes it lie)."""
+        return self.pool.hello.codec.value
 
     def acknowledged(self, tid: str) -> None:
         """The receiver answered transfer ``tid``: this connection forgets it."""
@@ -387,7 +414,7 @@ class PeerChannel:
         """What lets receivers pull from us (NIXL, shared memory); None = bytes only."""
         self.layout_hash = cache.layout.compat_hash()
         self.hello = SenderHello(cfg.secret, self.layout_hash, cfg.credentials, cfg.protection, receiver,
-                                 cfg.socket_buffer_bytes)
+                                 cfg.socket_buffer_bytes, cfg.codec)
         """What every connection of this channel asks in its handshake."""
         self.handles: dict[str, ChannelSendHandle] = {}
         self.streams = [SendStream(self, i) for i in range(cfg.streams)]
@@ -476,8 +503,11 @@ class ChannelSendHandle(StateHandle, SendHandle):
         self.advance(TransferState.TRANSFERRING)
         self._stream = self.pool.pick(self._stream)
         run = LayerRun(self, layer, list(src_blocks), first)
-        if isinstance(self.pool.mem, DeviceKV):  # copied out once the engine's writes to the layer are complete
-            run.staged.append(self.pool.mem.stage(range(layer, layer + 1), run.src))
+        mem, codec = self.pool.mem, self.pool.hello.codec
+        if isinstance(mem, DeviceKV):  # copied out once the engine's writes to the layer are complete
+            layers = range(layer, layer + 1)
+            run.staged.append(mem.stage(layers, run.src) if codec is KVCodec.NONE
+                              else mem.stage_coded(layers, run.src, codec))
         self._stream.put(run, run.nbytes(self.pool.mem.layer_block_bytes))
 
     def finish(self, first_token_id: int, first_logprob: float) -> None:

@@ -1,6 +1,7 @@
 """KV codecs (issue 35, first part): a run of blocks of one K or V plane,
 ``[blocks, tokens, heads, head_dim]`` in the cache's dtype, as fewer bytes,
-and back into any dtype. Not wired into the transports yet.
+and back into any dtype. The TCP transport carries them (kvtransfer/coded.py:
+a blocks frame's payload under the connection's codec).
 
 - ``int8``: symmetric, one float32 scale per channel of a head over a group
   of :data:`SCALE_BLOCKS` blocks: amax / 127.
@@ -26,17 +27,10 @@ times the scale."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 
-
-class KVCodec(StrEnum):
-    NONE = "none"
-    INT8 = "int8"
-    FP8 = "fp8"
-    INT4 = "int4"
-
+from kvrelay.kvtransfer.base import KVCodec
 
 SCALE_BLOCKS = 8
 """Blocks of a run whose int8 and fp8 values share a scale per head and channel (a run's last group may be
@@ -142,3 +136,36 @@ def encoded_bytes(codec: KVCodec, shape: tuple[int, ...], element_bytes: int) ->
     if codec is KVCodec.INT4:
         return n // 2 + b * t * h * (d // INT4_GROUP) * 2
     return n + -(-b // SCALE_BLOCKS) * h * d * 4
+
+
+def scales_of(codec: KVCodec, shape: tuple[int, ...]) -> tuple[tuple[int, ...], torch.dtype]:
+    """The shape and dtype of the scales of a run of ``shape`` under ``codec`` (a lossy one)."""
+    b, t, h, d = shape
+    if codec is KVCodec.INT4:
+        return (b, t, h, d // INT4_GROUP), torch.float16
+    if codec in (KVCodec.INT8, KVCodec.FP8):
+        return (-(-b // SCALE_BLOCKS), h, d), torch.float32
+    raise ValueError(f"codec {codec} has no scales")
+
+
+def parts(enc: EncodedRun) -> tuple[torch.Tensor, torch.Tensor]:
+    """``enc`` as it travels, on its device: its scales' bytes, then its values' (flat uint8)."""
+    return enc.scales.contiguous().view(-1).view(torch.uint8), enc.data.contiguous().view(-1).view(torch.uint8)
+
+
+def to_bytes(enc: EncodedRun) -> list[memoryview]:
+    """``enc`` (in host memory) as it travels: its scales' bytes, then its values' (views, no copy)."""
+    return [memoryview(t.numpy()) for t in parts(enc)]  # type: ignore[arg-type]  # numpy's stubs: __buffer__ on 3.12+
+
+
+def from_bytes(codec: KVCodec, shape: tuple[int, ...], raw: torch.Tensor) -> EncodedRun:
+    """The run of ``shape`` whose bytes (``to_bytes``'s, in one uint8 tensor ``raw``) are exactly ``raw``;
+    ValueError when ``raw`` has another size."""
+    sshape, sdtype = scales_of(codec, shape)
+    nscale = sdtype.itemsize
+    for dim in sshape:
+        nscale *= dim
+    if raw.numel() != encoded_bytes(codec, shape, 1):
+        raise ValueError(f"{raw.numel()} bytes for a {codec} run of shape {shape}")
+    scales = raw[:nscale].clone().view(sdtype).view(sshape)  # a copy: aligned for its dtype
+    return EncodedRun(codec, shape, raw[nscale:], scales)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvrelay.kvtransfer.base import Credentials
+from kvrelay.kvtransfer.base import Credentials, KVCodec
 from kvrelay.kvtransfer.protection import Protection
 
 
@@ -35,6 +35,9 @@ class TransferConfig:
     registration, or its KV cache's shared-memory file on the same host), so
     only frame headers cross the socket. The nixl and local senders always
     offer; a tcp sender does when this is set and its cache has an shm_path."""
+    codec: KVCodec = KVCodec.NONE
+    """Sender: the KV codec of its blocks frames on links whose target names none
+    (kvtransfer/coded.py); a coded connection never offers memory to pull."""
     stall_timeout_s: float = 30.0
     """Sender: the kernel drops a connection whose sent bytes stay unacknowledged
     this long (TCP_USER_TIMEOUT: a frozen receiver, a link that went down), so
@@ -61,6 +64,7 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         self.protection = Protection.parse(self.protection)
+        self.codec = KVCodec.parse(self.codec)
         if not isinstance(self.secret, bytes):
             raise ValueError(f"secret must be bytes, got {type(self.secret).__name__}")
         if not 1 <= self.streams <= 64:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvrelay.kvtransfer.base import Credentials, MemorySource, PeerId
+from kvrelay.kvtransfer.base import Credentials, KVCodec, MemorySource, PeerId
 from kvrelay.kvtransfer.protection import (
     Cipher,
     KeyShare,
@@ -63,6 +63,8 @@ class Session:
     protection: Protection
     shared: bool = False
     """The receiver pulls from the sender's memory (frames carry block ids only)."""
+    codec: KVCodec = KVCodec.NONE
+    """The codec of every blocks frame on this connection (the hello's)."""
 
 
 class PeerAttacher(Protocol):
@@ -91,6 +93,8 @@ class SenderHello:
     receiver: str | None = None
     """The receiver identity (site/role/name) its certificate must name; None = any we accept."""
     socket_buffer_bytes: int | None = None
+    codec: KVCodec = KVCodec.NONE
+    """The codec of this connection's blocks frames (kvtransfer/coded.py)."""
 
 
 def _identify(creds: Credentials | None, cert: bytes, what: str) -> PeerId | None:
@@ -163,7 +167,8 @@ def client_handshake(sock: socket.socket, want: SenderHello, offer: pb.KVOffer |
     hello = pb.KVHello(protocol_version=PROTOCOL_VERSION, layout_hash=want.layout_hash, nonce=os.urandom(NONCE_BYTES),
                        key_share=share.public, certificate=creds.certificate if creds else b"",
                        ciphers=[c.value for c in preferred_ciphers()], protection=want.protection.value,
-                       socket_buffer_bytes=want.socket_buffer_bytes or 0, sent_unix_ms=int(time.time() * 1e3))
+                       socket_buffer_bytes=want.socket_buffer_bytes or 0, sent_unix_ms=int(time.time() * 1e3),
+                       codec="" if want.codec is KVCodec.NONE else want.codec.value)
     hello.stamp = hello_stamp(want.secret, hello)
     body = send_frame(sock, pb.KVFrame(hello=hello))
     frame, _ = recv_frame(sock)
@@ -196,7 +201,7 @@ def client_handshake(sock: socket.socket, want: SenderHello, offer: pb.KVOffer |
         raise ProtocolError("expected auth_ack")
     if not frame.auth_ack.accepted:
         raise ProtocolError(f"refused by receiver: {frame.auth_ack.reason}")
-    session.shared = frame.auth_ack.shared_memory
+    session.shared, session.codec = frame.auth_ack.shared_memory, want.codec
     return session
 
 
@@ -210,6 +215,8 @@ class ReceiverPolicy:
     required: Callable[[str | None], Protection]
     """The protection the link from a sender's site asks (its certificate's
     site; None without certificates)."""
+    codecs: frozenset[KVCodec] = frozenset({KVCodec.NONE})
+    """The KV codecs this receiver decodes into its cache (kvtransfer/coded.py's ``codecs_for``)."""
 
 
 @dataclass(slots=True)
@@ -237,6 +244,12 @@ def _hello_refusal(h: pb.KVHello, policy: ReceiverPolicy | None) -> str:
         return f"no cipher in common (offered {list(h.ciphers)})"
     if h.protection not in set(Protection):
         return f"unknown protection {h.protection!r}"
+    try:
+        codec = KVCodec.parse(h.codec)
+    except ValueError as exc:
+        return str(exc)
+    if policy is not None and codec not in policy.codecs:
+        return f"KV codec {codec} refused: this receiver's cache takes only {', '.join(sorted(policy.codecs))}"
     return ""
 
 
@@ -315,14 +328,14 @@ def accept_peer(sock: socket.socket, p: PendingPeer, attacher: PeerAttacher | No
         raise ProtocolError("expected the sender's offer")
     source = None
     if attacher is not None and (attacher.same_host or p.protection is Protection.INTEGRITY) \
-            and attacher.can_attach(frame.offer):
+            and not p.hello.codec and attacher.can_attach(frame.offer):  # a coded connection carries bytes
         try:
             source = attacher.attach(frame.offer)
         except (OSError, ValueError, RuntimeError) as exc:
             session.writer.send(pb.KVFrame(auth_ack=pb.KVAuthAck(
                 accepted=False, reason=f"cannot attach the sender's KV: {exc}")))
             raise ProtocolError(f"cannot attach the sender's KV: {exc}") from None
-    session.shared = source is not None
+    session.shared, session.codec = source is not None, KVCodec.parse(p.hello.codec)
     session.writer.send(pb.KVFrame(auth_ack=pb.KVAuthAck(accepted=True, shared_memory=session.shared)))
     if p.hello.socket_buffer_bytes:
         tune_socket(sock, min(p.hello.socket_buffer_bytes, MAX_SOCKET_BUFFER))

@@ -20,14 +20,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from kvrelay.engine.kv_cache import KVCache
 from kvrelay.kvtransfer.base import (
+    KVCodec,
     KVReceiver,
     MemorySource,
     TransferHandle,
     TransferResult,
     TransferState,
 )
+from kvrelay.kvtransfer.coded import codecs_for, coded_bytes, decode_planes
 from kvrelay.kvtransfer.config import TransferConfig
 from kvrelay.kvtransfer.gate import GateConfig, HandshakeGate
 from kvrelay.kvtransfer.handles import StateHandle
@@ -188,7 +192,8 @@ class ChannelReceiver(KVReceiver):
         """Frames refused because their reservation names another sender."""
         self._conns: set[_Conn] = set()
         self.cfg.check_authenticating()
-        policy = ReceiverPolicy(self.cfg.secret, self.layout_hash, self.cfg.credentials, self.cfg.required)
+        policy = ReceiverPolicy(self.cfg.secret, self.layout_hash, self.cfg.credentials, self.cfg.required,
+                                codecs_for(cache.layout))
         limits = GateConfig(policy, self.cfg.connect_timeout_s, self.cfg.max_pending_handshakes,
                             self.cfg.max_pending_per_source)
         self.gate = HandshakeGate(self._listener, limits, self._on_peer)
@@ -294,10 +299,15 @@ class ChannelReceiver(KVReceiver):
         layers = range(hdr.layer, hdr.layer + max(1, hdr.num_layers))
         runs = len(layers) * self.cache.layout.kinds * hdr.count
         pulled = len(hdr.src_blocks) > 0
+        codec = conn.live.codec
+        if hdr.codec != ("" if codec is KVCodec.NONE else codec.value) or (pulled and codec is not KVCodec.NONE):
+            raise ProtocolError(f"a blocks frame under codec {hdr.codec or 'none'!r} on a connection that agreed "
+                                f"on {codec.value!r}{' (pulled)' if pulled else ''}")
         if pulled and (conn.source is None or len(hdr.src_blocks) != hdr.count
                        or max(hdr.src_blocks) >= conn.source.num_blocks):
             raise ProtocolError("shared-memory blocks frame without a valid shared KV mapping")
-        want = 0 if pulled else runs * self.cache.layout.block_bytes
+        want = 0 if pulled else runs * self.cache.layout.block_bytes if codec is KVCodec.NONE \
+            else coded_bytes(codec, self.cache.layout, hdr.count, len(layers))
         if hdr.payload_bytes != payload or payload != want or (hdr.pulled_tags and not pulled):
             raise ProtocolError(f"blocks frame of {payload} bytes and {len(hdr.pulled_tags)} bytes of tags "
                                 f"for {hdr.count} blocks x {hdr.num_layers} layers")
@@ -314,7 +324,10 @@ class ChannelReceiver(KVReceiver):
 
     def _on_blocks(self, conn: _Conn, hdr: pb.KVBlocks, payload: int) -> None:
         inc = self._expected.get(hdr.transfer_id)
-        layers, pulled = self._frame_shape(conn, hdr, payload)
+        try:
+            layers, pulled = self._frame_shape(conn, hdr, payload)
+        except ProtocolError as exc:  # authenticated, so the transfer it names is this sender's to fail
+            raise RecordError(str(exc), hdr.transfer_id) from None
         if inc is not None and not inc.takes_from(conn):  # dropped: the reservation is not its to write
             self._refuse_sender(conn, hdr.transfer_id, inc)
             inc = None
@@ -336,6 +349,8 @@ class ChannelReceiver(KVReceiver):
                 conn.source.pull(layers, list(hdr.src_blocks), dest)
                 # one view per run consecutive at both ends: what the sender tagged
                 views = self._views(layers, dest, paired_runs(list(hdr.src_blocks), dest))
+            elif conn.live.codec is not KVCodec.NONE:
+                self._receive_coded(conn, layers, dest, payload)
             else:
                 self._receive(conn, layers, dest, hdr.count * self.cache.layout.block_bytes)
         finally:
@@ -365,6 +380,20 @@ class ChannelReceiver(KVReceiver):
         views = [self.mem.run(layer, kind, first_id, n) for layer in layers for kind in self.mem.kinds
                  for _, first_id, n in coalesce(dest)]
         conn.live.reader.recv_payload(views, record_bytes)
+
+    def _receive_coded(self, conn: _Conn, layers: range, dest: list[int], payload: int) -> None:
+        """A coded frame's payload (size checked by _frame_shape) opened into a buffer, then decoded
+        into blocks ``dest`` of ``layers`` in the cache's dtype (on its device)."""
+        kinds, kv = self.cache.layout.kinds, self.cache.kv
+        raw = torch.empty(payload, dtype=torch.uint8, pin_memory=kv.is_cuda)
+        conn.live.reader.recv_payload([memoryview(raw.numpy())], 0)  # type: ignore[arg-type]  # numpy's stubs
+        index = torch.tensor(dest, device=kv.device)
+        # decoded where the cache is: on a GPU the coded bytes cross to the device, not the decoded ones
+        planes = decode_planes(conn.live.codec, self.cache.layout, raw.to(kv.device), len(dest), len(layers) * kinds)
+        for i, plane in enumerate(planes):
+            kv[layers.start + i // kinds, i % kinds].index_copy_(0, index, plane)
+        if kv.is_cuda:
+            torch.cuda.current_stream(kv.device).synchronize()  # landed before it counts as landed
 
     def _verify_loop(self, conn: _Conn) -> None:
         """Checks pulled frames off the receiving thread, so the next frame is

@@ -11,6 +11,7 @@ import threading
 
 from kvrelay.engine.kv_cache import KVCache
 from kvrelay.kvtransfer.base import (
+    KVCodec,
     KVSender,
     MemoryOffer,
     SendHandle,
@@ -41,22 +42,26 @@ class ChannelSender(KVSender):
     def _link_config(self, target: TransferTarget) -> TransferConfig:
         """The config with the target's per-link settings applied."""
         cfg = self.cfg
-        if target.socket_buffer_bytes is not None or target.protection is not None or target.pull is False:
+        if target.socket_buffer_bytes is not None or target.protection is not None or target.pull is False \
+                or target.codec is not None:
+            codec = KVCodec.parse(target.codec) if target.codec is not None else cfg.codec
             cfg = dataclasses.replace(
                 cfg, socket_buffer_bytes=target.socket_buffer_bytes or cfg.socket_buffer_bytes,
-                protection=Protection.parse(target.protection or cfg.protection),
-                offer_memory=cfg.offer_memory and target.pull is not False)
+                protection=Protection.parse(target.protection or cfg.protection), codec=codec,
+                offer_memory=cfg.offer_memory and target.pull is not False and codec is KVCodec.NONE)
+        elif cfg.codec is not KVCodec.NONE and cfg.offer_memory:
+            cfg = dataclasses.replace(cfg, offer_memory=False)  # a coded connection carries bytes
         return cfg
 
     def open(self, target: TransferTarget) -> SendHandle:
         """Starts a transfer. Connections are pooled per receiver (and the
         identity it must prove) and per link setting (socket buffers,
-        protection, pulling)."""
+        protection, pulling, codec)."""
         try:
             cfg, refused = self._link_config(target), ""
         except ValueError as exc:
             cfg, refused = self.cfg, f"bad link setting: {exc}"
-        key = (target.endpoint, target.receiver, cfg.socket_buffer_bytes, cfg.protection, cfg.offer_memory)
+        key = (target.endpoint, target.receiver, cfg.socket_buffer_bytes, cfg.protection, cfg.offer_memory, cfg.codec)
         with self._lock:
             pool = self._pools.get(key)
             if pool is None:

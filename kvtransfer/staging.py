@@ -16,6 +16,9 @@ through :class:`DeviceKV`, which has the attributes of a host cache's
   bytes are received (and authenticated) into a pinned buffer, then copied
   host-to-device on the copy stream, which the receiving thread waits for
   before the blocks count as landed.
+- **send under a codec** (:meth:`DeviceKV.stage_coded`): the same, with the
+  layer's planes encoded on the copy stream before the copy, so the host gets
+  the coded bytes (kvtransfer/coded.py's payload).
 - **pulled frames** (NIXL reads VRAM into VRAM): the MACs are computed and
   checked over host copies of the same blocks (:meth:`DeviceKV.read`).
 
@@ -31,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.engine.kv_cache import KVCache
+from kvrelay.kvtransfer.base import KVCodec
+from kvrelay.kvtransfer.codecs import encode, parts
 from kvrelay.kvtransfer.memory import KVBytes, coalesce
 
 
@@ -42,6 +47,8 @@ class Staged:
     buf: torch.Tensor
     done: torch.cuda.Event | None
     """Recorded after the copies; None when nothing was enqueued (the bytes are there)."""
+    coded: bool = False
+    """``buf`` holds the layers' planes encoded (kvtransfer/coded.py's payload), not the cache's bytes."""
 
     def views(self, sizes: list[int]) -> list[memoryview]:
         """The bytes split into consecutive pieces of ``sizes``, after waiting for the copies."""
@@ -115,6 +122,26 @@ class DeviceKV:
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(self.dev.device))
         return self._to_host(self._pieces(layers, blocks), produced)
+
+    def stage_coded(self, layers: range, blocks: list[int], codec: KVCodec) -> Staged:
+        """As :meth:`stage`, the planes encoded under ``codec`` on the copy stream first (a GPU encodes at
+        75-210 GB/s: benchmarks/RESULTS.md), so only the coded bytes cross to the host."""
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.dev.device))
+        index = torch.tensor(blocks, device=self.dev.device)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(produced)
+            index.record_stream(self.stream)  # made on the caller's stream, read on ours
+            out = [p for layer in layers for kind in self.kinds
+                   for p in parts(encode(codec, self.cache.kv[layer, kind].index_select(0, index)))]
+            buf = torch.empty(sum(p.numel() for p in out), dtype=torch.uint8, pin_memory=True)
+            pos = 0
+            for p in out:
+                buf[pos:pos + p.numel()].copy_(p, non_blocking=True)
+                pos += p.numel()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return Staged(buf, done, coded=True)
 
     def read(self, layers: range, blocks: list[int]) -> Staged:
         """Host copies of blocks written outside CUDA streams (a NIXL read that completed)."""

@@ -16,7 +16,8 @@ from kvrelay.v1 import kv_wire_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
+"""6: a KV codec per connection (KVHello.codec), so a receiver of 5 refuses a sender that might encode."""
 HANDSHAKE_FRAME_MAX = 4 << 10
 """Largest frame accepted before the peer has authenticated (its hello with
 its certificate, its proofs): no unauthenticated peer makes a receiver

@@ -167,12 +167,13 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         send = self.tel.tracing.start("kvrelay.kv.send", within(span), attributes={
             "kvrelay.link": key.link, "kvrelay.transport": target.transport or str(self.sender.name),
             "kvrelay.protection": target.protection, "kvrelay.kv.receiver": target.receiver,
+            "kvrelay.kv.codec": target.kv_codec or "none",
             "kvrelay.kv.blocks": len(target.block_ids), "kvrelay.kv.cached_blocks": target.start_block})
         handle = self.sender.open(TransferTarget(
             target.endpoint, target.transfer_id, tuple(target.block_ids), target.layout_hash,
             socket_buffer_bytes=link_socket_buffer(target.link_gbps, target.link_rtt_ms),
             protection=target.protection or None, pull=False if target.transport == Transport.TCP else None,
-            receiver=target.receiver or None, traceparent=traceparent(send)))
+            receiver=target.receiver or None, codec=target.kv_codec or None, traceparent=traceparent(send)))
         self.streamer.add(rid, handle, target.start_block, len(target.block_ids), send)
         self.chunks.add(rid, span, time.time_ns())
         t0 = time.perf_counter()

@@ -72,7 +72,7 @@ from kvrelay.engine.config import (
     choice,
     show,
 )
-from kvrelay.kvtransfer.base import AUTO, Transport
+from kvrelay.kvtransfer.base import AUTO, KVCodec, Transport
 from kvrelay.kvtransfer.protection import Protection
 from kvrelay.runtime.addresses import is_loopback
 from kvrelay.runtime.engines import EngineField, EngineKind, VllmSection
@@ -127,6 +127,8 @@ LinkTransport = Annotated[Transport, choice(Transport, _one_of(Transport))]
 KVTransportField = Annotated[KVTransport, choice([AUTO, *Transport], _one_of([AUTO, *Transport]))]
 ProtectionField = Annotated[Protection, choice(Protection, _one_of(Protection))]
 DTypeField = Annotated[DType, choice(get_args(DType), _one_of(get_args(DType)))]
+CodecField = Annotated[KVCodec, choice(KVCodec, f"{_one_of(KVCodec)} (auto, the cost model's choice per request, "
+                                                "is not built yet)")]
 
 
 class ConfigError(ValueError):
@@ -411,6 +413,11 @@ class LinkSection(ConfigSection):
     """KV protection on this link: aead (encrypted and authenticated) or
     integrity (authenticated, readable); None = kv.protection. Receivers
     enforce it for senders whose certificate names the other end's site."""
+    kv_codec: CodecField = KVCodec.NONE
+    """KV codec on this link (kvtransfer/codecs.py): none (the cache's bytes), or fewer bytes with a
+    measured loss: int8 and fp8 (1.94x smaller than bf16), int4 (3.56x); benchmarks/RESULTS.md, "KV
+    codecs' cost in answers". Bytes over tcp (a coded link never pulls); builtin-engine pools only;
+    tenants with kv_lossy false always get none."""
 
 
 @dataclass(slots=True, config=SECTION_CONFIG)
@@ -824,6 +831,8 @@ def _validate(cfg: ClusterConfig) -> None:
     if cfg.local_link.between:
         raise ConfigError("local_link.between: must be empty (it is the network inside every site)")
     _check_links(cfg.links, sites)
+    _check_codec(cfg.local_link, "local_link")
+    _check_codec_engines(cfg)
     _check_layouts(cfg)
     _check_vllm_memory(cfg)
     _check_tenants(cfg)
@@ -859,6 +868,7 @@ def _check_links(links: list[LinkSection], sites: set[str]) -> None:
     pairs = set()
     for i, link in enumerate(links):
         where = f"links[{i}]"
+        _check_codec(link, where)
         if len(link.between) != 2 or link.between[0] == link.between[1]:
             raise ConfigError(f"{where}.between: must name two different sites, got {link.between}")
         for name in link.between:
@@ -868,6 +878,29 @@ def _check_links(links: list[LinkSection], sites: set[str]) -> None:
         if pair in pairs:
             raise ConfigError(f"{where}: duplicate link between {link.between[0]} and {link.between[1]}")
         pairs.add(pair)
+
+
+def _check_codec(link: LinkSection, where: str) -> None:
+    """A codec carries bytes: not on a link that pins a transport that pulls."""
+    if link.kv_codec is not KVCodec.NONE and link.transport in (Transport.NIXL, Transport.LOCAL):
+        raise ConfigError(f"{where}.kv_codec: {link.kv_codec} sends bytes over tcp; the link pins transport "
+                          f"{link.transport}, which pulls the cache's own bytes (set transport: tcp, or kv_codec: "
+                          "none)")
+
+
+def _check_codec_engines(cfg: ClusterConfig) -> None:
+    """A lossy codec decodes into this engine's K and V planes: a vLLM pool at either end of its link refuses it."""
+    by_name = {s.name: s for s in cfg.sites}
+    named = [("local_link", cfg.local_link, list(by_name))] + \
+        [(f"links[{i}]", lk, list(lk.between)) for i, lk in enumerate(cfg.links)]
+    for where, link, ends in named:
+        if link.kv_codec is KVCodec.NONE:
+            continue
+        for name in ends:
+            site = by_name[name]
+            if any(site.pool(r).engine is EngineKind.VLLM and site.pool(r).replicas > 0 for r in Role):
+                raise ConfigError(f"{where}.kv_codec: {link.kv_codec} decodes into the builtin engine's cache; "
+                                  f"site {name} has a vLLM pool, whose KV pages a codec cannot read")
 
 
 def _kv_kind(cfg: ClusterConfig, pool: PoolSection) -> tuple[str, str, int | None]:

@@ -101,6 +101,9 @@ class TenantSection(ConfigSection):
     """Its audit records are deleted (the deletion itself recorded) after this."""
     log_prompts: StrictBool = False
     """Audit records of its requests carry the prompt and output text (default: never)."""
+    kv_lossy: StrictBool = True
+    """Its KV may cross a link under a lossy codec (links[].kv_codec: int8, fp8, int4); false: always the
+    cache's own bytes, whatever the link names."""
 
     def __post_init__(self) -> None:
         if not TENANT_NAME.match(self.name):

@@ -4,6 +4,7 @@ the workers and the launchers all read the topology through this module."""
 
 from __future__ import annotations
 
+from kvrelay.kvtransfer.base import KVCodec
 from kvrelay.kvtransfer.protection import Protection
 from kvrelay.runtime.config import ClusterConfig, LinkSection
 
@@ -32,6 +33,14 @@ class Topology:
     def protection(self, link: LinkSection) -> Protection:
         """A link's KV protection: its own setting, else ``kv.protection``."""
         return self.cfg.kv.protection if link.protection is None else link.protection
+
+    def codec(self, link: LinkSection, tenant: str = "") -> KVCodec:
+        """The KV codec of a transfer over ``link`` for ``tenant``: the link's, or none where the tenant
+        forbids lossy codecs (``kv_lossy: false``)."""
+        entry = self.cfg.tenant(tenant) if tenant else None
+        if entry is not None and not entry.kv_lossy:
+            return KVCodec.NONE
+        return link.kv_codec
 
     def required_protection(self, site: str, peer_site: str | None) -> Protection:
         """What a receiver at ``site`` requires of a sender at ``peer_site``

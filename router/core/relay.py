@@ -161,6 +161,9 @@ class Relay:
             raise RuntimeError(f"{self.client_id}: sites {p.info.site} and {self.d.info.site} have no link")
         target.link_rtt_ms, target.link_gbps = link.rtt_ms, link.gbps
         target.protection = self.topology.protection(link)
+        codec = self.topology.codec(link, self.wr.tenant)
+        target.kv_codec = codec.value if codec.lossy else ""
+        self.placement.kv_codec = codec.value
         target.receiver = self.d.info.worker_id  # the receiver's certificate must name it
         # the sender's kind decides unless the link pins one (tcp = bytes over the socket)
         target.transport = self.topology.transport(link, p.info.transport)

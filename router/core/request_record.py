@@ -76,7 +76,8 @@ class RequestRecord:
             "finish_reason": FINISH.get(f.reason, "unspecified"), "cached_tokens": f.usage.cached_prompt_tokens,
             "prefill_site": p.prefill_site, "prefill_worker": p.prefill_worker, "decode_site": p.decode_site,
             "decode_worker": p.decode_worker, "colocated": p.colocated, "link": p.link, "transport": p.transport,
-            "kv_bytes": p.kv_bytes, "policy": p.policy, "retries": p.retries, "migrations": p.migrations}
+            "kv_bytes": p.kv_bytes, "kv_codec": p.kv_codec, "policy": p.policy, "retries": p.retries,
+            "migrations": p.migrations}
 
     def record(self, error: BaseException | None = None) -> dict:
         """The finished record (``error``: what ended it early; None: it completed).

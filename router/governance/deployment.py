@@ -215,9 +215,9 @@ def pools_of(cfg: ClusterConfig, state: DeploymentState) -> list[Pool]:
 
 
 def link_facts(topo: Topology, state: DeploymentState, link: LinkSection, name: str,
-               senders: list[LiveWorker]) -> dict:
+               senders: list[LiveWorker], tenant: str = "") -> dict:
     """A link as the statement reports it: the transport(s) its live senders
-    use (else the configured one), protection, probed state."""
+    use (else the configured one), protection, the KV codec ``tenant``'s KV crosses it with, probed state."""
     protection = str(topo.protection(link))
     live = sorted({str(topo.transport(link, w.transport)) for w in senders if w.transport})
     probed = state.links.get(name)
@@ -225,7 +225,7 @@ def link_facts(topo: Topology, state: DeploymentState, link: LinkSection, name: 
              else "up" if probed.up else f"down ({probed.reason})")
     return {"link": name, "between": list(link.between), "rtt_ms": link.rtt_ms, "gbps": link.gbps,
             "transport": live or [str(topo.transport(link))], "protection": protection,
-            "encrypted": protection == "aead", "state": where}
+            "encrypted": protection == "aead", "kv_codec": str(topo.codec(link, tenant)), "state": where}
 
 
 def reach_of(topo: Topology, state: DeploymentState, pools: list[Pool], t: TenantSection) -> Reach:
@@ -248,7 +248,7 @@ def reach_of(topo: Topology, state: DeploymentState, pools: list[Pool], t: Tenan
             senders = crossed.setdefault(name, (link, []))[1]
             senders.extend(w for w in p.live if w not in senders)
     reached = [p for p in pools if p in decodes or p in prefills]
-    links = [link_facts(topo, state, link, name, senders) for name, (link, senders) in crossed.items()]
+    links = [link_facts(topo, state, link, name, senders, t.name) for name, (link, senders) in crossed.items()]
     return Reach(reached, links, [p for p in inside if not p.open_to(t.name)], [p for p in active if p not in inside])
 
 

@@ -205,7 +205,10 @@ def _files(d: Deployment) -> dict:
 
 def _link_text(lk: dict) -> str:
     where = "the network within each site" if lk["link"] == LOCAL_LINK else lk["link"]
-    return f"{where} ({'/'.join(lk['transport'])}, {lk['protection']})"
+    codec = lk.get("kv_codec", "none")
+    lossy = (f", KV coded {codec}: fewer bytes, answers may differ (kv_lossy: false forbids it)"
+             if codec != "none" else "")
+    return f"{where} ({'/'.join(lk['transport'])}, {lk['protection']}{lossy})"
 
 
 def _operators(cfg: ClusterConfig) -> dict:
@@ -469,7 +472,7 @@ def identity(d: Deployment, t: TenantSection, r: Reach) -> dict:
     facts = {"sign_in": _sign_in(cfg, t), "federated_identity": federated or "not configured",
              "tls": {"enabled": tls.enabled, "ca": tls.ca, "mutual_tls_internal": tls.enabled,
                      "revoked_serials": len(tls.revoked_serials), "cert_days": tls.cert_days},
-             "listeners": _router(d), "kv_links": [{k: lk[k] for k in ("link", "protection", "encrypted")}
+             "listeners": _router(d), "kv_links": [{k: lk[k] for k in ("link", "protection", "encrypted", "kv_codec")}
                                                    for lk in r.links],
              "private_network_paths": NOT_RECORDED, "policy": policy}
     tls_text = (f"TLS is on for every listener, mutual TLS on the internal one and between workers, with "

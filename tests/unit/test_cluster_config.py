@@ -14,6 +14,7 @@ import yaml
 from kvrelay.launch.local import refuse_engines_this_host_cannot_run
 from kvrelay.runtime import engines
 from kvrelay.runtime.config import ConfigError, load_config, parse_config
+from kvrelay.runtime.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -236,6 +237,36 @@ def test_a_pool_chooses_its_engine_and_vllms_arguments_are_typed():
     ]:
         with pytest.raises(ConfigError, match=match):
             parse_config(raw)
+
+
+def test_a_link_names_its_kv_codec_and_a_tenant_may_forbid_lossy_ones():
+    """links[].kv_codec: a known codec or a ConfigError naming the field; never with a transport that pulls
+    or beside a vLLM pool; a tenant with kv_lossy false always gets none (runtime/topology.py)."""
+    link = {"between": ["a", "b"], "kv_codec": "int8"}
+    cfg = parse_config({**TWO, "links": [link], "local_link": {"kv_codec": "fp8"},
+                        "tenants": [{"name": "strict", "kv_lossy": False}, {"name": "open"}]})
+    topo = Topology(cfg)
+    ab, local = topo.link("a", "b"), topo.link("a", "a")
+    assert (topo.codec(ab, "open"), topo.codec(ab, ""), topo.codec(local, "open")) == ("int8", "int8", "fp8")
+    assert topo.codec(ab, "strict") == topo.codec(local, "strict") == "none"  # never lossy, whatever the link
+    assert load_config(None).local_link.kv_codec == "none"  # inside a site: the cache's own bytes by default
+    for name in ("zstd", "auto", "INT8"):
+        with pytest.raises(ConfigError, match=rf"links\[0\]\.kv_codec: must be none, int8, fp8 or int4 \(auto, "
+                                              rf"the cost model's choice per request, is not built yet\), "
+                                              rf"got '{name}'"):
+            parse_config({**TWO, "links": [{**link, "kv_codec": name}]})
+    with pytest.raises(ConfigError, match=r"links\[0\]\.kv_codec: expected a string, got 8"):
+        parse_config({**TWO, "links": [{**link, "kv_codec": 8}]})
+    with pytest.raises(ConfigError, match=r"links\[0\]\.kv_codec: int8 sends bytes over tcp; the link pins "
+                                          r"transport nixl"):
+        parse_config({**TWO, "links": [{**link, "transport": "nixl"}]})
+    with pytest.raises(ConfigError, match=r"tenants\[0\]\.kv_lossy: expected true or false"):
+        parse_config({"tenants": [{"name": "t", "kv_lossy": "no"}]})
+    vllm_b = {"sites": [{"name": "a"}, {"name": "b", "decode": {"engine": "vllm"}}]}
+    with pytest.raises(ConfigError, match=r"links\[0\]\.kv_codec: int8 decodes into the builtin engine's cache; "
+                                          r"site b has a vLLM pool"):
+        parse_config({**vllm_b, "links": [link]})
+    parse_config({**vllm_b, "links": [{**link, "kv_codec": "none"}]})
 
 
 def test_a_link_that_would_carry_kv_between_layouts_that_differ_is_refused():

@@ -161,6 +161,22 @@ def test_link_protection_changes_the_encryption_answers():
     assert "readable on the wire" not in _answer(before, "uni-on", Question.ACCESS)["answer"]
 
 
+def test_a_link_codec_is_stated_per_tenant_and_kv_lossy_false_is_never_coded():
+    def coded(raw):
+        raw["links"][0]["kv_codec"] = "int4"
+        _tenant(raw, "lab-qc")["kv_lossy"] = False
+        _tenant(raw, "lab-qc")["jurisdictions"] = []  # so that its KV may cross the link
+    doc = _doc(coded)
+    for tenant, codec in (("uni-on", "int4"), ("lab-qc", "none")):
+        for q in (Question.JURISDICTIONS, Question.IDENTITY):
+            link = next(lk for lk in _answer(doc, tenant, q)["facts"]["kv_links"] if lk["link"] == "montreal-toronto")
+            assert link["kv_codec"] == codec, (tenant, q)
+    assert "montreal-toronto (tcp, aead, KV coded int4: fewer bytes, answers may differ" in \
+        _answer(doc, "uni-on", Question.JURISDICTIONS)["answer"]
+    assert "KV coded" not in _answer(doc, "lab-qc", Question.JURISDICTIONS)["answer"]
+    assert "KV coded" not in _answer(_doc(), "uni-on", Question.JURISDICTIONS)["answer"]
+
+
 def test_router_outside_the_tenants_jurisdictions_is_a_warning():
     doc = _doc()
     lab = next(t for t in doc["tenants"] if t["tenant"] == "lab-qc")

@@ -10,11 +10,11 @@ import torch
 
 from kvrelay.benchmarks import codec_quality
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.kvtransfer.base import KVCodec
 from kvrelay.kvtransfer.codecs import (
     FP8_SUBNORMAL_STEP,
     INT4_GROUP,
     SCALE_BLOCKS,
-    KVCodec,
     decode,
     encode,
     encoded_bytes,

@@ -16,7 +16,8 @@ import torch
 
 from kvrelay.benchmarks.kv_peer import SECRET
 from kvrelay.engine.kv_cache import KVCache, KVLayout
-from kvrelay.kvtransfer.base import TransferState, TransferTarget
+from kvrelay.kvtransfer.base import KVCodec, TransferState, TransferTarget
+from kvrelay.kvtransfer.codecs import decode, encode
 from kvrelay.kvtransfer.config import TransferConfig
 from kvrelay.kvtransfer.local import LocalKVSender
 from kvrelay.kvtransfer.nixl import NixlKVReceiver, NixlKVSender, nixl_available
@@ -71,11 +72,33 @@ def test_tcp_moves_kv_to_and_from_cuda_memory(devices, protection):
     assert not dst.kv[:, :, untouched].any()
 
 
-def test_a_layer_leaves_only_after_the_writes_enqueued_before_send_layer():
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("devices", [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
+def test_a_coded_transfer_moves_kv_from_and_into_cuda_memory(devices, codec):
+    """Under a codec the sender encodes the staged host copies, the receiver decodes into VRAM: what
+    lands is exactly what the codec decodes (tests/integration/test_kv_codec_transfer.py on host memory)."""
+    src, dst = filled(devices[0], 24, 3), KVCache(LAYOUT, 24, device=devices[1])
+    cfg = TransferConfig(secret=SECRET, streams=2, codec=codec)
+    rx, tx = TcpKVReceiver(dst, cfg=cfg), TcpKVSender(src, cfg)
+    try:
+        h = run_transfer(tx, rx, src, "t")
+    finally:
+        tx.close()
+        rx.close()
+    for layer in range(LAYOUT.num_layers):
+        for kind in range(2):
+            x = src.kv[layer, kind, SRC_BLOCKS].cpu()
+            want = decode(encode(KVCodec(codec), x), x.dtype)
+            assert torch.equal(dst.kv[layer, kind, DST_BLOCKS].cpu(), want), (layer, kind)
+    assert h.result().nbytes < LAYOUT.bytes_per_block * len(SRC_BLOCKS) / 1.8
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_layer_leaves_only_after_the_writes_enqueued_before_send_layer(codec):
     """Each layer's blocks are rewritten on the current stream behind a long GPU sleep, then sent at
-    once: what arrives is the rewritten value (the copy waited for the engine's stream)."""
+    once: what arrives is the rewritten value (the copy waited for the engine's stream), coded or not."""
     src, dst = filled("cuda", 24, 2), KVCache(LAYOUT, 24, device="cuda")
-    cfg = TransferConfig(secret=SECRET, streams=1)
+    cfg = TransferConfig(secret=SECRET, streams=1, codec=codec)
     rx, tx = TcpKVReceiver(dst, cfg=cfg), TcpKVSender(src, cfg)
 
     def rewrite(layer: int) -> None:

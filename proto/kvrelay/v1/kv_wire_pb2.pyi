@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHello(_message.Message):
-    __slots__ = ("protocol_version", "layout_hash", "nonce", "key_share", "certificate", "ciphers", "protection", "socket_buffer_bytes", "sent_unix_ms", "stamp")
+    __slots__ = ("protocol_version", "layout_hash", "nonce", "key_share", "certificate", "ciphers", "protection", "socket_buffer_bytes", "sent_unix_ms", "stamp", "codec")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class KVHello(_message.Message):
     SOCKET_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     STAMP_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     layout_hash: str
     nonce: bytes
@@ -28,7 +29,8 @@ class KVHello(_message.Message):
     socket_buffer_bytes: int
     sent_unix_ms: int
     stamp: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., key_share: _Optional[bytes] = ..., certificate: _Optional[bytes] = ..., ciphers: _Optional[_Iterable[str]] = ..., protection: _Optional[str] = ..., socket_buffer_bytes: _Optional[int] = ..., sent_unix_ms: _Optional[int] = ..., stamp: _Optional[bytes] = ...) -> None: ...
+    codec: str
+    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., nonce: _Optional[bytes] = ..., key_share: _Optional[bytes] = ..., certificate: _Optional[bytes] = ..., ciphers: _Optional[_Iterable[str]] = ..., protection: _Optional[str] = ..., socket_buffer_bytes: _Optional[int] = ..., sent_unix_ms: _Optional[int] = ..., stamp: _Optional[bytes] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class KVHelloAnswer(_message.Message):
     __slots__ = ("accepted", "reason", "nonce", "key_share", "certificate", "cipher", "protection")
@@ -93,7 +95,7 @@ class KVAuthAck(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class KVBlocks(_message.Message):
-    __slots__ = ("transfer_id", "layer", "num_layers", "first", "count", "payload_bytes", "src_blocks", "pulled_tags")
+    __slots__ = ("transfer_id", "layer", "num_layers", "first", "count", "payload_bytes", "src_blocks", "pulled_tags", "codec")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class KVBlocks(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PULLED_TAGS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
     num_layers: int
@@ -110,7 +113,8 @@ class KVBlocks(_message.Message):
     payload_bytes: int
     src_blocks: _containers.RepeatedScalarFieldContainer[int]
     pulled_tags: bytes
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., src_blocks: _Optional[_Iterable[int]] = ..., pulled_tags: _Optional[bytes] = ...) -> None: ...
+    codec: str
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., src_blocks: _Optional[_Iterable[int]] = ..., pulled_tags: _Optional[bytes] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class KVDone(_message.Message):
     __slots__ = ("transfer_id", "first_token_id", "first_logprob", "traceparent")

@@ -290,7 +290,7 @@ class WorkRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., salt: _Optional[str] = ..., tenant: _Optional[str] = ..., batch: _Optional[bool] = ..., prior_output_tokens: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("endpoint", "transfer_id", "start_block", "block_ids", "layout_hash", "transport", "link_rtt_ms", "link_gbps", "protection", "receiver")
+    __slots__ = ("endpoint", "transfer_id", "start_block", "block_ids", "layout_hash", "transport", "link_rtt_ms", "link_gbps", "protection", "receiver", "kv_codec")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,7 @@ class KVTarget(_message.Message):
     LINK_GBPS_FIELD_NUMBER: _ClassVar[int]
     PROTECTION_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    KV_CODEC_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     transfer_id: str
     start_block: int
@@ -311,7 +312,8 @@ class KVTarget(_message.Message):
     link_gbps: float
     protection: str
     receiver: str
-    def __init__(self, endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., start_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., transport: _Optional[str] = ..., link_rtt_ms: _Optional[float] = ..., link_gbps: _Optional[float] = ..., protection: _Optional[str] = ..., receiver: _Optional[str] = ...) -> None: ...
+    kv_codec: str
+    def __init__(self, endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., start_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., transport: _Optional[str] = ..., link_rtt_ms: _Optional[float] = ..., link_gbps: _Optional[float] = ..., protection: _Optional[str] = ..., receiver: _Optional[str] = ..., kv_codec: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request", "colocated", "lease_s", "link", "sender")
