@@ -10,12 +10,19 @@ another costs:
 - three cities with the cost_model policy, and the same with round_robin.
 
 Every deployment has the same trace slice, seed and length scale; each runs
-in a fresh cluster (and fresh namespaces) so no cache carries over."""
+in a fresh cluster (and fresh namespaces) so no cache carries over.
+
+``--codecs`` compares instead the KV codecs (kvtransfer/codecs.py) on one
+link slow enough to be the bottleneck: prefill in Toronto, decode in
+Vancouver, the link shaped to ``--link-mbps`` and ``--link-rtt-ms``, one
+deployment per codec (none, int8, fp8, int4), on a slice of long prompts
+(:func:`long_slice`) sent far enough apart that none waits for another."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import tempfile
 from dataclasses import dataclass
@@ -24,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from kvrelay.benchmarks.replay import ReplayConfig, build_report, replay, write_report
-from kvrelay.benchmarks.traces import ScaledRequest
+from kvrelay.benchmarks.traces import ScaledRequest, TraceRequest
 from kvrelay.launch import cities
 from kvrelay.launch.local import LocalCluster
 from kvrelay.runtime.config import parse_config
@@ -75,6 +82,34 @@ def scenarios(example: dict) -> list[Scenario]:
     ]
 
 
+CODECS = ("none", "int8", "fp8", "int4")
+
+
+def codec_scenarios(example: dict, mbps: float, rtt_ms: float) -> list[Scenario]:
+    """One deployment per KV codec: prefill in Toronto, decode in Vancouver, over one link of ``mbps`` Mbit/s
+    and ``rtt_ms`` (bytes over tcp: a coded link never pulls)."""
+    site = {s["name"]: s for s in example["sites"]}
+    out = []
+    for codec in CODECS:
+        cfg = copy.deepcopy(example)
+        cfg["sites"] = [{**site["toronto"], **_pools(1, 0)}, {**site["vancouver"], **_pools(0, 1)}]
+        cfg["links"] = [{"between": ["toronto", "vancouver"], "rtt_ms": rtt_ms, "gbps": mbps / 1000,
+                         "transport": "tcp", "kv_codec": codec}]
+        router = cfg.get("router", {})
+        cfg["router"] = {**router, "port": 0, "placement": {**router.get("placement", {}), "policy": "least_loaded",
+                                                            "colocate_below_tokens": 0}}
+        out.append(Scenario(f"codec-{codec}", f"prefill Toronto, decode Vancouver, {mbps:g} Mbit/s and "
+                                              f"{rtt_ms:g} ms, KV codec {codec}", cfg))
+    return out
+
+
+def long_slice(reqs: list[TraceRequest], scale: float, lo: int, hi: int, limit: int, gap_s: float
+               ) -> list[TraceRequest]:
+    """The first ``limit`` requests whose scaled prompt has ``lo``-``hi`` tokens, re-timed ``gap_s`` apart."""
+    picked = [r for r in reqs if lo <= round(r.input_tokens * scale) <= hi][:limit]
+    return [dataclasses.replace(r, arrival_s=i * gap_s) for i, r in enumerate(picked)]
+
+
 def run_scenario(sc: Scenario, model_path: Path, prompts: list[ScaledRequest], rcfg: ReplayConfig,
                  emulate: bool, out: Path, meta: dict) -> dict:
     """Brings up (namespaces and) a cluster for one scenario, replays, tears down."""
@@ -102,22 +137,23 @@ def summary_row(name: str, what: str, report: dict) -> dict:
     s = report["summary"]
     recs = report["requests"]
     coloc = sum(1 for r in recs if (r.get("placement") or {}).get("colocated")) / max(1, len(recs))
+    tails = [(r.get("placement") or {}).get("kv_transfer_ms", 0.0) for r in recs if r.get("placement")]
     return {"scenario": name, "what": what, "completed": s["completed"], "failed": s["failed"],
             "ttft_mean_ms": s["ttft_ms"]["mean"], "ttft_p50_ms": s["ttft_ms"]["p50"],
             "ttft_p99_ms": s["ttft_ms"]["p99"], "tpot_p50_ms": s["tpot_ms"]["p50"],
             "tpot_p99_ms": s["tpot_ms"]["p99"], "e2e_p50_ms": s["e2e_ms"]["p50"],
             "throughput_tok_s": s["total_token_throughput_tps"], "slo_attainment": s["slo_attainment"],
             "kv_mib": sum(row["kv_bytes"] for row in report["per_link"].values()) / 2**20,
-            "colocated_fraction": coloc}
+            "colocated_fraction": coloc, "kv_tail_ms_mean": sum(tails) / max(1, len(tails))}
 
 
 def format_rows(rows: list[dict]) -> str:
     head = ("| scenario | TTFT mean / p50 / p99 ms | TPOT p50 / p99 ms | E2E p50 ms | tok/s | SLO met | "
-            "KV MiB moved | colocated | failed |\n|---|---|---|---|---|---|---|---|---|")
+            "KV MiB moved | exposed KV tail, mean ms | colocated | failed |\n|---|---|---|---|---|---|---|---|---|---|")
     body = [f"| {r['scenario']} | {r['ttft_mean_ms']:.0f} / {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
             f"{r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f} | {r['e2e_p50_ms']:.0f} | "
             f"{r['throughput_tok_s']:.0f} | {r['slo_attainment']:.0%} | {r['kv_mib']:.0f} | "
-            f"{r['colocated_fraction']:.0%} | {r['failed']} |" for r in rows]
+            f"{r['kv_tail_ms_mean']:.0f} | {r['colocated_fraction']:.0%} | {r['failed']} |" for r in rows]
     return "\n".join([head, *body])
 
 

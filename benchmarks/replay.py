@@ -191,7 +191,8 @@ async def _stream(stub, req: ipb.GenerateRequest, t0: float, cfg: ReplayConfig, 
             rec.placement = {"prefill_site": p.prefill_site, "decode_site": p.decode_site,
                              "prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker,
                              "colocated": p.colocated, "link": p.link, "transport": p.transport,
-                             "kv_bytes": p.kv_bytes, "kv_transfer_ms": p.kv_transfer_ms,
+                             "kv_bytes": p.kv_bytes, "kv_codec": p.kv_codec, "kv_transfer_ms": p.kv_transfer_ms,
+                             "prefill_ms": p.prefill_ms,
                              "estimated_ttft_ms": p.estimated_ttft_ms, "router_ttft_ms": p.ttft_ms,
                              "retries": p.retries, "migrations": p.migrations}
             rec.cached_tokens = msg.finish.usage.cached_prompt_tokens

@@ -127,6 +127,12 @@ def add_parsers(sub, bench) -> None:
     bc.add_argument("--only", help="comma-separated scenario names")
     bc.add_argument("--no-progress", action="store_true")
     bc.add_argument("--out", required=True)
+    bc.add_argument("--codecs", action="store_true", help="compare the KV codecs (none, int8, fp8, int4) on one "
+                    "slow link instead: prefill in Toronto, decode in Vancouver, long prompts only")
+    bc.add_argument("--link-mbps", type=float, default=200.0, help="--codecs: the link's rate, Mbit/s")
+    bc.add_argument("--link-rtt-ms", type=float, default=30.0, help="--codecs: the link's RTT, ms")
+    bc.add_argument("--prompt-tokens", default="2000-8000", help="--codecs: the prompts' length range (scaled)")
+    bc.add_argument("--gap-s", type=float, default=20.0, help="--codecs: seconds between arrivals")
     bc.set_defaults(func=local("cmd_bench_cities"))
 
     ci = sub.add_parser("cities", help="emulate the config's sites as cities joined by WAN links (root)")

@@ -330,11 +330,18 @@ def cmd_bench_cities(args: argparse.Namespace) -> int:
         print(f"kvrelay: no WAN emulation ({exc}); the links exist only in placement's figures", file=sys.stderr)
         emulate = False
     example = cb.load_example()
-    chosen = [sc for sc in cb.scenarios(example) if not args.only or sc.name in args.only.split(",")]
+    every = cb.codec_scenarios(example, args.link_mbps, args.link_rtt_ms) if args.codecs else cb.scenarios(example)
+    chosen = [sc for sc in every if not args.only or sc.name in args.only.split(",")]
     if not chosen:
-        raise ValueError(f"--only {args.only!r} names no scenario "
-                         f"({', '.join(sc.name for sc in cb.scenarios(example))})")
+        raise ValueError(f"--only {args.only!r} names no scenario ({', '.join(sc.name for sc in every)})")
     reqs = load_trace(args.trace, args.format, args.limit)
+    if args.codecs:
+        lo, _, hi = args.prompt_tokens.partition("-")
+        reqs = cb.long_slice(load_trace(args.trace, args.format), args.length_scale, int(lo), int(hi or lo),
+                             args.limit, args.gap_s)
+        if not reqs:
+            raise ValueError(f"--prompt-tokens {args.prompt_tokens}: no request of the trace has such a prompt "
+                             f"at --length-scale {args.length_scale:g}")
     prompts = build_prompts(reqs, args.length_scale, VOCAB_RANGE, seed=args.seed)
     rcfg = replay_config(args)
     model_path = resolve_model(example.get("model", {}).get("path"), args.cache_dir)
@@ -343,7 +350,9 @@ def cmd_bench_cities(args: argparse.Namespace) -> int:
             "length_scale": args.length_scale, "seed": args.seed, "wan_emulation": emulate,
             "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "trace_slice": trace_slice(reqs),
-            "scale_reason": f"--length-scale {args.length_scale:g}", "format": args.format or "auto"}
+            "scale_reason": f"--length-scale {args.length_scale:g}", "format": args.format or "auto",
+            "codecs": args.codecs and {"link_mbps": args.link_mbps, "link_rtt_ms": args.link_rtt_ms,
+                                       "prompt_tokens": args.prompt_tokens, "gap_s": args.gap_s}}
     rows = []
     for sc in chosen:
         print(f"kvrelay: scenario {sc.name}: {sc.what}", flush=True)

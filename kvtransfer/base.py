@@ -55,6 +55,22 @@ class KVCodec(enum.StrEnum):
         """Whether a run decodes to other values than it had (every codec but none)."""
         return self is not KVCodec.NONE
 
+    def wire_fraction(self, element_bytes: int, block_size: int) -> float:
+        """Bytes that cross a link per byte of a cache of ``element_bytes`` per element and ``block_size``
+        tokens per block, for long runs (kvtransfer/codecs.py's layout: values, then scales)."""
+        if self is KVCodec.NONE:
+            return 1.0
+        if self is KVCodec.INT4:
+            return (0.5 + 2 / INT4_GROUP) / element_bytes
+        return (1 + 4 / (SCALE_BLOCKS * block_size)) / element_bytes
+
+
+SCALE_BLOCKS = 8
+"""Blocks of a run whose int8 and fp8 values share a scale per head and channel (a run's last group may be
+shorter)."""
+INT4_GROUP = 32
+"""Channels of a head that share an int4 scale (head_dim must be a multiple)."""
+
 
 class Transport(enum.StrEnum):
     """The KV transports kvtransfer implements (the config's and the wire's word for each)."""

@@ -30,13 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.kvtransfer.base import KVCodec
+from kvrelay.kvtransfer.base import INT4_GROUP, SCALE_BLOCKS, KVCodec
 
-SCALE_BLOCKS = 8
-"""Blocks of a run whose int8 and fp8 values share a scale per head and channel (a run's last group may be
-shorter)."""
-INT4_GROUP = 32
-"""Channels of a head that share an int4 scale (head_dim must be a multiple)."""
 FP8_MAX = 448.0
 """e4m3's largest finite value."""
 FP8_SUBNORMAL_STEP = 2.0 ** -9

@@ -34,13 +34,22 @@ class Topology:
         """A link's KV protection: its own setting, else ``kv.protection``."""
         return self.cfg.kv.protection if link.protection is None else link.protection
 
+    def lossy_ok(self, tenant: str = "") -> bool:
+        """Whether ``tenant``'s KV may cross links under a lossy codec (its ``kv_lossy``; yes for one not
+        configured)."""
+        entry = self.cfg.tenant(tenant) if tenant else None
+        return entry is None or entry.kv_lossy
+
     def codec(self, link: LinkSection, tenant: str = "") -> KVCodec:
         """The KV codec of a transfer over ``link`` for ``tenant``: the link's, or none where the tenant
         forbids lossy codecs (``kv_lossy: false``)."""
-        entry = self.cfg.tenant(tenant) if tenant else None
-        if entry is not None and not entry.kv_lossy:
-            return KVCodec.NONE
-        return link.kv_codec
+        return link.kv_codec if self.lossy_ok(tenant) else KVCodec.NONE
+
+    def kv_fraction(self, link: LinkSection) -> float:
+        """Bytes that cross ``link`` per byte of KV under its codec (the builtin engine's cache: the model's
+        dtype and the cache's block size; a codec never crosses a link to a vLLM pool: runtime/config.py)."""
+        element = 4 if self.cfg.model.dtype == "float32" else 2  # float32, or bfloat16 and float16
+        return link.kv_codec.wire_fraction(element, self.cfg.cache.block_size)
 
     def required_protection(self, site: str, peer_site: str | None) -> Protection:
         """What a receiver at ``site`` requires of a sender at ``peer_site``

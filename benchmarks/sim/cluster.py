@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from kvrelay.benchmarks.metrics import RequestRecord
 from kvrelay.benchmarks.sim.clock import Clock
 from kvrelay.benchmarks.sim.network import Flow, SimLink
-from kvrelay.benchmarks.sim.profile import Profile
+from kvrelay.benchmarks.sim.profile import DTYPE_BYTES, Profile
 from kvrelay.benchmarks.sim.worker import HashChain, Hooks, SimSequence, SimWorker, new_sequence
 from kvrelay.benchmarks.sim.workload import SimArrival
 from kvrelay.engine.blocks import blocks_for
@@ -44,7 +44,7 @@ from kvrelay.router.placement.place import (
     place,
 )
 from kvrelay.router.placement.prefix_index import PrefixIndex
-from kvrelay.runtime.config import ClusterConfig
+from kvrelay.runtime.config import ClusterConfig, LinkSection
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.topology import LOCAL_LINK, link_name
 
@@ -167,10 +167,11 @@ class SimCluster:
         links = {}
         for ln in cfg.links:
             a, b = ln.between
-            lv = LinkView(ln.rtt_ms, ln.gbps, name=link_name(a, b))
+            lv = LinkView(ln.rtt_ms, ln.gbps, name=link_name(a, b), kv_fraction=self._kv_fraction(ln))
             links[frozenset((a, b))] = lv
             self.links[frozenset((a, b))] = SimLink(self.clock, lv)
-        local = LinkView(cfg.local_link.rtt_ms, cfg.local_link.gbps, name=LOCAL_LINK)
+        local = LinkView(cfg.local_link.rtt_ms, cfg.local_link.gbps, name=LOCAL_LINK,
+                         kv_fraction=self._kv_fraction(cfg.local_link))
         return ClusterView(workers, {s.name: s.jurisdiction for s in cfg.sites}, links, local,
                            block_size=self.block_size, kv_block_bytes=self.kv_block_bytes,
                            num_layers=self.profile.model.num_layers,
@@ -196,6 +197,11 @@ class SimCluster:
             if f.target not in known:
                 raise SimInputError(f"--fail {f.kind}:{f.target}: no such {f.kind} in the config (known: "
                                  f"{', '.join(sorted(known)) or 'none'})")
+
+    def _kv_fraction(self, link: LinkSection) -> float:
+        """Bytes that cross ``link`` per byte of KV under its codec (links[].kv_codec), at the profile's dtype.
+        The codec's own time is not modelled: on a GPU it codes at 75-210 GB/s (benchmarks/RESULTS.md)."""
+        return link.kv_codec.wire_fraction(DTYPE_BYTES[self.profile.dtype], self.block_size)
 
     def link_between(self, a: str, b: str) -> SimLink:
         return self.local[a] if a == b else self.links[frozenset((a, b))]
@@ -289,7 +295,7 @@ class SimCluster:
         p.view.inflight += 1
         link = self.link_between(p.view.site, d.view.site)
         req.link = link.name
-        req.kv_bytes = (blocks_for(prompt, self.block_size) - hit) * self.kv_block_bytes
+        req.kv_bytes = round((blocks_for(prompt, self.block_size) - hit) * self.kv_block_bytes * link.view.kv_fraction)
         req.flow = link.open(functools.partial(self._landed, req, d_seq))
         req.p_seq = new_sequence(req.rid, prompt, 1, req.chain)
         # the reservation's answer and the prefill call: two RPCs before P queues the prompt

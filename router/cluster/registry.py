@@ -20,7 +20,7 @@ from kvrelay.runtime.config import ClusterConfig
 from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import PLAINTEXT, Dialer
-from kvrelay.runtime.topology import LOCAL_LINK, link_name
+from kvrelay.runtime.topology import LOCAL_LINK, Topology, link_name
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
@@ -152,11 +152,13 @@ class WorkerRegistry:
         self.dedicated = {(s.name, role): frozenset(s.pool(role).tenants)
                           for s in cfg.sites for role in Role if s.pool(role).tenants}
         """(site, role) -> the tenants a dedicated pool serves (shared pools are absent)."""
+        topo = Topology(cfg)
         self.links: dict[frozenset, LinkView] = {
-            frozenset(link.between): LinkView(link.rtt_ms, link.gbps, True, link_name(*link.between))
+            frozenset(link.between): LinkView(link.rtt_ms, link.gbps, True, link_name(*link.between),
+                                              topo.kv_fraction(link))
             for link in cfg.links}
         ll = cfg.local_link
-        self.local_link = LinkView(ll.rtt_ms, ll.gbps, True, LOCAL_LINK)
+        self.local_link = LinkView(ll.rtt_ms, ll.gbps, True, LOCAL_LINK, topo.kv_fraction(ll))
         self.link_health = {key: LinkHealth() for key in self.links}
         self._view: ClusterView | None = None
         self._members = 0

@@ -347,7 +347,8 @@ class RouterCore:
                                 f.req.allowed_jurisdictions, f.caller.time_remaining(), frozenset(f.run.exclude),
                                 f.run.colocated_only, f.caller.tenant,
                                 (self.cfg.router.admission.interactive_reserve
-                                 if f.caller.priority is Priority.BATCH else 0))
+                                 if f.caller.priority is Priority.BATCH else 0),
+                                self.topology.lossy_ok(f.caller.tenant))
 
     async def _admitted(self, f: Flight, work: wpb.WorkRequest, preq: PlacementRequest) -> Relay:
         """A placement holding its workers' capacity: at once when there is room and

@@ -53,7 +53,7 @@ def _disaggregated(req, view: ClusterView, a_site: np.ndarray, p_sites: np.ndarr
     exposed transfer over the prefill sites (in their first-seen order: the first of equal
     costs wins) and that site (-1: none linked)."""
     pair_site, pair_cached, inverse = _pairs(d_site, d_cached, len(view.table.sites))
-    gbps, rtt = view.link_matrix()
+    gbps, rtt = view.link_matrix(req.coded_kv)
     g, r = gbps[np.ix_(p_sites, pair_site)], rtt[np.ix_(p_sites, pair_site)]
     with np.errstate(invalid="ignore"):
         a = a_site[:, None]

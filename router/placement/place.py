@@ -85,6 +85,9 @@ class PlacementRequest:
     reserve: int = 0
     """Slots of each worker's ``max_inflight`` it must leave free (batch requests
     leave ``router.admission.interactive_reserve`` for interactive ones)."""
+    coded_kv: bool = True
+    """Its KV crosses links under their codecs (links[].kv_codec), so a transfer costs their fewer bytes;
+    False: its tenant forbids lossy codecs (kv_lossy), every byte crosses."""
 
 
 @dataclass(slots=True)
@@ -227,8 +230,8 @@ def estimate(req: PlacementRequest, view: ClusterView, p: WorkerView | None, d: 
         return float("inf")
     compute = prefill_s(p.queued_prefill_tokens, prompt, req.cached_blocks.get(p.worker_id, 0), bs,
                         view.throughput(p))
-    return float(disaggregated_s(compute + exposed_s(prompt, d_cached, view, link.gbps, link.rtt_ms, compute),
-                                 admission))
+    gbps = link.kv_gbps(req.coded_kv)
+    return float(disaggregated_s(compute + exposed_s(prompt, d_cached, view, gbps, link.rtt_ms, compute), admission))
 
 
 class CostModel(Policy):

@@ -124,22 +124,30 @@ class LinkView:
     (it goes down or up) bumps ``LinkView.epoch``, so views can cache what
     they derive from their links."""
 
-    __slots__ = ("gbps", "name", "rtt_ms", "up")
+    __slots__ = ("gbps", "kv_fraction", "name", "rtt_ms", "up")
     epoch = 0
     """Changes whenever any LinkView is built or changed."""
 
-    def __init__(self, rtt_ms: float, gbps: float, up: bool = True, name: str = "") -> None:
+    def __init__(self, rtt_ms: float, gbps: float, up: bool = True, name: str = "", kv_fraction: float = 1.0
+                 ) -> None:
         self.rtt_ms, self.gbps, self.up = rtt_ms, gbps, up
         self.name = name
         """e.g. "toronto-montreal"; "" within a site."""
+        self.kv_fraction = kv_fraction
+        """Bytes that cross it per byte of KV: its codec's (kvtransfer/base.py ``KVCodec.wire_fraction``), 1 for
+        none; a request whose tenant forbids lossy codecs moves every byte."""
+
+    def kv_gbps(self, coded: bool) -> float:
+        """The rate at which KV crosses it, counting cache bytes: its own, or its codec's fewer bytes."""
+        return self.gbps / self.kv_fraction if coded else self.gbps
 
     def __setattr__(self, attr: str, value) -> None:
         object.__setattr__(self, attr, value)
         LinkView.epoch += 1
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, LinkView) and (self.rtt_ms, self.gbps, self.up, self.name) == \
-            (other.rtt_ms, other.gbps, other.up, other.name)
+        return isinstance(other, LinkView) and (self.rtt_ms, self.gbps, self.up, self.name, self.kv_fraction) == \
+            (other.rtt_ms, other.gbps, other.up, other.name, other.kv_fraction)
 
     __hash__ = None  # type: ignore[assignment]  # mypy rejects the standard idiom for unhashable (__eq__ by value)
 
@@ -170,18 +178,20 @@ class ClusterView:
     table: Table = field(init=False)
     """The workers' columns and static codes (built from ``workers``)."""
     _links_at: tuple = field(init=False, default=(), repr=False)
-    _links_cached: tuple = field(init=False, default=(), repr=False)
+    _links_cached: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.table = Table(self.workers)
 
-    def link_matrix(self) -> tuple[np.ndarray, np.ndarray]:
-        """(Gbit/s, RTT ms) between every two of the table's sites (in its site
-        order); NaN where no usable link. Rebuilt only when a link changed."""
+    def link_matrix(self, coded: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(Gbit/s of KV, RTT ms) between every two of the table's sites (in its site
+        order); NaN where no usable link. ``coded``: the rate counts the cache's bytes
+        under each link's codec (LinkView.kv_gbps). Rebuilt only when a link changed."""
         at = (LinkView.epoch, len(self.links))
         if self._links_at != at:
-            self._links_cached, self._links_at = _link_matrix(self, self.table.sites), at
-        return self._links_cached
+            self._links_cached = {c: _link_matrix(self, self.table.sites, c) for c in (False, True)}
+            self._links_at = at
+        return self._links_cached[coded]
 
     def link(self, a: str, b: str) -> LinkView | None:
         """The usable link between sites ``a`` and ``b`` (None: none, or down)."""
@@ -192,18 +202,18 @@ class ClusterView:
         return w.prefill_tokens_per_s or self.default_prefill_tokens_per_s
 
 
-def _link_matrix(view: ClusterView, sites: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _link_matrix(view: ClusterView, sites: list[str], coded: bool) -> tuple[np.ndarray, np.ndarray]:
     code = {s: i for i, s in enumerate(sites)}
     n = len(sites)
     gbps, rtt = np.full((n, n), np.nan), np.full((n, n), np.nan)
     if view.local_link.up:
-        np.fill_diagonal(gbps, view.local_link.gbps)
+        np.fill_diagonal(gbps, view.local_link.kv_gbps(coded))
         np.fill_diagonal(rtt, view.local_link.rtt_ms)
     for key, link in view.links.items():
         if link.up and len(key) == 2:
             a, b = (code.get(s) for s in key)
             if a is not None and b is not None:
-                gbps[a, b] = gbps[b, a] = link.gbps
+                gbps[a, b] = gbps[b, a] = link.kv_gbps(coded)
                 rtt[a, b] = rtt[b, a] = link.rtt_ms
     return gbps, rtt
 

@@ -106,3 +106,14 @@ def test_a_receiver_refuses_a_codec_its_cache_cannot_take_and_a_sender_an_unknow
         assert bad.poll() is TransferState.FAILED and "unknown KV codec 'zstd'" in bad.failure().reason
     finally:
         tx.close()
+
+
+@pytest.mark.parametrize("dtype,element", [("bfloat16", 2), ("float32", 4)])
+@pytest.mark.parametrize("codec", ["none", "int8", "fp8", "int4"])
+def test_the_placements_byte_fraction_is_what_a_frame_carries(codec, dtype, element):
+    """KVCodec.wire_fraction (what placement prices a coded link at, without torch) against the payload of a
+    frame of 64 blocks (whole scale groups): equal."""
+    layout = KVLayout("m", dtype, 3, 2, 64, 16)
+    plain = layout.bytes_per_block * 64  # every layer, K and V
+    fraction = KVCodec(codec).wire_fraction(element, 16)
+    assert coded_bytes(KVCodec(codec), layout, 64, 3) == pytest.approx(plain * fraction, rel=1e-9)

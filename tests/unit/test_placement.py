@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvrelay.kvtransfer.base import KVCodec
 from kvrelay.router.placement.place import (
     POLICIES,
     ClusterView,
@@ -119,6 +120,20 @@ def test_huge_prompt_avoids_a_slow_link():
     pl = make_policy("cost_model", 0).place(PlacementRequest(16_000), cv)
     assert pl.colocated
     assert estimate(PlacementRequest(16_000), cv, workers[0], workers[2]) > 50
+
+
+def test_a_coded_link_is_priced_at_its_coded_bytes_unless_the_tenant_forbids_lossy_codecs():
+    """4000 tokens of SmolLM2's fp32 KV (176 MiB) over 0.2 Gbit/s take 7.4 s, more than P's 4 s of compute:
+    3.4 s exposed, so a D that computes the prompt itself in 5.7 s wins. Under int8 (3.88x fewer bytes) the
+    transfer hides behind the compute and the link wins; for a tenant with kv_lossy false it is every byte."""
+    int8 = KVCodec.INT8.wire_fraction(4, 16)
+    workers = [w("p", "prefill", "far"), w("d", "decode", "home", tps=700.0)]
+    cv = view(workers, links={frozenset(("far", "home")): LinkView(30.0, 0.2, kv_fraction=int8)})
+    coded, plain = PlacementRequest(4000), PlacementRequest(4000, coded_kv=False)
+    assert estimate(plain, cv, *workers) - estimate(coded, cv, *workers) > 3.0
+    pl = make_policy("cost_model", 0).place(coded, cv)
+    assert pl.prefill is not None and pl.prefill.worker_id == "p"
+    assert make_policy("cost_model", 0).place(plain, cv).colocated
 
 
 @pytest.mark.parametrize("policy", POLICIES)
