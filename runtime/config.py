@@ -127,8 +127,9 @@ LinkTransport = Annotated[Transport, choice(Transport, _one_of(Transport))]
 KVTransportField = Annotated[KVTransport, choice([AUTO, *Transport], _one_of([AUTO, *Transport]))]
 ProtectionField = Annotated[Protection, choice(Protection, _one_of(Protection))]
 DTypeField = Annotated[DType, choice(get_args(DType), _one_of(get_args(DType)))]
-CodecField = Annotated[KVCodec, choice(KVCodec, f"{_one_of(KVCodec)} (auto, the cost model's choice per request, "
-                                                "is not built yet)")]
+LinkCodec = KVCodec | Literal["auto"]
+"""``links[].kv_codec``: one of the codecs, or ``auto`` (placement's choice per request among ``kv.auto_codecs``)."""
+CodecField = Annotated[LinkCodec, choice([*KVCodec, AUTO], _one_of([*KVCodec, AUTO]))]
 
 
 class ConfigError(ValueError):
@@ -416,8 +417,9 @@ class LinkSection(ConfigSection):
     kv_codec: CodecField = KVCodec.NONE
     """KV codec on this link (kvtransfer/codecs.py): none (the cache's bytes), or fewer bytes with a
     measured loss: int8 and fp8 (1.94x smaller than bf16), int4 (3.56x); benchmarks/RESULTS.md, "KV
-    codecs' cost in answers". Bytes over tcp (a coded link never pulls); builtin-engine pools only;
-    tenants with kv_lossy false always get none."""
+    codecs' cost in answers"; or auto: per request, the least lossy of ``kv.auto_codecs`` whose estimated
+    exposed transfer is within a few ms of the fastest's (router/placement/codec_choice.py). Bytes over tcp
+    (a coded link never pulls); builtin-engine pools only; tenants with kv_lossy false always get none."""
 
 
 @dataclass(slots=True, config=SECTION_CONFIG)
@@ -474,6 +476,16 @@ class KVSection(ConfigSection):
     """Fault injection (tests, chaos runs; never in service): each prefill worker
     flips one sealed byte of the first N KV transfers it sends (as an on-path
     attacker would), so that receivers must detect and refuse them."""
+    auto_codecs: StringList = field(default_factory=lambda: [KVCodec.NONE.value, KVCodec.INT8.value])
+    """The codecs a link with ``kv_codec: auto`` may choose from: the deployment's quality floor (int8
+    kept 85% of 32-token greedy answers, fp8 44%, int4 15% on SmolLM2: benchmarks/RESULTS.md)."""
+
+    def __post_init__(self) -> None:
+        if not self.auto_codecs:
+            raise FieldError("auto_codecs", "must name at least one codec (none: never lossy)")
+        for i, name in enumerate(self.auto_codecs):
+            if name not in set(KVCodec):
+                raise FieldError(f"auto_codecs[{i}]", f"must be {_one_of(KVCodec)}, got {name!r}")
 
 
 @dataclass(slots=True, config=SECTION_CONFIG)
@@ -882,7 +894,7 @@ def _check_links(links: list[LinkSection], sites: set[str]) -> None:
 
 def _check_codec(link: LinkSection, where: str) -> None:
     """A codec carries bytes: not on a link that pins a transport that pulls."""
-    if link.kv_codec is not KVCodec.NONE and link.transport in (Transport.NIXL, Transport.LOCAL):
+    if link.kv_codec != KVCodec.NONE and link.transport in (Transport.NIXL, Transport.LOCAL):
         raise ConfigError(f"{where}.kv_codec: {link.kv_codec} sends bytes over tcp; the link pins transport "
                           f"{link.transport}, which pulls the cache's own bytes (set transport: tcp, or kv_codec: "
                           "none)")
@@ -894,7 +906,7 @@ def _check_codec_engines(cfg: ClusterConfig) -> None:
     named = [("local_link", cfg.local_link, list(by_name))] + \
         [(f"links[{i}]", lk, list(lk.between)) for i, lk in enumerate(cfg.links)]
     for where, link, ends in named:
-        if link.kv_codec is KVCodec.NONE:
+        if link.kv_codec == KVCodec.NONE:
             continue
         for name in ends:
             site = by_name[name]

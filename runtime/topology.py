@@ -4,9 +4,9 @@ the workers and the launchers all read the topology through this module."""
 
 from __future__ import annotations
 
-from kvrelay.kvtransfer.base import KVCodec
+from kvrelay.kvtransfer.base import AUTO, KVCodec  # the router reads the codec names here (it imports no kvtransfer)
 from kvrelay.kvtransfer.protection import Protection
-from kvrelay.runtime.config import ClusterConfig, LinkSection
+from kvrelay.runtime.config import ClusterConfig, LinkCodec, LinkSection
 
 LOCAL_LINK = "local"
 """Name of the network inside a site."""
@@ -40,16 +40,28 @@ class Topology:
         entry = self.cfg.tenant(tenant) if tenant else None
         return entry is None or entry.kv_lossy
 
-    def codec(self, link: LinkSection, tenant: str = "") -> KVCodec:
-        """The KV codec of a transfer over ``link`` for ``tenant``: the link's, or none where the tenant
-        forbids lossy codecs (``kv_lossy: false``)."""
+    def codec(self, link: LinkSection, tenant: str = "") -> LinkCodec:
+        """The KV codec of a transfer over ``link`` for ``tenant``: the link's (``auto``: placement chooses
+        per request among :meth:`auto_codecs`), or none where the tenant forbids lossy codecs
+        (``kv_lossy: false``)."""
         return link.kv_codec if self.lossy_ok(tenant) else KVCodec.NONE
 
-    def kv_fraction(self, link: LinkSection) -> float:
-        """Bytes that cross ``link`` per byte of KV under its codec (the builtin engine's cache: the model's
+    def auto_codecs(self) -> list[KVCodec]:
+        """The codecs ``auto`` chooses among (``kv.auto_codecs``)."""
+        return [KVCodec(c) for c in self.cfg.kv.auto_codecs]
+
+    def fraction(self, codec: KVCodec) -> float:
+        """Bytes that cross a link per byte of KV under ``codec`` (the builtin engine's cache: the model's
         dtype and the cache's block size; a codec never crosses a link to a vLLM pool: runtime/config.py)."""
         element = 4 if self.cfg.model.dtype == "float32" else 2  # float32, or bfloat16 and float16
-        return link.kv_codec.wire_fraction(element, self.cfg.cache.block_size)
+        return codec.wire_fraction(element, self.cfg.cache.block_size)
+
+    def kv_fraction(self, link: LinkSection) -> float:
+        """What placement prices ``link`` at: its codec's fraction, or under ``auto`` the fewest bytes
+        its choices can send (the choice is made per request: router/placement/codec_choice.py)."""
+        if link.kv_codec == AUTO:
+            return min(self.fraction(c) for c in self.auto_codecs())
+        return self.fraction(KVCodec(link.kv_codec))
 
     def required_protection(self, site: str, peer_site: str | None) -> Protection:
         """What a receiver at ``site`` requires of a sender at ``peer_site``

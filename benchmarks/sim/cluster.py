@@ -34,6 +34,7 @@ from kvrelay.benchmarks.sim.workload import SimArrival
 from kvrelay.engine.blocks import blocks_for
 from kvrelay.engine.scheduler import SchedulerOutput
 from kvrelay.engine.sequence import Sequence
+from kvrelay.kvtransfer.base import AUTO, KVCodec
 from kvrelay.router.placement.place import (
     ClusterView,
     LinkView,
@@ -199,9 +200,11 @@ class SimCluster:
                                  f"{', '.join(sorted(known)) or 'none'})")
 
     def _kv_fraction(self, link: LinkSection) -> float:
-        """Bytes that cross ``link`` per byte of KV under its codec (links[].kv_codec), at the profile's dtype.
-        The codec's own time is not modelled: on a GPU it codes at 75-210 GB/s (benchmarks/RESULTS.md)."""
-        return link.kv_codec.wire_fraction(DTYPE_BYTES[self.profile.dtype], self.block_size)
+        """Bytes that cross ``link`` per byte of KV under its codec (links[].kv_codec), at the profile's dtype;
+        ``auto`` as its most compressive choice (an upper bound of what choosing per request gains). The
+        codec's own time is not modelled: on a GPU it codes at 75-210 GB/s (benchmarks/RESULTS.md)."""
+        codecs = self.cfg.kv.auto_codecs if link.kv_codec == AUTO else [link.kv_codec]
+        return min(KVCodec(c).wire_fraction(DTYPE_BYTES[self.profile.dtype], self.block_size) for c in codecs)
 
     def link_between(self, a: str, b: str) -> SimLink:
         return self.local[a] if a == b else self.links[frozenset((a, b))]

@@ -32,9 +32,11 @@ from kvrelay.router.cluster.registry import WorkerRecord, WorkerRegistry
 from kvrelay.router.core.errors import ErrorKind, RouterError
 from kvrelay.router.core.recovery import Failover
 from kvrelay.router.core.requests import Caller
+from kvrelay.router.placement.codec_choice import choose_codec
 from kvrelay.router.placement.errors import PlacementError, PlacementFailure, Wait
+from kvrelay.runtime.config import LinkSection
 from kvrelay.runtime.roles import Role
-from kvrelay.runtime.topology import Topology, link_name
+from kvrelay.runtime.topology import AUTO, KVCodec, Topology, link_name
 from kvrelay.runtime.tracing import metadata_for
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
@@ -161,7 +163,7 @@ class Relay:
             raise RuntimeError(f"{self.client_id}: sites {p.info.site} and {self.d.info.site} have no link")
         target.link_rtt_ms, target.link_gbps = link.rtt_ms, link.gbps
         target.protection = self.topology.protection(link)
-        codec = self.topology.codec(link, self.wr.tenant)
+        codec = self._codec(link, len(target.block_ids))
         target.kv_codec = codec.value if codec.lossy else ""
         self.placement.kv_codec = codec.value
         target.receiver = self.d.info.worker_id  # the receiver's certificate must name it
@@ -172,6 +174,20 @@ class Relay:
                                                     "kvrelay.transport": target.transport})
         call = p.prefill_stub.Prefill(wpb.PrefillRequest(request=self.wr, target=target), metadata=self.metadata)
         self.prefill = asyncio.ensure_future(call)
+
+    def _codec(self, link: LinkSection, blocks: int) -> KVCodec:
+        """The KV codec of this request's ``blocks`` over ``link``: the link's, or under ``auto`` the one
+        router/placement/codec_choice.py picks for P's estimated prefill (its queue, then the prompt's
+        tokens P does not hold, at its measured throughput)."""
+        codec = self.topology.codec(link, self.wr.tenant)
+        if codec != AUTO:
+            return KVCodec(codec)
+        p = self._p()
+        tput = p.load.prefill_tokens_per_s or self.topology.cfg.router.placement.default_prefill_tokens_per_s
+        uncached = len(self.wr.prompt_token_ids) - self.placement.prefill_cached_blocks * p.info.block_size
+        compute_s = (p.load.queued_prefill_tokens + max(1, uncached)) / tput
+        return choose_codec(self.topology.auto_codecs(), self.topology.fraction, blocks * p.info.kv_block_bytes,
+                            link.gbps, compute_s, p.info.num_layers)
 
     def _relay(self, out: ipb.GenerateResponse) -> ipb.GenerateResponse:
         """One message from D on its way to the caller."""

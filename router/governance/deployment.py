@@ -225,7 +225,8 @@ def link_facts(topo: Topology, state: DeploymentState, link: LinkSection, name: 
              else "up" if probed.up else f"down ({probed.reason})")
     return {"link": name, "between": list(link.between), "rtt_ms": link.rtt_ms, "gbps": link.gbps,
             "transport": live or [str(topo.transport(link))], "protection": protection,
-            "encrypted": protection == "aead", "kv_codec": str(topo.codec(link, tenant)), "state": where}
+            "encrypted": protection == "aead", "kv_codec": str(topo.codec(link, tenant)),
+            "auto_codecs": [str(c) for c in topo.auto_codecs()], "state": where}
 
 
 def reach_of(topo: Topology, state: DeploymentState, pools: list[Pool], t: TenantSection) -> Reach:

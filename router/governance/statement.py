@@ -206,7 +206,8 @@ def _files(d: Deployment) -> dict:
 def _link_text(lk: dict) -> str:
     where = "the network within each site" if lk["link"] == LOCAL_LINK else lk["link"]
     codec = lk.get("kv_codec", "none")
-    lossy = (f", KV coded {codec}: fewer bytes, answers may differ (kv_lossy: false forbids it)"
+    chosen = f"per request among {'/'.join(lk.get('auto_codecs', []))}" if codec == "auto" else codec
+    lossy = (f", KV coded {chosen}: fewer bytes, answers may differ (kv_lossy: false forbids it)"
              if codec != "none" else "")
     return f"{where} ({'/'.join(lk['transport'])}, {lk['protection']}{lossy})"
 

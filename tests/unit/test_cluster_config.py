@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvrelay.kvtransfer.base import KVCodec
 from kvrelay.launch.local import refuse_engines_this_host_cannot_run
 from kvrelay.runtime import engines
 from kvrelay.runtime.config import ConfigError, load_config, parse_config
@@ -250,11 +251,19 @@ def test_a_link_names_its_kv_codec_and_a_tenant_may_forbid_lossy_ones():
     assert (topo.codec(ab, "open"), topo.codec(ab, ""), topo.codec(local, "open")) == ("int8", "int8", "fp8")
     assert topo.codec(ab, "strict") == topo.codec(local, "strict") == "none"  # never lossy, whatever the link
     assert load_config(None).local_link.kv_codec == "none"  # inside a site: the cache's own bytes by default
-    for name in ("zstd", "auto", "INT8"):
-        with pytest.raises(ConfigError, match=rf"links\[0\]\.kv_codec: must be none, int8, fp8 or int4 \(auto, "
-                                              rf"the cost model's choice per request, is not built yet\), "
+    for name in ("zstd", "INT8", ""):
+        with pytest.raises(ConfigError, match=rf"links\[0\]\.kv_codec: must be none, int8, fp8, int4 or auto, "
                                               rf"got '{name}'"):
             parse_config({**TWO, "links": [{**link, "kv_codec": name}]})
+    auto = Topology(parse_config({**TWO, "links": [{**link, "kv_codec": "auto"}],
+                                  "kv": {"auto_codecs": ["none", "int8", "int4"]}}))
+    assert auto.codec(auto.link("a", "b")) == "auto" and auto.auto_codecs() == ["none", "int8", "int4"]
+    assert auto.kv_fraction(auto.link("a", "b")) == auto.fraction(KVCodec.INT4)  # placement: the fewest bytes
+    assert load_config(None).kv.auto_codecs == ["none", "int8"]  # int4 and fp8 lose too much by default
+    with pytest.raises(ConfigError, match=r"kv\.auto_codecs\[1\]: must be none, int8, fp8 or int4, got 'auto'"):
+        parse_config({"kv": {"auto_codecs": ["none", "auto"]}})
+    with pytest.raises(ConfigError, match=r"kv\.auto_codecs: must name at least one codec"):
+        parse_config({"kv": {"auto_codecs": []}})
     with pytest.raises(ConfigError, match=r"links\[0\]\.kv_codec: expected a string, got 8"):
         parse_config({**TWO, "links": [{**link, "kv_codec": 8}]})
     with pytest.raises(ConfigError, match=r"links\[0\]\.kv_codec: int8 sends bytes over tcp; the link pins "
