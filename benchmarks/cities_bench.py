@@ -15,7 +15,8 @@ in a fresh cluster (and fresh namespaces) so no cache carries over.
 ``--codecs`` compares instead the KV codecs (kvtransfer/codecs.py) on one
 link slow enough to be the bottleneck: prefill in Toronto, decode in
 Vancouver, the link shaped to ``--link-mbps`` and ``--link-rtt-ms``, one
-deployment per codec (none, int8, fp8, int4), on a slice of long prompts
+deployment per codec (none, int8, fp8, int4, and auto among none, int8 and
+int4: router/placement/codec_choice.py), on a slice of long prompts
 (:func:`long_slice`) sent far enough apart that none waits for another."""
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ def scenarios(example: dict) -> list[Scenario]:
     ]
 
 
-CODECS = ("none", "int8", "fp8", "int4")
+CODECS = ("none", "int8", "fp8", "int4", "auto")
+AUTO_CODECS = ["none", "int8", "int4"]
+"""What the ``auto`` deployment chooses among (fp8 sends int8's bytes with more loss: benchmarks/RESULTS.md)."""
 
 
 def codec_scenarios(example: dict, mbps: float, rtt_ms: float) -> list[Scenario]:
@@ -95,6 +98,7 @@ def codec_scenarios(example: dict, mbps: float, rtt_ms: float) -> list[Scenario]
         cfg["sites"] = [{**site["toronto"], **_pools(1, 0)}, {**site["vancouver"], **_pools(0, 1)}]
         cfg["links"] = [{"between": ["toronto", "vancouver"], "rtt_ms": rtt_ms, "gbps": mbps / 1000,
                          "transport": "tcp", "kv_codec": codec}]
+        cfg["kv"] = {**cfg.get("kv", {}), "auto_codecs": AUTO_CODECS}
         router = cfg.get("router", {})
         cfg["router"] = {**router, "port": 0, "placement": {**router.get("placement", {}), "policy": "least_loaded",
                                                             "colocate_below_tokens": 0}}

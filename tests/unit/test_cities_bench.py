@@ -10,7 +10,7 @@ from kvrelay.runtime.topology import Topology
 
 def test_one_valid_deployment_per_codec_over_one_shaped_link():
     scenarios = cb.codec_scenarios(cb.load_example(), mbps=200, rtt_ms=30)
-    assert [s.name for s in scenarios] == ["codec-none", "codec-int8", "codec-fp8", "codec-int4"]
+    assert [s.name for s in scenarios] == ["codec-none", "codec-int8", "codec-fp8", "codec-int4", "codec-auto"]
     for sc, codec in zip(scenarios, cb.CODECS):
         cfg = parse_config(sc.config)
         topo = Topology(cfg)
@@ -19,6 +19,7 @@ def test_one_valid_deployment_per_codec_over_one_shaped_link():
         assert [(s.name, s.prefill.replicas, s.decode.replicas) for s in cfg.sites] == \
             [("toronto", 1, 0), ("vancouver", 0, 1)]
         assert cfg.router.placement.colocate_below_tokens == 0  # every prompt crosses the link
+        assert topo.auto_codecs() == ["none", "int8", "int4"]
 
 
 def test_the_long_slice_keeps_prompts_in_range_and_spaces_them():
