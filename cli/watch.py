@@ -63,8 +63,8 @@ def worker_rows(workers) -> list[tuple[str, ...]]:
 
 def link_rows(links) -> list[tuple[str, ...]]:
     """The links table: configuration, state and the KV rate of the last minute (header first)."""
-    return [("LINK", "RTT MS", "GBPS", "TRANSPORT", "PROTECTION", "STATE", "KV RATE")] + [
-        (lk.name, f"{lk.rtt_ms:g}", f"{lk.gbps:g}", lk.transport, lk.protection,
+    return [("LINK", "RTT MS", "GBPS", "TRANSPORT", "PROTECTION", "KV CODEC", "STATE", "KV RATE")] + [
+        (lk.name, f"{lk.rtt_ms:g}", f"{lk.gbps:g}", lk.transport, lk.protection, lk.kv_codec or "none",
          "up" if lk.up else f"DOWN ({lk.down_reason})", human_bytes(lk.kv_bytes_per_s, "/s")) for lk in links]
 
 

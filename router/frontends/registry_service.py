@@ -126,11 +126,12 @@ class RegistryService(wgrpc.RegistryServicer):
         if not lc.between:
             lv = reg.local_link
             return wpb.LinkStatus(name=lv.name, rtt_ms=lv.rtt_ms, gbps=lv.gbps, up=True,
-                                  transport=topo.transport(lc), protection=topo.protection(lc))
+                                  transport=topo.transport(lc), protection=topo.protection(lc),
+                                  kv_codec=str(lc.kv_codec))
         key = frozenset(lc.between)
         lv, health = reg.links[key], reg.link_health[key]
         return wpb.LinkStatus(name=lv.name, rtt_ms=lv.rtt_ms, gbps=lv.gbps, up=lv.up, transport=topo.transport(lc),
-                              protection=topo.protection(lc), down_reason=health.reason,
+                              protection=topo.protection(lc), kv_codec=str(lc.kv_codec), down_reason=health.reason,
                               changed_s_ago=now - health.changed_at if health.changed_at else 0.0)
 
     async def ListWorkers(self, request, context) -> wpb.ListWorkersResponse:

@@ -17,6 +17,8 @@ import pytest
 from kvrelay.router.core.auth import token_sha256
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from tests.integration.helpers import running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model
@@ -62,3 +64,7 @@ def test_auto_codes_what_the_link_would_show_and_nothing_else(plumbing_model):
         assert long_a.kv_codec in ("int8", "int4"), long_a
         assert (long_b.kv_codec, short.kv_codec) == ("none", "none")
         assert long_b.kv_bytes > 3.5 * long_a.kv_bytes  # fp32 KV: int8 3.88x fewer bytes, int4 7.1x
+        with lc.channel(operator=True) as ch:  # what `kvrelay status` shows
+            links = {lk.name: lk for lk in wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(),
+                                                                             timeout=10).links}
+        assert (links["montreal-toronto"].kv_codec, links["local"].kv_codec) == ("auto", "none")

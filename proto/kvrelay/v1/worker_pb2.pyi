@@ -210,7 +210,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., draining: _Optional[bool] = ..., inflight: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class LinkStatus(_message.Message):
-    __slots__ = ("name", "rtt_ms", "gbps", "transport", "protection", "up", "down_reason", "changed_s_ago", "kv_bytes_per_s")
+    __slots__ = ("name", "rtt_ms", "gbps", "transport", "protection", "up", "down_reason", "changed_s_ago", "kv_bytes_per_s", "kv_codec")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
     GBPS_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class LinkStatus(_message.Message):
     DOWN_REASON_FIELD_NUMBER: _ClassVar[int]
     CHANGED_S_AGO_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_CODEC_FIELD_NUMBER: _ClassVar[int]
     name: str
     rtt_ms: float
     gbps: float
@@ -229,7 +230,8 @@ class LinkStatus(_message.Message):
     down_reason: str
     changed_s_ago: float
     kv_bytes_per_s: float
-    def __init__(self, name: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., gbps: _Optional[float] = ..., transport: _Optional[str] = ..., protection: _Optional[str] = ..., up: _Optional[bool] = ..., down_reason: _Optional[str] = ..., changed_s_ago: _Optional[float] = ..., kv_bytes_per_s: _Optional[float] = ...) -> None: ...
+    kv_codec: str
+    def __init__(self, name: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., gbps: _Optional[float] = ..., transport: _Optional[str] = ..., protection: _Optional[str] = ..., up: _Optional[bool] = ..., down_reason: _Optional[str] = ..., changed_s_ago: _Optional[float] = ..., kv_bytes_per_s: _Optional[float] = ..., kv_codec: _Optional[str] = ...) -> None: ...
 
 class LatencySummary(_message.Message):
     __slots__ = ("window_s", "requests", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms")
