@@ -129,10 +129,11 @@ def add_parsers(sub, bench) -> None:
     bc.add_argument("--out", required=True)
     bc.add_argument("--codecs", action="store_true", help="compare the KV codecs (none, int8, fp8, int4) on one "
                     "slow link instead: prefill in Toronto, decode in Vancouver, long prompts only")
-    bc.add_argument("--link-mbps", type=float, default=200.0, help="--codecs: the link's rate, Mbit/s")
-    bc.add_argument("--link-rtt-ms", type=float, default=30.0, help="--codecs: the link's RTT, ms")
-    bc.add_argument("--prompt-tokens", default="2000-8000", help="--codecs: the prompts' length range (scaled)")
-    bc.add_argument("--gap-s", type=float, default=20.0, help="--codecs: seconds between arrivals")
+    bc.add_argument("--link-mbps", type=float, help="--codecs: the link's rate, Mbit/s (default 200)")
+    bc.add_argument("--link-rtt-ms", type=float, help="--codecs: the link's RTT, ms (default 30)")
+    bc.add_argument("--prompt-tokens", help="--codecs: the prompts' length range, LO-HI tokens after "
+                                            "--length-scale (default 2000-8000)")
+    bc.add_argument("--gap-s", type=float, help="--codecs: seconds between arrivals (default 20)")
     bc.set_defaults(func=local("cmd_bench_cities"))
 
     ci = sub.add_parser("cities", help="emulate the config's sites as cities joined by WAN links (root)")

@@ -318,7 +318,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("kvrelay: stopped", flush=True)
 
 
+CODEC_FLAGS = {"link_mbps": 200.0, "link_rtt_ms": 30.0, "prompt_tokens": "2000-8000", "gap_s": 20.0}
+"""``kvrelay bench cities --codecs``'s own flags and their defaults."""
+
+
+def _codec_flags(args: argparse.Namespace) -> tuple[int, int] | None:
+    """The --codecs flags checked (defaults filled in on ``args``) and the prompt-length range; None without
+    --codecs, where any of them is refused rather than ignored."""
+    given = [f"--{name.replace('_', '-')}" for name in CODEC_FLAGS if getattr(args, name) is not None]
+    if not args.codecs:
+        if given:
+            raise ValueError(f"{', '.join(given)}: only with --codecs")
+        return None
+    for name, default in CODEC_FLAGS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    lo, _, hi = args.prompt_tokens.partition("-")
+    if not (lo.isdigit() and (hi or lo).isdigit() and 0 < int(lo) <= int(hi or lo)):
+        raise ValueError(f"--prompt-tokens {args.prompt_tokens!r}: expected LO-HI, two token counts, 0 < LO <= HI")
+    if args.link_mbps <= 0 or args.link_rtt_ms < 0 or args.gap_s < 0:
+        raise ValueError("--link-mbps must be positive, --link-rtt-ms and --gap-s at least 0")
+    return int(lo), int(hi or lo)
+
+
 def cmd_bench_cities(args: argparse.Namespace) -> int:
+    span = _codec_flags(args)
     if args.speedup <= 0 or args.length_scale <= 0 or args.limit < 1:
         print("kvrelay: --speedup and --length-scale must be positive, --limit at least 1", file=sys.stderr)
         return 2
@@ -330,15 +354,14 @@ def cmd_bench_cities(args: argparse.Namespace) -> int:
         print(f"kvrelay: no WAN emulation ({exc}); the links exist only in placement's figures", file=sys.stderr)
         emulate = False
     example = cb.load_example()
-    every = cb.codec_scenarios(example, args.link_mbps, args.link_rtt_ms) if args.codecs else cb.scenarios(example)
+    every = cb.codec_scenarios(example, args.link_mbps, args.link_rtt_ms) if span else cb.scenarios(example)
     chosen = [sc for sc in every if not args.only or sc.name in args.only.split(",")]
     if not chosen:
         raise ValueError(f"--only {args.only!r} names no scenario ({', '.join(sc.name for sc in every)})")
-    reqs = load_trace(args.trace, args.format, args.limit)
-    if args.codecs:
-        lo, _, hi = args.prompt_tokens.partition("-")
-        reqs = cb.long_slice(load_trace(args.trace, args.format), args.length_scale, int(lo), int(hi or lo),
-                             args.limit, args.gap_s)
+    if span is None:
+        reqs = load_trace(args.trace, args.format, args.limit)
+    else:
+        reqs = cb.long_slice(load_trace(args.trace, args.format), args.length_scale, *span, args.limit, args.gap_s)
         if not reqs:
             raise ValueError(f"--prompt-tokens {args.prompt_tokens}: no request of the trace has such a prompt "
                              f"at --length-scale {args.length_scale:g}")
@@ -351,8 +374,7 @@ def cmd_bench_cities(args: argparse.Namespace) -> int:
             "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "trace_slice": trace_slice(reqs),
             "scale_reason": f"--length-scale {args.length_scale:g}", "format": args.format or "auto",
-            "codecs": args.codecs and {"link_mbps": args.link_mbps, "link_rtt_ms": args.link_rtt_ms,
-                                       "prompt_tokens": args.prompt_tokens, "gap_s": args.gap_s}}
+            "codecs": span is not None and {name: getattr(args, name) for name in CODEC_FLAGS}}
     rows = []
     for sc in chosen:
         print(f"kvrelay: scenario {sc.name}: {sc.what}", flush=True)

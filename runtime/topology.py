@@ -9,6 +9,13 @@ from kvrelay.kvtransfer.protection import Protection
 from kvrelay.runtime.config import ClusterConfig, LinkCodec, LinkSection
 
 LOCAL_LINK = "local"
+
+
+def link_kv_fraction(codec: LinkCodec, auto_codecs: list[KVCodec], element_bytes: int, block_size: int) -> float:
+    """Bytes that cross a link of ``codec`` per byte of KV (``element_bytes`` per element); under ``auto``
+    the fewest its choices can send (the choice is made per request: router/placement/codec_choice.py)."""
+    codecs = auto_codecs if codec == AUTO else [KVCodec(codec)]
+    return min(c.wire_fraction(element_bytes, block_size) for c in codecs)
 """Name of the network inside a site."""
 
 
@@ -53,15 +60,15 @@ class Topology:
     def fraction(self, codec: KVCodec) -> float:
         """Bytes that cross a link per byte of KV under ``codec`` (the builtin engine's cache: the model's
         dtype and the cache's block size; a codec never crosses a link to a vLLM pool: runtime/config.py)."""
-        element = 4 if self.cfg.model.dtype == "float32" else 2  # float32, or bfloat16 and float16
-        return codec.wire_fraction(element, self.cfg.cache.block_size)
+        return codec.wire_fraction(self._element_bytes(), self.cfg.cache.block_size)
+
+    def _element_bytes(self) -> int:
+        """Bytes of one element of the builtin engine's cache: float32, or bfloat16 and float16."""
+        return 4 if self.cfg.model.dtype == "float32" else 2
 
     def kv_fraction(self, link: LinkSection) -> float:
-        """What placement prices ``link`` at: its codec's fraction, or under ``auto`` the fewest bytes
-        its choices can send (the choice is made per request: router/placement/codec_choice.py)."""
-        if link.kv_codec == AUTO:
-            return min(self.fraction(c) for c in self.auto_codecs())
-        return self.fraction(KVCodec(link.kv_codec))
+        """What placement prices ``link`` at (:func:`link_kv_fraction` at the model's dtype)."""
+        return link_kv_fraction(link.kv_codec, self.auto_codecs(), self._element_bytes(), self.cfg.cache.block_size)
 
     def required_protection(self, site: str, peer_site: str | None) -> Protection:
         """What a receiver at ``site`` requires of a sender at ``peer_site``

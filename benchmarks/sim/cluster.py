@@ -34,7 +34,7 @@ from kvrelay.benchmarks.sim.workload import SimArrival
 from kvrelay.engine.blocks import blocks_for
 from kvrelay.engine.scheduler import SchedulerOutput
 from kvrelay.engine.sequence import Sequence
-from kvrelay.kvtransfer.base import AUTO, KVCodec
+from kvrelay.kvtransfer.base import KVCodec
 from kvrelay.router.placement.place import (
     ClusterView,
     LinkView,
@@ -47,7 +47,7 @@ from kvrelay.router.placement.place import (
 from kvrelay.router.placement.prefix_index import PrefixIndex
 from kvrelay.runtime.config import ClusterConfig, LinkSection
 from kvrelay.runtime.roles import Role
-from kvrelay.runtime.topology import LOCAL_LINK, link_name
+from kvrelay.runtime.topology import LOCAL_LINK, link_kv_fraction, link_name
 
 LAYER_PIECES = 8
 """A chunk's KV is handed to the link in this many pieces over its step (layer-wise streaming)."""
@@ -203,8 +203,8 @@ class SimCluster:
         """Bytes that cross ``link`` per byte of KV under its codec (links[].kv_codec), at the profile's dtype;
         ``auto`` as its most compressive choice (an upper bound of what choosing per request gains). The
         codec's own time is not modelled: on a GPU it codes at 75-210 GB/s (benchmarks/RESULTS.md)."""
-        codecs = self.cfg.kv.auto_codecs if link.kv_codec == AUTO else [link.kv_codec]
-        return min(KVCodec(c).wire_fraction(DTYPE_BYTES[self.profile.dtype], self.block_size) for c in codecs)
+        return link_kv_fraction(link.kv_codec, [KVCodec(c) for c in self.cfg.kv.auto_codecs],
+                                DTYPE_BYTES[self.profile.dtype], self.block_size)
 
     def link_between(self, a: str, b: str) -> SimLink:
         return self.local[a] if a == b else self.links[frozenset((a, b))]

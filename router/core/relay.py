@@ -34,6 +34,7 @@ from kvrelay.router.core.recovery import Failover
 from kvrelay.router.core.requests import Caller
 from kvrelay.router.placement.codec_choice import choose_codec
 from kvrelay.router.placement.errors import PlacementError, PlacementFailure, Wait
+from kvrelay.router.placement.estimate import prefill_s
 from kvrelay.runtime.config import LinkSection
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.topology import AUTO, KVCodec, Topology, link_name
@@ -184,8 +185,8 @@ class Relay:
             return KVCodec(codec)
         p = self._p()
         tput = p.load.prefill_tokens_per_s or self.topology.cfg.router.placement.default_prefill_tokens_per_s
-        uncached = len(self.wr.prompt_token_ids) - self.placement.prefill_cached_blocks * p.info.block_size
-        compute_s = (p.load.queued_prefill_tokens + max(1, uncached)) / tput
+        compute_s = prefill_s(p.load.queued_prefill_tokens, len(self.wr.prompt_token_ids),
+                              self.placement.prefill_cached_blocks, p.info.block_size, tput)
         return choose_codec(self.topology.auto_codecs(), self.topology.fraction, blocks * p.info.kv_block_bytes,
                             link.gbps, compute_s, p.info.num_layers)
 

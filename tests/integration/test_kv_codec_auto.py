@@ -10,36 +10,22 @@ are issue 35's item 3, not built.)"""
 from __future__ import annotations
 
 import random
-import secrets
 
 import pytest
 
-from kvrelay.router.core.auth import token_sha256
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from tests.integration.helpers import running_cluster, wait_until, workers
+from tests.integration.test_kv_codec_cluster import TOKENS
+from tests.integration.test_kv_codec_cluster import config as codec_config
 
 pytestmark = pytest.mark.model
 
-TOKENS = {"lab-a": secrets.token_urlsafe(24), "lab-b": secrets.token_urlsafe(24)}
-
 
 def config() -> dict:
-    return {
-        "router": {"port": 0, "placement": {"policy": "round_robin", "colocate_below_tokens": 1},
-                   "liveness": {"heartbeat_interval_s": 0.25}},
-        "sites": [{"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 0}},
-                  {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0},
-                   "decode": {"replicas": 1}}],
-        "links": [{"between": ["toronto", "montreal"], "rtt_ms": 5, "gbps": 0.02, "kv_codec": "auto"}],
-        "kv": {"auto_codecs": ["none", "int8", "int4"]},
-        "tenants": [{"name": "lab-a", "token_sha256": token_sha256(TOKENS["lab-a"])},
-                    {"name": "lab-b", "token_sha256": token_sha256(TOKENS["lab-b"]), "kv_lossy": False}],
-        "workers": {"threads": 1},
-        "cache": {"memory_gib": 0.25},
-    }
+    return codec_config("auto", gbps=0.02, kv={"auto_codecs": ["none", "int8", "int4"]})
 
 
 def _generate(lc, tenant: str, n: int, seed: int) -> ipb.Placement:

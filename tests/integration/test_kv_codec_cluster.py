@@ -28,7 +28,9 @@ PROMPTS = [
 ]
 
 
-def config() -> dict:
+def config(kv_codec: str = "int8", gbps: float = 10, kv: dict | None = None) -> dict:
+    """Toronto computes every prompt, Montreal decodes it, over one link of ``kv_codec``; tenant lab-a takes
+    what the link names, lab-b forbids lossy codecs."""
     return {
         # round_robin: every prompt of colocate_below_tokens or more goes to the prefill worker
         "router": {"port": 0, "placement": {"policy": "round_robin", "colocate_below_tokens": 1},
@@ -36,7 +38,8 @@ def config() -> dict:
         "sites": [{"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 0}},
                   {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0},
                    "decode": {"replicas": 1}}],
-        "links": [{"between": ["toronto", "montreal"], "rtt_ms": 5, "gbps": 10, "kv_codec": "int8"}],
+        "links": [{"between": ["toronto", "montreal"], "rtt_ms": 5, "gbps": gbps, "kv_codec": kv_codec}],
+        "kv": kv or {},
         "tenants": [{"name": "lab-a", "token_sha256": token_sha256(TOKENS["lab-a"])},
                     {"name": "lab-b", "token_sha256": token_sha256(TOKENS["lab-b"]), "kv_lossy": False}],
         "workers": {"threads": 1},
