@@ -1,5 +1,5 @@
 """`kvrelay` commands of the WAN emulation (cities up/down/status/check/cut/
-restore, bench cities, demo) and the --cities flag of serve and bench replay."""
+restore/shape, bench cities, demo) and the --cities flag of serve and bench replay."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from kvrelay.launch.cities import (
     link_alive,
     link_signal,
     load_state,
+    set_link_rate,
 )
 from kvrelay.launch.linkprobe import measure_link
 from kvrelay.runtime.config import load_config
@@ -94,6 +95,14 @@ def cmd_cities_cut(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cities_shape(args: argparse.Namespace) -> int:
+
+    a, b = args.link
+    set_link_rate(args.state_dir, a, b, args.gbps)
+    print(f"kvrelay: link {a}-{b} now shaped to {args.gbps:g} Gbit/s")
+    return 0
+
+
 def cities_flag(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--cities", action="store_true", help="run each site's workers in its namespace of the "
@@ -110,6 +119,20 @@ def cities_for(args: argparse.Namespace):
     if st is None:
         raise ValueError("--cities: no emulated cities are up (run: kvrelay cities up --config FILE)")
     return st
+
+
+def add_link_track(bench) -> None:
+    """`kvrelay bench link-track` (benchmarks/link_track.py)."""
+    lt = bench.add_parser("link-track", help="how fast the router's measured rate of an emulated link follows "
+                                             "changes of its shaped rate (root)")
+    lt.add_argument("--rates", default="200,50,200", help="the link's shaped rates in turn, Mbit/s")
+    lt.add_argument("--per-phase", type=int, default=10, help="requests (transfers) per rate")
+    lt.add_argument("--prompt-tokens", type=int, default=500, help="each request's prompt (fresh tokens)")
+    lt.add_argument("--configured-mbps", type=float, default=1000.0, help="the link's rate in the config")
+    lt.add_argument("--rtt-ms", type=float, default=20.0, help="the link's RTT")
+    lt.add_argument("--out", required=True, help="directory for link-track.json")
+    lt.add_argument("--json", help="also write the summary to this file")
+    lt.set_defaults(func=local("cmd_bench_link_track"))
 
 
 def add_parsers(sub, bench) -> None:
@@ -136,6 +159,8 @@ def add_parsers(sub, bench) -> None:
     bc.add_argument("--gap-s", type=float, help="--codecs: seconds between arrivals (default 20)")
     bc.set_defaults(func=local("cmd_bench_cities"))
 
+    add_link_track(bench)
+
     ci = sub.add_parser("cities", help="emulate the config's sites as cities joined by WAN links (root)")
     cis = ci.add_subparsers(dest="cities_command", required=True)
     cu = cis.add_parser("up", help="a network namespace per site, links with the configured RTT and rate")
@@ -154,7 +179,11 @@ def add_parsers(sub, bench) -> None:
         cx = cis.add_parser(verb, help=text)
         cx.add_argument("link", nargs=2, metavar="SITE", help="the link's two sites")
         cx.set_defaults(func=cmd_cities_cut)
-    for c in (cu, cd, cs, cc, *[cis.choices[v] for v in ("cut", "restore")]):
+    sh = cis.add_parser("shape", help="change a link's rate while the emulation runs (its RTT stays)")
+    sh.add_argument("link", nargs=2, metavar="SITE", help="the link's two sites")
+    sh.add_argument("--gbps", type=float, required=True, help="the new rate, Gbit/s")
+    sh.set_defaults(func=cmd_cities_shape)
+    for c in (cu, cd, cs, cc, sh, *[cis.choices[v] for v in ("cut", "restore")]):
         c.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="where the emulation's "
                        "state and delay-line logs live (default: %(default)s)")
 

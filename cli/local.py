@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from kvrelay.benchmarks import cities_bench as cb
-from kvrelay.benchmarks import codec_bench, codec_quality, telemetry_bench
+from kvrelay.benchmarks import codec_bench, codec_quality, link_track, telemetry_bench
 from kvrelay.benchmarks.engine_bench import format_result, run_engine_bench, to_json
 from kvrelay.benchmarks.gate_bench import format_gate, run_gate_bench
 from kvrelay.benchmarks.kv_bench import emit_report, format_kv, kv_json, machine, run_kv_bench
@@ -382,6 +382,28 @@ def cmd_bench_cities(args: argparse.Namespace) -> int:
         rows.append(cb.summary_row(sc.name, sc.what, report))
     print(cb.write_summary(rows, out, meta))
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def cmd_bench_link_track(args: argparse.Namespace) -> int:
+    """How fast the router's estimate of a link follows its shaped rate (benchmarks/link_track.py)."""
+    try:
+        rates = [float(r) for r in args.rates.split(",")]
+    except ValueError:
+        raise ValueError(f"--rates {args.rates!r}: expected comma-separated Mbit/s, e.g. 200,50,200") from None
+    if not rates or min(rates) <= 0 or args.configured_mbps <= 0 or args.rtt_ms <= 0:
+        raise ValueError("--rates, --configured-mbps and --rtt-ms must be positive")
+    if args.per_phase < 1 or args.prompt_tokens < 16:
+        raise ValueError("--per-phase must be at least 1 and --prompt-tokens at least 16")
+    check_privileges()
+    meta = {"machine": machine(), "rates_mbps": rates, "per_phase": args.per_phase,
+            "prompt_tokens": args.prompt_tokens, "configured_mbps": args.configured_mbps, "rtt_ms": args.rtt_ms,
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    phases = link_track.run(resolve_model(None, args.cache_dir), rates, args.per_phase, args.prompt_tokens,
+                            args.configured_mbps, args.rtt_ms)
+    print(link_track.write(phases, Path(args.out), meta))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, **link_track.summary(phases)}, indent=2))
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

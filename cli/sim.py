@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvrelay.benchmarks.replay import trace_slice, write_report
-from kvrelay.benchmarks.sim.cluster import Failure, SimConfig, SimInputError
+from kvrelay.benchmarks.sim.cluster import Failure, RateChange, SimConfig, SimInputError
 from kvrelay.benchmarks.sim.planner import Plan, PlanGoal, Planner, Shape
 from kvrelay.benchmarks.sim.profile import ProfileError, load_profile
 from kvrelay.benchmarks.sim.run import Objectives, simulate
@@ -30,6 +30,20 @@ def parse_failure(text: str) -> Failure:
     if m is None:
         raise argparse.ArgumentTypeError(f"--fail {text!r}: expected worker:ID@SECONDS or link:A-B@SECONDS[+SECONDS]")
     return Failure(text.split(":", 1)[0], m["target"], float(m["at"]), float(m["for"]) if m["for"] else None)
+
+
+_RATE = re.compile(r"^(?P<link>[^@]+)@(?P<at>[0-9.]+)=(?P<gbps>[0-9.]+)$")
+
+
+def parse_rate_change(text: str) -> RateChange:
+    """``A-B@T=GBPS``: link A-B runs at GBPS Gbit/s from T seconds of simulated time on."""
+    m = _RATE.match(text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"--link-rate {text!r}: expected A-B@SECONDS=GBPS")
+    try:
+        return RateChange(m["link"], float(m["at"]), float(m["gbps"]))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--link-rate {text!r}: SECONDS and GBPS must be numbers") from None
 
 
 def sim_inputs(args: argparse.Namespace):
@@ -64,7 +78,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     except (ValueError, TraceError, ConfigError, ProfileError) as exc:
         print(f"kvrelay: {exc}", file=sys.stderr)
         return 2
-    sim = SimConfig(seed=args.seed, router_s=args.router_ms / 1e3, rpc_s=args.rpc_ms / 1e3, failures=args.fail)
+    sim = SimConfig(seed=args.seed, router_s=args.router_ms / 1e3, rpc_s=args.rpc_ms / 1e3, failures=args.fail,
+                    rate_changes=args.link_rate)
     try:
         report = simulate(cfg, profile, arr, sim, Objectives(args.slo_ttft, args.slo_tpot), meta)
     except SimInputError as exc:
@@ -103,6 +118,9 @@ def add_parsers(sub) -> None:
     s.add_argument("--slo-tpot", type=float, help="TPOT objective in seconds (for goodput)")
     s.add_argument("--fail", action="append", default=[], type=parse_failure,
                    help="worker:ID@SECONDS or link:A-B@SECONDS[+SECONDS] (repeatable)")
+    s.add_argument("--link-rate", action="append", default=[], type=parse_rate_change,
+                   help="A-B@SECONDS=GBPS: the link's rate changes then (repeatable); the router measures it "
+                        "from its transfers (router.placement.link_rates)")
     s.add_argument("--out", required=True, help="directory for report.json and report.md")
     s.add_argument("--json", help="also write meta and summary to this file")
     s.add_argument("--no-plots", action="store_true", help="skip the PNG plots (large runs)")

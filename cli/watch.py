@@ -61,10 +61,22 @@ def worker_rows(workers) -> list[tuple[str, ...]]:
     return rows
 
 
+def measured_rate(lk: wpb.LinkStatus) -> str:
+    """A link's measured rate: ``0.0487 (5)`` (Gbit/s, link-bound transfers), ``>=0.29`` (only a lower
+    bound: its transfers never waited for it), ``-`` (no transfer lately)."""
+    if lk.rate_samples:
+        return f"{lk.measured_gbps:.3g} ({lk.rate_samples})"
+    return f">={lk.measured_floor_gbps:.3g}" if lk.measured_floor_gbps else "-"
+
+
 def link_rows(links) -> list[tuple[str, ...]]:
-    """The links table: configuration, state and the KV rate of the last minute (header first)."""
-    return [("LINK", "RTT MS", "GBPS", "TRANSPORT", "PROTECTION", "KV CODEC", "STATE", "KV RATE")] + [
-        (lk.name, f"{lk.rtt_ms:g}", f"{lk.gbps:g}", lk.transport, lk.protection, lk.kv_codec or "none",
+    """The links table: configured and measured figures, what placement uses, state and the KV rate
+    of the last minute (header first)."""
+    return [("LINK", "RTT MS", "MEASURED RTT", "GBPS", "MEASURED GBPS", "PLACEMENT USES", "TRANSPORT",
+             "PROTECTION", "KV CODEC", "STATE", "KV RATE")] + [
+        (lk.name, f"{lk.rtt_ms:g}", f"{lk.measured_rtt_ms:.3g}" if lk.measured_rtt_ms else "-", f"{lk.gbps:g}",
+         measured_rate(lk), f"{lk.placement_gbps:.3g} ({lk.rate_source})" if lk.rate_source else "-",
+         lk.transport, lk.protection, lk.kv_codec or "none",
          "up" if lk.up else f"DOWN ({lk.down_reason})", human_bytes(lk.kv_bytes_per_s, "/s")) for lk in links]
 
 

@@ -132,6 +132,21 @@ class TransferResult:
     seconds: float
     sender_traceparent: str = ""
     """The sender's transfer span as its last frame named it (unchecked: a peer's word)."""
+    wire_s: float = 0.0
+    """Sender: from its first byte written to the receiver's ack (0: not measured, as when the receiver pulls)."""
+    link_bound: bool = False
+    """Sender: the network set the pace, not the producer or the receiver: its connection's TCP was held
+    back by the network (busy, not limited by the receiver's window) for most of
+    its time on the wire (kvtransfer/channel.py LINK_BOUND_SHARE)."""
+    rtt_s: float = 0.0
+    """Sender: the connection's least round trip as its TCP measured it (0: unknown)."""
+
+    @property
+    def link_gbps(self) -> float:
+        """The rate its bytes crossed at while on the wire (Gbit/s; 0: not measured): the link's rate when
+        ``link_bound``, else only a lower bound of it (the link waited for the producer)."""
+        busy = self.wire_s - self.rtt_s
+        return self.nbytes * 8 / busy / 1e9 if self.wire_s > 0 and busy > 0 else 0.0
 
 
 class TransferHandle(ABC):

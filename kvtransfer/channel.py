@@ -31,7 +31,15 @@ from kvrelay.kvtransfer.handles import StateHandle
 from kvrelay.kvtransfer.handshake import SenderHello, Session, client_handshake
 from kvrelay.kvtransfer.memory import coalesce, paired_runs
 from kvrelay.kvtransfer.staging import DeviceKV, Staged, kv_memory
-from kvrelay.kvtransfer.wire import ProtocolError, acked_bytes, retransmitting, tune_socket, written_mark
+from kvrelay.kvtransfer.wire import (
+    ProtocolError,
+    acked_bytes,
+    min_rtt_s,
+    network_busy_us,
+    retransmitting,
+    tune_socket,
+    written_mark,
+)
 from kvrelay.v1 import kv_wire_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -46,6 +54,12 @@ MERGE_BYTES = 8 << 20
 """Largest frame queued layers are merged into."""
 READER_GRACE_S = 1.0
 """How long a failed write waits for the ack thread to read the receiver's reason."""
+LINK_BOUND_SHARE = 0.5
+"""A transfer is link-bound (its rate is the link's, not a lower bound: kvtransfer/base.py TransferResult)
+when the connections that carried it were held back by the network (wire.network_busy_us), together, for
+this share of its time on the wire..."""
+LINK_BOUND_MIN_S = 0.02
+"""... and that time is at least this long (the kernel counts in 1-4 ms ticks)."""
 
 
 @dataclass(slots=True)
@@ -280,6 +294,8 @@ class SendStream:
             self.sock.shutdown(socket.SHUT_RDWR)
         try:
             if isinstance(item, LayerRun):
+                item.handle.writing(self.index, None if self.shared or self.sock is None
+                                    else network_busy_us(self.sock))
                 self._send_blocks(item, views or [], nbytes)
             else:
                 self._live().writer.send(pb.KVFrame(done=pb.KVDone(
@@ -389,8 +405,7 @@ class SendStream:
                 if h is None:
                     continue
                 if ack.ok:
-                    h.complete(TransferResult(h.first_token, h.first_logprob, h.nbytes,
-                                              time.perf_counter() - h.started))
+                    h.complete(h.timed(min_rtt_s(sock)))
                 else:
                     h.fail(f"receiver rejected the transfer: {ack.reason}")
         except (OSError, ConnectionError, ProtocolError) as exc:
@@ -462,7 +477,36 @@ class ChannelSendHandle(StateHandle, SendHandle):
         self.drop_connections = 0
         """Fault injection: this many connections die just before they carry a frame of this transfer."""
         self._resent = False
+        self._first_write = 0.0
+        """When its first frame began to be written (perf_counter; 0: not yet, or the receiver pulls)."""
+        self._busy_at: dict[int, int] = {}
+        """Stream index -> its connection's network-busy microseconds when this transfer first wrote there."""
         self.advance(TransferState.WAITING)
+
+    def writing(self, stream: int, busy_us: int | None) -> None:
+        """Stream ``stream`` starts writing one of its frames (``busy_us``: its connection's
+        :func:`network_busy_us` now; None: unknown, or a frame the receiver pulls, which is not timed)."""
+        if busy_us is None:
+            return
+        if not self._first_write:
+            self._first_write = time.perf_counter()
+        self._busy_at.setdefault(stream, busy_us)
+
+    def timed(self, rtt_s: float) -> TransferResult:
+        """What it delivered, now acknowledged (``rtt_s``: the acknowledging connection's least RTT), timed
+        on the wire: link-bound when the connections that carried it were held back by the network, together,
+        for at least LINK_BOUND_SHARE of the time its bytes were crossing."""
+        now = time.perf_counter()
+        wire = now - self._first_write if self._first_write else 0.0
+        crossing_us = (wire - rtt_s) * 1e6
+        held_us = 0
+        for index, since in list(self._busy_at.items()):
+            sock = self.pool.streams[index].sock
+            busy = network_busy_us(sock) if sock is not None else None
+            held_us += busy - since if busy is not None else 0
+        bound = crossing_us >= LINK_BOUND_MIN_S * 1e6 and held_us >= LINK_BOUND_SHARE * crossing_us
+        return TransferResult(self.first_token, self.first_logprob, self.nbytes, now - self.started, wire_s=wire,
+                              link_bound=bound, rtt_s=rtt_s)
 
     def resend_once(self) -> bool:
         """Whether this transfer may be queued again after a lost connection (once; never after it failed)."""

@@ -151,6 +151,45 @@ def acked_bytes(sock: socket.socket) -> int | None:
     return int(_TCPI_BYTES_ACKED.unpack_from(info, _TCPI_BYTES_ACKED_AT)[0])
 
 
+_TCPI_MIN_RTT = struct.Struct("=I")
+_TCPI_MIN_RTT_AT = 148
+"""Offset of ``tcpi_min_rtt`` (microseconds) in struct tcp_info (Linux 4.6 on)."""
+
+
+def min_rtt_s(sock: socket.socket) -> float:
+    """The least round trip this connection's TCP has measured (its windowed minimum, without the
+    queueing a busy link adds), in seconds; 0 when the kernel does not say."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+    except OSError:
+        return 0.0
+    if len(info) < _TCPI_MIN_RTT_AT + _TCPI_MIN_RTT.size:
+        return 0.0
+    us = _TCPI_MIN_RTT.unpack_from(info, _TCPI_MIN_RTT_AT)[0]
+    return us / 1e6 if us != 0xFFFFFFFF else 0.0
+
+
+_TCPI_CHRONO = struct.Struct("=QQQ")
+_TCPI_CHRONO_AT = 168
+"""Offset of ``tcpi_busy_time`` (their total), ``tcpi_rwnd_limited`` and ``tcpi_sndbuf_limited`` (microseconds) in
+struct tcp_info (Linux 4.10 on)."""
+
+
+def network_busy_us(sock: socket.socket) -> int | None:
+    """Microseconds this connection had data in flight and the network set its pace: its TCP's busy
+    time less the time the receiver's window limited it. (The send-buffer-limited time stays in: then
+    the whole buffer is in flight and the path's acknowledgements pace it.) The kernel counts in
+    scheduler ticks, 1-4 ms. None when the kernel does not say."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+    except OSError:
+        return None
+    if len(info) < _TCPI_CHRONO_AT + _TCPI_CHRONO.size:
+        return None
+    busy, rwnd, _ = _TCPI_CHRONO.unpack_from(info, _TCPI_CHRONO_AT)
+    return int(busy - rwnd)
+
+
 def written_mark(sock: socket.socket) -> int | None:
     """Where the next byte written to ``sock`` will sit, counted as
     :func:`acked_bytes` counts: acknowledged bytes plus those still queued

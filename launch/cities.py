@@ -377,6 +377,22 @@ def link_signal(state_dir: Path, a: str, b: str, cut: bool) -> None:
     _save(st, state_dir)
 
 
+def set_link_rate(state_dir: Path, a: str, b: str, gbps: float) -> None:
+    """Changes the emulated link between two sites to ``gbps`` (both directions; its tbf queue is
+    re-sized for the new rate), as a WAN whose capacity changes under load: connections stay up."""
+    if not 0 < gbps <= 1000:
+        raise CitiesError(f"a link's rate must be in (0, 1000] Gbit/s, got {gbps}")
+    st = load_state(state_dir)
+    if st is None:
+        raise CitiesError("no cities are up")
+    link = st.link(a, b)
+    for site, dev in ((link.a, link.dev_a), (link.b, link.dev_b)):
+        _run(_ns(st.site(site).netns, "tc", "qdisc", "change", "dev", dev, "root", "tbf",
+                 *tbf_args(gbps, link.rtt_ms)), f"link {link.a}-{link.b} at {site} (tbf)")
+    link.gbps = gbps
+    _save(st, state_dir)
+
+
 def link_alive(link: LinkNet) -> bool:
     """Whether the link's delay line still runs (the link is gone when it does not)."""
     return bool(link.pid) and _pid_alive(link.pid)

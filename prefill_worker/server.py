@@ -192,7 +192,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             resp = wpb.PrefillResponse(first_token_id=out.new_token_ids[0], first_logprob=logprob,
                                        kv_bytes=result.nbytes, prefill_ms=(t1 - t0) * 1e3,
                                        transfer_ms=(time.perf_counter() - t1) * 1e3,
-                                       cached_tokens=out.num_cached_tokens)
+                                       cached_tokens=out.num_cached_tokens, wire_ms=result.wire_s * 1e3,
+                                       link_bound=result.link_bound, rtt_ms=result.rtt_s * 1e3)
             if out.new_top_logprobs:  # the KV transfer carries only the token: the router adds these
                 resp.first_top_logprobs.CopyFrom(top_logprobs_proto(out.new_top_logprobs[0]))
             return resp

@@ -255,6 +255,22 @@ class AdmissionSection(ConfigSection):
 
 
 @dataclass(slots=True, config=SECTION_CONFIG)
+class LinkRatesSection(ConfigSection):
+    """How the router measures each link from the transfers that cross it (``router.placement.link_rates``;
+    router/placement/link_estimate.py): once measured, placement and ``kv_codec: auto`` use these figures
+    in place of the config's ``gbps`` and ``rtt_ms``."""
+
+    measure: StrictBool = True
+    """Use measured figures (false: the config's figures always)."""
+    alpha: StrictFloat = Field(default=0.5, gt=0, le=1)
+    """Weight of each new link-bound transfer in the rate's moving average."""
+    min_samples: StrictInt = Field(default=2, ge=1, le=1000)
+    """Link-bound transfers before the measured rate replaces the configured one."""
+    max_age_s: StrictFloat = Field(default=120.0, gt=0, le=_DAY_S)
+    """A link with no transfer for this long goes back to its configured figures."""
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
 class PlacementSection(ConfigSection):
     """Where the router places each request (``router.placement``; router/placement)."""
 
@@ -267,6 +283,8 @@ class PlacementSection(ConfigSection):
     herd_tolerance: StrictFloat = Field(default=0.05, ge=0, le=1)
     """cost_model picks at random among candidates within this fraction of the
     best estimate, so simultaneous requests do not all pile onto one worker."""
+    link_rates: LinkRatesSection = field(default_factory=LinkRatesSection)
+    """Links' rates and RTTs measured from their transfers."""
 
 
 @dataclass(slots=True, config=SECTION_CONFIG)

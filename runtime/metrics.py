@@ -206,7 +206,7 @@ METRIC_NAMES = (
     "kvrelay_time_to_first_token_seconds", "kvrelay_inter_token_latency_seconds",
     "kvrelay_e2e_request_latency_seconds", "kvrelay_queue_time_seconds", "kvrelay_requests_total",
     "kvrelay_tokens_total", "kvrelay_placements_total", "kvrelay_retries_total", "kvrelay_migrations_total",
-    "kvrelay_link_up", "kvrelay_kv_transfer_bytes_total", "kvrelay_kv_transfer_seconds",
+    "kvrelay_link_up", "kvrelay_link_rate_gbps", "kvrelay_kv_transfer_bytes_total", "kvrelay_kv_transfer_seconds",
     "kvrelay_kv_transfer_failures_total", "kvrelay_kv_cache_usage_ratio", "kvrelay_prefix_cache_hit_ratio",
     "kvrelay_num_requests_running", "kvrelay_num_requests_waiting", "kvrelay_prefill_tokens_per_second")
 """Every metric name kvrelay exports (histograms add ``_bucket``, ``_sum`` and ``_count``)."""

@@ -35,6 +35,7 @@ from kvrelay.engine.blocks import blocks_for
 from kvrelay.engine.scheduler import SchedulerOutput
 from kvrelay.engine.sequence import Sequence
 from kvrelay.kvtransfer.base import KVCodec
+from kvrelay.router.placement.link_estimate import LinkMeter, LinkSample
 from kvrelay.router.placement.place import (
     ClusterView,
     LinkView,
@@ -77,6 +78,17 @@ class SimConfig:
     rpc_s: float = 0.0005
     """One internal RPC or streamed message on the local network."""
     failures: list[Failure] = field(default_factory=list)
+    rate_changes: list[RateChange] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class RateChange:
+    """A link's rate changing at ``at_s`` (the config's figure is its rate until then)."""
+
+    link: str
+    """Link name "a-b"."""
+    at_s: float
+    gbps: float
 
 
 @dataclass(slots=True, eq=False)
@@ -144,12 +156,18 @@ class SimCluster:
                  for site in cfg.sites for role, pool in ((Role.PREFILL, site.prefill), (Role.DECODE, site.decode))
                  for i in range(pool.replicas)]
         self.view = self._view(views)
+        self.meter = LinkMeter([*(ln.view for ln in self.links.values()), self.view.local_link],
+                               cfg.router.placement.link_rates)
+        """The router's link estimates, fed by the flows that land (SimLink.on_sample)."""
+        self.samples: list[tuple[str, LinkSample, float]] = []
+        """(link, a landed flow's sample, the link's rate placement used after it)."""
         hooks = Hooks(self._step_started, self._token, lambda w: self._pump(),
                       lambda w, stored, removed: self.index.apply(w.wid, stored, removed))
-        self.local = {site.name: SimLink(self.clock, self.view.local_link) for site in cfg.sites}
+        self.local = {site.name: SimLink(self.clock, self.view.local_link, self._sample) for site in cfg.sites}
         self.workers: dict[str, SimWorker] = {
             v.worker_id: SimWorker(v, self.clock, profile, self.num_blocks, bs, cfg.scheduler, hooks) for v in views}
         self._check(sim.failures)
+        self._check_rates(sim.rate_changes)
         self.capacity_tokens = min(profile.model.max_context, self.num_blocks * bs)
         """The longest prompt + output a worker takes (the live engine refuses longer ones)."""
         self.active: dict[str, SimRequest] = {}
@@ -170,7 +188,7 @@ class SimCluster:
             a, b = ln.between
             lv = LinkView(ln.rtt_ms, ln.gbps, name=link_name(a, b), kv_fraction=self._kv_fraction(ln))
             links[frozenset((a, b))] = lv
-            self.links[frozenset((a, b))] = SimLink(self.clock, lv)
+            self.links[frozenset((a, b))] = SimLink(self.clock, lv, self._sample)
         local = LinkView(cfg.local_link.rtt_ms, cfg.local_link.gbps, name=LOCAL_LINK,
                          kv_fraction=self._kv_fraction(cfg.local_link))
         return ClusterView(workers, {s.name: s.jurisdiction for s in cfg.sites}, links, local,
@@ -199,12 +217,31 @@ class SimCluster:
                 raise SimInputError(f"--fail {f.kind}:{f.target}: no such {f.kind} in the config (known: "
                                  f"{', '.join(sorted(known)) or 'none'})")
 
+    def _check_rates(self, changes: list[RateChange]) -> None:
+        """Every rate change names a link between sites of this deployment and a positive rate."""
+        links = {ln.name for ln in self.links.values()}
+        for rc in changes:
+            if rc.link not in links:
+                raise SimInputError(f"--link-rate {rc.link}: no such link in the config (known: "
+                                    f"{', '.join(sorted(links)) or 'none'})")
+            if not 0 < rc.gbps <= 1_000_000:
+                raise SimInputError(f"--link-rate {rc.link}: the rate must be positive Gbit/s, got {rc.gbps}")
+
     def _kv_fraction(self, link: LinkSection) -> float:
         """Bytes that cross ``link`` per byte of KV under its codec (links[].kv_codec), at the profile's dtype;
         ``auto`` as its most compressive choice (an upper bound of what choosing per request gains). The
         codec's own time is not modelled: on a GPU it codes at 75-210 GB/s (benchmarks/RESULTS.md)."""
         return link_kv_fraction(link.kv_codec, [KVCodec(c) for c in self.cfg.kv.auto_codecs],
                                 DTYPE_BYTES[self.profile.dtype], self.block_size)
+
+    def _sample(self, flow: Flow, sample: LinkSample) -> None:
+        """A flow's last byte left: its sample, divided by its mean share of the link (as the router does)."""
+        link = flow.link.name
+        share = self.meter.end(flow.crossing, self.clock.now)
+        sample = LinkSample(sample.at, sample.gbps / share, sample.bound, sample.rtt_ms, share)
+        self.meter.observe(link, sample)
+        fig = self.meter.status(link)
+        self.samples.append((link, sample, fig.gbps if fig is not None else 0.0))
 
     def link_between(self, a: str, b: str) -> SimLink:
         return self.local[a] if a == b else self.links[frozenset((a, b))]
@@ -222,6 +259,8 @@ class SimCluster:
             self.clock.at(a.arrival_s + self.sim.router_s, self._place, req)
         for f in self.sim.failures:
             self.clock.at(f.at_s, self._fail, f)
+        for rc in self.sim.rate_changes:
+            self.clock.at(rc.at_s, self._named_link(rc.link).set_rate, rc.gbps)
         self.clock.run()
         for rec in self.records:
             if rec.end_s is None and rec.error is None:
@@ -238,6 +277,7 @@ class SimCluster:
         hashes = req.chain.upto(prompt // self.block_size)
         preq = PlacementRequest(prompt, self.index.leading_blocks(hashes), exclude=frozenset(req.exclude),
                                 colocated_only=req.colocated_only)
+        self.meter.refresh(self.clock.now)
         try:
             pl = place(preq, self.view, self.policy)
         except PlacementError as exc:
@@ -300,6 +340,7 @@ class SimCluster:
         req.link = link.name
         req.kv_bytes = round((blocks_for(prompt, self.block_size) - hit) * self.kv_block_bytes * link.view.kv_fraction)
         req.flow = link.open(functools.partial(self._landed, req, d_seq))
+        req.flow.crossing = self.meter.begin(link.name, self.clock.now)
         req.p_seq = new_sequence(req.rid, prompt, 1, req.chain)
         # the reservation's answer and the prefill call: two RPCs before P queues the prompt
         self.clock.after(2 * self.sim.rpc_s, self._prefill, req, req.p_seq)
@@ -353,6 +394,8 @@ class SimCluster:
             p.view.inflight -= 1
             p.release(req.prefill_sequence)
         req.transfer_s = self.clock.now - req.transfer_s
+        if req.flow is not None:
+            self.meter.end(req.flow.crossing, self.clock.now)  # a failed flow (a landed one ended when timed)
         if ok:
             d.commit(d_seq)
             return
@@ -378,11 +421,14 @@ class SimCluster:
         if f.kind == "worker":
             self._worker_down(self.workers[f.target])
         else:
-            link = next(ln for ln in self.links.values() if ln.name == f.target)  # checked in __init__
+            link = self._named_link(f.target)  # checked in __init__
             link.view.up = False
             link.fail_all()
             if f.for_s is not None:
                 self.clock.after(f.for_s, setattr, link.view, "up", True)
+
+    def _named_link(self, name: str) -> SimLink:
+        return next(ln for ln in self.links.values() if ln.name == name)
 
     def _worker_down(self, w: SimWorker) -> None:
         w.die()
@@ -391,6 +437,7 @@ class SimCluster:
             p, d = req.p, req.decode_worker
             if req.flow is not None and not req.flow.over:
                 req.flow.link.cancel(req.flow)
+                self.meter.end(req.flow.crossing, self.clock.now)
             if p is not None and p is not w:
                 p.view.inflight -= 1
                 p.release(req.prefill_sequence)

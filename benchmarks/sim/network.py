@@ -4,7 +4,14 @@ latency (RTT / 2) after their last byte left.
 
 A prefill worker adds a flow's bytes as its layers finish (layer-wise
 streaming), so a flow is often idle, waiting for bytes: only flows with
-bytes ready share the link. A link that goes down fails its flows.
+bytes ready share the link. A link that goes down fails its flows; its
+rate may change while flows cross it (``set_rate``).
+
+Each flow that lands is timed as a live sender times its transfer
+(kvtransfer/channel.py): first byte to last, its bytes' rate, and whether
+the link set its pace (it had bytes waiting for at least half of that time);
+the samples go to ``on_sample`` (the router's link estimate,
+router/placement/link_estimate.py).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrelay.benchmarks.sim.clock import Clock
+from kvrelay.router.placement.link_estimate import Crossing, LinkSample
 from kvrelay.router.placement.place import LinkView
 
 DRAINED_S = 1e-9
@@ -33,12 +41,27 @@ class Flow:
     """Every byte has been produced."""
     sent: float = 0.0
     over: bool = False
+    first_s: float | None = None
+    """When its first byte was ready to leave."""
+    waiting_s: float = 0.0
+    """Time it had bytes ready (the link, not the producer, held them)."""
+    crossing: Crossing | None = None
+    """Its count on the router's link estimate (LinkMeter.begin), set by whoever opened it."""
+
+
+BOUND_SHARE, BOUND_MIN_S = 0.5, 0.02
+"""A flow is link-bound when it had bytes waiting for this share of its time, at least this long
+(kvtransfer/channel.py's LINK_BOUND_SHARE and LINK_BOUND_MIN_S)."""
 
 
 class SimLink:
-    def __init__(self, clock: Clock, view: LinkView) -> None:
-        self.clock, self.view = clock, view
+    def __init__(self, clock: Clock, view: LinkView, on_sample: Callable[[Flow, LinkSample], None] | None = None
+                 ) -> None:
+        """``view``: what placement reads (its configured figures are the link's physical ones at the start;
+        a measured estimate may change the view's, never the link's)."""
+        self.clock, self.view, self.on_sample = clock, view, on_sample
         self.bytes_per_s = view.gbps * 1e9 / 8
+        self.rtt_ms = view.rtt_ms
         self.eps = self.bytes_per_s * DRAINED_S
         self.active: list[Flow] = []
         self.flows: dict[Flow, None] = {}
@@ -66,6 +89,7 @@ class SimLink:
                 n = min(share, f.ready)
                 f.ready -= n
                 f.sent += n
+                f.waiting_s += now - self._last
                 self.bytes_sent += n
             self.busy_s += now - self._last
         self._last = now
@@ -78,6 +102,8 @@ class SimLink:
         flow.ready += nbytes
         if flow not in self.active and flow.ready > self.eps:
             self.active.append(flow)
+            if flow.first_s is None:
+                flow.first_s = self.clock.now
         self._settle()
 
     def close(self, flow: Flow) -> None:
@@ -93,7 +119,8 @@ class SimLink:
         for f in [f for f in self.active if f.ready <= self.eps]:
             self.active.remove(f)
         for f in [f for f in self.flows if f.closed and f not in self.active]:
-            self._finish(f, True, self.view.rtt_ms / 2e3)
+            self._timed(f)
+            self._finish(f, True, self.rtt_ms / 2e3)
         self._version += 1
         if self.active:
             least = min(f.ready for f in self.active)
@@ -103,6 +130,24 @@ class SimLink:
         if version == self._version:
             self._advance()
             self._settle()
+
+    def set_rate(self, gbps: float) -> None:
+        """The link's rate changes now (flows crossing it go on at the new rate)."""
+        self._advance()
+        self.bytes_per_s = gbps * 1e9 / 8
+        self.eps = self.bytes_per_s * DRAINED_S
+        self._settle()
+
+    def _timed(self, flow: Flow) -> None:
+        """``flow``'s last byte left: its sample, as its sender would report it once acknowledged."""
+        if self.on_sample is None or flow.first_s is None:
+            return
+        busy = self.clock.now - flow.first_s
+        if busy <= 0:
+            return
+        bound = busy >= BOUND_MIN_S and flow.waiting_s >= BOUND_SHARE * busy
+        self.on_sample(flow, LinkSample(self.clock.now + self.rtt_ms / 1e3, flow.sent * 8 / busy / 1e9, bound,
+                                        self.rtt_ms))
 
     def _finish(self, flow: Flow, ok: bool, delay: float) -> None:
         flow.over = True

@@ -45,6 +45,36 @@ def simulate(cfg: ClusterConfig, profile: Profile, arrivals: list[SimArrival], s
                    "sim": asdict(sim), "workers": len(cluster.workers), "sites": len(cfg.sites),
                    "kv_blocks_per_worker": cluster.num_blocks, "events": cluster.clock.events,
                    "wall_s": time.perf_counter() - t0,
-                   "links": {ln.name: {"bytes": ln.bytes_sent, "busy_fraction": ln.busy_s / max(end - start, 1e-9)}
-                             for ln in cluster.links.values()}}
+                   "links": link_rows(cluster, end - start), "rate_changes": rate_tracking(cluster, sim)}
     return assemble_report(records, worker_rows(cluster, end - start), slo.ttft_s, slo.tpot_s, meta)
+
+
+def link_rows(cluster: SimCluster, duration: float) -> dict[str, dict]:
+    """Per link between sites: bytes, busy share, and its figures at the end (configured, measured, in use)."""
+    out = {}
+    for ln in cluster.links.values():
+        fig = cluster.meter.status(ln.name)
+        row: dict[str, float | str] = {"bytes": ln.bytes_sent, "busy_fraction": ln.busy_s / max(duration, 1e-9)}
+        if fig is not None:
+            row |= {"configured_gbps": fig.configured_gbps, "measured_gbps": fig.estimate.gbps,
+                    "rate_samples": fig.estimate.samples, "placement_gbps": fig.gbps, "rate_source": fig.source.value}
+        out[ln.name] = row
+    return out
+
+
+TRACKED = 0.10
+"""A link's estimate tracks a change once within this share of the new rate."""
+
+
+def rate_tracking(cluster: SimCluster, sim: SimConfig) -> list[dict]:
+    """Per rate change: the transfers across its link after it, and how many of them (and how long) until
+    the rate placement uses was within TRACKED of the new one (None: not within the run)."""
+    out = []
+    for rc in sim.rate_changes:
+        after = [(s, used) for link, s, used in cluster.samples if link == rc.link and s.at >= rc.at_s]
+        hit = next((i for i, (_, used) in enumerate(after) if abs(used / rc.gbps - 1) <= TRACKED), None)
+        out.append({"link": rc.link, "at_s": rc.at_s, "gbps": rc.gbps, "transfers_after": len(after),
+                    "bound_after": sum(s.bound for s, _ in after),
+                    "transfers_to_track": None if hit is None else hit + 1,
+                    "seconds_to_track": None if hit is None else after[hit][0].at - rc.at_s})
+    return out

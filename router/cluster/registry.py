@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from kvrelay.router.placement.link_estimate import LinkMeter, LinkState
 from kvrelay.router.placement.place import ClusterView, LinkView, WorkerView
 from kvrelay.router.placement.prefix_index import PrefixIndex
 from kvrelay.runtime.config import ClusterConfig
@@ -160,6 +161,9 @@ class WorkerRegistry:
         ll = cfg.local_link
         self.local_link = LinkView(ll.rtt_ms, ll.gbps, True, LOCAL_LINK, topo.kv_fraction(ll))
         self.link_health = {key: LinkHealth() for key in self.links}
+        self.meter = LinkMeter([*self.links.values(), self.local_link], cfg.router.placement.link_rates)
+        """The links' figures measured from their transfers (written into the LinkViews above)."""
+        self._metered_at = 0.0
         self._view: ClusterView | None = None
         self._members = 0
         """Bumped whenever a worker comes or goes (the view is rebuilt then)."""
@@ -171,9 +175,9 @@ class WorkerRegistry:
         every heartbeat asks, so not once per heartbeat over every worker)."""
 
 
-    def link_states(self) -> list[tuple[str, bool]]:
-        """Each configured link's name and whether it is up now (for /metrics)."""
-        return [(lv.name, lv.up) for lv in self.links.values()]
+    def link_states(self) -> list[LinkState]:
+        """Each configured link between sites: up now or not, the rate placement uses (for /metrics)."""
+        return [LinkState(lv.name, lv.up, lv.gbps, self.meter.source(lv.name).value) for lv in self.links.values()]
     def pools_of(self, tenant: str) -> frozenset:
         """The dedicated pools ``tenant`` may use: requests with the same set (and
         constraints) fit the same workers, whoever their tenant."""
@@ -222,6 +226,9 @@ class WorkerRegistry:
         rec.load = req.load
         rec.sync_load()
         rec.last_seen = time.monotonic()
+        if rec.last_seen - self._metered_at >= 1.0:  # links measured long ago go back to their config
+            self._metered_at = rec.last_seen
+            self.meter.refresh(rec.last_seen)
         self._observe_usage(rec, req.load)
         ev = req.kv_events
         if ev.snapshot:
@@ -287,6 +294,10 @@ class WorkerRegistry:
                 health.reason = f"{rec.info.worker_id} could not reach {r.site}: {r.error}"
                 health.down.set()
                 log.warning("link %s is down: %s; placement avoids it", lv.name, health.reason)
+
+    def link_view(self, a: str, b: str) -> LinkView | None:
+        """The link between sites ``a`` and ``b`` as placement sees it (its figures in use), up or down."""
+        return self.local_link if a == b else self.links.get(frozenset((a, b)))
 
     def link_down_event(self, a: str, b: str) -> asyncio.Event | None:
         """Set if the link between sites ``a`` and ``b`` goes down (None within a site)."""

@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 
 from kvrelay.router.core.errors import RouterError
 from kvrelay.router.core.requests import Caller, Priority, Request
+from kvrelay.router.placement.link_estimate import LinkState
 from kvrelay.runtime.metrics import Mode, RouterMetrics, TokenKind
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.tracing import NO_TRACING, Tracing, link_to, trace_id_of, within
@@ -103,16 +104,21 @@ class LinkRates:
 
 
 class LinkCollector(Collector):
-    """``kvrelay_link_up{link}``, read from the registry at each scrape."""
+    """``kvrelay_link_up{link}`` and ``kvrelay_link_rate_gbps{link,source}``, read from the registry at each
+    scrape."""
 
-    def __init__(self, links: Callable[[], list[tuple[str, bool]]]) -> None:
+    def __init__(self, links: Callable[[], list[LinkState]]) -> None:
         self.links = links
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        g = GaugeMetricFamily("kvrelay_link_up", "1 while the link's probes succeed", labels=["link"])
-        for name, up in self.links():
-            g.add_metric([name], 1.0 if up else 0.0)
-        yield g
+        up = GaugeMetricFamily("kvrelay_link_up", "1 while the link's probes succeed", labels=["link"])
+        rate = GaugeMetricFamily("kvrelay_link_rate_gbps", "The rate placement prices the link's KV at (Gbit/s): "
+                                 "measured from its transfers or configured", labels=["link", "source"])
+        for lk in self.links():
+            up.add_metric([lk.name], 1.0 if lk.up else 0.0)
+            rate.add_metric([lk.name, lk.source], lk.gbps)
+        yield up
+        yield rate
 
 
 def outcome_of(error: BaseException | None) -> str:
@@ -129,10 +135,10 @@ class RouterTelemetry:
     """The router's tracer, metrics and recent-latency windows."""
 
     def __init__(self, tracing: Tracing = NO_TRACING, registry: CollectorRegistry | None = None,
-                 durable=None, links: Callable[[], list[tuple[str, bool]]] | None = None) -> None:
+                 durable=None, links: Callable[[], list[LinkState]] | None = None) -> None:
         """``durable``: where retries and migrations are counted across restarts
         (router/cluster/usage.py ``UsageLedger``: ``counters()``, ``add_counter``); ``links``:
-        (name, up) of every link between sites, for ``kvrelay_link_up``."""
+        every link between sites, for ``kvrelay_link_up`` and ``kvrelay_link_rate_gbps``."""
         self.tracing = tracing
         self.registry = registry or CollectorRegistry()
         self.metrics = RouterMetrics(self.registry)

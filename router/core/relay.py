@@ -35,6 +35,7 @@ from kvrelay.router.core.requests import Caller
 from kvrelay.router.placement.codec_choice import choose_codec
 from kvrelay.router.placement.errors import PlacementError, PlacementFailure, Wait
 from kvrelay.router.placement.estimate import prefill_s
+from kvrelay.router.placement.link_estimate import Crossing, LinkSample
 from kvrelay.runtime.config import LinkSection
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.topology import AUTO, KVCodec, Topology, link_name
@@ -115,6 +116,8 @@ class Relay:
         self.read: asyncio.Future | None = None
         self.prefill: asyncio.Future | None = None
         self.link_down: asyncio.Future | None = None
+        self.crossing: Crossing | None = None
+        """This attempt's KV on its link, for the link's estimate (router/placement/link_estimate.py)."""
 
     async def run(self) -> AsyncIterator[ipb.GenerateResponse]:
         """The attempt's messages for the caller; raises Failover, PlacementError or RouterError.
@@ -164,7 +167,12 @@ class Relay:
             raise RuntimeError(f"{self.client_id}: sites {p.info.site} and {self.d.info.site} have no link")
         target.link_rtt_ms, target.link_gbps = link.rtt_ms, link.gbps
         target.protection = self.topology.protection(link)
-        codec = self._codec(link, len(target.block_ids))
+        lv = self.registry.link_view(p.info.site, self.d.info.site)
+        gbps = lv.gbps if lv is not None else link.gbps  # measured once its transfers say so, else the config's
+        self.placement.link_gbps = gbps
+        self.placement.link_rate_source = self.registry.meter.source(self.placement.link).value
+        # the codec for this transfer's share of the link, beside the transfers in flight on it
+        codec = self._codec(link, len(target.block_ids), lv.kv_gbps(False) if lv is not None else gbps)
         target.kv_codec = codec.value if codec.lossy else ""
         self.placement.kv_codec = codec.value
         target.receiver = self.d.info.worker_id  # the receiver's certificate must name it
@@ -175,11 +183,12 @@ class Relay:
                                                     "kvrelay.transport": target.transport})
         call = p.prefill_stub.Prefill(wpb.PrefillRequest(request=self.wr, target=target), metadata=self.metadata)
         self.prefill = asyncio.ensure_future(call)
+        self.crossing = self.registry.meter.begin(self.placement.link, time.monotonic())
 
-    def _codec(self, link: LinkSection, blocks: int) -> KVCodec:
+    def _codec(self, link: LinkSection, blocks: int, gbps: float) -> KVCodec:
         """The KV codec of this request's ``blocks`` over ``link``: the link's, or under ``auto`` the one
         router/placement/codec_choice.py picks for P's estimated prefill (its queue, then the prompt's
-        tokens P does not hold, at its measured throughput)."""
+        tokens P does not hold, at its measured throughput) at the link's rate in use, ``gbps``."""
         codec = self.topology.codec(link, self.wr.tenant)
         if codec != AUTO:
             return KVCodec(codec)
@@ -188,7 +197,7 @@ class Relay:
         compute_s = prefill_s(p.load.queued_prefill_tokens, len(self.wr.prompt_token_ids),
                               self.placement.prefill_cached_blocks, p.info.block_size, tput)
         return choose_codec(self.topology.auto_codecs(), self.topology.fraction, blocks * p.info.kv_block_bytes,
-                            link.gbps, compute_s, p.info.num_layers)
+                            gbps, compute_s, p.info.num_layers)
 
     def _relay(self, out: ipb.GenerateResponse) -> ipb.GenerateResponse:
         """One message from D on its way to the caller."""
@@ -232,11 +241,21 @@ class Relay:
                 resp = wpb.PrefillResponse()
             self.placement.kv_bytes = resp.kv_bytes
             self.placement.kv_transfer_ms, self.placement.prefill_ms = resp.transfer_ms, resp.prefill_ms
+            self._measure_link(resp)
             out.finish.usage.cached_prompt_tokens = max(out.finish.usage.cached_prompt_tokens, resp.cached_tokens)
         out.finish.usage.completion_tokens = self.n_out
         out.finish.placement.CopyFrom(self.placement)
         self._feed_planner()
         yield out
+
+    def _measure_link(self, resp: wpb.PrefillResponse) -> None:
+        """The transfer's time on the wire, for the link's estimate (router/placement/link_estimate.py)."""
+        now = time.monotonic()
+        share = self.registry.meter.end(self.crossing, now)
+        sample = LinkSample.of(now, resp.kv_bytes, resp.wire_ms, resp.rtt_ms, resp.link_bound, share)
+        self.placement.link_measured_gbps, self.placement.link_bound = sample.gbps * share, sample.bound
+        if sample.gbps > 0:
+            self.registry.meter.observe(self.placement.link, sample)
 
     def _feed_planner(self) -> None:
         if not self.n_out:
@@ -327,6 +346,7 @@ class Relay:
             self.p.inflight -= 1
         self.prefiller.pending_prefill_tokens -= self.pending
         self.pending = 0
+        self.registry.meter.end(self.crossing, time.monotonic())
         for t in (self.read, self.prefill, self.link_down):
             if t is not None and not t.done():
                 t.cancel()

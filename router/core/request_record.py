@@ -77,7 +77,8 @@ class RequestRecord:
             "prefill_site": p.prefill_site, "prefill_worker": p.prefill_worker, "decode_site": p.decode_site,
             "decode_worker": p.decode_worker, "colocated": p.colocated, "link": p.link, "transport": p.transport,
             "kv_bytes": p.kv_bytes, "kv_codec": p.kv_codec, "policy": p.policy, "retries": p.retries,
-            "migrations": p.migrations}
+            "migrations": p.migrations, "link_gbps": round(p.link_gbps, 6), "link_rate_source": p.link_rate_source,
+            "link_measured_gbps": round(p.link_measured_gbps, 6), "link_bound": p.link_bound}
 
     def record(self, error: BaseException | None = None) -> dict:
         """The finished record (``error``: what ended it early; None: it completed).

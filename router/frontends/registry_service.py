@@ -124,15 +124,27 @@ class RegistryService(wgrpc.RegistryServicer):
     def _link_status(self, lc: LinkSection, now: float) -> wpb.LinkStatus:
         topo, reg = self.core.topology, self.registry
         if not lc.between:
-            lv = reg.local_link
-            return wpb.LinkStatus(name=lv.name, rtt_ms=lv.rtt_ms, gbps=lv.gbps, up=True,
-                                  transport=topo.transport(lc), protection=topo.protection(lc),
-                                  kv_codec=str(lc.kv_codec))
-        key = frozenset(lc.between)
-        lv, health = reg.links[key], reg.link_health[key]
-        return wpb.LinkStatus(name=lv.name, rtt_ms=lv.rtt_ms, gbps=lv.gbps, up=lv.up, transport=topo.transport(lc),
-                              protection=topo.protection(lc), kv_codec=str(lc.kv_codec), down_reason=health.reason,
-                              changed_s_ago=now - health.changed_at if health.changed_at else 0.0)
+            out = wpb.LinkStatus(name=reg.local_link.name, up=True)
+        else:
+            key = frozenset(lc.between)
+            health = reg.link_health[key]
+            out = wpb.LinkStatus(name=reg.links[key].name, up=reg.links[key].up, down_reason=health.reason,
+                                 changed_s_ago=now - health.changed_at if health.changed_at else 0.0)
+        out.transport, out.protection, out.kv_codec = topo.transport(lc), topo.protection(lc), str(lc.kv_codec)
+        self._measured(out, now)
+        return out
+
+    def _measured(self, out: wpb.LinkStatus, now: float) -> None:
+        """``out``'s configured and measured figures (router/placement/link_estimate.py)."""
+        fig = self.registry.meter.status(out.name)
+        if fig is None:
+            return
+        est = fig.estimate
+        out.gbps, out.rtt_ms, out.rate_source, out.placement_gbps = (fig.configured_gbps, fig.configured_rtt_ms,
+                                                                      fig.source.value, fig.gbps)
+        if now - est.last_at <= self.cfg.router.placement.link_rates.max_age_s:
+            out.measured_gbps, out.measured_floor_gbps, out.measured_rtt_ms = est.gbps, est.floor_gbps, est.rtt_ms
+            out.rate_samples, out.measured_s_ago = est.samples, now - est.last_at
 
     async def ListWorkers(self, request, context) -> wpb.ListWorkersResponse:
         try:

@@ -124,7 +124,7 @@ class LinkView:
     (it goes down or up) bumps ``LinkView.epoch``, so views can cache what
     they derive from their links."""
 
-    __slots__ = ("gbps", "kv_fraction", "name", "rtt_ms", "up")
+    __slots__ = ("gbps", "inflight", "kv_fraction", "name", "rtt_ms", "up")
     epoch = 0
     """Changes whenever any LinkView is built or changed."""
 
@@ -136,10 +136,15 @@ class LinkView:
         self.kv_fraction = kv_fraction
         """Bytes that cross it per byte of KV: its codec's (kvtransfer/base.py ``KVCodec.wire_fraction``), 1 for
         none; a request whose tenant forbids lossy codecs moves every byte."""
+        self.inflight = 0
+        """Transfers crossing it now (router/placement/link_estimate.py counts them between sites; 0 within
+        one): a new transfer shares the link with them."""
 
     def kv_gbps(self, coded: bool) -> float:
-        """The rate at which KV crosses it, counting cache bytes: its own, or its codec's fewer bytes."""
-        return self.gbps / self.kv_fraction if coded else self.gbps
+        """The rate at which a new transfer's KV would cross it, counting cache bytes: its share of the
+        link beside those in flight, at the link's own bytes or its codec's fewer."""
+        share = self.gbps / (1 + self.inflight)
+        return share / self.kv_fraction if coded else share
 
     def __setattr__(self, attr: str, value) -> None:
         object.__setattr__(self, attr, value)

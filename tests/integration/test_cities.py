@@ -176,6 +176,43 @@ def test_cluster_across_the_emulated_link(cities_cluster, reference_engine):
     assert tokens == want
 
 
+@needs_root
+@serial
+@pytest.mark.model
+def test_the_router_measures_a_link_that_slowed_down(emulated, cities_cluster):
+    """The link, configured at 0.5 Gbit/s, is shaped down to 0.1 while the cluster runs: the transfers
+    that cross it are link-bound, each at the shaped rate, and within ten of them (the issue's goal)
+    the rate placement uses is the shaped one, taken from the transfers (router.placement.link_rates:
+    an average over at least 2; earlier tests' transfers may have measured the faster link first).
+    `kvrelay status` shows configured vs measured, each placement the rate it used and where it came
+    from. Bounds that hold on a loaded machine: a shaped link is never faster than its shaping (plus
+    tbf's burst), and load only slows it."""
+    _, state_dir = emulated
+    lc, shaped = cities_cluster, 0.1
+
+    def tracked(lk: wpb.LinkStatus) -> bool:
+        return lk.rate_source == "measured" and 0.3 * shaped <= lk.placement_gbps <= 1.15 * shaped
+
+    cities.set_link_rate(state_dir, "toronto", "montreal", shaped)
+    try:
+        assert wait_until(lambda: _link(lc).up, 30, 0.05), _link(lc).down_reason
+        placed: list[ipb.Placement] = []
+        while len(placed) < 10 and not tracked(_link(lc)):  # 400 tokens: ~18 MB of KV, ~1.5 s at 0.1 Gbit/s
+            prompt = list(range(5000 + 400 * len(placed), 5400 + 400 * len(placed)))
+            placed.append(_generate(lc, prompt, 2)[-1].finish.placement)
+        lk = _link(lc)
+        assert tracked(lk), (lk, placed)
+        for p in placed:
+            assert p.link == "montreal-toronto" and p.link_bound, p
+            assert 0.3 * shaped <= p.link_measured_gbps <= 1.15 * shaped, p
+        assert (lk.gbps, lk.rtt_ms, lk.measured_gbps) == (GBPS, RTT_MS, lk.placement_gbps), lk
+        assert lk.rate_samples >= 2 and RTT_FLOOR_MS <= lk.measured_rtt_ms <= 2 * RTT_MS, lk
+        after = _generate(lc, list(range(9000, 9400)), 2)[-1].finish.placement
+        assert (after.link_rate_source, after.link_gbps) == ("measured", lk.placement_gbps), after
+    finally:
+        cities.set_link_rate(state_dir, "toronto", "montreal", GBPS)
+
+
 def _link(lc: LocalCluster) -> wpb.LinkStatus:
     with lc.channel(operator=True) as ch:
         links = wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10).links

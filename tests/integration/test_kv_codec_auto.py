@@ -4,8 +4,9 @@ link's configured rate and the prefill worker's measured throughput. Toronto
 computes every prompt and Montreal decodes it over a link configured at
 20 Mbit/s: a long prompt's KV would show (none), so it crosses coded; a
 one-block prompt's would not, so it crosses as it is; a tenant that forbids
-lossy codecs never gets one. (The rate is the config's: measured link rates
-are issue 35's item 3, not built.)"""
+lossy codecs never gets one. (The rate is the config's here: this loopback
+"link" would measure at Gbit/s. A link that measures slow on an emulated
+WAN: tests/integration/test_cities_codec.py.)"""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ pytestmark = pytest.mark.model
 
 
 def config() -> dict:
-    return codec_config("auto", gbps=0.02, kv={"auto_codecs": ["none", "int8", "int4"]})
+    raw = codec_config("auto", gbps=0.02, kv={"auto_codecs": ["none", "int8", "int4"]})
+    raw["router"]["placement"]["link_rates"] = {"measure": False}  # loopback would measure Gbit/s
+    return raw
 
 
 def _generate(lc, tenant: str, n: int, seed: int) -> ipb.Placement:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.benchmarks.sim.clock import Clock
-from kvrelay.benchmarks.sim.cluster import Failure, SimConfig
+from kvrelay.benchmarks.sim.cluster import Failure, RateChange, SimConfig
 from kvrelay.benchmarks.sim.network import SimLink
 from kvrelay.benchmarks.sim.planner import PlanGoal, Planner, deployment
 from kvrelay.benchmarks.sim.profile import ProfileError, attention_pairs, load_profile
@@ -314,3 +314,39 @@ def test_what_the_simulator_does_not_model_is_refused():
         run(dedicated, [request(100, 2)])
     with pytest.raises(SimInputError, match="does not come back"):
         run(one_site(1, 1), [request(100, 2)], failures=[Failure("worker", "a/decode/0", 1.0, for_s=5.0)])
+
+
+def test_a_link_that_slows_down_is_measured_and_placement_moves_off_it():
+    """Issue 35's item 3 in the simulator: the link drops from 100 to 2 Gbit/s at 20 s. The transfers
+    that cross it afterwards are link-bound, the router's estimate (router/placement/link_estimate.py,
+    the live router's code) reaches the new rate within ten of them (two: min_samples), and the cost
+    model stops sending prompts across: the decode site computes them itself, though that stalls its
+    running streams. (The estimate learns from transfers that landed: those placed before then pay.)"""
+    cfg = {"router": {"placement": {"policy": "cost_model", "colocate_below_tokens": 0}},
+           "sites": [{"name": "a", "prefill": {"replicas": 1}, "decode": {"replicas": 0}},
+                     {"name": "b", "prefill": {"replicas": 0}, "decode": {"replicas": 1}}],
+           "links": [{"between": ["a", "b"], "rtt_ms": 10, "gbps": 100}]}
+    arr = [request(4000, 200, at=2.0 * i, index=i) for i in range(40)]
+    rep = run(cfg, arr, rate_changes=[RateChange("a-b", 20.0, 2.0)])
+    assert rep["summary"]["failed"] == 0
+    (change,) = rep["meta"]["rate_changes"]
+    assert change["transfers_to_track"] is not None and change["transfers_to_track"] <= 10, change
+    assert change["seconds_to_track"] < 10, change
+    link = rep["meta"]["links"]["a-b"]
+    assert link["configured_gbps"] == 100 and link["rate_source"] == "measured", link
+    assert link["placement_gbps"] == pytest.approx(2.0, rel=0.02), link
+    crossed = [not r["placement"]["colocated"] for r in rep["requests"]]
+    assert sum(crossed[:10]) >= 8, crossed  # before: the fast link beats stalling b's streams
+    assert not any(crossed[-20:]), crossed  # after: it does not
+    bad = rep["meta"]["sim"]["rate_changes"]
+    assert bad == [{"link": "a-b", "at_s": 20.0, "gbps": 2.0}]
+
+
+def test_a_rate_change_must_name_a_link_and_a_rate(tmp_path):
+    base = [sys.executable, "-m", "kvrelay.cli", "sim", "--trace", str(SAMPLE_AZURE), "--profile", H100,
+            "--config", "examples/two-sites.yaml", "--limit", "5", "--no-plots", "--out", str(tmp_path)]
+    root = Path(__file__).resolve().parents[2]
+    for flag, says in (("toronto-nowhere@1=2", "no such link"), ("oops", "expected A-B@SECONDS=GBPS"),
+                       ("montreal-toronto@1=0", "must be positive")):
+        out = subprocess.run([*base, "--link-rate", flag], capture_output=True, text=True, cwd=root)
+        assert out.returncode == 2 and says in out.stderr, (flag, out.stderr)

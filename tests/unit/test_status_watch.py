@@ -26,8 +26,10 @@ def _workers(requests: int = 14) -> wpb.ListWorkersResponse:
     resp.workers.add(info=wpb.WorkerInfo(worker_id="local/prefill/0", site="local", role=wpb.ROLE_PREFILL),
                      healthy=False)
     resp.links.add(name="toronto-montreal", rtt_ms=8, gbps=10, transport="tcp", protection="aead", up=True,
-                   kv_bytes_per_s=12.3e6, kv_codec="int8")
-    resp.links.add(name="local", up=False, down_reason="no route")
+                   kv_bytes_per_s=12.3e6, kv_codec="int8", measured_gbps=0.04871, measured_floor_gbps=0.05,
+                   measured_rtt_ms=8.21, rate_samples=5, rate_source="measured", placement_gbps=0.04871)
+    resp.links.add(name="local", up=False, down_reason="no route", measured_floor_gbps=0.291,
+                   rate_source="lower bound", placement_gbps=0.291)
     resp.latency.CopyFrom(wpb.LatencySummary(window_s=60, requests=requests, ttft_p50_ms=120.4, ttft_p90_ms=340,
                                              itl_p50_ms=41, itl_p90_ms=60.2))
     return resp
@@ -40,13 +42,17 @@ def _pools() -> apb.ListPoolsResponse:
 
 def test_render_status_tables_and_lines():
     text = render_status(_workers(), _pools())
-    for header in ("DESIRED", "WORKER", "KV FREE/TOTAL", "KV USED", "METRICS", "LINK", "KV CODEC", "STATE", "KV RATE"):
+    for header in ("DESIRED", "WORKER", "KV FREE/TOTAL", "KV USED", "METRICS", "LINK", "MEASURED RTT", "MEASURED GBPS",
+                   "PLACEMENT USES", "KV CODEC", "STATE", "KV RATE"):
         assert header in text
     assert re.search(r"local/decode/0\s+local\s+decode\s+ok\s+0\s+3\s+0\s+25/100\s+75%", text)
     assert re.search(r"local/prefill/0\s+local\s+prefill\s+UNHEALTHY.*0/0\s+-\s", text)
     assert "127.0.0.1:9465" in text and "router metrics: 127.0.0.1:9464" in text
-    assert re.search(r"toronto-montreal\s+8\s+10\s+tcp\s+aead\s+int8\s+up\s+12\.3 MB/s", text)
-    assert re.search(r"local\s.*\snone\s+DOWN", text)  # a link that names no codec (an older router): none
+    # configured vs measured: RTT, rate (over 5 link-bound transfers), and what placement uses
+    assert re.search(r"toronto-montreal\s+8\s+8\.21\s+10\s+0\.0487 \(5\)\s+0\.0487 \(measured\)\s+tcp\s+aead"
+                     r"\s+int8\s+up\s+12\.3 MB/s", text)
+    # only lower bounds (no transfer waited for the link), no RTT measured; no codec named (an older router)
+    assert re.search(r"local\s+0\s+-\s+0\s+>=0\.291\s+0\.291 \(lower bound\)\s.*\snone\s+DOWN", text)
     assert "DOWN (no route)" in text and "0 B/s" in text
     assert "placement policy: cost\n" in text
     assert "last 60 s: 14 requests, TTFT p50 120 ms p90 340 ms, ITL p50 41 ms p90 60 ms\n" in text

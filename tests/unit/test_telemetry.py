@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.router.cluster.usage import UsageLedger
 from kvrelay.router.core.observe import RETRIES, LinkRates, RecentWindow, RouterTelemetry
+from kvrelay.router.placement.link_estimate import LinkState
 from kvrelay.runtime.config import ConfigError, TelemetrySection, TraceExport, parse_config
 from kvrelay.runtime.metrics import METRIC_NAMES, FailureReason, failure_reason
 from kvrelay.runtime.tracing import (
@@ -139,13 +140,16 @@ def test_retries_and_migrations_survive_a_router_restart(tmp_path):
 
 
 def test_every_router_metric_is_named_in_the_list():
-    tel = RouterTelemetry(registry=CollectorRegistry(), links=lambda: [("a-b", True), ("b-c", False)])
+    tel = RouterTelemetry(registry=CollectorRegistry(), links=lambda: [
+        LinkState("a-b", True, 0.0487, "measured"), LinkState("b-c", False, 10.0, "configured")])
     text = generate_latest(tel.registry).decode()
     names = {f.name for f in text_string_to_metric_families(text)}
-    assert {"kvrelay_link_up", "kvrelay_time_to_first_token_seconds", "kvrelay_requests"} <= names
+    assert {"kvrelay_link_up", "kvrelay_link_rate_gbps", "kvrelay_time_to_first_token_seconds",
+            "kvrelay_requests"} <= names
     for name in names:
         assert any(m.startswith(name) for m in METRIC_NAMES), name
     assert 'kvrelay_link_up{link="b-c"} 0.0' in text
+    assert 'kvrelay_link_rate_gbps{link="a-b",source="measured"} 0.0487' in text
 
 
 def test_the_router_samples_by_its_own_ratio_whatever_flag_a_client_sends(tmp_path):

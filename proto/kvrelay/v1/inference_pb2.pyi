@@ -103,7 +103,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("prefill_worker", "decode_worker", "prefill_site", "decode_site", "colocated", "transport", "kv_bytes", "ttft_ms", "estimated_ttft_ms", "policy", "prefill_cached_blocks", "decode_cached_blocks", "link", "kv_transfer_ms", "prefill_ms", "retries", "migrations", "trace_id", "kv_codec")
+    __slots__ = ("prefill_worker", "decode_worker", "prefill_site", "decode_site", "colocated", "transport", "kv_bytes", "ttft_ms", "estimated_ttft_ms", "policy", "prefill_cached_blocks", "decode_cached_blocks", "link", "kv_transfer_ms", "prefill_ms", "retries", "migrations", "trace_id", "kv_codec", "link_gbps", "link_rate_source", "link_measured_gbps", "link_bound")
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SITE_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,10 @@ class Placement(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_CODEC_FIELD_NUMBER: _ClassVar[int]
+    LINK_GBPS_FIELD_NUMBER: _ClassVar[int]
+    LINK_RATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    LINK_MEASURED_GBPS_FIELD_NUMBER: _ClassVar[int]
+    LINK_BOUND_FIELD_NUMBER: _ClassVar[int]
     prefill_worker: str
     decode_worker: str
     prefill_site: str
@@ -142,7 +146,11 @@ class Placement(_message.Message):
     migrations: int
     trace_id: str
     kv_codec: str
-    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_site: _Optional[str] = ..., decode_site: _Optional[str] = ..., colocated: _Optional[bool] = ..., transport: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., estimated_ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., prefill_cached_blocks: _Optional[int] = ..., decode_cached_blocks: _Optional[int] = ..., link: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., retries: _Optional[int] = ..., migrations: _Optional[int] = ..., trace_id: _Optional[str] = ..., kv_codec: _Optional[str] = ...) -> None: ...
+    link_gbps: float
+    link_rate_source: str
+    link_measured_gbps: float
+    link_bound: bool
+    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_site: _Optional[str] = ..., decode_site: _Optional[str] = ..., colocated: _Optional[bool] = ..., transport: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., estimated_ttft_ms: _Optional[float] = ..., policy: _Optional[str] = ..., prefill_cached_blocks: _Optional[int] = ..., decode_cached_blocks: _Optional[int] = ..., link: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., retries: _Optional[int] = ..., migrations: _Optional[int] = ..., trace_id: _Optional[str] = ..., kv_codec: _Optional[str] = ..., link_gbps: _Optional[float] = ..., link_rate_source: _Optional[str] = ..., link_measured_gbps: _Optional[float] = ..., link_bound: _Optional[bool] = ...) -> None: ...
 
 class Finish(_message.Message):
     __slots__ = ("reason", "usage", "placement")

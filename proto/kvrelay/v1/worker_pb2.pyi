@@ -210,7 +210,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., healthy: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., draining: _Optional[bool] = ..., inflight: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class LinkStatus(_message.Message):
-    __slots__ = ("name", "rtt_ms", "gbps", "transport", "protection", "up", "down_reason", "changed_s_ago", "kv_bytes_per_s", "kv_codec")
+    __slots__ = ("name", "rtt_ms", "gbps", "transport", "protection", "up", "down_reason", "changed_s_ago", "kv_bytes_per_s", "kv_codec", "measured_gbps", "measured_floor_gbps", "measured_rtt_ms", "rate_samples", "measured_s_ago", "rate_source", "placement_gbps")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
     GBPS_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,13 @@ class LinkStatus(_message.Message):
     CHANGED_S_AGO_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     KV_CODEC_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_GBPS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FLOOR_GBPS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    RATE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    RATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_GBPS_FIELD_NUMBER: _ClassVar[int]
     name: str
     rtt_ms: float
     gbps: float
@@ -231,7 +238,14 @@ class LinkStatus(_message.Message):
     changed_s_ago: float
     kv_bytes_per_s: float
     kv_codec: str
-    def __init__(self, name: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., gbps: _Optional[float] = ..., transport: _Optional[str] = ..., protection: _Optional[str] = ..., up: _Optional[bool] = ..., down_reason: _Optional[str] = ..., changed_s_ago: _Optional[float] = ..., kv_bytes_per_s: _Optional[float] = ..., kv_codec: _Optional[str] = ...) -> None: ...
+    measured_gbps: float
+    measured_floor_gbps: float
+    measured_rtt_ms: float
+    rate_samples: int
+    measured_s_ago: float
+    rate_source: str
+    placement_gbps: float
+    def __init__(self, name: _Optional[str] = ..., rtt_ms: _Optional[float] = ..., gbps: _Optional[float] = ..., transport: _Optional[str] = ..., protection: _Optional[str] = ..., up: _Optional[bool] = ..., down_reason: _Optional[str] = ..., changed_s_ago: _Optional[float] = ..., kv_bytes_per_s: _Optional[float] = ..., kv_codec: _Optional[str] = ..., measured_gbps: _Optional[float] = ..., measured_floor_gbps: _Optional[float] = ..., measured_rtt_ms: _Optional[float] = ..., rate_samples: _Optional[int] = ..., measured_s_ago: _Optional[float] = ..., rate_source: _Optional[str] = ..., placement_gbps: _Optional[float] = ...) -> None: ...
 
 class LatencySummary(_message.Message):
     __slots__ = ("window_s", "requests", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms")
@@ -348,7 +362,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "kv_bytes", "prefill_ms", "transfer_ms", "cached_tokens", "first_top_logprobs")
+    __slots__ = ("first_token_id", "first_logprob", "kv_bytes", "prefill_ms", "transfer_ms", "cached_tokens", "first_top_logprobs", "wire_ms", "link_bound", "rtt_ms")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -356,6 +370,9 @@ class PrefillResponse(_message.Message):
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_MS_FIELD_NUMBER: _ClassVar[int]
+    LINK_BOUND_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
     kv_bytes: int
@@ -363,7 +380,10 @@ class PrefillResponse(_message.Message):
     transfer_ms: float
     cached_tokens: int
     first_top_logprobs: _inference_pb2.TopLogprobs
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., first_top_logprobs: _Optional[_Union[_inference_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
+    wire_ms: float
+    link_bound: bool
+    rtt_ms: float
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., first_top_logprobs: _Optional[_Union[_inference_pb2.TopLogprobs, _Mapping]] = ..., wire_ms: _Optional[float] = ..., link_bound: _Optional[bool] = ..., rtt_ms: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
