@@ -176,8 +176,11 @@ class WorkerRegistry:
 
 
     def link_states(self) -> list[LinkState]:
-        """Each configured link between sites: up now or not, the rate placement uses (for /metrics)."""
-        return [LinkState(lv.name, lv.up, lv.gbps, self.meter.source(lv.name).value) for lv in self.links.values()]
+        """Each configured link between sites (up now or not) and the local link: the rate placement uses (for
+        /metrics)."""
+        ll = self.local_link
+        return [*(LinkState(lv.name, lv.up, lv.gbps, self.meter.source(lv.name).value) for lv in self.links.values()),
+                LinkState(ll.name, True, ll.gbps, self.meter.source(ll.name).value, probed=False)]
     def pools_of(self, tenant: str) -> frozenset:
         """The dedicated pools ``tenant`` may use: requests with the same set (and
         constraints) fit the same workers, whoever their tenant."""

@@ -104,8 +104,8 @@ class LinkRates:
 
 
 class LinkCollector(Collector):
-    """``kvrelay_link_up{link}`` and ``kvrelay_link_rate_gbps{link,source}``, read from the registry at each
-    scrape."""
+    """``kvrelay_link_up{link}`` (links between sites) and ``kvrelay_link_rate_gbps{link,source}`` (those and
+    the local link), read from the registry at each scrape."""
 
     def __init__(self, links: Callable[[], list[LinkState]]) -> None:
         self.links = links
@@ -115,7 +115,8 @@ class LinkCollector(Collector):
         rate = GaugeMetricFamily("kvrelay_link_rate_gbps", "The rate placement prices the link's KV at (Gbit/s): "
                                  "measured from its transfers or configured", labels=["link", "source"])
         for lk in self.links():
-            up.add_metric([lk.name], 1.0 if lk.up else 0.0)
+            if lk.probed:
+                up.add_metric([lk.name], 1.0 if lk.up else 0.0)
             rate.add_metric([lk.name, lk.source], lk.gbps)
         yield up
         yield rate

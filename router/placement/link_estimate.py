@@ -237,3 +237,5 @@ class LinkState:
     """The rate placement uses for it ..."""
     source: str
     """... and where that comes from (a RateSource's value)."""
+    probed: bool = True
+    """Between sites, its health probed (``up`` says so); False: the local link, always up."""

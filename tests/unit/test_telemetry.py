@@ -141,7 +141,8 @@ def test_retries_and_migrations_survive_a_router_restart(tmp_path):
 
 def test_every_router_metric_is_named_in_the_list():
     tel = RouterTelemetry(registry=CollectorRegistry(), links=lambda: [
-        LinkState("a-b", True, 0.0487, "measured"), LinkState("b-c", False, 10.0, "configured")])
+        LinkState("a-b", True, 0.0487, "measured"), LinkState("b-c", False, 10.0, "configured"),
+        LinkState("local", True, 12.5, "lower bound", probed=False)])
     text = generate_latest(tel.registry).decode()
     names = {f.name for f in text_string_to_metric_families(text)}
     assert {"kvrelay_link_up", "kvrelay_link_rate_gbps", "kvrelay_time_to_first_token_seconds",
@@ -150,6 +151,8 @@ def test_every_router_metric_is_named_in_the_list():
         assert any(m.startswith(name) for m in METRIC_NAMES), name
     assert 'kvrelay_link_up{link="b-c"} 0.0' in text
     assert 'kvrelay_link_rate_gbps{link="a-b",source="measured"} 0.0487' in text
+    assert 'kvrelay_link_rate_gbps{link="local",source="lower bound"} 12.5' in text
+    assert 'kvrelay_link_up{link="local"}' not in text  # within a site: not probed
 
 
 def test_the_router_samples_by_its_own_ratio_whatever_flag_a_client_sends(tmp_path):
