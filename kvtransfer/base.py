@@ -135,9 +135,9 @@ class TransferResult:
     wire_s: float = 0.0
     """Sender: from its first byte written to the receiver's ack (0: not measured, as when the receiver pulls)."""
     link_bound: bool = False
-    """Sender: the network set the pace, not the producer or the receiver: its connection's TCP was held
-    back by the network (busy, not limited by the receiver's window) for most of
-    its time on the wire (kvtransfer/channel.py LINK_BOUND_SHARE)."""
+    """Sender: the network set the pace, not the producer or the receiver: the connections that carried it
+    were held back by the network (busy, not limited by the receiver's window) for at least half of its
+    time on the wire (kvtransfer/channel.py LINK_BOUND_SHARE)."""
     rtt_s: float = 0.0
     """Sender: the connection's least round trip as its TCP measured it (0: unknown)."""
 

@@ -503,7 +503,7 @@ class ChannelSendHandle(StateHandle, SendHandle):
         for index, since in list(self._busy_at.items()):
             sock = self.pool.streams[index].sock
             busy = network_busy_us(sock) if sock is not None else None
-            held_us += busy - since if busy is not None else 0
+            held_us += max(0, busy - since) if busy is not None else 0  # a replaced connection counts from 0
         bound = crossing_us >= LINK_BOUND_MIN_S * 1e6 and held_us >= LINK_BOUND_SHARE * crossing_us
         return TransferResult(self.first_token, self.first_logprob, self.nbytes, now - self.started, wire_s=wire,
                               link_bound=bound, rtt_s=rtt_s)

@@ -3,11 +3,11 @@
 A sender times every transfer on the wire: from its first byte written to the
 receiver's acknowledgement, less the connection's least RTT (its TCP's
 measurement), is the time its bytes took to cross. When the network set
-the pace (the connection's TCP was held back by the network, not by the
-prefill, the receiver's window or its send buffer, for most of that time:
-kvtransfer/channel.py), bytes over that time is the link's rate as a
-transfer gets it (shared with whatever else crosses it then); otherwise the
-link waited for someone else and the figure is only a lower bound of its rate.
+the pace (its connections' TCP was held back by the network, not by the
+prefill or the receiver's window, for at least half of that time:
+kvtransfer/channel.py), bytes over that time is the rate the transfer got
+on the link; otherwise the link waited for someone else and the figure is
+only a lower bound of its rate.
 
 Transfers that cross a link between sites together share it: the router
 counts those in flight on each (``LinkView.inflight``: placement prices a
@@ -43,7 +43,8 @@ class LinkSample:
     at: float
     """When it ended (the caller's clock, seconds)."""
     gbps: float
-    """The rate its bytes crossed at (Gbit/s on the wire; 0: not timed)."""
+    """The link's rate as this transfer measured it: its bytes over its time on the wire, divided by its share
+    of the link (Gbit/s on the wire; 0: not timed)."""
     bound: bool
     """The link set the pace: ``gbps`` is the link's rate, not a lower bound of it."""
     rtt_ms: float = 0.0

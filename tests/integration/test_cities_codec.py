@@ -22,7 +22,7 @@ from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from tests.integration.helpers import wait_until, workers
-from tests.integration.test_cities import _purge, needs_root, serial
+from tests.integration.test_cities import _purge, needs_root
 
 PREFIX, SUBNET = "kvtk", "10.219.0.0/16"
 CONFIGURED, SHAPED, RTT_MS = 1.0, 0.05, 20.0
@@ -58,7 +58,7 @@ def _generate(lc: LocalCluster, prompt: list[int]) -> tuple[list[int], ipb.Place
 
 
 @needs_root
-@serial
+@pytest.mark.serial  # link rates across the emulated cities: measured alone
 @pytest.mark.model
 def test_auto_codes_once_the_link_measures_slow(tmp_path, smollm_path, reference_engine):
     _purge(PREFIX)
