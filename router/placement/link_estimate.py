@@ -23,7 +23,11 @@ used once ``min_samples`` of them arrived; a lower bound above the estimate
 raises it at once (the link is at least that fast); until measured, a lower
 bound above the configured rate replaces it. A link with no transfer for
 ``max_age_s`` goes back to its configured figures, and its next samples
-start afresh. Pure: the caller passes the clock (the router and the
+start afresh; having been measured before, one link-bound sample is then
+enough. Meanwhile a link between sites gets its configured figure back for
+one transfer at a time (a probe): while one crosses, placement keeps the
+old measurement, so a link whose configured figure proved wrong does not
+draw a burst of transfers before the probe lands. Pure: the caller passes the clock (the router and the
 simulator share this code)."""
 
 from __future__ import annotations
@@ -85,11 +89,14 @@ class LinkEstimate:
     """Least RTT its transfers' connections measured lately (0: none)."""
     samples: int = 0
     """Link-bound samples in ``gbps``."""
+    measured_before: bool = False
+    """An earlier run of samples, since aged out, had reached ``min_samples``."""
     last_at: float = float("-inf")
     """When its last sample arrived."""
 
     def add(self, s: LinkSample, cfg: LinkRatesSection) -> None:
         if s.at - self.last_at > cfg.max_age_s:
+            self.measured_before |= self.samples >= cfg.min_samples
             self.gbps, self.floor_gbps, self.rtt_ms, self.samples = 0.0, 0.0, 0.0, 0
         self.last_at = s.at
         if s.rtt_ms > 0:
@@ -105,14 +112,19 @@ class LinkEstimate:
             if self.samples and s.gbps > self.gbps:
                 self.gbps = s.gbps
 
-    def figures(self, now: float, gbps: float, rtt_ms: float, cfg: LinkRatesSection
+    def figures(self, now: float, gbps: float, rtt_ms: float, cfg: LinkRatesSection, probing: bool = False
                 ) -> tuple[float, float, RateSource]:
         """(Gbit/s, RTT ms, where the rate comes from) for placement: measured where known and
-        fresh, else the configured ``gbps`` and ``rtt_ms``."""
-        if not cfg.measure or now - self.last_at > cfg.max_age_s:
+        fresh, else the configured ``gbps`` and ``rtt_ms``; ``probing``: a transfer crosses the link now,
+        so an aged-out measurement stays in use until it lands."""
+        if not cfg.measure:
+            return gbps, rtt_ms, RateSource.CONFIGURED
+        if now - self.last_at > cfg.max_age_s:
+            if probing and self.samples >= (1 if self.measured_before else cfg.min_samples):
+                return self.gbps, self.rtt_ms or rtt_ms, RateSource.MEASURED
             return gbps, rtt_ms, RateSource.CONFIGURED
         rtt = self.rtt_ms or rtt_ms
-        if self.samples >= cfg.min_samples:
+        if self.samples >= (1 if self.measured_before else cfg.min_samples):
             return self.gbps, rtt, RateSource.MEASURED
         if self.floor_gbps > gbps:
             return self.floor_gbps, rtt, RateSource.LOWER_BOUND
@@ -172,6 +184,7 @@ class LinkMeter:
         m.sharing.advance(now)
         m.sharing.n += 1
         m.view.inflight = m.sharing.n
+        self._apply(m, now)  # a probe of an aged-out link: its old measurement back while it crosses
         return Crossing(link, now, m.sharing.shares)
 
     def end(self, c: Crossing | None, now: float) -> float:
@@ -183,6 +196,7 @@ class LinkMeter:
         m.sharing.advance(now)
         m.sharing.n -= 1
         m.view.inflight = m.sharing.n
+        self._apply(m, now)
         span = now - c.start
         return min(1.0, (m.sharing.shares - c.shares) / span) if span > 0 else 1.0
 
@@ -200,7 +214,7 @@ class LinkMeter:
                 self._apply(m, now)
 
     def _apply(self, m: _Metered, now: float) -> None:
-        gbps, rtt_ms, m.source = m.estimate.figures(now, m.gbps, m.rtt_ms, self.cfg)
+        gbps, rtt_ms, m.source = m.estimate.figures(now, m.gbps, m.rtt_ms, self.cfg, probing=m.sharing.n > 0)
         if (gbps, rtt_ms) != (m.view.gbps, m.view.rtt_ms):  # a LinkView write invalidates derived matrices
             m.view.gbps, m.view.rtt_ms = gbps, rtt_ms
 

@@ -139,3 +139,22 @@ def test_transfers_in_flight_share_a_link_and_samples_count_the_whole_link():
     assert sample.gbps == pytest.approx(0.6 / 1.98 / 0.75) and sample.share == 0.75  # 600 Mbit in 1.98 s, at 3/4
     assert meter.begin("local", 0.0) is None and meter.begin("", 0.0) is None and local.inflight == 0
     assert meter.end(None, 1.0) == 1.0
+
+
+def test_an_aged_out_link_is_probed_one_transfer_at_a_time():
+    """A link measured at 20 Mbit/s (configured 1 Gbit/s) that nothing crossed for max_age_s: its
+    configured figure is back, but only until a transfer starts across it (a probe); while that one
+    crosses placement keeps the old measurement, and one link-bound sample then replaces it."""
+    link = LinkView(30.0, 1.0, name="a-b")
+    meter = LinkMeter([link], CFG)
+    for t in (1.0, 2.0):
+        meter.observe("a-b", _bound(t, 0.02))
+    late = 3.0 + CFG.max_age_s
+    meter.refresh(late)
+    assert (link.gbps, meter.source("a-b")) == (1.0, RateSource.CONFIGURED)
+    probe = meter.begin("a-b", late)
+    assert (link.gbps, meter.source("a-b")) == (0.02, RateSource.MEASURED)
+    assert meter.end(probe, late + 5.0) == 1.0
+    assert link.gbps == 1.0  # it ended without a sample (failed): configured again, for the next probe
+    meter.observe("a-b", _bound(late + 6.0, 0.03))
+    assert (link.gbps, meter.source("a-b")) == (0.03, RateSource.MEASURED)  # one sample: measured before
