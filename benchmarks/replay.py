@@ -194,7 +194,9 @@ async def _stream(stub, req: ipb.GenerateRequest, t0: float, cfg: ReplayConfig, 
                              "kv_bytes": p.kv_bytes, "kv_codec": p.kv_codec, "kv_transfer_ms": p.kv_transfer_ms,
                              "prefill_ms": p.prefill_ms,
                              "estimated_ttft_ms": p.estimated_ttft_ms, "router_ttft_ms": p.ttft_ms,
-                             "retries": p.retries, "migrations": p.migrations}
+                             "retries": p.retries, "migrations": p.migrations, "link_gbps": p.link_gbps,
+                             "link_rate_source": p.link_rate_source, "link_measured_gbps": p.link_measured_gbps,
+                             "link_bound": p.link_bound}
             rec.cached_tokens = msg.finish.usage.cached_prompt_tokens
             rec.trace_id = p.trace_id
 

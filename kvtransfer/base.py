@@ -136,16 +136,19 @@ class TransferResult:
     """Sender: from its first byte written to the receiver's ack (0: not measured, as when the receiver pulls)."""
     link_bound: bool = False
     """Sender: the network set the pace, not the producer or the receiver: the connections that carried it
-    were held back by the network (busy, not limited by the receiver's window) for at least half of its
-    time on the wire (kvtransfer/channel.py LINK_BOUND_SHARE)."""
+    were held back by the network (busy, not limited by the receiver's window) for nearly all of its time
+    on the wire (kvtransfer/channel.py LINK_BOUND_SHARE)."""
     rtt_s: float = 0.0
     """Sender: the connection's least round trip as its TCP measured it (0: unknown)."""
+    busy_s: float = 0.0
+    """Sender: of its time on the wire less a round trip, how long the network held its connections back
+    (0: unknown; at most that time)."""
 
     @property
     def link_gbps(self) -> float:
-        """The rate its bytes crossed at while on the wire (Gbit/s; 0: not measured): the link's rate when
-        ``link_bound``, else only a lower bound of it (the link waited for the producer)."""
-        busy = self.wire_s - self.rtt_s
+        """The rate its bytes crossed at while the network carried them (Gbit/s; 0: not measured): the link's
+        rate when ``link_bound``, else only a lower bound of it (the link waited for the producer)."""
+        busy = self.busy_s or self.wire_s - self.rtt_s
         return self.nbytes * 8 / busy / 1e9 if self.wire_s > 0 and busy > 0 else 0.0
 
 

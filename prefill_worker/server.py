@@ -193,7 +193,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                                        kv_bytes=result.nbytes, prefill_ms=(t1 - t0) * 1e3,
                                        transfer_ms=(time.perf_counter() - t1) * 1e3,
                                        cached_tokens=out.num_cached_tokens, wire_ms=result.wire_s * 1e3,
-                                       link_bound=result.link_bound, rtt_ms=result.rtt_s * 1e3)
+                                       link_bound=result.link_bound, rtt_ms=result.rtt_s * 1e3,
+                                       busy_ms=result.busy_s * 1e3)
             if out.new_top_logprobs:  # the KV transfer carries only the token: the router adds these
                 resp.first_top_logprobs.CopyFrom(top_logprobs_proto(out.new_top_logprobs[0]))
             return resp

@@ -9,7 +9,7 @@ rate may change while flows cross it (``set_rate``).
 
 Each flow that lands is timed as a live sender times its transfer
 (kvtransfer/channel.py): first byte to last, its bytes' rate, and whether
-the link set its pace (it had bytes waiting for at least half of that time);
+the link set its pace (it had bytes waiting for 90% of that time);
 the samples go to ``on_sample`` (the router's link estimate,
 router/placement/link_estimate.py).
 """
@@ -49,7 +49,7 @@ class Flow:
     """Its count on the router's link estimate (LinkMeter.begin), set by whoever opened it."""
 
 
-BOUND_SHARE, BOUND_MIN_S = 0.5, 0.02
+BOUND_SHARE, BOUND_MIN_S = 0.9, 0.1
 """A flow is link-bound when it had bytes waiting for this share of its time, at least this long
 (kvtransfer/channel.py's LINK_BOUND_SHARE and LINK_BOUND_MIN_S)."""
 

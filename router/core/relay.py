@@ -252,7 +252,7 @@ class Relay:
         """The transfer's time on the wire, for the link's estimate (router/placement/link_estimate.py)."""
         now = time.monotonic()
         share = self.registry.meter.end(self.crossing, now)
-        sample = LinkSample.of(now, resp.kv_bytes, resp.wire_ms, resp.rtt_ms, resp.link_bound, share)
+        sample = LinkSample.of(now, resp.kv_bytes, resp.wire_ms, resp.rtt_ms, resp.link_bound, share, resp.busy_ms)
         self.placement.link_measured_gbps, self.placement.link_bound = sample.gbps * share, sample.bound
         if sample.gbps > 0:
             self.registry.meter.observe(self.placement.link, sample)

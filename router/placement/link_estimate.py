@@ -4,7 +4,7 @@ A sender times every transfer on the wire: from its first byte written to the
 receiver's acknowledgement, less the connection's least RTT (its TCP's
 measurement), is the time its bytes took to cross. When the network set
 the pace (its connections' TCP was held back by the network, not by the
-prefill or the receiver's window, for at least half of that time:
+prefill or the receiver's window, for nearly all of that time:
 kvtransfer/channel.py), bytes over that time is the rate the transfer got
 on the link; otherwise the link waited for someone else and the figure is
 only a lower bound of its rate.
@@ -58,11 +58,12 @@ class LinkSample:
     whole rate, ``gbps * share`` is what this transfer got."""
 
     @classmethod
-    def of(cls, at: float, nbytes: int, wire_ms: float, rtt_ms: float, bound: bool, share: float = 1.0
-           ) -> LinkSample:
-        """From a sender's figures: ``nbytes`` on the wire for ``wire_ms`` (first byte to ack), with
-        ``share`` of the link on average (LinkMeter.end)."""
-        busy_ms = wire_ms - rtt_ms
+    def of(cls, at: float, nbytes: int, wire_ms: float, rtt_ms: float, bound: bool, share: float = 1.0,
+           busy_ms: float = 0.0) -> LinkSample:
+        """From a sender's figures: ``nbytes`` on the wire for ``wire_ms`` (first byte to ack), the network
+        carrying them for ``busy_ms`` of it (0: unknown, all of it less a round trip), with ``share`` of the
+        link on average (LinkMeter.end)."""
+        busy_ms = busy_ms or wire_ms - rtt_ms
         gbps = nbytes * 8 / (busy_ms * 1e6) / share if wire_ms > 0 and busy_ms > 0 and share > 0 else 0.0
         return cls(at, gbps, bound and gbps > 0, rtt_ms, share)
 

@@ -362,7 +362,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkRequest, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "kv_bytes", "prefill_ms", "transfer_ms", "cached_tokens", "first_top_logprobs", "wire_ms", "link_bound", "rtt_ms")
+    __slots__ = ("first_token_id", "first_logprob", "kv_bytes", "prefill_ms", "transfer_ms", "cached_tokens", "first_top_logprobs", "wire_ms", "link_bound", "rtt_ms", "busy_ms")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,7 @@ class PrefillResponse(_message.Message):
     WIRE_MS_FIELD_NUMBER: _ClassVar[int]
     LINK_BOUND_FIELD_NUMBER: _ClassVar[int]
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_MS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
     kv_bytes: int
@@ -383,7 +384,8 @@ class PrefillResponse(_message.Message):
     wire_ms: float
     link_bound: bool
     rtt_ms: float
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., first_top_logprobs: _Optional[_Union[_inference_pb2.TopLogprobs, _Mapping]] = ..., wire_ms: _Optional[float] = ..., link_bound: _Optional[bool] = ..., rtt_ms: _Optional[float] = ...) -> None: ...
+    busy_ms: float
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., first_top_logprobs: _Optional[_Union[_inference_pb2.TopLogprobs, _Mapping]] = ..., wire_ms: _Optional[float] = ..., link_bound: _Optional[bool] = ..., rtt_ms: _Optional[float] = ..., busy_ms: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
