@@ -118,19 +118,23 @@ _TCP_INFO_HEAD = struct.Struct("5B")
 """struct tcp_info's first bytes: state, ca_state, retransmits, probes, backoff."""
 
 
+def _tcp_info(sock: socket.socket, field: struct.Struct, at: int) -> tuple | None:
+    """The fields ``field`` describes at offset ``at`` of the connection's struct tcp_info; None when
+    the kernel does not say (an older kernel's shorter struct, or not a TCP socket)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+    except OSError:
+        return None
+    return field.unpack_from(info, at) if len(info) >= at + field.size else None
+
+
 def retransmitting(sock: socket.socket) -> bool:
     """Whether the kernel is resending this connection's data on its
     retransmission timer (``tcpi_retransmits`` or ``tcpi_backoff`` > 0): the
     peer has acknowledged nothing for at least one timeout, as after a link
     cut; a healthy connection, however busy, reads 0. False when unknown."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-    except OSError:
-        return False
-    if len(info) < _TCP_INFO_HEAD.size:
-        return False
-    _, _, retransmits, _, backoff = _TCP_INFO_HEAD.unpack_from(info)
-    return retransmits > 0 or backoff > 0
+    got = _tcp_info(sock, _TCP_INFO_HEAD, 0)
+    return got is not None and (got[2] > 0 or got[4] > 0)
 
 
 _TCPI_BYTES_ACKED = struct.Struct("=Q")
@@ -142,13 +146,8 @@ def acked_bytes(sock: socket.socket) -> int | None:
     """Bytes of this connection the peer's TCP has acknowledged (the SYN
     counts one); None when the kernel does not say. Still readable after the
     connection failed, until the socket is closed."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
-    except OSError:
-        return None
-    if len(info) < _TCPI_BYTES_ACKED_AT + _TCPI_BYTES_ACKED.size:
-        return None
-    return int(_TCPI_BYTES_ACKED.unpack_from(info, _TCPI_BYTES_ACKED_AT)[0])
+    got = _tcp_info(sock, _TCPI_BYTES_ACKED, _TCPI_BYTES_ACKED_AT)
+    return None if got is None else int(got[0])
 
 
 _TCPI_MIN_RTT = struct.Struct("=I")
@@ -159,14 +158,8 @@ _TCPI_MIN_RTT_AT = 148
 def min_rtt_s(sock: socket.socket) -> float:
     """The least round trip this connection's TCP has measured (its windowed minimum, without the
     queueing a busy link adds), in seconds; 0 when the kernel does not say."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
-    except OSError:
-        return 0.0
-    if len(info) < _TCPI_MIN_RTT_AT + _TCPI_MIN_RTT.size:
-        return 0.0
-    us = _TCPI_MIN_RTT.unpack_from(info, _TCPI_MIN_RTT_AT)[0]
-    return us / 1e6 if us != 0xFFFFFFFF else 0.0
+    got = _tcp_info(sock, _TCPI_MIN_RTT, _TCPI_MIN_RTT_AT)
+    return got[0] / 1e6 if got is not None and got[0] != 0xFFFFFFFF else 0.0
 
 
 _TCPI_CHRONO = struct.Struct("=QQQ")
@@ -180,14 +173,8 @@ def network_busy_us(sock: socket.socket) -> int | None:
     time less the time the receiver's window limited it. (The send-buffer-limited time stays in: then
     the whole buffer is in flight and the path's acknowledgements pace it.) The kernel counts in
     scheduler ticks, 1-4 ms. None when the kernel does not say."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
-    except OSError:
-        return None
-    if len(info) < _TCPI_CHRONO_AT + _TCPI_CHRONO.size:
-        return None
-    busy, rwnd, _ = _TCPI_CHRONO.unpack_from(info, _TCPI_CHRONO_AT)
-    return int(busy - rwnd)
+    got = _tcp_info(sock, _TCPI_CHRONO, _TCPI_CHRONO_AT)
+    return None if got is None else int(got[0] - got[1])
 
 
 def written_mark(sock: socket.socket) -> int | None:
