@@ -8,8 +8,9 @@ bytes ready share the link. A link that goes down fails its flows; its
 rate may change while flows cross it (``set_rate``).
 
 Each flow that lands is timed as a live sender times its transfer
-(kvtransfer/channel.py): first byte to last, its bytes' rate, and whether
-the link set its pace (it had bytes waiting for 90% of that time);
+(kvtransfer/channel.py): first byte to last, whether the link set its pace
+(it had bytes waiting for 90% of that time), and its bytes' rate over the
+time the link held them (link-bound) or over all of it (a lower bound);
 the samples go to ``on_sample`` (the router's link estimate,
 router/placement/link_estimate.py).
 """
@@ -146,7 +147,8 @@ class SimLink:
         if busy <= 0:
             return
         bound = busy >= BOUND_MIN_S and flow.waiting_s >= BOUND_SHARE * busy
-        self.on_sample(flow, LinkSample(self.clock.now + self.rtt_ms / 1e3, flow.sent * 8 / busy / 1e9, bound,
+        carried = min(flow.waiting_s, busy) if bound else busy  # link-bound: bytes over the time the link held them
+        self.on_sample(flow, LinkSample(self.clock.now + self.rtt_ms / 1e3, flow.sent * 8 / carried / 1e9, bound,
                                         self.rtt_ms))
 
     def _finish(self, flow: Flow, ok: bool, delay: float) -> None:
