@@ -142,14 +142,8 @@ class TransferResult:
     """Sender: the connection's least round trip as its TCP measured it (0: unknown)."""
     busy_s: float = 0.0
     """Sender: of its time on the wire less a round trip, how long the network held its connections back
-    (0: unknown; at most that time)."""
-
-    @property
-    def link_gbps(self) -> float:
-        """The rate its bytes crossed at while the network carried them (Gbit/s; 0: not measured): the link's
-        rate when ``link_bound``, else only a lower bound of it (the link waited for the producer)."""
-        busy = self.busy_s or self.wire_s - self.rtt_s
-        return self.nbytes * 8 / busy / 1e9 if self.wire_s > 0 and busy > 0 else 0.0
+    (0: unknown; at most that time). The router's rate from these figures: router/placement/link_estimate.py
+    ``LinkSample.of``."""
 
 
 class TransferHandle(ABC):

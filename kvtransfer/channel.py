@@ -296,8 +296,7 @@ class SendStream:
             self.sock.shutdown(socket.SHUT_RDWR)
         try:
             if isinstance(item, LayerRun):
-                item.handle.writing(self.index, None if self.shared or self.sock is None
-                                    else network_busy_us(self.sock))
+                item.handle.writing(self.index, None if self.shared else self.sock)
                 self._send_blocks(item, views or [], nbytes)
             else:
                 self._live().writer.send(pb.KVFrame(done=pb.KVDone(
@@ -485,14 +484,18 @@ class ChannelSendHandle(StateHandle, SendHandle):
         """Stream index -> its connection's network-busy microseconds when this transfer first wrote there."""
         self.advance(TransferState.WAITING)
 
-    def writing(self, stream: int, busy_us: int | None) -> None:
-        """Stream ``stream`` starts writing one of its frames (``busy_us``: its connection's
-        :func:`network_busy_us` now; None: unknown, or a frame the receiver pulls, which is not timed)."""
+    def writing(self, stream: int, sock: socket.socket | None) -> None:
+        """Stream ``stream`` starts writing one of its frames on ``sock`` (None: a frame the receiver pulls,
+        which is not timed); its connection's network-busy time is read once, at this transfer's first
+        frame there."""
+        if sock is None or stream in self._busy_at:
+            return
+        busy_us = network_busy_us(sock)
         if busy_us is None:
             return
         if not self._first_write:
             self._first_write = time.perf_counter()
-        self._busy_at.setdefault(stream, busy_us)
+        self._busy_at[stream] = busy_us
 
     def timed(self, rtt_s: float) -> TransferResult:
         """What it delivered, now acknowledged (``rtt_s``: the acknowledging connection's least RTT), timed

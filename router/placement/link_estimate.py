@@ -113,6 +113,10 @@ class LinkEstimate:
             if self.samples and s.gbps > self.gbps:
                 self.gbps = s.gbps
 
+    def measured(self, cfg: LinkRatesSection) -> bool:
+        """Enough link-bound samples to use: ``min_samples``, or one when the link was measured before."""
+        return self.samples >= (1 if self.measured_before else cfg.min_samples)
+
     def figures(self, now: float, gbps: float, rtt_ms: float, cfg: LinkRatesSection, probing: bool = False
                 ) -> tuple[float, float, RateSource]:
         """(Gbit/s, RTT ms, where the rate comes from) for placement: measured where known and
@@ -121,11 +125,11 @@ class LinkEstimate:
         if not cfg.measure:
             return gbps, rtt_ms, RateSource.CONFIGURED
         if now - self.last_at > cfg.max_age_s:
-            if probing and self.samples >= (1 if self.measured_before else cfg.min_samples):
+            if probing and self.measured(cfg):
                 return self.gbps, self.rtt_ms or rtt_ms, RateSource.MEASURED
             return gbps, rtt_ms, RateSource.CONFIGURED
         rtt = self.rtt_ms or rtt_ms
-        if self.samples >= (1 if self.measured_before else cfg.min_samples):
+        if self.measured(cfg):
             return self.gbps, rtt, RateSource.MEASURED
         if self.floor_gbps > gbps:
             return self.floor_gbps, rtt, RateSource.LOWER_BOUND
