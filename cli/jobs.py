@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 from google.protobuf import descriptor, json_format
 
-from kvrelay.cli.common import add_connect_flags, client_dialer, grpc_error, table
+from kvrelay.cli.common import add_connect_flags, client_dialer, grpc_error, routers_for, table
 from kvrelay.router.core.job_limits import (
     MAX_JOB_BYTES,
     MAX_JOB_REQUESTS,
@@ -225,7 +225,8 @@ def parse_job_file(path: Path, name: str | None = None, max_bytes: int = MAX_JOB
 
 def _stub(args):
     """A channel to the router (sending up to a job's size) and a Jobs stub on it."""
-    ch = client_dialer(args).sync(args.router, max_send_bytes=256 << 20)
+    dialer = client_dialer(args)  # several routers: the first that reads this tenant's prompts (its jobs live there)
+    ch = dialer.sync(routers_for(args, dialer)[0], max_send_bytes=256 << 20)
     return ch, jgrpc.JobsStub(ch)
 
 

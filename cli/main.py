@@ -19,11 +19,13 @@ from pathlib import Path
 import grpc
 
 from kvrelay.cli.common import (
+    NoRouter,
     add_connect_flags,
     client_dialer,
     default_cache_dir,
     default_token_file,
     grpc_error,
+    routers_for,
 )
 from kvrelay.cli.lazy import Lazy, command_module, local
 from kvrelay.engine.errors import EngineError
@@ -47,14 +49,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         req.sampling.repetition_penalty = args.repetition_penalty
     req.sampling.presence_penalty, req.sampling.frequency_penalty = args.presence_penalty, args.frequency_penalty
     req.sampling.min_p, req.sampling.min_tokens = args.min_p, args.min_tokens
+    dialer = client_dialer(args)
+    try:
+        candidates = routers_for(args, dialer)
+    except NoRouter as exc:
+        print(f"kvrelay: error: {exc}", file=sys.stderr)
+        return 1
     finish = None
-    with client_dialer(args).sync(args.router) as ch:
+    for i, address in enumerate(candidates):
         try:
-            for msg in igrpc.InferenceStub(ch).Generate(req, timeout=args.timeout):
-                sys.stdout.write(msg.text)
-                sys.stdout.flush()
-                if msg.HasField("finish"):
-                    finish = msg.finish
+            finish = _stream(dialer, address, req, args.timeout)
+            break
+        except _Unanswered as exc:  # nothing was printed: the next router may answer
+            if i + 1 == len(candidates):
+                return grpc_error(exc.error)
+            print(f"kvrelay: {address}: {exc.error.code().name}; trying {candidates[i + 1]}", file=sys.stderr)
         except grpc.RpcError as exc:
             sys.stdout.write("\n")
             return grpc_error(exc)
@@ -67,10 +76,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Unanswered(Exception):
+    """A router that could not be reached: nothing of the answer came."""
+
+    def __init__(self, error: grpc.RpcError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _stream(dialer, address: str, req: ipb.GenerateRequest, timeout_s: float) -> ipb.Finish | None:
+    """Prints the answer from the router at ``address`` as it streams; its finish. _Unanswered when the
+    router could not be reached (UNAVAILABLE before the first message), so another may be tried."""
+    finish, started = None, False
+    with dialer.sync(address) as ch:
+        try:
+            for msg in igrpc.InferenceStub(ch).Generate(req, timeout=timeout_s):
+                started = True
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                if msg.HasField("finish"):
+                    finish = msg.finish
+        except grpc.RpcError as exc:
+            if not started and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise _Unanswered(exc) from None
+            raise
+    return finish
+
+
 PARSER_MODULES = ("admin", "pki", "jobs", "usage", "governance", "audit", "trace", "sim")
 """The cli modules whose ``add_parsers(sub)`` add top-level commands, in the order `kvrelay --help` lists
 them (cli/cities.py adds its own and bench's)."""
-CLIENT_COMMANDS = {"status": "admin", "scale": "admin", "drain": "admin", "pools": "admin",
+CLIENT_COMMANDS = {"status": "admin", "routers": "admin", "scale": "admin", "drain": "admin", "pools": "admin",
                    "token": "admin", "pki": "pki", "job": "jobs", "usage": "usage", "governance": "governance",
                    "audit": "audit", "trace": "trace"}
 """The client and operator commands, each parsed by its module alone (not plan: cli/sim.py adds

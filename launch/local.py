@@ -30,9 +30,11 @@ import grpc
 
 from kvrelay.launch.cities import CitiesState
 from kvrelay.launch.credentials import LOCAL_TENANT, ClusterCredentials
+from kvrelay.launch.etcd import EtcdCluster
+from kvrelay.launch.routers import Ready, router_config, start_etcd
 from kvrelay.launch.zygote import shared_zygote
 from kvrelay.router.core.auth import token_sha256
-from kvrelay.runtime.config import ClusterConfig, Credential, dump_config
+from kvrelay.runtime.config import ClusterConfig, Credential, RouterEntrySection, dump_config
 from kvrelay.runtime.engines import pool_engine_problem
 from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.roles import Role
@@ -120,6 +122,16 @@ def refuse_engines_this_host_cannot_run(cfg: ClusterConfig) -> None:
                 raise ValueError(problem)
 
 
+def _any_free_ports(cfg: ClusterConfig) -> None:
+    """Every router listener on a free port (``router.port: 0`` says so for all of them)."""
+    cfg.router.internal_port = 0
+    if cfg.router.http_port is not None:
+        cfg.router.http_port = 0
+    for r in cfg.routers:
+        r.port = r.internal_port = 0
+        r.http_port = None if r.http_port is None else 0
+
+
 class LocalCluster:
     def __init__(self, cfg: ClusterConfig, model_path: str | Path, log_level: str = "WARNING",
                  cities: CitiesState | None = None, backend: WorkerBackend | None = None,
@@ -136,15 +148,11 @@ class LocalCluster:
         if cities is not None and (mismatch := cities.matches(cfg)):
             raise ValueError(f"the emulated cities do not fit this config: {mismatch}")
         if cfg.router.port == 0:  # any free port for gRPC: the same for the others (tests, benchmarks)
-            cfg.router.internal_port = 0
-            if cfg.router.http_port is not None:
-                cfg.router.http_port = 0
-        self.cfg = cfg
+            _any_free_ports(cfg)
+        self.cfg, self.model_path, self.log_level = cfg, Path(model_path), log_level
         self.cities = cities
         self.backend = backend or LocalBackend(cities)
         self.reconcile_pools = reconcile
-        self.model_path = Path(model_path)
-        self.log_level = log_level
         self.children: list[Child] = []
         self.left: list[Child] = []
         """Workers that exited (drained, or died); kept for status and tests."""
@@ -156,6 +164,10 @@ class LocalCluster:
         """host:port of the router's OpenAI-compatible HTTP API ("" when turned off)."""
         self.metrics_address = ""
         """host:port of the router's /metrics ("" when off)."""
+        self.routers: dict[str, Ready] = {}
+        """Where each router listens, by name ("" for the single one); the addresses above: the first's."""
+        self.etcd: EtcdCluster | None = None
+        """The routers' etcd when this launcher started it (several routers, no etcd.endpoints)."""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-")
         """The launcher's own files: the jobs database, the CA of this run."""
         self._router_tmp: tempfile.TemporaryDirectory | None = None
@@ -258,20 +270,27 @@ class LocalCluster:
         """Channels that present a router certificate: what workers admit (tests of the workers)."""
         if self.creds is None:
             return Dialer()
-        # the router's own identity: workers admit no other router certificate
-        return Dialer(self.creds.material(router_identity(self.cfg)))
+        # a router's own identity: workers admit no other router certificate
+        ident = Identity.parse(self.cfg.router_uris[0])
+        assert ident is not None  # the config checks every router's name and site
+        return Dialer(self.creds.material(ident))
 
     def worker_channel(self, info):
         """A blocking channel to a worker (``WorkerInfo``) as the router makes it."""
         site, role, name = info.worker_id.split("/")
         return self.router_dialer().sync(info.address, server_name=Identity(site, CertRole(role), name).dns)
 
+    def router_for(self, site: str) -> str:
+        """The internal address a worker of ``site`` registers at: its site's router, else the first."""
+        here = next((r.name for r in self.cfg.routers if r.site == site and r.name in self.routers), None)
+        return self.routers[here].internal if here is not None else self.internal_address
+
     def _start_worker(self, site: str, role: str) -> Child:
         i = self._next_index.get((site, role), 0)
         self._next_index[(site, role)] = i + 1
         name = f"{site}/{role}/{i}"
         args = ["--config", str(self.config_path), "--model-path", str(self.model_path),
-                "--router", self.internal_address, "--site", site, "--index", str(i), "--log-level", self.log_level]
+                "--router", self.router_for(site), "--site", site, "--index", str(i), "--log-level", self.log_level]
         env = self._env(Identity(site, CertRole(role), str(i)))
         child = Child(name, self.backend.start(name, f"kvrelay.{role}_worker", args, site, env), site, role)
         with self._lock:
@@ -282,6 +301,7 @@ class LocalCluster:
         """Starts everything; returns the router address once every worker registered."""
         if self.cities is not None:
             self.cfg.router.host = self.cities.gateway
+        self.etcd = start_etcd(self.cfg, self.creds, Path(self._tmp.name) / "etcd")
         dump_config(self.cfg, self.config_path)
         if self.cities is not None:
             self.cities.share_with_workers(self.config_path)
@@ -289,7 +309,9 @@ class LocalCluster:
                                              *([self.cfg.kv.secret_file] if self.cfg.kv.secret_file else [])])
         deadline = time.monotonic() + timeout_s
         try:
-            self.router_address = self._start_router(deadline)
+            entries: list[RouterEntrySection | None] = [*self.cfg.routers] or [None]
+            for entry in entries:
+                self._start_router(deadline, entry)
             expected = 0
             for site in self.cfg.sites:
                 for role in Role:
@@ -305,33 +327,57 @@ class LocalCluster:
             self._thread.start()
         return self.router_address
 
-    def _start_router(self, deadline: float) -> str:
-        r = self.cfg.router
-        hosts = tuple(dict.fromkeys((r.host, "localhost", "127.0.0.1", *self.cfg.tls.server_names)))
-        env = self._env(router_identity(self.cfg), hosts)
+    def _start_router(self, deadline: float, entry: RouterEntrySection | None = None) -> None:
+        """Starts the router (``entry``: router ``entry.name`` of ``routers:``) and waits for its READY line."""
+        host = entry.host if entry is not None else self.cfg.router.host
+        hosts = tuple(dict.fromkeys((host, "localhost", "127.0.0.1", *self.cfg.tls.server_names)))
+        ident = Identity.parse(entry.uri) if entry is not None else router_identity(self.cfg)
+        if ident is None:  # the config checks each router's name and site
+            raise ValueError(f"router {entry.name if entry else ''} names no router identity")
+        env = self._env(ident, hosts)
+        config, named = self.config_path, []
+        if entry is not None:
+            config = Path(self._worker_tmp.name) / f"router-{entry.name}.yaml"
+            dump_config(router_config(self.cfg, entry, self.routers.get(entry.name)), config)
+            named = ["--name", entry.name]
         prefix: list[str] = []
         if self.cities is not None:  # it parses network input: no root, as the workers (launch/privileges.py)
             rec = self.cfg.router.records
             self.cities.check_router_writes([p for p in (rec.jobs_db, rec.audit_log, rec.usage_db) if p])
             prefix = list(self.cities.worker_drop().prefix)
-        router = subprocess.Popen([*prefix, sys.executable, "-m", "kvrelay.router", "--config", str(self.config_path),
-                                   "--model-path", str(self.model_path), "--log-level", self.log_level],
+        router = subprocess.Popen([*prefix, sys.executable, "-m", "kvrelay.router", "--config", str(config),
+                                   "--model-path", str(self.model_path), "--log-level", self.log_level, *named],
                                   env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
+        name = entry.name if entry is not None else ""
         with self._lock:
-            self.children.append(Child("router", router, stdout=router.stdout))
-        return self._await_ready(router, deadline)
+            self.children.append(Child(f"router/{name}" if name else "router", router, stdout=router.stdout))
+        ready = self.routers[name] = self._await_ready(router, deadline)
+        if entry is None or entry is self.cfg.routers[0]:
+            self.router_address, self.internal_address = ready.address, ready.internal
+            self.http_address, self.metrics_address = ready.http, ready.metrics
 
-    def restart_router(self, kill: bool = True, timeout_s: float = 60.0) -> None:
-        """Stops the router (SIGKILL, or SIGTERM with ``kill=False``) and starts
-        it again on the same address; workers register with it again on their
-        next heartbeat, and it resumes unfinished batch jobs from its database."""
+    def stop_router(self, name: str = "", kill: bool = True) -> None:
+        """Stops router ``name`` ("": the single router) with SIGKILL (or SIGTERM with ``kill=False``)."""
         with self._lock:
-            old = next(c for c in self.children if c.name == "router")
+            old = next((c for c in self.children if c.name == (f"router/{name}" if name else "router")), None)
+            if old is None:  # stopped already
+                return
             self.children.remove(old)
         (old.proc.kill if kill else old.proc.terminate)()
         old.proc.wait(30)
         if old.stdout is not None:
             old.stdout.close()
+
+    def restart_router(self, kill: bool = True, timeout_s: float = 60.0, name: str = "") -> None:
+        """Stops the router (SIGKILL, or SIGTERM with ``kill=False``) and starts
+        it again on the same address; workers register with it again on their
+        next heartbeat, and it resumes unfinished batch jobs from its database.
+        ``name``: which of ``routers:`` (it keeps its ports)."""
+        self.stop_router(name, kill)
+        entry = self.cfg.router_entry(name) if name else None
+        if entry is not None:
+            self._start_router(time.monotonic() + timeout_s, entry)
+            return
         self.cfg.router.port = int(self.router_address.rpartition(":")[2])
         self.cfg.router.internal_port = int(self.internal_address.rpartition(":")[2])
         if self.http_address:
@@ -341,7 +387,7 @@ class LocalCluster:
         dump_config(self.cfg, self.config_path)
         self._start_router(time.monotonic() + timeout_s)
 
-    def _await_ready(self, proc: subprocess.Popen, deadline: float) -> str:
+    def _await_ready(self, proc: subprocess.Popen, deadline: float) -> Ready:
         out = proc.stdout
         if out is None:  # started with stdout=PIPE
             raise RuntimeError("the router's stdout is not a pipe")
@@ -349,19 +395,17 @@ class LocalCluster:
             if proc.poll() is not None:
                 raise RuntimeError(f"router exited with code {proc.returncode} before it was ready")
             ready, _, _ = select.select([out], [], [], 0.5)
-            if ready:
-                line = out.readline()
-                if line.startswith("READY "):
-                    fields = line.split()
-                    named = dict(f.split("=", 1) for f in fields[2:])
-                    self.http_address = named.get("http", "")
-                    self.metrics_address = named.get("metrics", "")
-                    self.internal_address = named["internal"]
-                    return fields[1]
+            if ready and (addresses := Ready.parse(out.readline())) is not None:
+                return addresses
         raise TimeoutError("router did not become ready in time")
 
     def _await_workers(self, expected: int, deadline: float) -> None:
-        with self.channel(operator=True) as ch:
+        """Until every router sees ``expected`` healthy workers."""
+        for ready in self.routers.values():
+            self._await_workers_at(ready.address, expected, deadline)
+
+    def _await_workers_at(self, address: str, expected: int, deadline: float) -> None:
+        with self.operator_dialer.sync(address) as ch:
             stub = wgrpc.RegistryStub(ch)
             while time.monotonic() < deadline:
                 dead = self.dead_children()
@@ -441,8 +485,8 @@ class LocalCluster:
         if self._thread is not None:
             self._thread.join(10.0)
         with self._lock:
-            workers = [c for c in self.children if c.name != "router"]
-            routers = [c for c in self.children if c.name == "router"]
+            workers = [c for c in self.children if not c.name.startswith("router")]
+            routers = [c for c in self.children if c.name.startswith("router")]
         for group in (workers, routers):
             for c in group:
                 if c.proc.poll() is None:
@@ -458,6 +502,8 @@ class LocalCluster:
         for c in routers:
             if c.stdout:
                 c.stdout.close()
+        if self.etcd is not None:
+            self.etcd.stop()
         for c in workers + self.left:  # shared-memory KV of workers that could not clean up
             for f in Path("/dev/shm").glob(f"kvrelay-*-{c.proc.pid}"):
                 f.unlink(missing_ok=True)

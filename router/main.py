@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import logging
 import os
 import secrets
@@ -24,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from kvrelay.engine.config import ModelConfig, effective_max_model_len
 from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.router.cluster.membership import EtcdMembership, Membership, SoloMembership
 from kvrelay.router.cluster.pools import PoolManager
 from kvrelay.router.cluster.registry import WorkerRegistry
 from kvrelay.router.cluster.usage import UsageLedger
@@ -44,18 +46,51 @@ from kvrelay.router.governance.audit_writer import AuditWriter
 from kvrelay.router.governance.retention import RetentionSweeper
 from kvrelay.router.placement.place import make_policy
 from kvrelay.runtime.config import ClusterConfig, load_config
+from kvrelay.runtime.etcd import EtcdClient, EtcdError
 from kvrelay.runtime.health import HealthChecks, serve_health
 from kvrelay.runtime.kvsecret import pem_from_env, read_secret
 from kvrelay.runtime.lifetime import die_with_parent
 from kvrelay.runtime.metrics import serve_metrics
-from kvrelay.runtime.pki import CertRole, PKIError, write_private
+from kvrelay.runtime.pki import CertRole, Identity, PKIError, write_private
 from kvrelay.runtime.rpc import PLAINTEXT, CallBounds, Dialer, bind, create_server
 from kvrelay.runtime.tls import TLSMaterial, load_material, router_identity
 from kvrelay.runtime.topology import Topology
 from kvrelay.runtime.tracing import NO_TRACING, Tracing
+from kvrelay.v1 import inference_pb2 as ipb
 
 
-def router_tls(cfg: ClusterConfig) -> TLSMaterial | None:
+def named_router(cfg: ClusterConfig, name: str | None) -> ClusterConfig:
+    """The config as this router runs it: with ``routers:`` listed, router ``name``'s site and
+    listeners in ``router:`` (a copy); SystemExit naming the problem when ``name`` does not fit."""
+    listed = ", ".join(r.name for r in cfg.routers)
+    if not cfg.routers:
+        if name:
+            raise SystemExit(f"router: --name {name}, but the config lists no routers: (a single router has no name)")
+        return cfg
+    entry = cfg.router_entry(name or "")
+    if entry is None:
+        raise SystemExit(f"router: the config lists routers ({listed}): start each with --name <one of them>"
+                         + (f", not {name!r}" if name else ""))
+    if len(cfg.routers) > 1 and not cfg.etcd.endpoints:
+        raise SystemExit(f"router {name}: {len(cfg.routers)} routers ({listed}) share their state in etcd, and "
+                         "etcd.endpoints is empty (kvrelay serve starts etcd for you; otherwise list its members)")
+    cfg = copy.deepcopy(cfg)
+    r = cfg.router
+    r.site, r.host, r.port, r.internal_port, r.http_port = (entry.site, entry.host, entry.port, entry.internal_port,
+                                                            entry.http_port)
+    return cfg
+
+
+def pinned_identity(cfg: ClusterConfig, name: str | None) -> Identity:
+    """The identity this router's certificate must name: its entry's in ``routers:``, else the one router's."""
+    entry = cfg.router_entry(name) if name else None
+    ident = Identity.parse(entry.uri) if entry is not None else router_identity(cfg)
+    if ident is None:
+        raise SystemExit(f"router: {entry.uri if entry else cfg.router_uri} names no kvrelay router")
+    return ident
+
+
+def router_tls(cfg: ClusterConfig, name: str | None = None) -> TLSMaterial | None:
     """The router's material; SystemExit unless its certificate is a router's."""
     try:
         tls = load_material(cfg.tls, pem_from_env())
@@ -64,7 +99,7 @@ def router_tls(cfg: ClusterConfig) -> TLSMaterial | None:
     if tls is not None and (tls.identity is None or tls.identity.role is not CertRole.ROUTER):
         raise SystemExit(f"router: its certificate names {tls.identity or 'nothing'}, not a router "
                          "(kvrelay pki issue --role router)")
-    pinned = router_identity(cfg)
+    pinned = pinned_identity(cfg, name)
     if tls is not None and tls.identity != pinned:
         raise SystemExit(f"router: its certificate names {tls.identity}, but workers admit only {pinned} "
                          "(tls.router_identity; kvrelay pki issue --role router --site <site> --name <name> "
@@ -159,9 +194,10 @@ def router_health(cfg: ClusterConfig, loop: asyncio.AbstractEventLoop, stop: asy
 
 
 async def start_grpc(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: TLSMaterial | None,
-                     core: RouterCore, jobs: JobService, auth: GrpcCaller, audit: AuditWriter | None) -> str:
+                     core: RouterCore, jobs: JobService, auth: GrpcCaller,
+                     audit: AuditWriter | None) -> tuple[str, str]:
     """Both gRPC listeners serving every service, stopped (2 s grace) when ``stack`` unwinds;
-    the READY line's addresses."""
+    their addresses (public, internal)."""
     api = cfg.router.api
     # the public listener takes small messages and a bounded number of calls; the internal one, workers'
     # sizes, and the same bounds as the public one on every call but a worker's registration and heartbeats
@@ -180,13 +216,13 @@ async def start_grpc(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: 
     await public.start()
     await internal_server.start()
     stack.push_async_callback(lambda: asyncio.gather(public.stop(grace=2.0), internal_server.stop(grace=2.0)))
-    return f"{host}:{port} internal={host}:{internal}"
+    return f"{host}:{port}", f"{host}:{internal}"
 
 
 async def start_http(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: TLSMaterial | None,
                      core: RouterCore) -> str:
     """The OpenAI-compatible HTTP API when enabled (its certificate files in a private folder
-    removed at exit); the READY line's field ("" when off)."""
+    removed at exit); its address ("" when off)."""
     if cfg.router.http_port is None:
         return ""
     private = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvrelay-router-"))
@@ -199,14 +235,14 @@ async def start_http(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: 
         await asyncio.wait_for(http_task, 5.0)
 
     stack.push_async_callback(stop)
-    return f" http={cfg.router.host}:{http_port}"
+    return f"{cfg.router.host}:{http_port}"
 
 
 async def run(args: argparse.Namespace) -> None:
     """The composition root: builds every part in the order they depend on each other and
     tears them down in reverse (one AsyncExitStack) when SIGTERM or SIGINT arrives."""
-    cfg = load_config(args.config)
-    tls = router_tls(cfg)
+    cfg = named_router(load_config(args.config), args.name)
+    tls = router_tls(cfg, args.name)
     salt_key = read_secret(cfg.kv.secret_file, os.environ.get("KVRELAY_KV_SECRET", ""))
     tok, limits = model_limits(cfg, args)
     async with contextlib.AsyncExitStack() as stack:
@@ -222,6 +258,7 @@ async def run(args: argparse.Namespace) -> None:
             stack.callback(metrics.close)
         parts = core_parts(cfg, Dialer(tls), salt_key=salt_key, tracing=tracing, metrics=registry,
                            jobs_db=args.jobs_db)
+        parts.membership = membership(cfg, tls, parts.registry)
         core = RouterCore(cfg, tok, limits, parts, audit=audit,
                           metrics_address=metrics.advertised(cfg.router.host) if metrics else "")
         stack.push_async_callback(core.aclose)
@@ -237,8 +274,11 @@ async def run(args: argparse.Namespace) -> None:
             logging.getLogger(__name__).warning("router.records.jobs_db is not set: batch jobs live in memory only")
         await jobs.start()
         stack.push_async_callback(jobs.stop)
-        ready = "READY " + await start_grpc(stack, cfg, tls, core, jobs, auth, audit)
-        ready += await start_http(stack, cfg, tls, core)
+        public, internal = await start_grpc(stack, cfg, tls, core, jobs, auth, audit)
+        http = await start_http(stack, cfg, tls, core)
+        await join(stack, cfg, core, ipb.RouterPeer(name=args.name or "", site=cfg.router.site or "", address=public,
+                                                    internal_address=internal, http_address=http))
+        ready = f"READY {public} internal={internal}" + (f" http={http}" if http else "")
         if metrics is not None:
             ready += f" metrics={metrics.address}"
         print(ready + (f" health={cfg.health.host}:{health.port}" if health is not None else ""), flush=True)
@@ -252,9 +292,30 @@ async def run(args: argparse.Namespace) -> None:
         await _stopped(targets, 5.0, "the Prometheus targets file")
 
 
+def membership(cfg: ClusterConfig, tls: TLSMaterial | None, registry: WorkerRegistry) -> Membership:
+    """How this router shares its workers: through etcd when ``routers:`` lists several (or etcd is
+    configured), else not at all."""
+    if len(cfg.routers) > 1 or (cfg.routers and cfg.etcd.endpoints):
+        return EtcdMembership(cfg.etcd, EtcdClient(cfg.etcd.endpoints, Dialer(tls), cfg.etcd.timeout_s), registry)
+    return SoloMembership()
+
+
+async def join(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, core: RouterCore, me: ipb.RouterPeer) -> None:
+    """Announces this router (listening now) to the others; SystemExit naming etcd when it cannot."""
+    site = next((s for s in cfg.sites if s.name == me.site), None)
+    me.jurisdiction = site.jurisdiction if site is not None else ""
+    try:
+        await core.membership.start(me)
+    except EtcdError as exc:
+        await core.membership.aclose()
+        raise SystemExit(f"router {me.name}: {exc}") from None
+    stack.push_async_callback(core.membership.aclose)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="router")
     p.add_argument("--config")
+    p.add_argument("--name", help="which router of the config's routers: this process is")
     p.add_argument("--model-path", required=True)
     p.add_argument("--model-name", help="name clients use (default: the checkpoint folder's name)")
     p.add_argument("--jobs-db", help="SQLite file for batch jobs (overrides router.records.jobs_db)")

@@ -680,9 +680,73 @@ class HealthSection(ConfigSection):
 
 
 @dataclass(slots=True, config=SECTION_CONFIG)
+class RouterEntrySection(ConfigSection):
+    """One router of a deployment with several (``routers:``): every router serves the
+    public APIs and places on every worker; its site is where the prompts it receives
+    are read. Its listeners replace ``router:``'s own host and ports."""
+
+    name: StrictStr
+    """Its name (its certificate is kvrelay://<site>/router/<name>; `python -m kvrelay.router --name`)."""
+    site: StrictStr
+    """The site it runs at (a site of ``sites:``)."""
+    host: StrictStr = "127.0.0.1"
+    """Address its listeners bind."""
+    port: StrictInt = Field(default=50051, ge=0, le=65_535)
+    """Public gRPC port; 0 picks a free one (the router announces the one it got in etcd)."""
+    internal_port: StrictInt = Field(default=50052, ge=0, le=65_535)
+    """Mutual-TLS port (workers, certificate holders); 0 = any free port."""
+    http_port: StrictInt | None = Field(default=8000, ge=0, le=65_535)
+    """HTTP API port; 0 = any free port; null turns it off."""
+
+    def __post_init__(self) -> None:
+        for name, value in (("name", self.name), ("site", self.site)):
+            if not _NAME.match(value):
+                raise FieldError(name, f"{value!r} must be lowercase letters, digits, - or _")
+
+    @property
+    def uri(self) -> str:
+        """The identity its certificate names."""
+        return f"kvrelay://{self.site}/router/{self.name}"
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
+class EtcdSection(ConfigSection):
+    """The store the routers of a deployment with several share (membership, workers,
+    drains): etcd's v3 API over TLS, each router presenting its certificate from the
+    cluster CA (``tls``). Unused with one router."""
+
+    endpoints: StringList = field(default_factory=list)
+    """host:port of the deployment's etcd members (client URLs). Empty: `kvrelay serve`
+    starts ``members`` of them on this machine and fills this in for its routers."""
+    members: StrictInt = Field(default=3, ge=1, le=7)
+    """How many members `kvrelay serve` starts when ``endpoints`` is empty (odd: a majority survives)."""
+    prefix: StrictStr = "/kvrelay/"
+    """Every key kvrelay writes starts with it (several deployments may share one etcd)."""
+    lease_ttl_s: StrictInt = Field(default=6, ge=2, le=300)
+    """A router that stops renewing its lease leaves the membership this long after."""
+    timeout_s: StrictFloat = Field(default=5.0, gt=0, le=120)
+    """Deadline of each call to etcd; at start, how long a router tries to reach it."""
+
+    def __post_init__(self) -> None:
+        if self.members % 2 == 0:
+            raise FieldError("members", f"must be odd (a majority must survive a member's loss), got {self.members}")
+        if not self.prefix.startswith("/") or not self.prefix.endswith("/"):
+            raise FieldError("prefix", f"must start and end with /, got {self.prefix!r}")
+        for i, ep in enumerate(self.endpoints):
+            if not re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+:\d{1,5}", ep):
+                raise FieldError(f"endpoints[{i}]", f"must be host:port, got {ep!r}")
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
 class ClusterConfig(ConfigSection):
     model: ModelSection = field(default_factory=ModelSection)
     router: RouterSection = field(default_factory=RouterSection)
+    routers: Annotated[list[RouterEntrySection], _entries(RouterEntrySection, "routers")] = field(
+        default_factory=list)
+    """The deployment's routers when it has several, each at a site (router/cluster/membership.py).
+    Empty: one router, ``router:``'s, with no etcd (the local default)."""
+    etcd: EtcdSection = field(default_factory=EtcdSection)
+    """Where routers of a deployment with several share their state."""
     sites: Annotated[list[SiteSection], _entries(SiteSection, "sites", may_be_empty=False)] = field(
         default_factory=lambda: [SiteSection(name="local")])
     links: Annotated[list[LinkSection], _entries(LinkSection, "links")] = field(default_factory=list)
@@ -706,6 +770,15 @@ class ClusterConfig(ConfigSection):
     def tenant(self, name: str) -> TenantSection | None:
         """The policy of tenant ``name`` (None: not configured)."""
         return next((t for t in self.tenants if t.name == name), None)
+
+    def router_entry(self, name: str) -> RouterEntrySection | None:
+        """Router ``name`` of ``routers:`` (None: not listed)."""
+        return next((r for r in self.routers if r.name == name), None)
+
+    @property
+    def router_uris(self) -> list[str]:
+        """The identities of every router workers admit: each of ``routers:``, else the one router's."""
+        return [r.uri for r in self.routers] or [self.router_uri]
 
     @property
     def router_uri(self) -> str:
@@ -868,13 +941,29 @@ def _validate(cfg: ClusterConfig) -> None:
     _check_tenants(cfg)
     if cfg.router.site is not None and cfg.router.site not in sites:
         raise ConfigError(f"router.site: unknown site {cfg.router.site!r} (sites: {', '.join(sorted(sites))})")
+    _check_routers(cfg, sites)
     _check_loopback(cfg)
+
+
+def _check_routers(cfg: ClusterConfig, sites: set[str]) -> None:
+    """Router names are unique, at known sites, and name their identities themselves."""
+    seen: set[str] = set()
+    for i, r in enumerate(cfg.routers):
+        if r.name in seen:
+            raise ConfigError(f"routers[{i}].name: duplicate router {r.name!r}")
+        seen.add(r.name)
+        if r.site not in sites:
+            raise ConfigError(f"routers[{i}].site: unknown site {r.site!r} (sites: {', '.join(sorted(sites))})")
+    if cfg.routers and cfg.tls.router_identity is not None:
+        raise ConfigError("tls.router_identity: with routers: listed, each router's identity is "
+                          "kvrelay://<its site>/router/<its name>; remove tls.router_identity")
 
 
 def _check_loopback(cfg: ClusterConfig) -> None:
     """Plaintext and anonymous access are for one machine only."""
-    exposed = [f"{n} {h}" for n, h in (("router.host", cfg.router.host), ("workers.host", cfg.workers.host))
-               if not is_loopback(h)]
+    hosts = [("router.host", cfg.router.host), ("workers.host", cfg.workers.host),
+             *((f"routers[{i}].host", r.host) for i, r in enumerate(cfg.routers))]
+    exposed = [f"{n} {h}" for n, h in hosts if not is_loopback(h)]
     if exposed and not cfg.tls.enabled:
         raise ConfigError(f"tls.enabled: false is refused because {exposed[0]} is not a loopback address")
     if exposed and cfg.auth.allow_anonymous:

@@ -56,6 +56,8 @@ class CertRole(StrEnum):
     NODE = "node"
     """A Ray node's TLS certificate (``RAY_TLS_SERVER_CERT``): it carries Ray's
     control channel between nodes, and no kvrelay listener admits it."""
+    ETCD = "etcd"
+    """A member of the routers' etcd (client and peer TLS); no kvrelay listener admits it."""
 
     @property
     def is_server(self) -> bool:
@@ -65,7 +67,7 @@ class CertRole(StrEnum):
     @property
     def serves_tls(self) -> bool:
         """Certificates that a TLS server presents (a kvrelay component or a Ray node)."""
-        return self.is_server or self is CertRole.NODE
+        return self.is_server or self in (CertRole.NODE, CertRole.ETCD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +177,7 @@ def new_ca(common_name: str = "kvrelay cluster CA", days: float = CA_DAYS) -> CA
 
 def _sans(identity: Identity, hosts: tuple[str, ...]) -> list[x509.GeneralName]:
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity.uri)]
-    if identity.role.is_server:
+    if identity.role.is_server or identity.role is CertRole.ETCD:
         names += [x509.DNSName(identity.dns), x509.DNSName(role_dns(identity.role))]
     for host in hosts:
         try:

@@ -32,10 +32,10 @@ def _wrap_stream(behaviour, check):
 
 class PeerGate(grpc.aio.ServerInterceptor):
     """Admits calls from peers whose certificate has one of ``roles`` (and,
-    with ``only``, names exactly that identity: a worker admits its
-    deployment's router, not every router certificate the CA signed)."""
+    with ``only``, names exactly one of those identities: a worker admits its
+    deployment's routers, not every router certificate the CA signed)."""
 
-    def __init__(self, tls: TLSMaterial, roles: tuple[CertRole, ...], only: Identity | None = None) -> None:
+    def __init__(self, tls: TLSMaterial, roles: tuple[CertRole, ...], only: frozenset[Identity] | None = None) -> None:
         self.tls = tls
         self.roles = roles
         self.only = only
@@ -45,10 +45,11 @@ class PeerGate(grpc.aio.ServerInterceptor):
             ident = require_role(self.tls.peer(context), self.roles, "this worker")
         except PeerRefused as exc:
             await context.abort(exc.code, exc.message)
-        if self.only is not None and ident != self.only:
+        if self.only is not None and ident not in self.only:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"this worker admits only its router, {self.only}; {ident} is another "
-                                "(tls.router_identity)")
+                                f"this worker admits only its deployment's routers, "
+                                f"{', '.join(sorted(str(i) for i in self.only))}; {ident} is another "
+                                "(tls.router_identity, or routers:)")
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)

@@ -1,7 +1,6 @@
 """What prefill and decode worker processes share: arguments, the config
 and the worker's identity, building the engine, the KV transfer settings,
-registering with the router, heartbeating load and prefix-cache events,
-probing links, and serving until a signal. ``prefill_worker/main.py`` and
+registering with the router (runtime/heartbeats.py), and serving until a signal. ``prefill_worker/main.py`` and
 ``decode_worker/main.py`` each build their own side on top of this."""
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import re
 import signal
 import socket
 import sys
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,10 +29,11 @@ from kvrelay.runtime.config import ClusterConfig, PoolSection, load_config
 from kvrelay.runtime.engines import EngineKind, VllmSection, pool_engine_problem
 from kvrelay.runtime.fds import handshake_budget, raise_open_files_limit
 from kvrelay.runtime.health import HealthChecks, serve_health
+from kvrelay.runtime.heartbeats import EventFanout, WorkerStatus, heartbeat_routers, register_and_heartbeat
 from kvrelay.runtime.kvcreds import CertCredentials
 from kvrelay.runtime.kvsecret import pem_from_env, read_secret
 from kvrelay.runtime.lifetime import die_with_parent
-from kvrelay.runtime.pki import CertRole, Identity, PKIError, role_dns
+from kvrelay.runtime.pki import CertRole, Identity, PKIError
 from kvrelay.runtime.role_gate import PeerGate
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import Dialer, bind, create_server
@@ -47,11 +46,6 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
 
-REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
-"""Registry answers that end a worker: its certificate or its claim is wrong."""
-
-EVENTS_WAIT_S = 0.2
-"""How long a heartbeat waits for the engine's prefix-cache events before going without them."""
 
 @dataclass(slots=True)
 class WorkerIdentity:
@@ -91,141 +85,6 @@ def worker_load(ident: WorkerIdentity, engine: WorkerEngine, kv_in: int = 0, kv_
         decode_step_ms=st.decode_step_s * 1e3,
         incarnation=usage.incarnation if usage is not None else "",
         usage=usage.protos() if usage is not None else [])
-
-
-async def probe_site(target: wpb.ProbeTarget, timeout_s: float) -> wpb.LinkReport:
-    """Can this host reach ``target``? A TCP connect: accepted or refused
-    (the host answered), the path works; no answer in time, or no route, it
-    does not."""
-    host, _, port = target.address.rpartition(":")
-    t0 = time.perf_counter()
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
-        writer.close()
-    except ConnectionRefusedError:
-        pass
-    except TimeoutError:
-        return wpb.LinkReport(site=target.site, reachable=False,
-                              error=f"no answer from {target.address} within {timeout_s:g} s")
-    except (OSError, ValueError) as exc:
-        return wpb.LinkReport(site=target.site, reachable=False, error=f"{target.address}: {exc}")
-    return wpb.LinkReport(site=target.site, reachable=True, connect_ms=(time.perf_counter() - t0) * 1e3)
-
-
-async def kv_events(aengine: AsyncEngine, snapshot: bool) -> wpb.KVCacheEvents:
-    """The engine's prefix-cache changes (or a full snapshot) for a heartbeat."""
-    ev = await aengine.call(aengine.engine.drain_kv_events, snapshot)
-    return wpb.KVCacheEvents(stored=ev.stored, removed=ev.removed, snapshot=snapshot)
-
-
-@dataclass(slots=True)
-class WorkerStatus:
-    """A worker's standing with its router, as its readiness probe reads it (runtime/health.py)."""
-
-    registered: bool = False
-    """The router knows this worker (set by the last Register or Heartbeat answer)."""
-    draining: bool = False
-    """The router told this worker to take no new requests."""
-
-    def not_ready(self) -> str | None:
-        """None when the router may place new requests here, else why not."""
-        if self.draining:
-            return "draining: the router places no new requests here"
-        return None if self.registered else "not registered with the router"
-
-
-class _Heartbeats:
-    """One worker's registration and heartbeat state with its router."""
-
-    def __init__(self, stub, info: wpb.WorkerInfo, load_fn, events_fn, status: WorkerStatus | None = None) -> None:
-        self.stub, self.info, self.load_fn, self.events_fn = stub, info, load_fn, events_fn
-        self.status = status if status is not None else WorkerStatus()
-        self.interval = 1.0
-        self.registered = False
-        self.snapshot = True
-        """Send a full prefix-cache snapshot next (after registering, a lost heartbeat, or when asked)."""
-        self.draining = False
-        self.pending: asyncio.Future | None = None
-        """Prefix-cache events being fetched from the engine thread."""
-        self.probes: list[wpb.ProbeTarget] = []
-        """Workers in linked sites the router asked us to probe (link-down detection)."""
-        self.probe_timeout_s = 1.0
-
-    async def _events(self, req: wpb.HeartbeatRequest) -> None:
-        # the events come from the engine thread, which may be inside a long step:
-        # never hold the heartbeat (liveness) for them; they go in the next one
-        if self.pending is None:
-            self.pending = asyncio.ensure_future(self.events_fn(self.snapshot))
-        await asyncio.wait({self.pending}, timeout=EVENTS_WAIT_S)
-        if self.pending.done():
-            req.kv_events.CopyFrom(self.pending.result())
-            self.pending = None
-            self.snapshot = True  # until this heartbeat is known to have arrived
-
-    async def beat(self) -> bool:
-        """Registers if needed and sends one heartbeat; True once drained and deregistered."""
-        if not self.registered:
-            resp = await self.stub.Register(wpb.RegisterRequest(info=self.info), timeout=5.0)
-            self.interval = resp.heartbeat_interval_s or 1.0
-            self.registered, self.snapshot = True, True
-            log.info("registered %s with the router", self.info.worker_id)
-        req = wpb.HeartbeatRequest(load=self.load_fn())
-        reports = asyncio.gather(*(probe_site(t, self.probe_timeout_s) for t in self.probes))
-        if self.events_fn is not None:
-            await self._events(req)  # while the probes run
-        req.links.extend(await reports)
-        hb = await self.stub.Heartbeat(req, timeout=5.0)
-        self.registered, self.snapshot = hb.known, hb.send_snapshot
-        self.status.registered = hb.known
-        self.probes, self.probe_timeout_s = list(hb.probes), hb.probe_timeout_s or self.probe_timeout_s
-        if hb.drain and not self.draining:
-            self.draining = self.status.draining = True
-            log.info("%s is draining: no new requests; leaving once the current ones are done", self.info.worker_id)
-        if hb.drained:  # with the final counters: nothing runs here any more
-            await self.stub.Deregister(wpb.DeregisterRequest(worker_id=self.info.worker_id, load=self.load_fn()),
-                                       timeout=5.0)
-            log.info("%s drained: deregistered, exiting", self.info.worker_id)
-        return hb.drained
-
-
-async def register_and_heartbeat(router: str, dialer: Dialer, info: wpb.WorkerInfo, load_fn, stop: asyncio.Event,
-                                 events_fn=None, register_deadline_s: float = 60.0,
-                                 status: WorkerStatus | None = None, router_name: str | None = None) -> None:
-    """Registers with the router (retrying until the deadline), then sends a
-    heartbeat every interval until ``stop`` is set; re-registers when the
-    router has forgotten this worker (router restart). When the router says
-    the worker is drained (scale-down, ``kvrelay drain``), it deregisters,
-    sets ``stop`` and returns, so the process exits.
-
-    ``events_fn(snapshot)`` returns the prefix-cache events to send; after a
-    heartbeat that did not arrive, or when the router asks, a full snapshot
-    replaces them, so the router's prefix index never drifts. The channel
-    accepts only a server whose certificate carries ``router_name`` (the
-    deployment's router exactly; None: any router certificate).
-    ``status`` follows the router's answers (the readiness probe reads it)."""
-    async with dialer.aio(router, server_name=router_name or role_dns(CertRole.ROUTER)) as ch:
-        hb = _Heartbeats(wgrpc.RegistryStub(ch), info, load_fn, events_fn, status)
-        loop = asyncio.get_running_loop()
-        end = loop.time() + register_deadline_s
-        try:
-            while not stop.is_set():
-                try:
-                    if await hb.beat():
-                        stop.set()
-                        return
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() in REFUSALS:  # the router will not take us: retrying cannot help
-                        raise RuntimeError(f"router {router} refused {info.worker_id}: {exc.details()}") from None
-                    if not hb.registered and loop.time() > end:
-                        raise RuntimeError(f"could not register with router {router}: {exc.details()}") from None
-                    log.debug("router %s unreachable: %s", router, exc.code())
-                try:
-                    await asyncio.wait_for(stop.wait(), hb.interval)
-                except TimeoutError:
-                    pass
-        finally:
-            if hb.pending is not None:
-                hb.pending.cancel()
 
 
 async def serve_until_signal(server: grpc.aio.Server, aengine: AsyncEngine, stop: asyncio.Event,
@@ -328,14 +187,18 @@ class WorkerSetup:
         return Dialer(self.tls)
 
     @property
-    def router_identity(self) -> Identity:
-        """The one router this worker admits and dials (``tls.router_identity``)."""
-        return router_identity(self.cfg)
+    def router_identities(self) -> frozenset[Identity]:
+        """The routers this worker admits and dials: each of ``routers:``, else the one
+        router's (``tls.router_identity``)."""
+        if not self.cfg.routers:
+            return frozenset({router_identity(self.cfg)})
+        return frozenset(i for uri in self.cfg.router_uris if (i := Identity.parse(uri)) is not None)
 
     @property
-    def router_name(self) -> str:
-        """The DNS name the router's certificate must carry when this worker dials it."""
-        return self.router_identity.dns
+    def router_name(self) -> str | None:
+        """The DNS name the router's certificate must carry when this worker dials ``router``
+        (None with several routers: any of theirs, each dialled by its own name once listed)."""
+        return None if self.cfg.routers else router_identity(self.cfg).dns
 
 
 def worker_tls(cfg: ClusterConfig, role: Role, site: str, index: int | str,
@@ -441,7 +304,7 @@ def listening_server(setup: WorkerSetup) -> tuple[grpc.aio.Server, int]:
     if setup.tls is None:
         server = create_server()
     else:
-        server = create_server([PeerGate(setup.tls, (CertRole.ROUTER,), only=setup.router_identity)])
+        server = create_server([PeerGate(setup.tls, (CertRole.ROUTER,), only=setup.router_identities)])
     return server, bind(server, setup.host, 0, setup.tls, mutual=True)
 
 
@@ -467,9 +330,14 @@ async def serve_worker(setup: WorkerSetup, aengine: AsyncEngine, server: grpc.ai
     status = WorkerStatus()
     health = serve_health(setup.cfg.health.host, setup.cfg.health.worker_port,
                           HealthChecks(asyncio.get_running_loop(), lambda: engine_problem(aengine), status.not_ready))
-    hb = asyncio.create_task(register_and_heartbeat(setup.router, setup.dialer, info, load_fn, stop,
-                                                    lambda snapshot: kv_events(aengine, snapshot), status=status,
-                                                    router_name=setup.router_name))
+    fanout = EventFanout(aengine)
+    if len(setup.cfg.routers) > 1:
+        hb = asyncio.create_task(heartbeat_routers(setup.router, frozenset(setup.cfg.router_uris), setup.dialer, info,
+                                                   load_fn, stop, fanout, status))
+    else:
+        hb = asyncio.create_task(register_and_heartbeat(setup.router, setup.dialer, info, load_fn, stop,
+                                                        lambda snapshot: fanout.take("", snapshot), status=status,
+                                                        router_name=setup.router_name))
     try:
         failure = await serve_until_signal(server, aengine, stop, [hb, asyncio.create_task(engine_watch(aengine))])
     finally:

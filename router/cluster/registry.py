@@ -192,9 +192,17 @@ class WorkerRegistry:
         rec = self.workers.get(worker_id)
         return rec if rec is not None and self.healthy(rec) else None
 
-    async def register(self, info: wpb.WorkerInfo) -> None:
+    async def learn(self, info: wpb.WorkerInfo) -> None:
+        """A worker another router registered (router/cluster/membership.py): dialled here too,
+        but healthy only once its own heartbeat arrives here."""
+        rec = self.workers.get(info.worker_id)
+        if rec is None or rec.info != info:
+            await self.register(info, heard=False)
+
+    async def register(self, info: wpb.WorkerInfo, heard: bool = True) -> None:
         """Records a worker (replacing a silent record of the same id); the
-        channel to it accepts only the certificate of exactly this worker."""
+        channel to it accepts only the certificate of exactly this worker.
+        ``heard``: it registered here (healthy now); else unhealthy until it heartbeats."""
         old = self.workers.pop(info.worker_id, None)
         self._members += 1
         if old is not None:
@@ -205,8 +213,9 @@ class WorkerRegistry:
         stub = (wgrpc.PrefillWorkerStub(channel) if Role.of(info.role) is Role.PREFILL
                 else wgrpc.DecodeWorkerStub(channel))
         now = time.monotonic()
+        seen = now if heard else now - self.timeout_s - 1.0
         self.workers[info.worker_id] = WorkerRecord(info, wpb.WorkerLoad(worker_id=info.worker_id),
-                                                    now, channel, stub, registered_at=now, answered_at=now)
+                                                    seen, channel, stub, registered_at=now, answered_at=now)
         self._members += 1
 
     async def deregister(self, worker_id: str, load: wpb.WorkerLoad | None = None) -> bool:

@@ -21,10 +21,11 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvrelay.engine.hashing import hash_blocks
 from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.router.cluster.membership import Membership, SoloMembership
 from kvrelay.router.cluster.pools import PoolManager
 from kvrelay.router.cluster.registry import WorkerRegistry
 from kvrelay.router.cluster.usage import UsageLedger
@@ -151,6 +152,8 @@ class CoreParts:
     """Where prompts are tokenized, off the event loop (the tokenizer lets go of the GIL)."""
     disk: DiskReserve
     """Free space where the router's records are; new work refused under its reserves (router/core/disk.py)."""
+    membership: Membership = field(default_factory=SoloMembership)
+    """The deployment's routers and the workers they share (router/cluster/membership.py)."""
 
 
 class RouterCore:
@@ -176,6 +179,7 @@ class RouterCore:
         self.telemetry = parts.telemetry
         self.tokenizers = parts.tokenizers
         self.disk = parts.disk
+        self.membership = parts.membership
         self._refusals = RateLimit(REFUSALS_PER_S)
         self.audit = audit
         """The audit log's writer (router/governance/audit_writer.py); None: no audit log."""
@@ -274,6 +278,34 @@ class RouterCore:
         if suppressed is not None:
             self._audit({"api": caller_api, "credential": credential, "outcome": error.kind.value,
                          "error": error.message[:300], "suppressed_before": suppressed}, RecordKind.REFUSAL)
+
+    def reads_prompts_of(self, tenant: str, jurisdiction: str) -> bool:
+        """A router in ``jurisdiction`` may read ``tenant``'s prompts (its jurisdictions allow it, or it has none)."""
+        allowed = self.tenants.of(tenant).jurisdictions
+        return not allowed or jurisdiction in allowed
+
+    def door(self, tenant: str, api: str) -> None:
+        """RouterError (CONSTRAINT) when ``tenant``'s prompts may not enter here: with several routers
+        (``routers:``), this router's site is outside the tenant's jurisdictions. The message names the
+        routers to use. The front ends ask before reading the request where their protocol allows (HTTP:
+        before the body); nothing of it is tokenized, logged or forwarded, the refusal is audited."""
+        site = self.cfg.router.site
+        allowed = self.tenants.of(tenant).jurisdictions
+        here = self.registry.jurisdiction.get(site or "", "")
+        if not self.cfg.routers or site is None or self.reads_prompts_of(tenant, here):
+            return
+        better = [p for p in self.membership.peers() if p.jurisdiction in allowed]
+        where = "; ".join(f"{p.name} ({p.site}, {p.jurisdiction}) at {p.address}" for p in better)
+        exc = RouterError(ErrorKind.CONSTRAINT, f"tenant {tenant!r}'s prompts may enter only in "
+                          f"{{{', '.join(sorted(allowed))}}}; this router ({self.membership.me.name}) is at {site} "
+                          f"({here}) and did not read this request: send it to "
+                          + (where or "a router there (none is live now)"))
+        suppressed = self._refusals.allow()
+        if suppressed is not None:
+            self._audit({"api": api, "tenant": tenant, "router": self.membership.me.name, "site": site,
+                         "outcome": exc.kind.value, "error": exc.message[:400], "suppressed_before": suppressed},
+                        RecordKind.REFUSAL)
+        raise exc
 
     def health(self) -> ipb.HealthResponse:
         p = len(self.registry.candidates(Role.PREFILL))

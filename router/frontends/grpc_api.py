@@ -47,6 +47,7 @@ class InferenceService(igrpc.InferenceServicer):
             except RouterError as exc:
                 self.core.audit_refused("grpc", exc, "token" if authorization(context) else "none")
                 raise
+            self.core.door(caller.tenant, "grpc")
             req = await self.core.admit(request, caller)
             async for msg in self.core.generate(req, caller, request):
                 yield msg
@@ -64,6 +65,17 @@ class InferenceService(igrpc.InferenceServicer):
 
     async def Health(self, request, context) -> ipb.HealthResponse:
         return self.core.health()
+
+    async def ListRouters(self, request, context) -> ipb.ListRoutersResponse:
+        """The live routers and their sites (no credentials: clients ask before choosing one)."""
+        m = self.core.membership
+        out = ipb.ListRoutersResponse(routers=m.peers(), answered_by=m.me.name)
+        try:
+            tenant = self.auth.caller(context).tenant
+        except RouterError:  # no credential, or not a tenant's: the list alone
+            return out
+        out.yours.extend(p.name for p in out.routers if self.core.reads_prompts_of(tenant, p.jurisdiction))
+        return out
 
 
 def add_router_to_server(core: RouterCore, server: grpc.aio.Server, auth: GrpcCaller, audit: Auditor | None,

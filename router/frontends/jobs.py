@@ -135,6 +135,10 @@ class JobService(jgrpc.JobsServicer):
         quota (a submission counts as one request; its requests count again as they run) or
         whose stored jobs would go past its max_stored_jobs or max_stored_job_bytes."""
         owner = await self._owner(context)
+        try:
+            self.core.door(owner, "jobs")
+        except RouterError as exc:
+            await abort(context, exc)
         if not request.requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a job needs at least one request")
         problem = job_limit_error(request.name, request.requests)

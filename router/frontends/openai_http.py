@@ -174,6 +174,10 @@ class OpenAIServer:
         except RouterError as exc:
             self.core.audit_refused("http", exc, "token" if how else "none")
             raise api_error(exc) from None
+        try:
+            self.core.door(tenant, "http")  # before the body: a prompt that may not enter here is never read
+        except RouterError as exc:
+            raise api_error(exc) from None
         body = decode_body(await self._body(request))
         req, stream, include_usage = chat_request(body) if chat else completion_request(body)
         return req, stream, include_usage, Caller.with_timeout(

@@ -16,12 +16,15 @@ from __future__ import annotations
 import logging
 import time
 
+import grpc
+
 from kvrelay.router.cluster.registry import worker_identity
 from kvrelay.router.core.errors import ErrorKind, RouterError
 from kvrelay.router.core.pipeline import RouterCore
 from kvrelay.router.core.records import Auditor, RecordKind
 from kvrelay.router.frontends.peer import STATUS, GrpcCaller
 from kvrelay.runtime.config import LinkSection
+from kvrelay.runtime.etcd import EtcdError
 from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.roles import Role
 from kvrelay.v1 import worker_pb2 as wpb
@@ -83,13 +86,21 @@ class RegistryService(wgrpc.RegistryServicer):
             log.warning("refused to register %s from %s: %s", info.worker_id, context.peer(), exc.message)
             self._audit(info, context, exc.kind.value)
             await context.abort(STATUS[exc.kind], exc.message)
+        try:  # the other routers learn it from etcd; without etcd, no router may take on new workers
+            await self.core.membership.publish_worker(info)
+        except EtcdError as exc:
+            log.warning("refused to register %s: %s", info.worker_id, exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"cannot register {info.worker_id} now: the routers' shared store is unreachable "
+                                f"({exc}); the routers serve their known workers and take new ones when it is back")
         self._audit(info, context, "ok")
         await self.registry.register(info)
         log.info("worker %s registered at %s", info.worker_id, info.address)
         drained = self.pools.trim(info.site, role)  # a pool scaled down while this worker was starting
         if drained:
             log.info("%s/%s is above its desired size: draining %s", info.site, role, ", ".join(drained))
-        return wpb.RegisterResponse(heartbeat_interval_s=self.cfg.router.liveness.heartbeat_interval_s)
+        return wpb.RegisterResponse(heartbeat_interval_s=self.cfg.router.liveness.heartbeat_interval_s,
+                                    routers=self.core.membership.peers())
 
     def _audit(self, info: wpb.WorkerInfo, context, outcome: str) -> None:
         """A registration and the certificate it came with, accepted or refused, in the audit log."""
@@ -112,13 +123,19 @@ class RegistryService(wgrpc.RegistryServicer):
 
     async def Heartbeat(self, request: wpb.HeartbeatRequest, context) -> wpb.HeartbeatResponse:
         await self._refuse_unless_own(context, request.load.worker_id, "Heartbeat")
-        return self.registry.heartbeat(request)
+        resp = self.registry.heartbeat(request)
+        resp.routers.extend(self.core.membership.peers())
+        return resp
 
     async def Deregister(self, request: wpb.DeregisterRequest, context) -> wpb.DeregisterResponse:
         await self._refuse_unless_own(context, request.worker_id, "Deregister")
         final = request.load if request.HasField("load") else None  # its last usage counters
         if await self.registry.deregister(request.worker_id, final):
             log.info("worker %s left", request.worker_id)
+        try:
+            await self.core.membership.forget_worker(request.worker_id)
+        except EtcdError as exc:  # the other routers drop it when it stops heartbeating them
+            log.warning("could not remove %s from etcd: %s", request.worker_id, exc)
         return wpb.DeregisterResponse()
 
     def _link_status(self, lc: LinkSection, now: float) -> wpb.LinkStatus:
@@ -163,4 +180,6 @@ class RegistryService(wgrpc.RegistryServicer):
                              cached_blocks=reg.index.blocks_of(w.info.worker_id))
             for w in sorted(reg.workers.values(), key=lambda w: w.info.worker_id)], links=links,
             policy=self.policy.name, latency=self.telemetry.latency(),
-            router_metrics_address=self.core.metrics_address, storage=self.core.disk.describe())
+            router_metrics_address=self.core.metrics_address, storage=self.core.disk.describe(),
+            routers=self.core.membership.peers(), router_name=self.core.membership.me.name,
+            coordination=self.core.membership.coordination())

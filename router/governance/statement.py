@@ -292,10 +292,35 @@ def accelerators(d: Deployment, t: TenantSection, r: Reach) -> dict:
     return _answer(Question.ACCELERATORS, text, facts)
 
 
+def _entry_routers(d: Deployment, t: TenantSection) -> list[dict] | None:
+    """With several routers (``routers:``), each and whether it reads the tenant's prompts (its site in
+    the tenant's jurisdictions: the others refuse them unread, router/core/pipeline.py ``door``); None with one."""
+    if not d.cfg.routers:
+        return None
+    return [{"name": r.name, "site": r.site, "jurisdiction": d.jurisdiction(r.site),
+             "reads_its_prompts": not t.jurisdictions or d.jurisdiction(r.site) in t.jurisdictions}
+            for r in d.cfg.routers]
+
+
+def _entry_text(entry: list[dict]) -> str:
+    inside = [f"{r['name']} at {r['site']} ({r['jurisdiction']})" for r in entry if r["reads_its_prompts"]]
+    outside = [r["name"] for r in entry if not r["reads_its_prompts"]]
+    text = f"Its prompts enter, are tokenized, and its outputs returned only at the routers in its jurisdictions: " \
+           f"{_names(inside, 'none')}"
+    if outside:
+        text += f"; the others ({_names(outside)}) refuse its requests before reading them (kvrelay routers)"
+    return text + (". Each router keeps its own files (below) on its host at its site"
+                   if inside else "")
+
+
 def _jurisdiction_warnings(d: Deployment, t: TenantSection, r: Reach) -> list[str]:
     site, where = d.cfg.router.site, d.jurisdiction(d.cfg.router.site)
     out = []
-    if site is None:
+    entry = _entry_routers(d, t)
+    if entry is not None:
+        if not any(e["reads_its_prompts"] for e in entry):
+            out.append("no router is in its jurisdictions: every router refuses its requests")
+    elif site is None:
         out.append("the router's site is not declared (router.site): where prompts are tokenized and logs, jobs "
                    "and usage are stored is not recorded")
     elif t.jurisdictions and where not in t.jurisdictions:
@@ -309,8 +334,10 @@ def _jurisdiction_warnings(d: Deployment, t: TenantSection, r: Reach) -> list[st
 
 def jurisdictions(d: Deployment, t: TenantSection, r: Reach) -> dict:
     """(3) Where prompts, KV and outputs are processed, and logs and jobs stored."""
-    router, stores = _router(d), _stores(d.cfg)
-    reached = sorted({j for _, j in r.sites()} | ({router["jurisdiction"]} if router["jurisdiction"] else set()))
+    router, stores, entry = _router(d), _stores(d.cfg), _entry_routers(d, t)
+    readers = ({e["jurisdiction"] for e in entry if e["reads_its_prompts"]} if entry is not None else
+               {router["jurisdiction"]} if router["jurisdiction"] else set())
+    reached = sorted({j for _, j in r.sites()} | readers)
     warnings = _jurisdiction_warnings(d, t, r)
     facts = {"allowed_jurisdictions": list(t.jurisdictions) or "any", "router": router,
              "processing_sites": [{"site": s, "jurisdiction": j, "roles": [p.role for p in r.pools if p.site == s]}
@@ -326,8 +353,12 @@ def jurisdictions(d: Deployment, t: TenantSection, r: Reach) -> dict:
     backups = (_section_text(facts["backups"]) if facts["backups"] != NOT_RECORDED else
                f"host backups are outside kvrelay's configuration, so whether and where these files are backed "
                f"up is {NOT_RECORDED}")
-    text = (f"Its prompts are tokenized, and its outputs returned, by the router on {_router_where(d)}; prompts and KV "
-            f"are processed at {_names((f'{s} ({j})' for s, j in r.sites()), 'no site')}; KV crosses {links}. "
+    if entry is not None:
+        facts["routers"] = entry
+    where = (_entry_text(entry) if entry is not None else
+             f"Its prompts are tokenized, and its outputs returned, by the router on {_router_where(d)}")
+    sites = _names((f'{s} ({j})' for s, j in r.sites()), 'no site')
+    text = (f"{where}; prompts and KV are processed at {sites}; KV crosses {links}. "
             f"The router's files, on its host: {files}. Backups: {backups}. "
             f"Jurisdictions reached: {_names(reached)}.")
     text += "".join(f" WARNING: {w}." for w in warnings)

@@ -18,6 +18,36 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class RouterPeer(_message.Message):
+    __slots__ = ("name", "site", "address", "internal_address", "http_address", "jurisdiction")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INTERNAL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    JURISDICTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    site: str
+    address: str
+    internal_address: str
+    http_address: str
+    jurisdiction: str
+    def __init__(self, name: _Optional[str] = ..., site: _Optional[str] = ..., address: _Optional[str] = ..., internal_address: _Optional[str] = ..., http_address: _Optional[str] = ..., jurisdiction: _Optional[str] = ...) -> None: ...
+
+class ListRoutersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRoutersResponse(_message.Message):
+    __slots__ = ("routers", "answered_by", "yours")
+    ROUTERS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_BY_FIELD_NUMBER: _ClassVar[int]
+    YOURS_FIELD_NUMBER: _ClassVar[int]
+    routers: _containers.RepeatedCompositeFieldContainer[RouterPeer]
+    answered_by: str
+    yours: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, routers: _Optional[_Iterable[_Union[RouterPeer, _Mapping]]] = ..., answered_by: _Optional[str] = ..., yours: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]

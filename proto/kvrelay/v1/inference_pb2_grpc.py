@@ -50,6 +50,11 @@ class InferenceStub:
                 request_serializer=kvrelay_dot_v1_dot_inference__pb2.HealthRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_inference__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.ListRouters = channel.unary_unary(
+                '/kvrelay.v1.Inference/ListRouters',
+                request_serializer=kvrelay_dot_v1_dot_inference__pb2.ListRoutersRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_inference__pb2.ListRoutersResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -79,6 +84,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRouters(self, request, context):
+        """The deployment's live routers and their sites, so that a client sends its
+        prompts to one in its tenant's jurisdiction (needs no credentials).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +109,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=kvrelay_dot_v1_dot_inference__pb2.HealthRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_inference__pb2.HealthResponse.SerializeToString,
+            ),
+            'ListRouters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRouters,
+                    request_deserializer=kvrelay_dot_v1_dot_inference__pb2.ListRoutersRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_inference__pb2.ListRoutersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +198,33 @@ class Inference:
             '/kvrelay.v1.Inference/Health',
             kvrelay_dot_v1_dot_inference__pb2.HealthRequest.SerializeToString,
             kvrelay_dot_v1_dot_inference__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRouters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Inference/ListRouters',
+            kvrelay_dot_v1_dot_inference__pb2.ListRoutersRequest.SerializeToString,
+            kvrelay_dot_v1_dot_inference__pb2.ListRoutersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -124,10 +124,12 @@ class RegisterRequest(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_s",)
+    __slots__ = ("heartbeat_interval_s", "routers")
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    ROUTERS_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_s: float
-    def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    routers: _containers.RepeatedCompositeFieldContainer[_inference_pb2.RouterPeer]
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., routers: _Optional[_Iterable[_Union[_inference_pb2.RouterPeer, _Mapping]]] = ...) -> None: ...
 
 class LinkReport(_message.Message):
     __slots__ = ("site", "reachable", "connect_ms", "error")
@@ -160,20 +162,22 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., kv_events: _Optional[_Union[KVCacheEvents, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkReport, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known", "send_snapshot", "drain", "drained", "probes", "probe_timeout_s")
+    __slots__ = ("known", "send_snapshot", "drain", "drained", "probes", "probe_timeout_s", "routers")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     SEND_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     PROBES_FIELD_NUMBER: _ClassVar[int]
     PROBE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ROUTERS_FIELD_NUMBER: _ClassVar[int]
     known: bool
     send_snapshot: bool
     drain: bool
     drained: bool
     probes: _containers.RepeatedCompositeFieldContainer[ProbeTarget]
     probe_timeout_s: float
-    def __init__(self, known: _Optional[bool] = ..., send_snapshot: _Optional[bool] = ..., drain: _Optional[bool] = ..., drained: _Optional[bool] = ..., probes: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., probe_timeout_s: _Optional[float] = ...) -> None: ...
+    routers: _containers.RepeatedCompositeFieldContainer[_inference_pb2.RouterPeer]
+    def __init__(self, known: _Optional[bool] = ..., send_snapshot: _Optional[bool] = ..., drain: _Optional[bool] = ..., drained: _Optional[bool] = ..., probes: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., probe_timeout_s: _Optional[float] = ..., routers: _Optional[_Iterable[_Union[_inference_pb2.RouterPeer, _Mapping]]] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id", "load")
@@ -264,20 +268,26 @@ class LatencySummary(_message.Message):
     def __init__(self, window_s: _Optional[float] = ..., requests: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p90_ms: _Optional[float] = ..., itl_p50_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers", "links", "policy", "latency", "router_metrics_address", "storage")
+    __slots__ = ("workers", "links", "policy", "latency", "router_metrics_address", "storage", "routers", "router_name", "coordination")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     LATENCY_FIELD_NUMBER: _ClassVar[int]
     ROUTER_METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]
+    ROUTERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_NAME_FIELD_NUMBER: _ClassVar[int]
+    COORDINATION_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     links: _containers.RepeatedCompositeFieldContainer[LinkStatus]
     policy: str
     latency: LatencySummary
     router_metrics_address: str
     storage: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., router_metrics_address: _Optional[str] = ..., storage: _Optional[str] = ...) -> None: ...
+    routers: _containers.RepeatedCompositeFieldContainer[_inference_pb2.RouterPeer]
+    router_name: str
+    coordination: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., router_metrics_address: _Optional[str] = ..., storage: _Optional[str] = ..., routers: _Optional[_Iterable[_Union[_inference_pb2.RouterPeer, _Mapping]]] = ..., router_name: _Optional[str] = ..., coordination: _Optional[str] = ...) -> None: ...
 
 class WorkRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "salt", "tenant", "batch", "prior_output_tokens")

@@ -1,0 +1,154 @@
+"""Runs an etcd cluster on this machine for a deployment with several routers
+(`kvrelay serve`, the tests): Debian's ``etcd`` (``etcd-server``), ``members``
+processes on loopback, each with a certificate from the cluster CA for its
+client and peer listeners, admitting only clients that present one from the
+same CA (``--client-cert-auth``). With TLS off (one machine, comparisons), plain
+HTTP on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvrelay.launch.credentials import ClusterCredentials
+from kvrelay.runtime.etcd import EtcdClient, EtcdError
+from kvrelay.runtime.pki import CertRole, Identity, write_private
+from kvrelay.runtime.rpc import Dialer
+
+ETCD_BINARY = "etcd"
+INSTALL_HINT = "install Debian's etcd-server (apt-get install etcd-server; `make install` does as root)"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class EtcdMember:
+    name: str
+    client_port: int
+    peer_port: int
+    folder: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+
+class EtcdCluster:
+    """``members`` etcd processes on loopback, started by :meth:`start`, each killable and restartable."""
+
+    def __init__(self, members: int, folder: Path, creds: ClusterCredentials | None, site: str) -> None:
+        """``folder``: the members' data and certificates (the caller's, removed with it); ``creds``:
+        the cluster CA that issues each member its certificate (None: plaintext on loopback);
+        ``site``: the site its members' certificates name."""
+        if shutil.which(ETCD_BINARY) is None:
+            raise RuntimeError(f"etcd is not installed: {INSTALL_HINT}")
+        self.creds = creds
+        self.scheme = "https" if creds is not None else "http"
+        self.token = "kvrelay-" + secrets.token_hex(6)
+        self.members = [EtcdMember(f"m{i}", free_port(), free_port(), folder / f"m{i}") for i in range(members)]
+        for m in self.members:
+            m.folder.mkdir(parents=True, mode=0o700, exist_ok=True)
+            if creds is not None:
+                mat = creds.material(Identity(site, CertRole.ETCD, m.name), ("127.0.0.1", "localhost"))
+                assert mat.cert_pem is not None and mat.key_pem is not None  # material() issues both
+                write_private(m.folder / "cert.pem", mat.cert_pem)
+                write_private(m.folder / "key.pem", mat.key_pem)
+                write_private(m.folder / "ca.pem", mat.ca_pem)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def _args(self, m: EtcdMember, state: str) -> list[str]:
+        url = f"{self.scheme}://127.0.0.1"
+        cluster = ",".join(f"{o.name}={url}:{o.peer_port}" for o in self.members)
+        args = [ETCD_BINARY, "--name", m.name, "--data-dir", str(m.folder / "data"),
+                "--listen-client-urls", f"{url}:{m.client_port}", "--advertise-client-urls", f"{url}:{m.client_port}",
+                "--listen-peer-urls", f"{url}:{m.peer_port}", "--initial-advertise-peer-urls", f"{url}:{m.peer_port}",
+                "--initial-cluster", cluster, "--initial-cluster-state", state,
+                "--initial-cluster-token", self.token, "--logger", "zap", "--log-level", "error",
+                "--heartbeat-interval", "100", "--election-timeout", "1000"]
+        if self.creds is not None:
+            tls = {"cert-file": "cert.pem", "key-file": "key.pem", "trusted-ca-file": "ca.pem"}
+            for prefix in ("", "peer-"):
+                args += [x for flag, f in tls.items() for x in (f"--{prefix}{flag}", str(m.folder / f))]
+            args += ["--client-cert-auth", "--peer-client-cert-auth"]
+        return args
+
+    def _spawn(self, m: EtcdMember, state: str) -> None:
+        log = open(m.folder / "etcd.log", "ab")  # noqa: SIM115  the child keeps it
+        with log:
+            m.proc = subprocess.Popen(self._args(m, state), stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+
+    def start(self, dialer: Dialer, timeout_s: float = 30.0) -> list[str]:
+        """Starts every member and waits until the cluster has a leader; the client endpoints.
+        ``dialer``: a certificate the members admit (the launcher's router's)."""
+        for m in self.members:
+            self._spawn(m, "new")
+        try:
+            asyncio.run(self._await_leader(dialer, timeout_s))
+        except BaseException:
+            self.stop()
+            raise
+        return self.endpoints
+
+    async def _await_leader(self, dialer: Dialer, timeout_s: float) -> None:
+        client = EtcdClient(self.endpoints, dialer, timeout_s=2.0)
+        end = time.monotonic() + timeout_s
+        try:
+            while True:
+                dead = [m.name for m in self.members if m.proc is not None and m.proc.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"etcd member {dead[0]} exited: {self._tail(dead[0])}")
+                try:
+                    if (await client.status()).leader:
+                        return
+                except EtcdError as exc:
+                    if time.monotonic() > end:
+                        raise RuntimeError(f"etcd had no leader within {timeout_s:g} s: {exc}") from None
+                await asyncio.sleep(0.2)
+        finally:
+            await client.close()
+
+    def _tail(self, name: str) -> str:
+        m = next(m for m in self.members if m.name == name)
+        try:
+            return (m.folder / "etcd.log").read_text(errors="replace")[-600:]
+        except OSError:
+            return "(no log)"
+
+    def kill(self, index: int) -> None:
+        """SIGKILL member ``index`` (a crash)."""
+        proc = self.members[index].proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def restart(self, index: int) -> None:
+        """Starts member ``index`` again on its data (it rejoins the cluster)."""
+        self.kill(index)
+        self._spawn(self.members[index], "existing")
+
+    def stop(self) -> None:
+        for m in self.members:
+            if m.proc is not None and m.proc.poll() is None:
+                m.proc.terminate()
+        for m in self.members:
+            if m.proc is not None:
+                try:
+                    m.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    m.proc.kill()
+                    m.proc.wait(5)

@@ -1,0 +1,254 @@
+"""A deployment with three routers, one per site, sharing a real 3-member etcd
+on loopback (each member's certificate from the cluster CA), and real workers
+at one site: every router places on workers another registered and sees
+their prefix-cache events; losing one etcd member changes nothing; losing
+all of them leaves the routers serving with what they knew, refusing new
+workers and saying so, until etcd is back; a router killed leaves the list
+and rejoins when restarted. And the errors of a router that cannot reach its
+etcd, or whose certificate its etcd does not trust."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvrelay.launch.credentials import ClusterCredentials
+from kvrelay.launch.etcd import free_port
+from kvrelay.launch.local import LocalCluster
+from kvrelay.runtime.config import TLSSection, dump_config, parse_config
+from kvrelay.runtime.pki import CertRole, Identity
+from kvrelay.runtime.rpc import Dialer
+from kvrelay.runtime.tokens import token_sha256
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+from kvrelay.v1 import worker_pb2 as wpb
+from kvrelay.v1 import worker_pb2_grpc as wgrpc
+from tests.integration.helpers import tls_context, wait_until
+
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None,
+                                reason="etcd is not installed (make etcd, as root: Debian's etcd-server)")
+
+ROUTERS = {"qc": ("montreal", "CA-QC"), "on": ("toronto", "CA-ON"), "bc": ("vancouver", "CA-BC")}
+TOKENS = {"anywhere": "token-of-a-tenant-with-no-jurisdiction-0123456789", "lab-qc": "token-of-lab-qc-0123456789abcdef"}
+"""Tenants: one that may enter anywhere, one whose prompts may enter only in CA-QC."""
+KVRELAY = [sys.executable, "-m", "kvrelay.cli"]
+SECRET_PROMPT = "the-lab-qc-prompt-that-must-not-be-read-in-ontario"
+
+
+def three_routers() -> dict:
+    return {
+        "router": {"port": 0, "http_port": None, "liveness": {"heartbeat_interval_s": 0.25},
+                   "placement": {"policy": "least_loaded", "colocate_below_tokens": 0}},
+        "routers": [{"name": n, "site": s} for n, (s, _) in ROUTERS.items()],
+        "etcd": {"lease_ttl_s": 2},
+        "sites": [{"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+                  *({"name": s, "jurisdiction": j, "prefill": {"replicas": 0}, "decode": {"replicas": 0}}
+                    for s, j in list(ROUTERS.values())[1:])],
+        "workers": {"threads": 1},
+        "cache": {"memory_gib": 0.25},
+        "tenants": [{"name": "anywhere", "token_sha256": token_sha256(TOKENS["anywhere"])},
+                    {"name": "lab-qc", "token_sha256": token_sha256(TOKENS["lab-qc"]), "jurisdictions": ["CA-QC"],
+                     "log_prompts": True}],
+    }
+
+
+@pytest.fixture(scope="module")
+def routers(plumbing_model):
+    lc = LocalCluster(parse_config(three_routers()), plumbing_model)
+    lc.start()
+    yield lc
+    lc.stop()
+
+
+def generate(lc: LocalCluster, router: str, ids: list[int] | None = None, tenant: str = "anywhere") -> ipb.Finish:
+    req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=ids or [5, 6, 7, 8]), max_tokens=2, ignore_eos=True)
+    with lc.dialer(TOKENS[tenant]).sync(lc.routers[router].address) as ch:
+        msgs = list(igrpc.InferenceStub(ch).Generate(req, timeout=60))
+    return msgs[-1].finish
+
+
+def status(lc: LocalCluster, router: str) -> wpb.ListWorkersResponse:
+    with lc.operator_dialer.sync(lc.routers[router].address) as ch:
+        return wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)
+
+
+def live_routers(lc: LocalCluster, router: str) -> list[str]:
+    with lc.dialer().sync(lc.routers[router].address) as ch:  # no credentials: clients ask before choosing
+        return [r.name for r in igrpc.InferenceStub(ch).ListRouters(ipb.ListRoutersRequest(), timeout=10).routers]
+
+
+def test_every_router_places_on_workers_another_registered(routers):
+    with routers.dialer().sync(routers.routers["on"].address) as ch:
+        listed = igrpc.InferenceStub(ch).ListRouters(ipb.ListRoutersRequest(), timeout=10)
+    assert listed.answered_by == "on"
+    assert {(r.name, r.site, r.jurisdiction) for r in listed.routers} == {(n, s, j) for n, (s, j) in ROUTERS.items()}
+    assert {r.address for r in listed.routers} == {r.address for r in routers.routers.values()}
+    # the montreal workers registered with qc (their site's router); toronto's and vancouver's place on them
+    for name in ROUTERS:
+        fin = generate(routers, name)
+        assert fin.reason == ipb.FINISH_REASON_LENGTH
+        assert (fin.placement.prefill_worker, fin.placement.decode_worker) == ("montreal/prefill/0",
+                                                                               "montreal/decode/0")
+        st = status(routers, name)
+        assert st.router_name == name and "reached; 3 router(s) live" in st.coordination
+        assert sorted((w.info.worker_id, w.healthy) for w in st.workers) == [("montreal/decode/0", True),
+                                                                             ("montreal/prefill/0", True)]
+
+
+def test_every_router_receives_every_workers_prefix_cache_events(routers):
+    generate(routers, "qc", list(range(100, 100 + 16 * 6)))  # six full blocks cached by qc's request
+
+    def cached(router: str) -> int:
+        workers = status(routers, router).workers
+        return next(w.cached_blocks for w in workers if w.info.worker_id == "montreal/prefill/0")
+
+    assert wait_until(lambda: cached("qc") >= 6, 10)
+    assert wait_until(lambda: cached("on") == cached("qc") == cached("bc"), 10)
+
+
+def test_losing_one_etcd_member_changes_nothing(routers):
+    routers.etcd.kill(0)
+    try:
+        for name in ROUTERS:
+            assert generate(routers, name).reason == ipb.FINISH_REASON_LENGTH
+        assert wait_until(lambda: all("reached" in status(routers, n).coordination for n in ROUTERS), 10)
+        assert live_routers(routers, "bc") == ["bc", "on", "qc"]
+    finally:
+        routers.etcd.restart(0)
+
+
+def register_stranger(lc: LocalCluster, router: str) -> None:
+    """A registration with a real worker certificate for a worker nobody started."""
+    ident = Identity("montreal", CertRole.PREFILL, "9")
+    dialer = Dialer(lc.creds.material(ident))
+    site = ROUTERS[router][0]
+    info = wpb.WorkerInfo(worker_id=ident.path, role=wpb.ROLE_PREFILL, site="montreal", address="127.0.0.1:9")
+    with dialer.sync(lc.routers[router].internal, server_name=Identity(site, CertRole.ROUTER, router).dns) as ch:
+        stub = wgrpc.RegistryStub(ch)
+        stub.Register(wpb.RegisterRequest(info=info), timeout=20)
+        stub.Deregister(wpb.DeregisterRequest(worker_id=ident.path), timeout=20)
+
+
+def test_without_etcd_routers_serve_what_they_know_and_refuse_new_workers(routers):
+    for i in range(3):
+        routers.etcd.kill(i)
+    try:
+        assert wait_until(lambda: all("UNREACHABLE" in status(routers, n).coordination for n in ROUTERS), 15)
+        assert "serving the last known membership" in status(routers, "on").coordination
+        for name in ROUTERS:
+            assert generate(routers, name).reason == ipb.FINISH_REASON_LENGTH
+        with pytest.raises(grpc.RpcError) as refused:
+            register_stranger(routers, "on")
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shared store is unreachable" in refused.value.details()
+    finally:
+        for i in range(3):
+            routers.etcd.restart(i)
+    assert wait_until(lambda: all("reached" in status(routers, n).coordination for n in ROUTERS), 30)
+    register_stranger(routers, "on")  # etcd is back: new workers are taken again
+    assert wait_until(lambda: all(len(status(routers, n).workers) == 2 for n in ROUTERS), 10)
+
+
+def test_a_killed_router_leaves_the_list_and_rejoins(routers):
+    routers.stop_router("bc")  # SIGKILL: its lease lapses after lease_ttl_s
+    assert wait_until(lambda: live_routers(routers, "qc") == ["on", "qc"], 15)
+    assert generate(routers, "on").reason == ipb.FINISH_REASON_LENGTH
+    routers.restart_router(name="bc")
+    assert wait_until(lambda: live_routers(routers, "qc") == ["bc", "on", "qc"], 15)
+    assert wait_until(lambda: sum(w.healthy for w in status(routers, "bc").workers) == 2, 15)
+    assert generate(routers, "bc").placement.decode_worker == "montreal/decode/0"
+
+
+@pytest.mark.parametrize("problem", ["unreachable", "foreign CA"])
+def test_a_router_that_cannot_use_its_etcd_exits_naming_it(routers, plumbing_model, tmp_path, problem):
+    cfg = parse_config(three_routers())
+    endpoint = f"127.0.0.1:{free_port()}" if problem == "unreachable" else routers.etcd.endpoints[1]
+    cfg.etcd.endpoints, cfg.etcd.timeout_s = [endpoint], 2.0
+    cfg.router.records.audit_log = str(tmp_path / "audit.jsonl")
+    path = tmp_path / "cluster.yaml"
+    dump_config(cfg, path)
+    creds = routers.creds if problem == "unreachable" else ClusterCredentials.for_config(TLSSection(), tmp_path / "ca")
+    assert creds is not None
+    env = {**os.environ, **creds.env(Identity("toronto", CertRole.ROUTER, "on"), ("127.0.0.1",)),
+           "KVRELAY_KV_SECRET": "ab" * 32}
+    proc = subprocess.run([sys.executable, "-m", "kvrelay.router", "--config", str(path), "--name", "on",
+                           "--model-path", str(plumbing_model)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert f"router on: could not reach etcd within 2 s: etcd: {endpoint}:" in proc.stderr
+    assert ("UNAVAILABLE" if problem == "unreachable" else "TLS refused") in proc.stderr
+
+
+def audit_of(lc: LocalCluster, router: str) -> str:
+    audit = Path(lc.cfg.router.records.audit_log or "")
+    return (audit.parent / f"{audit.stem}.{router}{audit.suffix}").read_text()
+
+
+def test_a_tenant_pinned_to_qc_is_refused_unread_in_ontario_and_served_in_quebec(routers):
+    req = ipb.GenerateRequest(prompt=SECRET_PROMPT, max_tokens=2)
+    with routers.dialer(TOKENS["lab-qc"]).sync(routers.routers["on"].address) as ch:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(igrpc.InferenceStub(ch).Generate(req, timeout=30))
+        listed = igrpc.InferenceStub(ch).ListRouters(ipb.ListRoutersRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "may enter only in {CA-QC}; this router (on) is at toronto (CA-ON) and did not read" in \
+        refused.value.details()
+    assert f"qc (montreal, CA-QC) at {routers.routers['qc'].address}" in refused.value.details()
+    assert list(listed.yours) == ["qc"]  # what its clients ask first
+    with routers.dialer(TOKENS["lab-qc"]).sync(routers.routers["qc"].address) as ch:
+        out = list(igrpc.InferenceStub(ch).Generate(req, timeout=60))
+    assert out[-1].finish.placement.decode_worker == "montreal/decode/0"
+    assert wait_until(lambda: SECRET_PROMPT in audit_of(routers, "qc"), 10)  # its router logs it (log_prompts)
+    on = audit_of(routers, "on")
+    assert SECRET_PROMPT not in on  # refused unread: nothing of it in this router's log
+    refusals = [r for r in map(json.loads, on.splitlines()) if r["kind"] == "refusal"]
+    assert [(r["tenant"], r["router"], r["outcome"]) for r in refusals] == [("lab-qc", "on", "failed_precondition")]
+
+
+def test_http_refuses_before_the_body(routers):
+    """A body that never comes: the answer comes anyway, so the router did not wait to read it."""
+    host, port = routers.routers["on"].http.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            tls_context(routers).wrap_socket(raw, server_hostname="localhost") as s:
+        s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKENS['lab-qc']}\r\n"
+                   "Content-Type: application/json\r\nContent-Length: 4000\r\n\r\n{\"prompt\": \"").encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            assert chunk, f"the router closed without a whole answer: {answer!r}"
+            answer += chunk
+    head, _, body = answer.decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 400")
+    err = json.loads(body)["error"]
+    assert err["code"] == "failed_precondition" and "qc (montreal, CA-QC)" in err["message"]
+
+
+def cli(lc: LocalCluster, tenant: str, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KVRELAY_API_KEY": TOKENS[tenant]}
+    return subprocess.run([*KVRELAY, *argv, "--ca", str(lc.ca_file)], capture_output=True, text=True, timeout=120,
+                          env=env)
+
+
+def test_the_client_chooses_a_router_in_its_jurisdiction(routers):
+    r = routers.routers
+    table = cli(routers, "lab-qc", "routers", "--router", r["on"].address)
+    assert table.returncode == 0, table.stderr
+    reads = {line.split()[0]: line.split()[-1] for line in table.stdout.splitlines()[1:4]}
+    assert reads == {"bc": "no", "on": "no", "qc": "yes"}
+    # the tenant's client is given every router, the one it may not use first, one that is down next
+    nobody = f"127.0.0.1:{free_port()}"
+    gen = cli(routers, "lab-qc", "generate", "--max-tokens", "2", "--verbose", "--router",
+              f"{r['on'].address},{nobody},{r['qc'].address}", "hello")
+    assert gen.returncode == 0, gen.stderr
+    assert "decode montreal/decode/0" in gen.stderr
+    wrong = cli(routers, "lab-qc", "generate", "--router", f"{r['on'].address},{r['bc'].address}", "hello")
+    assert wrong.returncode != 0
+    assert "none of the routers given reads this tenant's prompts" in wrong.stderr
+    assert f"use qc (montreal, CA-QC) at {r['qc'].address}" in wrong.stderr
