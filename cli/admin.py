@@ -25,6 +25,8 @@ from kvrelay.runtime.rpc import Dialer
 from kvrelay.runtime.tokens import token_sha256
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 
@@ -147,8 +149,6 @@ def operator_flags(p: argparse.ArgumentParser) -> None:
 def cmd_routers(args: argparse.Namespace) -> int:
     """The deployment's live routers, from the first of --router that answers; with this tenant's
     token, which of them read its prompts (the others refuse them unread)."""
-    from kvrelay.v1 import inference_pb2 as ipb
-    from kvrelay.v1 import inference_pb2_grpc as igrpc
     resp, error = None, None
     client = dialer(args, client_token(args))
     for address in router_addresses(args):

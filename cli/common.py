@@ -11,11 +11,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
+
 from kvrelay.launch.credentials import CLIENT_TOKEN, LOCAL_PKI
 from kvrelay.runtime.files import write_private
 from kvrelay.runtime.pki import CA_CERT, PKIError, check_pair, read_pem
 from kvrelay.runtime.rpc import Dialer
 from kvrelay.runtime.tls import TLSMaterial, parse_serials
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
 
 
 def default_cache_dir() -> Path:
@@ -144,10 +148,6 @@ def routers_for(args: argparse.Namespace, dialer: Dialer, timeout_s: float = 5.0
     given = router_addresses(args)
     if len(given) <= 1:
         return given
-    import grpc  # the client commands load grpc only when they call
-
-    from kvrelay.v1 import inference_pb2 as ipb
-    from kvrelay.v1 import inference_pb2_grpc as igrpc
     ours, listed, silent = [], None, []
     for address in given:
         try:

@@ -274,6 +274,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if cfg.router.records.usage_db is None:
         cfg.router.records.usage_db = str(args.cache_dir / "usage.sqlite")
     model_path = resolve_model(cfg.model.path, args.cache_dir)
+    if cfg.routers and (args.backend == "ray" or args.cities):
+        raise ValueError("routers: several routers run here as processes of this machine; with --backend ray or "
+                         "--cities they are not started yet (one router per site in a city's namespace or a Ray "
+                         "node is future work): use one router, or serve without those flags")
     backend = None
     if args.backend == "ray":
         if args.cities:
@@ -292,10 +296,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.append(True))
     try:
         addr = cluster.start()
-        n = len(cluster.children) - 1
+        n = len(cluster.children) - len(cluster.routers)
         if cluster.operator_token:
             write_secret(args.token_file, cluster.operator_token)
             print(f"kvrelay: operator token for this run in {args.token_file} (kvrelay scale / drain read it)")
+        if cfg.routers:
+            addr = ",".join(r.address for r in cluster.routers.values())
+            for entry in cfg.routers:
+                ready = cluster.routers[entry.name]
+                print(f"kvrelay: router {entry.name} at {entry.site} on {ready.address}"
+                      + (f" (HTTP {ready.http})" if ready.http else ""), flush=True)
+            print(f"kvrelay: etcd at {', '.join(cluster.cfg.etcd.endpoints)}", flush=True)
         print(f"kvrelay: serving {model_path.name} on {addr} with {n} workers ({args.backend}) "
               f"(try: kvrelay generate --router {addr} \"What is the capital of France?\")", flush=True)
         if cluster.http_address:
@@ -307,15 +318,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if cfg.tls.enabled:
             print(f"kvrelay: TLS by the CA in {cfg.tls.ca}; tenant token of this machine's user in "
                   f"{args.cache_dir / CLIENT_TOKEN} (the kvrelay commands find both)", flush=True)
+        reported: set[str] = set()
         while not stop:
-            if any(c.name == "router" for c in cluster.dead_children()):
-                print("kvrelay: the router exited; stopping", file=sys.stderr)
+            if _routers_gone(cluster, reported):
                 return 1
             time.sleep(0.5)
         return 0
     finally:
         cluster.stop()
         print("kvrelay: stopped", flush=True)
+
+
+def _routers_gone(cluster: LocalCluster, reported: set[str]) -> bool:
+    """Says once which routers exited (``reported``: those said); True when none is left (the run stops)."""
+    routers = [c for c in cluster.children if c.name.startswith("router")]
+    dead = [c for c in routers if c.proc.poll() is not None]
+    for c in dead:
+        if c.name not in reported:
+            reported.add(c.name)
+            left = len(routers) - len(dead)
+            print(f"kvrelay: {c.name} exited" + (f"; {left} router(s) serve on" if left else "; stopping"),
+                  file=sys.stderr)
+    return bool(routers) and len(dead) == len(routers)
 
 
 CODEC_FLAGS = {"link_mbps": 200.0, "link_rtt_ms": 30.0, "prompt_tokens": "2000-8000", "gap_s": 20.0}

@@ -101,8 +101,18 @@ def render_status(workers_resp: wpb.ListWorkersResponse, pools_resp: apb.ListPoo
               f"placement policy: {workers_resp.policy}", latency_line(workers_resp.latency), "",
               *table_lines(link_rows(workers_resp.links)), "",
               f"router metrics: {workers_resp.router_metrics_address or 'off'}",
-              f"router {workers_resp.storage or 'disk: not reported'}"]
+              f"router {workers_resp.storage or 'disk: not reported'}", *router_lines(workers_resp)]
     return "\n".join(lines) + "\n"
+
+
+def router_lines(resp: wpb.ListWorkersResponse) -> list[str]:
+    """With several routers: who they are, which one answered, and the shared store's state."""
+    if not resp.coordination:
+        return []
+    rows = [("ROUTER", "SITE", "JURISDICTION", "GRPC", "INTERNAL")] + [
+        (r.name + (" (this one)" if r.name == resp.router_name else ""), r.site, r.jurisdiction, r.address,
+         r.internal_address) for r in resp.routers]
+    return ["", *table_lines(rows), f"shared state: {resp.coordination}"]
 
 
 def frame(body: str, now: float, interval_s: float, tty: bool, first: bool) -> str:

@@ -258,7 +258,7 @@ async def run(args: argparse.Namespace) -> None:
             stack.callback(metrics.close)
         parts = core_parts(cfg, Dialer(tls), salt_key=salt_key, tracing=tracing, metrics=registry,
                            jobs_db=args.jobs_db)
-        parts.membership = membership(cfg, tls, parts.registry)
+        parts.membership = membership(cfg, tls, parts.registry, parts.pools)
         core = RouterCore(cfg, tok, limits, parts, audit=audit,
                           metrics_address=metrics.advertised(cfg.router.host) if metrics else "")
         stack.push_async_callback(core.aclose)
@@ -292,11 +292,13 @@ async def run(args: argparse.Namespace) -> None:
         await _stopped(targets, 5.0, "the Prometheus targets file")
 
 
-def membership(cfg: ClusterConfig, tls: TLSMaterial | None, registry: WorkerRegistry) -> Membership:
-    """How this router shares its workers: through etcd when ``routers:`` lists several (or etcd is
-    configured), else not at all."""
+def membership(cfg: ClusterConfig, tls: TLSMaterial | None, registry: WorkerRegistry,
+               pools: PoolManager) -> Membership:
+    """How this router shares its workers and pools: through etcd when ``routers:`` lists several (or
+    etcd is configured), else not at all."""
     if len(cfg.routers) > 1 or (cfg.routers and cfg.etcd.endpoints):
-        return EtcdMembership(cfg.etcd, EtcdClient(cfg.etcd.endpoints, Dialer(tls), cfg.etcd.timeout_s), registry)
+        client = EtcdClient(cfg.etcd.endpoints, Dialer(tls), cfg.etcd.timeout_s)
+        return EtcdMembership(cfg.etcd, client, registry, pools)
     return SoloMembership()
 
 

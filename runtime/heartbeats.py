@@ -128,8 +128,12 @@ class _Heartbeats:
     """One worker's registration and heartbeat state with its router."""
 
     def __init__(self, stub, info: wpb.WorkerInfo, load_fn, events_fn, status: WorkerStatus | None = None,
-                 registered: bool = False, on_routers: RoutersSink | None = None) -> None:
+                 registered: bool = False, on_routers: RoutersSink | None = None,
+                 on_drained: Callable[[bool], None] | None = None) -> None:
         self.stub, self.info, self.load_fn, self.events_fn = stub, info, load_fn, events_fn
+        self.on_drained = on_drained
+        """With several routers: given this router's drained flag from each answer; the worker leaves
+        when every router says it is drained, not when this one does."""
         self.status = status if status is not None else WorkerStatus()
         self.interval = 1.0
         self.registered = registered
@@ -178,6 +182,9 @@ class _Heartbeats:
         if hb.drain and not self.draining:
             self.draining = self.status.draining = True
             log.info("%s is draining: no new requests; leaving once the current ones are done", self.info.worker_id)
+        if self.on_drained is not None:
+            self.on_drained(hb.drained)
+            return False
         if hb.drained:  # with the final counters: nothing runs here any more
             await self.stub.Deregister(wpb.DeregisterRequest(worker_id=self.info.worker_id, load=self.load_fn()),
                                        timeout=5.0)
@@ -188,7 +195,8 @@ class _Heartbeats:
 async def register_and_heartbeat(router: str, dialer: Dialer, info: wpb.WorkerInfo, load_fn, stop: asyncio.Event,
                                  events_fn=None, register_deadline_s: float = 60.0,
                                  status: WorkerStatus | None = None, router_name: str | None = None,
-                                 registered: bool = False, on_routers: RoutersSink | None = None) -> None:
+                                 registered: bool = False, on_routers: RoutersSink | None = None,
+                                 on_drained: Callable[[bool], None] | None = None) -> None:
     """Registers with the router (retrying until the deadline), then sends a
     heartbeat every interval until ``stop`` is set; re-registers when the
     router has forgotten this worker (router restart). When the router says
@@ -202,9 +210,11 @@ async def register_and_heartbeat(router: str, dialer: Dialer, info: wpb.WorkerIn
     deployment's router exactly; None: any router certificate).
     ``status`` follows the router's answers (the readiness probe reads it).
     ``registered``: the router knows this worker already (no Register unless it says it does not);
-    ``on_routers``: given the deployment's live routers from each answer."""
+    ``on_routers``: given the deployment's live routers from each answer; ``on_drained``: given the
+    router's drained flag instead of leaving when it is set (several routers)."""
     async with dialer.aio(router, server_name=router_name or role_dns(CertRole.ROUTER)) as ch:
-        hb = _Heartbeats(wgrpc.RegistryStub(ch), info, load_fn, events_fn, status, registered, on_routers)
+        hb = _Heartbeats(wgrpc.RegistryStub(ch), info, load_fn, events_fn, status, registered, on_routers,
+                         on_drained)
         loop = asyncio.get_running_loop()
         end = loop.time() + register_deadline_s
         try:
@@ -236,7 +246,20 @@ class RouterLoops:
     """The router identities the deployment lists (``routers:``): the only ones dialled."""
     peers: dict[str, ipb.RouterPeer] = field(default_factory=dict)
     """The live routers by internal address, as the last answer listed them."""
+    drained: dict[str, bool] = field(default_factory=dict)
+    """Each router's last word on this worker's drain (by internal address)."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def all_drained(self, addresses) -> bool:
+        """Every router of ``addresses`` said this worker is drained (nothing of theirs runs here)."""
+        return bool(addresses) and all(self.drained.get(a, False) for a in addresses)
+
+    def reporter(self, address: str) -> Callable[[bool], None]:
+        def report(drained: bool) -> None:
+            self.drained[address] = drained
+            if drained:
+                self.changed.set()
+        return report
 
     def update(self, routers: list[ipb.RouterPeer]) -> None:
         """A router's answer: the live routers now (those the deployment does not list are ignored)."""
@@ -266,15 +289,21 @@ async def heartbeat_routers(first: str, admitted: frozenset[str], dialer: Dialer
         return None if fanout is None else (lambda snapshot: fanout.take(address, snapshot))
 
     tasks = {first: asyncio.create_task(register_and_heartbeat(
-        first, dialer, info, load_fn, stop, events_for(first), status=status, on_routers=loops.update))}
+        first, dialer, info, load_fn, stop, events_for(first), status=status, on_routers=loops.update,
+        on_drained=loops.reporter(first)))}
     try:
         while not stop.is_set():
             for task in [t for t in tasks.values() if t.done()]:
-                task.result()  # a refusal ends the worker; a drained loop has set stop
+                task.result()  # a refusal ends the worker
             if loops.peers:
                 _follow(loops, tasks, fanout, lambda a, r: register_and_heartbeat(
                     a, dialer, info, load_fn, stop, events_for(a), status=status, registered=True,
-                    router_name=Identity(r.site, CertRole.ROUTER, r.name).dns, on_routers=loops.update))
+                    router_name=Identity(r.site, CertRole.ROUTER, r.name).dns, on_routers=loops.update,
+                    on_drained=loops.reporter(a)))
+            if loops.all_drained(list(tasks)):
+                await _leave(dialer, next(iter(tasks)), info, load_fn)
+                stop.set()
+                return
             loops.changed.clear()
             waits = {asyncio.ensure_future(loops.changed.wait()), asyncio.ensure_future(stop.wait()),
                      *tasks.values()}
@@ -285,6 +314,17 @@ async def heartbeat_routers(first: str, admitted: frozenset[str], dialer: Dialer
         for t in tasks.values():
             t.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+
+async def _leave(dialer: Dialer, router: str, info: wpb.WorkerInfo, load_fn) -> None:
+    """Deregisters (with the final counters) at one router: the others learn it through etcd."""
+    try:
+        async with dialer.aio(router, server_name=role_dns(CertRole.ROUTER)) as ch:
+            await wgrpc.RegistryStub(ch).Deregister(wpb.DeregisterRequest(worker_id=info.worker_id, load=load_fn()),
+                                                    timeout=5.0)
+    except grpc.aio.AioRpcError as exc:
+        log.warning("could not deregister %s at %s: %s", info.worker_id, router, exc.code())
+    log.info("%s drained at every router: deregistered, exiting", info.worker_id)
 
 
 def _follow(loops: RouterLoops, tasks: dict[str, asyncio.Task], fanout: EventFanout | None, start) -> None:

@@ -8,7 +8,12 @@ One router (the default): :class:`SoloMembership`, nothing shared. Several
   the list within one TTL;
 - ``workers/<worker id>``: each registered worker's ``WorkerInfo``, written by
   the router that accepted its registration (after checking its certificate)
-  and deleted when it deregisters.
+  and deleted when it deregisters;
+- ``pools/<site>/<role>``: each pool's desired size as the last router that
+  changed it (scale, drain, the planner) set it, and ``drains/<worker id>``:
+  the workers a router chose to drain; every router then places nothing more
+  on them, and a worker leaves once every router it heartbeats says its
+  requests there are done.
 
 Every router watches both prefixes and applies them to its own registry: a
 worker learned from etcd is dialled but counts as healthy only once its own
@@ -27,9 +32,11 @@ import logging
 import time
 from typing import Protocol
 
+from kvrelay.router.cluster.pools import PoolManager
 from kvrelay.router.cluster.registry import WorkerRegistry
 from kvrelay.runtime.config import EtcdSection
 from kvrelay.runtime.etcd import Change, EtcdClient, EtcdError
+from kvrelay.runtime.roles import Role
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import worker_pb2 as wpb
 
@@ -66,6 +73,14 @@ class Membership(Protocol):
 
     async def forget_worker(self, worker_id: str) -> None: ...
 
+    def can_change_pools(self) -> str | None:
+        """None when pool sizes and drains can be shared now, else why not."""
+        ...
+
+    async def publish_pool(self, site: str, role: Role, desired: int, drained: list[str]) -> None:
+        """A pool's new desired size and the workers this router drains for it, for every other router."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -94,6 +109,12 @@ class SoloMembership:
     async def forget_worker(self, worker_id: str) -> None:
         return None
 
+    def can_change_pools(self) -> str | None:
+        return None
+
+    async def publish_pool(self, site: str, role: Role, desired: int, drained: list[str]) -> None:
+        return None
+
     async def aclose(self) -> None:
         return None
 
@@ -101,8 +122,11 @@ class SoloMembership:
 class EtcdMembership:
     """Routers and workers shared through etcd (module docstring)."""
 
-    def __init__(self, section: EtcdSection, client: EtcdClient, registry: WorkerRegistry) -> None:
-        self.section, self.client, self.registry = section, client, registry
+    def __init__(self, section: EtcdSection, client: EtcdClient, registry: WorkerRegistry,
+                 pools: PoolManager) -> None:
+        self.section, self.client, self.registry, self.pools = section, client, registry, pools
+        self.drains: set[str] = set()
+        """Workers some router drains (applied to each as this router learns it)."""
         self._me = ipb.RouterPeer()
         self.routers: dict[str, ipb.RouterPeer] = {}
         self.lease = 0
@@ -147,17 +171,41 @@ class EtcdMembership:
         """Everything under the prefix, applied (at start, and after the watch lost its place)."""
         entries, self.revision = await self.client.get_prefix(self.section.prefix)
         routers, workers = {}, {}
+        self.drains = set()
         for e in entries:
             kind, _, name = e.key[len(self.section.prefix):].partition("/")
             if kind == "routers":
                 routers[name] = ipb.RouterPeer.FromString(e.value)
             elif kind == "workers":
                 workers[name] = wpb.WorkerInfo.FromString(e.value)
+            else:
+                self._apply_pools(kind, name, e.value)
         self.routers = routers
         for worker_id in [w for w in self.registry.workers if w not in workers]:
             await self.registry.deregister(worker_id)
         for info in workers.values():
-            await self.registry.learn(info)
+            await self._learn(info)
+
+    async def _learn(self, info: wpb.WorkerInfo) -> None:
+        await self.registry.learn(info)
+        if info.worker_id in self.drains:
+            self.pools.start_drain(self.registry.workers[info.worker_id])
+
+    def _apply_pools(self, kind: str, name: str, value: bytes | None) -> None:
+        """A pool's desired size or a drain another router decided (ignored if it names nothing known)."""
+        if kind == "drains":
+            if value is None:
+                self.drains.discard(name)
+                return
+            self.drains.add(name)
+            rec = self.registry.workers.get(name)
+            if rec is not None:
+                self.pools.start_drain(rec)
+        elif kind == "pools" and value is not None:
+            site, _, role = name.partition("/")
+            key = (site, Role(role)) if role in tuple(Role) else None
+            if key in self.pools.desired and value.isdigit():
+                self.pools.desired[key] = int(value)
 
     async def _apply(self, ch: Change) -> None:
         kind, _, name = ch.key[len(self.section.prefix):].partition("/")
@@ -172,7 +220,9 @@ class EtcdMembership:
                 if await self.registry.deregister(name):
                     log.info("worker %s left (etcd)", name)
             else:
-                await self.registry.learn(wpb.WorkerInfo.FromString(ch.value))
+                await self._learn(wpb.WorkerInfo.FromString(ch.value))
+        else:
+            self._apply_pools(kind, name, ch.value)
         self.revision = max(self.revision, ch.revision)
 
     async def _watch(self) -> None:
@@ -236,6 +286,18 @@ class EtcdMembership:
 
     async def forget_worker(self, worker_id: str) -> None:
         await self.client.delete(self._key("workers", worker_id))
+        await self.client.delete(self._key("drains", worker_id))
+
+    def can_change_pools(self) -> str | None:
+        if self.down_since is None:
+            return None
+        return (f"pool sizes and drains are shared by the routers through etcd, unreachable now "
+                f"({self.last_error}); change them when it is back")
+
+    async def publish_pool(self, site: str, role: Role, desired: int, drained: list[str]) -> None:
+        await self.client.put(self._key("pools", f"{site}/{role}"), str(desired).encode())
+        for worker_id in drained:
+            await self.client.put(self._key("drains", worker_id), b"")
 
     async def aclose(self) -> None:
         for t in self._tasks:

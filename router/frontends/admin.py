@@ -17,6 +17,7 @@ from kvrelay.router.core.errors import RouterError
 from kvrelay.router.core.records import Auditor, RecordKind
 from kvrelay.router.frontends.peer import STATUS, GrpcCaller, authorization
 from kvrelay.router.governance.statement import UnknownTenant, deployment_state, statement
+from kvrelay.runtime.etcd import EtcdError
 from kvrelay.runtime.roles import Role
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
@@ -43,6 +44,7 @@ class AdminService(agrpc.AdminServicer):
         self.audit = audit
         self.pools: PoolManager = core.pools
         self.usage = core.usage
+        self.membership = core.membership
 
     def _audit(self, who: str, action: str, **fields) -> None:
         """One audit record of an operator action (router/governance/audit.py; none when there is no audit log)."""
@@ -71,7 +73,9 @@ class AdminService(agrpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"replicas must be in [0, {limit}] for {request.site}/{role} "
                                 f"(max_replicas in the config), got {request.replicas}")
+        await self._shared_pools(context)
         pool, drained = self.pools.scale(request.site, role, request.replicas)
+        await self._publish(request.site, role, drained)
         self._audit(who, "scale", site=request.site, role=request.role, replicas=request.replicas,
                     draining=list(drained))
         log.info("%s scaled %s/%s to %d (draining: %s)", who, request.site, request.role, request.replicas,
@@ -82,9 +86,25 @@ class AdminService(agrpc.AdminServicer):
         who = await self._authorize(context)
         if request.worker_id not in self.pools.registry.workers:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r} is registered")
+        await self._shared_pools(context)
         log.info("%s drains %s", who, request.worker_id)
         self._audit(who, "drain", worker=request.worker_id, site=request.worker_id.partition("/")[0])
-        return apb.DrainResponse(pool=self.pools.drain(request.worker_id))
+        pool = self.pools.drain(request.worker_id)
+        await self._publish(pool.site, Role(pool.role), [request.worker_id])
+        return apb.DrainResponse(pool=pool)
+
+    async def _shared_pools(self, context) -> None:
+        """UNAVAILABLE when this router could not share a pool change with the others (etcd away)."""
+        problem = self.membership.can_change_pools()
+        if problem is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, problem)
+
+    async def _publish(self, site: str, role: Role, drained: list[str]) -> None:
+        """A pool change, for the other routers (router/cluster/membership.py)."""
+        try:
+            await self.membership.publish_pool(site, role, self.pools.desired[(site, role)], drained)
+        except EtcdError as exc:
+            log.warning("could not share %s/%s's new size with the other routers: %s", site, role, exc)
 
     async def ListPools(self, request, context) -> apb.ListPoolsResponse:
         await self._authorize(context)
@@ -95,9 +115,11 @@ class AdminService(agrpc.AdminServicer):
         r = self.pools.cfg.router
         plans = plan(self.pools.figures(), r.pools.slo_ttft_s, r.pools.slo_tpot_s)
         if request.apply:
+            await self._shared_pools(context)
             for p in plans:
                 if p.recommended != p.current:
-                    self.pools.scale(p.site, p.role, p.recommended)
+                    _, drained = self.pools.scale(p.site, p.role, p.recommended)
+                    await self._publish(p.site, p.role, drained)
                     self._audit(who, "plan apply", site=p.site, role=p.role, replicas=p.recommended,
                                 previous=p.current, reasons=list(p.reasons))
                     log.info("%s applied the plan: %s/%s %d -> %d (%s)", who, p.site, p.role, p.current,

@@ -99,6 +99,11 @@ class RegistryService(wgrpc.RegistryServicer):
         drained = self.pools.trim(info.site, role)  # a pool scaled down while this worker was starting
         if drained:
             log.info("%s/%s is above its desired size: draining %s", info.site, role, ", ".join(drained))
+            try:
+                await self.core.membership.publish_pool(info.site, role, self.pools.desired[(info.site, role)],
+                                                        drained)
+            except EtcdError as exc:
+                log.warning("could not share the drain of %s with the other routers: %s", drained, exc)
         return wpb.RegisterResponse(heartbeat_interval_s=self.cfg.router.liveness.heartbeat_interval_s,
                                     routers=self.core.membership.peers())
 

@@ -27,6 +27,8 @@ from kvrelay.runtime.config import TLSSection, dump_config, parse_config
 from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.rpc import Dialer
 from kvrelay.runtime.tokens import token_sha256
+from kvrelay.v1 import admin_pb2 as apb
+from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
@@ -252,3 +254,29 @@ def test_the_client_chooses_a_router_in_its_jurisdiction(routers):
     assert wrong.returncode != 0
     assert "none of the routers given reads this tenant's prompts" in wrong.stderr
     assert f"use qc (montreal, CA-QC) at {r['qc'].address}" in wrong.stderr
+
+
+def scale(lc: LocalCluster, router: str, replicas: int) -> apb.ScaleResponse:
+    with lc.operator_dialer.sync(lc.routers[router].address) as ch:
+        return agrpc.AdminStub(ch).Scale(apb.ScaleRequest(site="montreal", role="decode", replicas=replicas),
+                                         timeout=30)
+
+
+def test_a_pool_scaled_at_one_router_is_scaled_at_every_router(routers):
+    """Scaled down at on: every router stops placing on the worker it drains, which leaves once all of
+    them say its requests are done; scaled up at bc: the launcher, which asks qc, starts one again."""
+    drained = scale(routers, "on", 0).draining
+    assert list(drained) == ["montreal/decode/0"]
+
+    def pools(router: str) -> tuple[int, list[str]]:
+        with routers.operator_dialer.sync(routers.routers[router].address) as ch:
+            p = next(p for p in agrpc.AdminStub(ch).ListPools(apb.ListPoolsRequest(), timeout=10).pools
+                     if p.site == "montreal" and p.role == "decode")
+        return p.desired, list(p.workers)
+
+    assert wait_until(lambda: all(pools(n)[0] == 0 for n in ROUTERS), 10)
+    assert wait_until(lambda: all("montreal/decode/0" not in (w.info.worker_id for w in status(routers, n).workers)
+                                  for n in ROUTERS), 30)  # it left, and every router forgot it
+    scale(routers, "bc", 1)
+    assert wait_until(lambda: all(pools(n) == (1, ["montreal/decode/1"]) for n in ROUTERS), 90)
+    assert generate(routers, "on").placement.decode_worker == "montreal/decode/1"

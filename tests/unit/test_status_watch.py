@@ -66,6 +66,20 @@ def test_render_status_without_requests_pools_or_metrics():
     assert "no requests finished in the last 60 s" in text and "router metrics: off" in text
 
 
+def test_render_status_names_the_routers_and_their_shared_state():
+    resp = _workers()
+    assert "ROUTER" not in render_status(resp, _pools())  # one router: nothing to say
+    resp.router_name, resp.coordination = "ont", "etcd at 127.0.0.1:2379: reached; 2 router(s) live"
+    resp.routers.add(name="ont", site="toronto", jurisdiction="CA-ON", address="10.0.0.2:50051",
+                     internal_address="10.0.0.2:50052")
+    resp.routers.add(name="qc", site="montreal", jurisdiction="CA-QC", address="10.0.0.1:50051",
+                     internal_address="10.0.0.1:50052")
+    text = render_status(resp, _pools())
+    assert re.search(r"ont \(this one\)\s+toronto\s+CA-ON\s+10\.0\.0\.2:50051\s+10\.0\.0\.2:50052", text)
+    assert re.search(r"\nqc\s+montreal\s+CA-QC", text)
+    assert text.endswith("shared state: etcd at 127.0.0.1:2379: reached; 2 router(s) live\n")
+
+
 def test_latency_line_forms():
     assert latency_line(wpb.LatencySummary()) == "latency: not reported by this router"
     one = latency_line(wpb.LatencySummary(window_s=30, requests=1, ttft_p50_ms=5, ttft_p90_ms=5))
