@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from kvrelay.benchmarks import cities_bench as cb
-from kvrelay.benchmarks import codec_bench, codec_quality, link_track, telemetry_bench
+from kvrelay.benchmarks import codec_bench, codec_quality, link_track, routers_bench, telemetry_bench
 from kvrelay.benchmarks.engine_bench import format_result, run_engine_bench, to_json
 from kvrelay.benchmarks.gate_bench import format_gate, run_gate_bench
 from kvrelay.benchmarks.kv_bench import emit_report, format_kv, kv_json, machine, run_kv_bench
@@ -274,50 +274,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if cfg.router.records.usage_db is None:
         cfg.router.records.usage_db = str(args.cache_dir / "usage.sqlite")
     model_path = resolve_model(cfg.model.path, args.cache_dir)
-    if cfg.routers and (args.backend == "ray" or args.cities):
-        raise ValueError("routers: several routers run here as processes of this machine; with --backend ray or "
-                         "--cities they are not started yet (one router per site in a city's namespace or a Ray "
-                         "node is future work): use one router, or serve without those flags")
-    backend = None
-    if args.backend == "ray":
-        if args.cities:
-            raise ValueError("--cities runs workers in this machine's namespaces; it cannot be combined with "
-                             "--backend ray")
-
-        ray_tls = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
-        try:  # without Ray's TLS, refused unless every node is this machine (secrets travel with the actors)
-            backend = RayBackend([s.name for s in cfg.sites], args.ray_address, ray_tls=ray_tls)
-        except RayPlaintext as exc:
-            print(f"kvrelay: {exc}", file=sys.stderr)
-            return 2
+    try:
+        backend = _serve_backend(cfg, args)
+    except RayPlaintext as exc:
+        print(f"kvrelay: {exc}", file=sys.stderr)
+        return 2
     cluster = LocalCluster(cfg, model_path, log_level=args.log_level, cities=cities_for(args), backend=backend)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(True))
     try:
-        addr = cluster.start()
-        n = len(cluster.children) - len(cluster.routers)
-        if cluster.operator_token:
-            write_secret(args.token_file, cluster.operator_token)
-            print(f"kvrelay: operator token for this run in {args.token_file} (kvrelay scale / drain read it)")
-        if cfg.routers:
-            addr = ",".join(r.address for r in cluster.routers.values())
-            for entry in cfg.routers:
-                ready = cluster.routers[entry.name]
-                print(f"kvrelay: router {entry.name} at {entry.site} on {ready.address}"
-                      + (f" (HTTP {ready.http})" if ready.http else ""), flush=True)
-            print(f"kvrelay: etcd at {', '.join(cluster.cfg.etcd.endpoints)}", flush=True)
-        print(f"kvrelay: serving {model_path.name} on {addr} with {n} workers ({args.backend}) "
-              f"(try: kvrelay generate --router {addr} \"What is the capital of France?\")", flush=True)
-        if cluster.http_address:
-            scheme = "https" if cfg.tls.enabled else "http"
-            print(f"kvrelay: OpenAI-compatible HTTP API on {scheme}://{cluster.http_address}/v1", flush=True)
-        if cluster.metrics_address:
-            print(f"kvrelay: Prometheus metrics on http://{cluster.metrics_address}/metrics "
-                  "(workers' in kvrelay status)", flush=True)
-        if cfg.tls.enabled:
-            print(f"kvrelay: TLS by the CA in {cfg.tls.ca}; tenant token of this machine's user in "
-                  f"{args.cache_dir / CLIENT_TOKEN} (the kvrelay commands find both)", flush=True)
+        cluster.start()
+        _announce(cluster, args, model_path)
         reported: set[str] = set()
         while not stop:
             if _routers_gone(cluster, reported):
@@ -327,6 +295,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         cluster.stop()
         print("kvrelay: stopped", flush=True)
+
+
+def _serve_backend(cfg: ClusterConfig, args: argparse.Namespace) -> RayBackend | None:
+    """Where `kvrelay serve`'s workers run (None: processes here); ValueError for flags that do not combine."""
+    if cfg.routers and (args.backend == "ray" or args.cities):
+        raise ValueError("routers: several routers run here as processes of this machine; with --backend ray or "
+                         "--cities they are not started yet (one router per site in a city's namespace or a Ray "
+                         "node is future work): use one router, or serve without those flags")
+    if args.backend != "ray":
+        return None
+    if args.cities:
+        raise ValueError("--cities runs workers in this machine's namespaces; it cannot be combined with "
+                         "--backend ray")
+    ray_tls = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+    # without Ray's TLS, refused unless every node is this machine (secrets travel with the actors)
+    return RayBackend([s.name for s in cfg.sites], args.ray_address, ray_tls=ray_tls)
+
+
+def _announce(cluster: LocalCluster, args: argparse.Namespace, model_path: Path) -> None:
+    """What `kvrelay serve` prints once serving: where, with what, and how to try it."""
+    cfg = cluster.cfg
+    addr, n = cluster.router_address, len(cluster.children) - len(cluster.routers)
+    if cluster.operator_token:
+        write_secret(args.token_file, cluster.operator_token)
+        print(f"kvrelay: operator token for this run in {args.token_file} (kvrelay scale / drain read it)")
+    if cfg.routers:
+        addr = ",".join(r.address for r in cluster.routers.values())
+        for entry in cfg.routers:
+            ready = cluster.routers[entry.name]
+            print(f"kvrelay: router {entry.name} at {entry.site} on {ready.address}"
+                  + (f" (HTTP {ready.http})" if ready.http else ""), flush=True)
+        print(f"kvrelay: etcd at {', '.join(cfg.etcd.endpoints)}", flush=True)
+    print(f"kvrelay: serving {model_path.name} on {addr} with {n} workers ({args.backend}) "
+          f"(try: kvrelay generate --router {addr} \"What is the capital of France?\")", flush=True)
+    if cluster.http_address:
+        scheme = "https" if cfg.tls.enabled else "http"
+        print(f"kvrelay: OpenAI-compatible HTTP API on {scheme}://{cluster.http_address}/v1", flush=True)
+    if cluster.metrics_address:
+        print(f"kvrelay: Prometheus metrics on http://{cluster.metrics_address}/metrics "
+              "(workers' in kvrelay status)", flush=True)
+    if cfg.tls.enabled:
+        print(f"kvrelay: TLS by the CA in {cfg.tls.ca}; tenant token of this machine's user in "
+              f"{args.cache_dir / CLIENT_TOKEN} (the kvrelay commands find both)", flush=True)
 
 
 def _routers_gone(cluster: LocalCluster, reported: set[str]) -> bool:
@@ -427,6 +438,19 @@ def cmd_bench_link_track(args: argparse.Namespace) -> int:
     print(link_track.write(phases, Path(args.out), meta))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, **link_track.summary(phases)}, indent=2))
+    return 0
+
+
+def cmd_bench_routers(args: argparse.Namespace) -> int:
+    """One router against three on the same trace slice (benchmarks/routers_bench.py)."""
+    if args.limit < 1 or not 0 < args.scale <= 1:
+        raise ValueError("--limit must be at least 1 and --scale in (0, 1]")
+    report = routers_bench.run(resolve_model(None, args.cache_dir), Path(args.trace), args.limit, args.scale)
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    report["meta"] = {"machine": machine(), "started": started}
+    print(routers_bench.markdown(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
 
 

@@ -247,6 +247,17 @@ def _add_bench_kv_codec_parser(bench) -> None:
     bkc.set_defaults(func=local("cmd_bench_kv_codec"))
 
 
+def _add_bench_routers_parser(bench) -> None:
+    br = bench.add_parser("routers", help="one router against one per site (etcd): prefix hit rate and TTFT on "
+                                          "the same prefix-sharing trace slice")
+    br.add_argument("--trace", required=True, help="a Mooncake-format trace (prompts sharing prefix blocks), e.g. "
+                                                  "../shared/traces/synthetic_trace.jsonl")
+    br.add_argument("--limit", type=int, default=60, help="requests of the trace (default: %(default)s)")
+    br.add_argument("--scale", type=float, default=1 / 32, help="prompt length scale (default: %(default)s)")
+    br.add_argument("--json", help="also write the report to this file")
+    br.set_defaults(func=local("cmd_bench_routers"))
+
+
 def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> None:
     """bench engine, kv, placement and replay (bench cities comes with the cities commands)."""
     _add_bench_engine_parser(bench)
@@ -281,6 +292,7 @@ def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> N
     bte.set_defaults(func=local("cmd_bench_telemetry"))
 
     _add_bench_kv_codec_parser(bench)
+    _add_bench_routers_parser(bench)
 
     bg = bench.add_parser("kv-gate", help="a real sender's KV transfer time, quiet and under a flood of idle "
                                           "connections and replayed hellos (from 127.0.0.2 and 127.0.0.3)")
