@@ -109,9 +109,9 @@ def router_lines(resp: wpb.ListWorkersResponse) -> list[str]:
     """With several routers: who they are, which one answered, and the shared store's state."""
     if not resp.coordination:
         return []
-    rows: list[tuple[str, ...]] = [("ROUTER", "SITE", "JURISDICTION", "GRPC", "INTERNAL")] + [
-        (r.name + (" (this one)" if r.name == resp.router_name else ""), r.site, r.jurisdiction, r.address,
-         r.internal_address) for r in resp.routers]
+    rows: list[tuple[str, ...]] = [("ROUTER", "SITE", "JURISDICTION", "GRPC", "INTERNAL")]
+    rows += [(r.name + (" (this one)" if r.name == resp.router_name else ""), r.site, r.jurisdiction, r.address,
+              r.internal_address) for r in resp.routers]
     return ["", *table_lines(rows), f"shared state: {resp.coordination}"]
 
 
