@@ -443,9 +443,10 @@ def cmd_bench_link_track(args: argparse.Namespace) -> int:
 
 def cmd_bench_routers(args: argparse.Namespace) -> int:
     """One router against three on the same trace slice (benchmarks/routers_bench.py)."""
-    if args.limit < 1 or not 0 < args.scale <= 1:
-        raise ValueError("--limit must be at least 1 and --scale in (0, 1]")
-    report = routers_bench.run(resolve_model(None, args.cache_dir), Path(args.trace), args.limit, args.scale)
+    if args.limit < 1 or args.start < 0 or not 0 < args.scale <= 1:
+        raise ValueError("--limit must be at least 1, --start at least 0 and --scale in (0, 1]")
+    report = routers_bench.run(resolve_model(None, args.cache_dir), Path(args.trace), args.start, args.limit,
+                               args.scale)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     report["meta"] = {"machine": machine(), "started": started}
     print(routers_bench.markdown(report))

@@ -252,7 +252,8 @@ def _add_bench_routers_parser(bench) -> None:
                                           "the same prefix-sharing trace slice")
     br.add_argument("--trace", required=True, help="a Mooncake-format trace (prompts sharing prefix blocks), e.g. "
                                                   "../shared/traces/synthetic_trace.jsonl")
-    br.add_argument("--limit", type=int, default=60, help="requests of the trace (default: %(default)s)")
+    br.add_argument("--start", type=int, default=0, help="the trace's first request sent (default: %(default)s)")
+    br.add_argument("--limit", type=int, default=60, help="requests sent (default: %(default)s)")
     br.add_argument("--scale", type=float, default=1 / 32, help="prompt length scale (default: %(default)s)")
     br.add_argument("--json", help="also write the report to this file")
     br.set_defaults(func=local("cmd_bench_routers"))
