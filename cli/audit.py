@@ -1,10 +1,14 @@
 """`kvrelay audit` commands: verify the router's hash-chained audit log
 (router/governance/audit.py), and query its records by tenant, site, time and kind.
 
-``kvrelay audit verify FILE`` prints ``ok: N records, head <hash>``; note
-the head somewhere else, and ``--head`` later finds the log's end edited or
-cut off since. ``kvrelay audit query`` reads ``<cache dir>/audit.jsonl``
-(where ``kvrelay serve`` keeps it) unless ``--file`` names another."""
+``kvrelay audit verify FILE...`` prints ``ok: N records, head <hash>`` for
+each log; note the head somewhere else, and ``--head`` later finds the log's
+end edited or cut off since. With several routers each keeps its own chain
+(``audit.<router>.jsonl`` beside the others under `kvrelay serve`): verify
+takes them all and names the file and record of each problem. ``kvrelay audit
+query`` reads ``<cache dir>/audit.jsonl`` and every router's beside it (where
+``kvrelay serve`` keeps them) unless ``--file`` names others; their records
+come merged in time order."""
 
 from __future__ import annotations
 
@@ -24,18 +28,23 @@ _HEAD = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def cmd_audit_verify(args: argparse.Namespace) -> int:
-    """0 and ``ok: ...`` when the chain holds; 1 and its first problem otherwise."""
+    """0 and ``ok: ...`` when every chain holds; 1 and each broken chain's first problem otherwise."""
     if args.head is not None and not _HEAD.fullmatch(args.head):
         raise ValueError(f"--head: {args.head!r} is not a SHA-256 (64 hex digits, as `kvrelay audit verify` prints)")
-    try:
-        result = verify(args.file, head=args.head.lower() if args.head else None)
-    except OSError as exc:
-        raise OSError(f"{args.file}: {exc.strerror or exc}") from None
-    if result.ok:
-        print(f"ok: {result.records} records, head {result.head}")
-        return 0
-    print(f"kvrelay: {args.file}: {result.problem}", file=sys.stderr)
-    return 1
+    if args.head is not None and len(args.file) > 1:
+        raise ValueError("--head is one log's head: give it with that log alone")
+    failed = 0
+    for path in args.file:
+        try:
+            result = verify(path, head=args.head.lower() if args.head else None)
+        except OSError as exc:
+            raise OSError(f"{path}: {exc.strerror or exc}") from None
+        if result.ok:
+            print(f"{path + ': ' if len(args.file) > 1 else ''}ok: {result.records} records, head {result.head}")
+        else:
+            failed += 1
+            print(f"kvrelay: {path}: {result.problem}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _since(text: str):
@@ -61,10 +70,12 @@ def _row(r: dict) -> tuple[str, ...]:
 def cmd_audit_query(args: argparse.Namespace) -> int:
     """The matching records: a table, or with ``--json`` one JSON object per line."""
     since = _since(args.since) if args.since else None
-    path = Path(args.file) if args.file else args.cache_dir / AUDIT_FILE
-    if not path.is_file():
-        raise OSError(f"no audit log at {path}" + ("" if args.file else " (--file names another)"))
-    records = query(path, tenant=args.tenant, site=args.site, since=since, kind=args.kind)
+    paths = [Path(f) for f in args.file] if args.file else _local_logs(args.cache_dir)
+    for path in paths:
+        if not path.is_file():
+            raise OSError(f"no audit log at {path}" + ("" if args.file else " (--file names another)"))
+    records = _merged([list(query(p, tenant=args.tenant, site=args.site, since=since, kind=args.kind))
+                       for p in paths])
     if args.json:
         for r in records:
             print(json.dumps(r, ensure_ascii=False))
@@ -74,16 +85,31 @@ def cmd_audit_query(args: argparse.Namespace) -> int:
     return 0
 
 
+def _local_logs(cache_dir: Path) -> list[Path]:
+    """`kvrelay serve`'s logs: the one router's, and each router's of a deployment with several."""
+    logs = sorted(cache_dir.glob("audit.*.jsonl"))
+    single = cache_dir / AUDIT_FILE
+    return [single, *logs] if single.is_file() or not logs else logs
+
+
+def _merged(logs: list[list[dict]]) -> list[dict]:
+    """Records of several logs in time order (each log's own order kept among equal times)."""
+    if len(logs) == 1:
+        return logs[0]
+    return sorted((r for log in logs for r in log), key=lambda r: str(r.get("time", "")))
+
+
 def add_parsers(sub) -> None:
     audit = sub.add_parser("audit", help="the router's audit log: verify its chain, query its records")
     cmds = audit.add_subparsers(dest="audit_command", required=True)
     v = cmds.add_parser("verify", help="check the hash chain; prints the head, or the first problem (exit 1)")
-    v.add_argument("file", help="the audit log (JSONL)")
+    v.add_argument("file", nargs="+", help="the audit log (JSONL); with several routers, each router's")
     v.add_argument("--head", help="a head printed earlier: the log must still contain it (finds its end "
                                   "edited or cut off)")
     v.set_defaults(func=cmd_audit_verify)
     q = cmds.add_parser("query", help="records by tenant, site, time and kind")
-    q.add_argument("--file", help=f"the audit log (default: <cache dir>/{AUDIT_FILE}, kvrelay serve's)")
+    q.add_argument("--file", action="append", help=f"an audit log, again for each router's (default: <cache dir>/"
+                                                   f"{AUDIT_FILE} and audit.<router>.jsonl, kvrelay serve's)")
     q.add_argument("--tenant", help="records of this tenant")
     q.add_argument("--site", help="records naming this site (prefill, decode or the record's own)")
     q.add_argument("--since", help="records at or after this ISO-8601 time (UTC unless it says)")

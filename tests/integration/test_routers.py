@@ -38,7 +38,7 @@ from tests.integration.helpers import tls_context, wait_until
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None,
                                 reason="etcd is not installed (make etcd, as root: Debian's etcd-server)")
 
-ROUTERS = {"qc": ("montreal", "CA-QC"), "on": ("toronto", "CA-ON"), "bc": ("vancouver", "CA-BC")}
+ROUTERS = {"qc": ("montreal", "CA-QC"), "ont": ("toronto", "CA-ON"), "bc": ("vancouver", "CA-BC")}
 TOKENS = {"anywhere": "token-of-a-tenant-with-no-jurisdiction-0123456789", "lab-qc": "token-of-lab-qc-0123456789abcdef"}
 """Tenants: one that may enter anywhere, one whose prompts may enter only in CA-QC."""
 KVRELAY = [sys.executable, "-m", "kvrelay.cli"]
@@ -88,9 +88,9 @@ def live_routers(lc: LocalCluster, router: str) -> list[str]:
 
 
 def test_every_router_places_on_workers_another_registered(routers):
-    with routers.dialer().sync(routers.routers["on"].address) as ch:
+    with routers.dialer().sync(routers.routers["ont"].address) as ch:
         listed = igrpc.InferenceStub(ch).ListRouters(ipb.ListRoutersRequest(), timeout=10)
-    assert listed.answered_by == "on"
+    assert listed.answered_by == "ont"
     assert {(r.name, r.site, r.jurisdiction) for r in listed.routers} == {(n, s, j) for n, (s, j) in ROUTERS.items()}
     assert {r.address for r in listed.routers} == {r.address for r in routers.routers.values()}
     # the montreal workers registered with qc (their site's router); toronto's and vancouver's place on them
@@ -113,7 +113,7 @@ def test_every_router_receives_every_workers_prefix_cache_events(routers):
         return next(w.cached_blocks for w in workers if w.info.worker_id == "montreal/prefill/0")
 
     assert wait_until(lambda: cached("qc") >= 6, 10)
-    assert wait_until(lambda: cached("on") == cached("qc") == cached("bc"), 10)
+    assert wait_until(lambda: cached("ont") == cached("qc") == cached("bc"), 10)
 
 
 def test_losing_one_etcd_member_changes_nothing(routers):
@@ -122,7 +122,7 @@ def test_losing_one_etcd_member_changes_nothing(routers):
         for name in ROUTERS:
             assert generate(routers, name).reason == ipb.FINISH_REASON_LENGTH
         assert wait_until(lambda: all("reached" in status(routers, n).coordination for n in ROUTERS), 10)
-        assert live_routers(routers, "bc") == ["bc", "on", "qc"]
+        assert live_routers(routers, "bc") == ["bc", "ont", "qc"]
     finally:
         routers.etcd.restart(0)
 
@@ -144,27 +144,27 @@ def test_without_etcd_routers_serve_what_they_know_and_refuse_new_workers(router
         routers.etcd.kill(i)
     try:
         assert wait_until(lambda: all("UNREACHABLE" in status(routers, n).coordination for n in ROUTERS), 15)
-        assert "serving the last known membership" in status(routers, "on").coordination
+        assert "serving the last known membership" in status(routers, "ont").coordination
         for name in ROUTERS:
             assert generate(routers, name).reason == ipb.FINISH_REASON_LENGTH
         with pytest.raises(grpc.RpcError) as refused:
-            register_stranger(routers, "on")
+            register_stranger(routers, "ont")
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "shared store is unreachable" in refused.value.details()
     finally:
         for i in range(3):
             routers.etcd.restart(i)
     assert wait_until(lambda: all("reached" in status(routers, n).coordination for n in ROUTERS), 30)
-    register_stranger(routers, "on")  # etcd is back: new workers are taken again
+    register_stranger(routers, "ont")  # etcd is back: new workers are taken again
     assert wait_until(lambda: all(len(status(routers, n).workers) == 2 for n in ROUTERS), 10)
 
 
 def test_a_killed_router_leaves_the_list_and_rejoins(routers):
     routers.stop_router("bc")  # SIGKILL: its lease lapses after lease_ttl_s
-    assert wait_until(lambda: live_routers(routers, "qc") == ["on", "qc"], 15)
-    assert generate(routers, "on").reason == ipb.FINISH_REASON_LENGTH
+    assert wait_until(lambda: live_routers(routers, "qc") == ["ont", "qc"], 15)
+    assert generate(routers, "ont").reason == ipb.FINISH_REASON_LENGTH
     routers.restart_router(name="bc")
-    assert wait_until(lambda: live_routers(routers, "qc") == ["bc", "on", "qc"], 15)
+    assert wait_until(lambda: live_routers(routers, "qc") == ["bc", "ont", "qc"], 15)
     assert wait_until(lambda: sum(w.healthy for w in status(routers, "bc").workers) == 2, 15)
     assert generate(routers, "bc").placement.decode_worker == "montreal/decode/0"
 
@@ -179,12 +179,12 @@ def test_a_router_that_cannot_use_its_etcd_exits_naming_it(routers, plumbing_mod
     dump_config(cfg, path)
     creds = routers.creds if problem == "unreachable" else ClusterCredentials.for_config(TLSSection(), tmp_path / "ca")
     assert creds is not None
-    env = {**os.environ, **creds.env(Identity("toronto", CertRole.ROUTER, "on"), ("127.0.0.1",)),
+    env = {**os.environ, **creds.env(Identity("toronto", CertRole.ROUTER, "ont"), ("127.0.0.1",)),
            "KVRELAY_KV_SECRET": "ab" * 32}
-    proc = subprocess.run([sys.executable, "-m", "kvrelay.router", "--config", str(path), "--name", "on",
+    proc = subprocess.run([sys.executable, "-m", "kvrelay.router", "--config", str(path), "--name", "ont",
                            "--model-path", str(plumbing_model)], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
-    assert f"router on: could not reach etcd within 2 s: etcd: {endpoint}:" in proc.stderr
+    assert f"router ont: could not reach etcd within 2 s: etcd: {endpoint}:" in proc.stderr
     assert ("UNAVAILABLE" if problem == "unreachable" else "TLS refused") in proc.stderr
 
 
@@ -195,12 +195,12 @@ def audit_of(lc: LocalCluster, router: str) -> str:
 
 def test_a_tenant_pinned_to_qc_is_refused_unread_in_ontario_and_served_in_quebec(routers):
     req = ipb.GenerateRequest(prompt=SECRET_PROMPT, max_tokens=2)
-    with routers.dialer(TOKENS["lab-qc"]).sync(routers.routers["on"].address) as ch:
+    with routers.dialer(TOKENS["lab-qc"]).sync(routers.routers["ont"].address) as ch:
         with pytest.raises(grpc.RpcError) as refused:
             list(igrpc.InferenceStub(ch).Generate(req, timeout=30))
         listed = igrpc.InferenceStub(ch).ListRouters(ipb.ListRoutersRequest(), timeout=10)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "may enter only in {CA-QC}; this router (on) is at toronto (CA-ON) and did not read" in \
+    assert "may enter only in {CA-QC}; this router (ont) is at toronto (CA-ON) and did not read" in \
         refused.value.details()
     assert f"qc (montreal, CA-QC) at {routers.routers['qc'].address}" in refused.value.details()
     assert list(listed.yours) == ["qc"]  # what its clients ask first
@@ -208,15 +208,15 @@ def test_a_tenant_pinned_to_qc_is_refused_unread_in_ontario_and_served_in_quebec
         out = list(igrpc.InferenceStub(ch).Generate(req, timeout=60))
     assert out[-1].finish.placement.decode_worker == "montreal/decode/0"
     assert wait_until(lambda: SECRET_PROMPT in audit_of(routers, "qc"), 10)  # its router logs it (log_prompts)
-    on = audit_of(routers, "on")
+    on = audit_of(routers, "ont")
     assert SECRET_PROMPT not in on  # refused unread: nothing of it in this router's log
     refusals = [r for r in map(json.loads, on.splitlines()) if r["kind"] == "refusal"]
-    assert [(r["tenant"], r["router"], r["outcome"]) for r in refusals] == [("lab-qc", "on", "failed_precondition")]
+    assert [(r["tenant"], r["router"], r["outcome"]) for r in refusals] == [("lab-qc", "ont", "failed_precondition")]
 
 
 def test_http_refuses_before_the_body(routers):
     """A body that never comes: the answer comes anyway, so the router did not wait to read it."""
-    host, port = routers.routers["on"].http.rsplit(":", 1)
+    host, port = routers.routers["ont"].http.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as raw, \
             tls_context(routers).wrap_socket(raw, server_hostname="localhost") as s:
         s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKENS['lab-qc']}\r\n"
@@ -240,17 +240,17 @@ def cli(lc: LocalCluster, tenant: str, *argv: str) -> subprocess.CompletedProces
 
 def test_the_client_chooses_a_router_in_its_jurisdiction(routers):
     r = routers.routers
-    table = cli(routers, "lab-qc", "routers", "--router", r["on"].address)
+    table = cli(routers, "lab-qc", "routers", "--router", r["ont"].address)
     assert table.returncode == 0, table.stderr
     reads = {line.split()[0]: line.split()[-1] for line in table.stdout.splitlines()[1:4]}
-    assert reads == {"bc": "no", "on": "no", "qc": "yes"}
+    assert reads == {"bc": "no", "ont": "no", "qc": "yes"}
     # the tenant's client is given every router, the one it may not use first, one that is down next
     nobody = f"127.0.0.1:{free_port()}"
     gen = cli(routers, "lab-qc", "generate", "--max-tokens", "2", "--verbose", "--router",
-              f"{r['on'].address},{nobody},{r['qc'].address}", "hello")
+              f"{r['ont'].address},{nobody},{r['qc'].address}", "hello")
     assert gen.returncode == 0, gen.stderr
     assert "decode montreal/decode/0" in gen.stderr
-    wrong = cli(routers, "lab-qc", "generate", "--router", f"{r['on'].address},{r['bc'].address}", "hello")
+    wrong = cli(routers, "lab-qc", "generate", "--router", f"{r['ont'].address},{r['bc'].address}", "hello")
     assert wrong.returncode != 0
     assert "none of the routers given reads this tenant's prompts" in wrong.stderr
     assert f"use qc (montreal, CA-QC) at {r['qc'].address}" in wrong.stderr
@@ -265,7 +265,7 @@ def scale(lc: LocalCluster, router: str, replicas: int) -> apb.ScaleResponse:
 def test_a_pool_scaled_at_one_router_is_scaled_at_every_router(routers):
     """Scaled down at on: every router stops placing on the worker it drains, which leaves once all of
     them say its requests are done; scaled up at bc: the launcher, which asks qc, starts one again."""
-    drained = scale(routers, "on", 0).draining
+    drained = scale(routers, "ont", 0).draining
     assert list(drained) == ["montreal/decode/0"]
 
     def pools(router: str) -> tuple[int, list[str]]:
@@ -279,4 +279,20 @@ def test_a_pool_scaled_at_one_router_is_scaled_at_every_router(routers):
                                   for n in ROUTERS), 30)  # it left, and every router forgot it
     scale(routers, "bc", 1)
     assert wait_until(lambda: all(pools(n) == (1, ["montreal/decode/1"]) for n in ROUTERS), 90)
-    assert generate(routers, "on").placement.decode_worker == "montreal/decode/1"
+    assert generate(routers, "ont").placement.decode_worker == "montreal/decode/1"
+
+
+def test_usage_is_the_same_at_every_router(routers):
+    """Every router hears every worker's own counters, so each router's usage is the whole deployment's:
+    the same totals at each (sum one router's, not all: none counts twice)."""
+    for name in ROUTERS:
+        generate(routers, name)
+
+    def totals(router: str) -> dict[str, tuple[int, int, int]]:
+        with routers.operator_dialer.sync(routers.routers[router].address) as ch:
+            rows = agrpc.AdminStub(ch).Usage(apb.UsageRequest(by=["tenant"]), timeout=10).rows
+        return {r.tenant: (r.requests, r.prompt_tokens, r.completion_tokens) for r in rows}
+
+    assert wait_until(lambda: totals("qc") == totals("ont") == totals("bc"), 15), \
+        [totals(n) for n in ROUTERS]
+    assert totals("qc")["anywhere"][0] >= 3

@@ -604,3 +604,29 @@ def test_cli_query_table_and_json(log_path, tmp_path, capsys):
     assert main(["--cache-dir", str(cache), "audit", "query", "--site", "montreal", "--kind", "operator"]) == 0
     rows = capsys.readouterr().out.splitlines()
     assert len(rows) == 5 and rows[1].split()[1:] == ["operator", "-", "ops", "montreal", "-", "scale"]
+
+
+def test_verify_and_query_span_every_routers_chain(tmp_path, capsys):
+    """Several routers, a chain each (audit.<router>.jsonl, as kvrelay serve keeps them): verify checks every
+    chain and names the log and record of an edit in any; query merges their records in time order."""
+    from kvrelay.cli.main import main
+    logs = {}
+    for i, name in enumerate(("qc", "ont", "bc")):
+        logs[name] = tmp_path / f"audit.{name}.jsonl"
+        _fill(logs[name], n=6, clock=Clock(T0 + 20 * i)).close()  # interleaved in time
+    paths = [str(p) for p in logs.values()]
+    assert main(["audit", "verify", *paths]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(": ok: ")[0] for line in out] == paths and all("6 records" in line for line in out)
+    lines = _lines(logs["ont"])
+    lines[2] = lines[2].replace(b'"prompt_tokens":12', b'"prompt_tokens":2')
+    _write(logs["ont"], lines)
+    assert main(["audit", "verify", *paths]) == 1
+    captured = capsys.readouterr()
+    assert f"kvrelay: {logs['ont']}: record seq 3 (line 3) was edited" in captured.err
+    assert captured.out.count(": ok: ") == 2  # the other chains still verify
+    assert main(["--cache-dir", str(tmp_path), "audit", "query", "--kind", "operator", "--json"]) == 0
+    merged = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(merged) == 3 and [r["time"] for r in merged] == sorted(r["time"] for r in merged)
+    assert main(["audit", "verify", "--head", "0" * 64, *paths]) == 2  # a head is one log's: refused with several
+    assert "--head is one log's head" in capsys.readouterr().err
