@@ -36,6 +36,7 @@ from kvrelay.router.core.observe import TARGETS_REFRESH_S, RouterTelemetry, writ
 from kvrelay.router.core.pipeline import CoreParts, RouterCore
 from kvrelay.router.core.quotas import Quotas
 from kvrelay.router.core.requests import ModelLimits
+from kvrelay.router.core.shared_quotas import QuotaExchange
 from kvrelay.router.core.tenancy import TenantPolicies
 from kvrelay.router.frontends.grpc_api import WORKER_CALLS, add_router_to_server
 from kvrelay.router.frontends.http_server import serve_http
@@ -312,6 +313,17 @@ async def join(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, core: Route
         await core.membership.aclose()
         raise SystemExit(f"router {me.name}: {exc}") from None
     stack.push_async_callback(core.membership.aclose)
+    m = core.membership
+    if isinstance(m, EtcdMembership):  # tenants' quotas hold across the routers (router/core/shared_quotas.py)
+        exchange = QuotaExchange(m.client, cfg.etcd.prefix, me.name, core.quotas, core.tenants, lambda: m.lease)
+        task = asyncio.create_task(exchange.run(), name="quota-exchange")
+        stack.push_async_callback(_cancelled, task)
+
+
+async def _cancelled(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -9,7 +9,13 @@ bucket is full and leaves it in debt, so no size is refused outright.
 Over a quota: :class:`~kvrelay.router.core.errors.RouterError` OVERLOADED (gRPC
 RESOURCE_EXHAUSTED, HTTP 429 with ``Retry-After``) naming the quota and
 when to retry (:class:`QuotaExceeded`; the job runner pauses that tenant's
-jobs for that long, not everyone's)."""
+jobs for that long, not everyone's).
+
+With several routers (router/core/shared_quotas.py) each router also counts
+what it took (``taken``) and is charged what the others took (:meth:`charge`),
+and counts their requests in progress (:meth:`set_remote_running`): a
+tenant's quotas hold across the routers together, each router a second or so
+behind the others' latest."""
 
 from __future__ import annotations
 
@@ -58,6 +64,17 @@ class _TenantState:
     requests: TokenBucket | None
     tokens: TokenBucket | None
     running: int = 0
+    remote_running: int = 0
+    """Its requests in progress at the other routers (as they last said)."""
+
+
+@dataclass(slots=True)
+class Taken:
+    """What this router took of one tenant's quotas since it started: requests, and tokens net of
+    what finished requests gave back (the figures it shares with the other routers)."""
+
+    requests: int = 0
+    tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -75,6 +92,8 @@ class Quotas:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.state: dict[str, _TenantState] = {}
+        self.taken: dict[str, Taken] = {}
+        """Per tenant: what this router took (shared with the other routers)."""
 
     def _of(self, policy: TenantSection) -> _TenantState:
         st = self.state.get(policy.name)
@@ -89,7 +108,7 @@ class Quotas:
     def refusal(self, policy: TenantSection, tokens: int) -> QuotaExceeded | None:
         """Why ``policy``'s tenant may not start a request of ``tokens`` now (None: it may)."""
         st, now, name = self._of(policy), self.clock(), policy.name
-        if policy.max_concurrent is not None and st.running >= policy.max_concurrent:
+        if policy.max_concurrent is not None and st.running + st.remote_running >= policy.max_concurrent:
             return _over(name, f"max_concurrent quota ({policy.max_concurrent} requests in progress)",
                          CONCURRENCY_RETRY_S)
         if st.requests is not None and (wait := st.requests.wait_s(1, now)) > 0:
@@ -117,7 +136,26 @@ class Quotas:
             return _over(policy.name, f"requests_per_minute quota ({policy.requests_per_minute}; a job "
                                       "submission counts as one request)", wait)
         st.requests.take(1)
+        self._count(policy.name, 1, 0)
         return None
+
+    def _count(self, tenant: str, requests: int, tokens: int) -> None:
+        t = self.taken.setdefault(tenant, Taken())
+        t.requests += requests
+        t.tokens += tokens
+
+    def charge(self, policy: TenantSection, requests: int, tokens: int) -> None:
+        """What another router took of ``policy``'s tenant's quotas since it last said (tokens below
+        zero: given back): taken here too, past zero if need be (the debt refills as any other)."""
+        st = self._of(policy)
+        if st.requests is not None and requests > 0:
+            st.requests.take(requests)
+        if st.tokens is not None:
+            (st.tokens.take if tokens > 0 else st.tokens.give)(abs(tokens))
+
+    def set_remote_running(self, policy: TenantSection, running: int) -> None:
+        """``policy``'s tenant's requests in progress at the other routers together."""
+        self._of(policy).remote_running = running
 
     def _take(self, policy: TenantSection, tokens: int) -> Grant:
         st = self._of(policy)
@@ -126,6 +164,7 @@ class Quotas:
             st.requests.take(1)
         if st.tokens is not None:
             st.tokens.take(tokens)
+        self._count(policy.name, 1, tokens)
         return Grant(policy.name, tokens)
 
     def release(self, grant: Grant, used_tokens: int) -> None:
@@ -135,8 +174,10 @@ class Quotas:
         grant.released = True
         st = self.state[grant.tenant]
         st.running -= 1
+        back = max(0, grant.tokens - used_tokens)
         if st.tokens is not None:
-            st.tokens.give(max(0, grant.tokens - used_tokens))
+            st.tokens.give(back)
+        self._count(grant.tenant, 0, -back)
 
 
 class QuotaExceeded(RouterError):

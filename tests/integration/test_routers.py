@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -39,7 +40,8 @@ pytestmark = pytest.mark.skipif(shutil.which("etcd") is None,
                                 reason="etcd is not installed (make etcd, as root: Debian's etcd-server)")
 
 ROUTERS = {"qc": ("montreal", "CA-QC"), "ont": ("toronto", "CA-ON"), "bc": ("vancouver", "CA-BC")}
-TOKENS = {"anywhere": "token-of-a-tenant-with-no-jurisdiction-0123456789", "lab-qc": "token-of-lab-qc-0123456789abcdef"}
+TOKENS = {"anywhere": "token-of-a-tenant-with-no-jurisdiction-0123456789", "lab-qc": "token-of-lab-qc-0123456789abcdef",
+          "metered": "token-of-a-tenant-with-6-requests-a-minute", "single": "token-of-a-tenant-one-at-a-time-0"}
 """Tenants: one that may enter anywhere, one whose prompts may enter only in CA-QC."""
 KVRELAY = [sys.executable, "-m", "kvrelay.cli"]
 SECRET_PROMPT = "the-lab-qc-prompt-that-must-not-be-read-in-ontario"
@@ -58,7 +60,9 @@ def three_routers() -> dict:
         "cache": {"memory_gib": 0.25},
         "tenants": [{"name": "anywhere", "token_sha256": token_sha256(TOKENS["anywhere"])},
                     {"name": "lab-qc", "token_sha256": token_sha256(TOKENS["lab-qc"]), "jurisdictions": ["CA-QC"],
-                     "log_prompts": True}],
+                     "log_prompts": True},
+                    {"name": "metered", "token_sha256": token_sha256(TOKENS["metered"]), "requests_per_minute": 6},
+                    {"name": "single", "token_sha256": token_sha256(TOKENS["single"]), "max_concurrent": 1}],
     }
 
 
@@ -296,3 +300,34 @@ def test_usage_is_the_same_at_every_router(routers):
     assert wait_until(lambda: totals("qc") == totals("ont") == totals("bc"), 15), \
         [totals(n) for n in ROUTERS]
     assert totals("qc")["anywhere"][0] >= 3
+
+
+def test_a_quota_holds_across_routers(routers):
+    """6 requests a minute: 4 taken at qc leave about 2 at ont (each router alone would allow 6)."""
+    for _ in range(4):
+        generate(routers, "qc", tenant="metered")
+    time.sleep(2.5)  # the routers exchange what they took every second
+    admitted, refused = 0, None
+    for _ in range(4):
+        try:
+            generate(routers, "ont", tenant="metered")
+            admitted += 1
+        except grpc.RpcError as exc:
+            refused = exc
+            break
+    assert admitted in (1, 2, 3) and refused is not None, admitted  # 6 - 4, plus what refilled meanwhile
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "requests_per_minute quota (6)" in refused.details()
+
+
+def test_requests_in_progress_count_at_every_router(routers):
+    req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 6, 7]), max_tokens=1000, ignore_eos=True)
+    with routers.dialer(TOKENS["single"]).sync(routers.routers["qc"].address) as ch:
+        stream = igrpc.InferenceStub(ch).Generate(req, timeout=120)
+        next(stream)  # started at qc
+        time.sleep(2.5)
+        with pytest.raises(grpc.RpcError) as refused:
+            generate(routers, "bc", tenant="single")
+        stream.cancel()
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_concurrent quota (1 requests in progress)" in refused.value.details()

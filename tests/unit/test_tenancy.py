@@ -6,6 +6,7 @@ placement, and the fair queue's order under contention."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -14,6 +15,7 @@ from kvrelay.router.core.auth import TenantSalts
 from kvrelay.router.core.errors import ErrorKind, RouterError
 from kvrelay.router.core.jobs_store import JobStore, StoredLimits, StoreLimitExceeded
 from kvrelay.router.core.quotas import QuotaExceeded, Quotas
+from kvrelay.router.core.shared_quotas import QuotaExchange
 from kvrelay.router.core.tenancy import TenantPolicies
 from kvrelay.router.placement.place import (
     ClusterView,
@@ -120,6 +122,36 @@ def test_tokens_per_minute_returns_what_was_not_generated():
     big.admit(a, 5000)  # larger than the bucket: let through when it is full, leaving it in debt
     with pytest.raises(RouterError):
         big.admit(a, 1)
+
+
+def test_the_routers_exchange_what_they_took_of_a_quota():
+    """Two routers' Quotas, joined by QuotaExchange.apply as etcd would carry their figures."""
+    cfg = parse_config({"sites": [{"name": "s"}], "tenants": [
+        {"name": "a", "token_sha256": "0" * 64, "requests_per_minute": 6, "tokens_per_minute": 1000,
+         "max_concurrent": 3}]})
+    tenants, clock = TenantPolicies(cfg), Clock()
+    here, there = Quotas(clock), Quotas(clock)
+    ex = QuotaExchange(None, "/k/", "here", here, tenants, lambda: 0)  # type: ignore[arg-type]  # no etcd: apply only
+    a = tenants.of("a")
+    g = there.admit(a, 100)
+    ex.apply({"there": json.loads(_figures(there))})  # first sight: its past is not charged
+    for _ in range(4):
+        there.release(there.admit(a, 100), 50)
+    ex.apply({"there": json.loads(_figures(there)), "junk": {"nobody": [9, 9, 9]}})  # unknown tenants ignored
+    assert here.state["a"].requests.level == pytest.approx(2.0)  # 6 - the 4 taken there since
+    assert here.state["a"].tokens.level == pytest.approx(1000 - 4 * 50)  # net of what came back
+    assert here.state["a"].remote_running == 1  # g still runs there
+    here.admit(a, 10)
+    here.admit(a, 10)
+    with pytest.raises(QuotaExceeded, match="max_concurrent quota"):
+        here.admit(a, 10)  # 2 here + 1 there
+    ex.apply({})  # that router left (its lease ended): its request no longer counts
+    assert here.state["a"].remote_running == 0
+    there.release(g, 100)
+
+
+def _figures(q: Quotas) -> str:
+    return QuotaExchange(None, "/k/", "x", q, None, lambda: 0).mine().decode()  # type: ignore[arg-type]
 
 
 def test_max_concurrent_counts_requests_in_progress():

@@ -1,0 +1,102 @@
+"""Tenants' quotas across several routers (``routers:``).
+
+Every ``EXCHANGE_S`` each router writes what it took of each tenant's quotas
+since it started (requests, tokens net of what finished requests gave back)
+and the tenant's requests in progress there, as one JSON value under its own
+etcd lease (``quotas/<router>``), then reads every router's. What another
+router took since it last wrote is charged to this router's buckets (past
+zero if need be: a debt that refills as any other); the others' requests in
+progress count against ``max_concurrent``. So every router's buckets follow
+the tenant's use at all of them, each a little behind the others' latest.
+
+Tolerance: a router admits against buckets that lack what the others admitted
+since their last write, at most ``EXCHANGE_S`` plus an etcd round trip ago. A
+tenant over its quota is refused everywhere within about that long; what it
+gets past a quota is at most what the other routers admitted it in that
+window (a tenant sending at its quota's rate from several routers at once:
+about ``(R - 1) / R`` of a second's worth; a full minute's bucket spent at
+every router in the same second: up to R times the bucket, once, then every
+router's bucket is in debt until the refills pay it). etcd unreachable: each
+router enforces the quotas on its own traffic only, and catches up when it
+is back (the counters are cumulative). Requests in progress at a router that
+died stop counting when its lease ends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+from kvrelay.router.core.quotas import Quotas
+from kvrelay.router.core.tenancy import TenantPolicies
+from kvrelay.runtime.etcd import EtcdClient, EtcdError
+
+log = logging.getLogger(__name__)
+
+EXCHANGE_S = 1.0
+"""How often a router writes its figures and reads the others'."""
+
+
+class QuotaExchange:
+    """One router's side of the exchange (module docstring)."""
+
+    def __init__(self, client: EtcdClient, prefix: str, me: str, quotas: Quotas, tenants: TenantPolicies,
+                 lease: Callable[[], int]) -> None:
+        """``lease``: this router's current etcd lease (its key goes when the router does)."""
+        self.client, self.key, self.prefix = client, f"{prefix}quotas/{me}", f"{prefix}quotas/"
+        self.quotas, self.tenants, self.lease = quotas, tenants, lease
+        self.seen: dict[str, dict[str, tuple[int, int]]] = {}
+        """Per other router: each tenant's figures already charged here."""
+
+    def mine(self) -> bytes:
+        """This router's figures: tenant -> [requests, tokens, running]."""
+        q = self.quotas
+        return json.dumps({t: [k.requests, k.tokens, q.state[t].running if t in q.state else 0]
+                           for t, k in q.taken.items()}, sort_keys=True).encode()
+
+    def apply(self, others: dict[str, dict[str, list[int]]]) -> None:
+        """The other routers' figures (router -> tenant -> [requests, tokens, running]): charges what each
+        took since the last time, and sets each tenant's requests in progress elsewhere."""
+        running: dict[str, int] = {}
+        for router, figures in others.items():
+            first = router not in self.seen  # a router seen for the first time: its past is not charged
+            seen = self.seen.setdefault(router, {})
+            for tenant, (requests, tokens, now_running) in figures.items():
+                if not self.tenants.known(tenant):
+                    continue
+                before = seen.get(tenant, (0, 0))
+                if requests < before[0]:  # that router restarted: its counts start again
+                    before = (0, 0)
+                seen[tenant] = (requests, tokens)
+                if not first:
+                    self.quotas.charge(self.tenants.of(tenant), requests - before[0], tokens - before[1])
+                running[tenant] = running.get(tenant, 0) + now_running
+        for gone in [r for r in self.seen if r not in others]:
+            del self.seen[gone]
+        for tenant in set(running) | {t for t, st in self.quotas.state.items() if st.remote_running}:
+            if self.tenants.known(tenant):
+                self.quotas.set_remote_running(self.tenants.of(tenant), running.get(tenant, 0))
+
+    async def exchange(self) -> None:
+        """One round: write this router's figures, read and apply everyone else's."""
+        await self.client.put(self.key, self.mine(), self.lease())
+        entries, _ = await self.client.get_prefix(self.prefix)
+        others = {}
+        for e in entries:
+            if e.key == self.key:
+                continue
+            try:
+                others[e.key[len(self.prefix):]] = json.loads(e.value)
+            except ValueError:
+                log.warning("ignoring %s: not a router's quota figures", e.key)
+        self.apply(others)
+
+    async def run(self) -> None:
+        """Exchanges every EXCHANGE_S until cancelled; a round etcd does not answer is skipped."""
+        while True:
+            try:
+                await self.exchange()
+            except EtcdError as exc:
+                log.debug("quota exchange skipped: %s", exc)
+            await asyncio.sleep(EXCHANGE_S)
