@@ -315,7 +315,8 @@ async def join(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, core: Route
     stack.push_async_callback(core.membership.aclose)
     m = core.membership
     if isinstance(m, EtcdMembership):  # tenants' quotas hold across the routers (router/core/shared_quotas.py)
-        exchange = QuotaExchange(m.client, cfg.etcd.prefix, me.name, core.quotas, core.tenants, lambda: m.lease)
+        exchange = QuotaExchange(m.client, cfg.etcd.prefix, me.name, core.quotas, core.tenants, lambda: m.lease,
+                                 core.queue)
         task = asyncio.create_task(exchange.run(), name="quota-exchange")
         stack.push_async_callback(_cancelled, task)
 

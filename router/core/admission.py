@@ -97,6 +97,19 @@ class FairQueue:
         self.pump()
         return t
 
+    def served_elsewhere(self, tenant: str, cost: float, weight: float) -> None:
+        """Service another router gave ``tenant`` (``cost``: prompt + max_tokens, as a ticket's): its tickets
+        waiting here move back by ``cost / weight``, so its weight holds across routers; a tenant with
+        nothing waiting here is not charged (no debt, as for requests that gave up waiting)."""
+        mine = [t for t in self.waiting if t.tenant == tenant]
+        if not mine or cost <= 0:
+            return
+        shift = cost / weight
+        for t in mine:
+            t.tag, t.start = (t.tag[0], t.tag[1], t.tag[2] + shift, t.tag[3]), t.start + shift
+        self.finish[tenant] = self.finish.get(tenant, self.vtime) + shift
+        self.waiting.sort(key=lambda x: x.tag)
+
     def withdraw(self, t: Ticket) -> None:
         """The request stopped waiting (its deadline or admission wait passed, or its caller left)."""
         t.queued = False

@@ -75,6 +75,8 @@ class Taken:
 
     requests: int = 0
     tokens: int = 0
+    admitted: int = 0
+    """Tokens of the requests admitted (prompt + max_tokens, nothing given back): the fair queue's cost."""
 
 
 @dataclass(slots=True)
@@ -143,6 +145,7 @@ class Quotas:
         t = self.taken.setdefault(tenant, Taken())
         t.requests += requests
         t.tokens += tokens
+        t.admitted += max(0, tokens)
 
     def charge(self, policy: TenantSection, requests: int, tokens: int) -> None:
         """What another router took of ``policy``'s tenant's quotas since it last said (tokens below

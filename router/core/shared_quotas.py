@@ -7,7 +7,10 @@ etcd lease (``quotas/<router>``), then reads every router's. What another
 router took since it last wrote is charged to this router's buckets (past
 zero if need be: a debt that refills as any other); the others' requests in
 progress count against ``max_concurrent``. So every router's buckets follow
-the tenant's use at all of them, each a little behind the others' latest.
+the tenant's use at all of them, each a little behind the others' latest. The
+tokens a tenant was admitted elsewhere also move its requests waiting here
+back in the fair queue (``FairQueue.served_elsewhere``): its weight holds
+across the routers, not at each alone.
 
 Tolerance: a router admits against buckets that lack what the others admitted
 since their last write, at most ``EXCHANGE_S`` plus an etcd round trip ago. A
@@ -28,6 +31,7 @@ import json
 import logging
 from collections.abc import Callable
 
+from kvrelay.router.core.admission import FairQueue
 from kvrelay.router.core.quotas import Quotas
 from kvrelay.router.core.tenancy import TenantPolicies
 from kvrelay.runtime.etcd import EtcdClient, EtcdError
@@ -42,41 +46,49 @@ class QuotaExchange:
     """One router's side of the exchange (module docstring)."""
 
     def __init__(self, client: EtcdClient, prefix: str, me: str, quotas: Quotas, tenants: TenantPolicies,
-                 lease: Callable[[], int]) -> None:
-        """``lease``: this router's current etcd lease (its key goes when the router does)."""
+                 lease: Callable[[], int], queue: FairQueue | None = None) -> None:
+        """``lease``: this router's current etcd lease (its key goes when the router does); ``queue``: the fair
+        queue the others' service is charged to."""
         self.client, self.key, self.prefix = client, f"{prefix}quotas/{me}", f"{prefix}quotas/"
-        self.quotas, self.tenants, self.lease = quotas, tenants, lease
-        self.seen: dict[str, dict[str, tuple[int, int]]] = {}
+        self.quotas, self.tenants, self.lease, self.queue = quotas, tenants, lease, queue
+        self.seen: dict[str, dict[str, tuple[int, int, int]]] = {}
         """Per other router: each tenant's figures already charged here."""
 
     def mine(self) -> bytes:
-        """This router's figures: tenant -> [requests, tokens, running]."""
+        """This router's figures: tenant -> [requests, tokens, running, admitted tokens]."""
         q = self.quotas
-        return json.dumps({t: [k.requests, k.tokens, q.state[t].running if t in q.state else 0]
+        return json.dumps({t: [k.requests, k.tokens, q.state[t].running if t in q.state else 0, k.admitted]
                            for t, k in q.taken.items()}, sort_keys=True).encode()
 
     def apply(self, others: dict[str, dict[str, list[int]]]) -> None:
-        """The other routers' figures (router -> tenant -> [requests, tokens, running]): charges what each
-        took since the last time, and sets each tenant's requests in progress elsewhere."""
+        """The other routers' figures (router -> tenant -> [requests, tokens, running, admitted]): charges what
+        each took since the last time, and sets each tenant's requests in progress elsewhere."""
         running: dict[str, int] = {}
         for router, figures in others.items():
             first = router not in self.seen  # a router seen for the first time: its past is not charged
             seen = self.seen.setdefault(router, {})
-            for tenant, (requests, tokens, now_running) in figures.items():
-                if not self.tenants.known(tenant):
+            for tenant, fig in figures.items():
+                if not self.tenants.known(tenant) or not isinstance(fig, list) or len(fig) < 3:
                     continue
-                before = seen.get(tenant, (0, 0))
+                requests, tokens, now_running, admitted = (*fig[:3], fig[3] if len(fig) > 3 else 0)
+                before = seen.get(tenant, (0, 0, 0))
                 if requests < before[0]:  # that router restarted: its counts start again
-                    before = (0, 0)
-                seen[tenant] = (requests, tokens)
+                    before = (0, 0, 0)
+                seen[tenant] = (requests, tokens, admitted)
                 if not first:
-                    self.quotas.charge(self.tenants.of(tenant), requests - before[0], tokens - before[1])
+                    self._charge(tenant, requests - before[0], tokens - before[1], admitted - before[2])
                 running[tenant] = running.get(tenant, 0) + now_running
         for gone in [r for r in self.seen if r not in others]:
             del self.seen[gone]
         for tenant in set(running) | {t for t, st in self.quotas.state.items() if st.remote_running}:
             if self.tenants.known(tenant):
                 self.quotas.set_remote_running(self.tenants.of(tenant), running.get(tenant, 0))
+
+    def _charge(self, tenant: str, requests: int, tokens: int, admitted: int) -> None:
+        policy = self.tenants.of(tenant)
+        self.quotas.charge(policy, requests, tokens)
+        if self.queue is not None:
+            self.queue.served_elsewhere(tenant, admitted, policy.weight)
 
     async def exchange(self) -> None:
         """One round: write this router's figures, read and apply everyone else's."""

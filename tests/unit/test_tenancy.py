@@ -313,6 +313,23 @@ def test_tenants_share_by_weight_and_classes_go_in_order():
     assert last == "vip"
 
 
+def test_weights_hold_across_routers():
+    """Equal weights, both tenants backlogged here; another router is serving "a" too (its admitted tokens
+    arrive through the quota exchange): here "b" gets the larger share, so over both routers they are even."""
+    async def go():
+        q, slots = FairQueue(), Slots()
+        for _i in range(20):
+            q.ticket("a", 1, True, 1.0, 100, "any", slots.placer("a"))
+            q.ticket("b", 1, True, 1.0, 100, "any", slots.placer("b"))
+        q.served_elsewhere("a", 600, 1.0)  # six of a's requests ran at the other router meanwhile
+        q.served_elsewhere("nobody", 600, 1.0)  # a tenant with nothing waiting here: no debt, no effect
+        _drain(q, slots, 12)
+        return slots.served
+
+    served = asyncio.run(go())
+    assert served.count("b") == 9 and served.count("a") == 3  # 9 here + 0 there = 3 here + 6 there
+
+
 def test_a_waiter_that_does_not_fit_does_not_block_others():
     async def go():
         q, slots = FairQueue(), Slots()
