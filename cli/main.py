@@ -41,7 +41,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
     req = ipb.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, raw_prompt=args.raw,
-                              allowed_jurisdictions=args.jurisdiction or [])
+                              allowed_jurisdictions=args.jurisdiction or [], ignore_eos=args.ignore_eos)
     req.sampling.temperature = args.temperature
     if args.seed is not None:
         req.sampling.seed = args.seed
@@ -60,10 +60,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         try:
             finish = _stream(dialer, address, req, args.timeout)
             break
-        except _Unanswered as exc:  # nothing was printed: the next router may answer
+        except _Unanswered as exc:  # a router that could not be reached, or went away: the next one goes on
             if i + 1 == len(candidates):
+                sys.stdout.write("\n" if req.resume_token_ids else "")
                 return grpc_error(exc.error)
-            print(f"kvrelay: {address}: {exc.error.code().name}; trying {candidates[i + 1]}", file=sys.stderr)
+            what = (f"went away after {len(req.resume_token_ids)} tokens; resuming at" if req.resume_token_ids
+                    else "did not answer; trying")
+            print(f"\nkvrelay: {address} ({exc.error.code().name}) {what} {candidates[i + 1]}", file=sys.stderr)
         except grpc.RpcError as exc:
             sys.stdout.write("\n")
             return grpc_error(exc)
@@ -77,7 +80,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 class _Unanswered(Exception):
-    """A router that could not be reached: nothing of the answer came."""
+    """A router that could not be reached, or that went away mid-answer (the request's
+    ``resume_token_ids`` then hold what came: the next router continues after them)."""
 
     def __init__(self, error: grpc.RpcError) -> None:
         super().__init__(str(error))
@@ -86,18 +90,20 @@ class _Unanswered(Exception):
 
 def _stream(dialer, address: str, req: ipb.GenerateRequest, timeout_s: float) -> ipb.Finish | None:
     """Prints the answer from the router at ``address`` as it streams; its finish. _Unanswered when the
-    router could not be reached (UNAVAILABLE before the first message), so another may be tried."""
-    finish, started = None, False
+    router could not be reached or went away (UNAVAILABLE), so another may be tried; the tokens that
+    came are added to ``req.resume_token_ids`` (another router continues after them)."""
+    finish = None
     with dialer.sync(address) as ch:
         try:
             for msg in igrpc.InferenceStub(ch).Generate(req, timeout=timeout_s):
-                started = True
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if msg.HasField("finish"):
                     finish = msg.finish
+                else:
+                    req.resume_token_ids.extend(msg.token_ids)
         except grpc.RpcError as exc:
-            if not started and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 raise _Unanswered(exc) from None
             raise
     return finish
@@ -191,6 +197,8 @@ def _add_generate_parser(sub) -> None:
     g.add_argument("--min-p", type=float, default=0.0, help="[0, 1]: drop tokens below min_p x the top one's")
     g.add_argument("--min-tokens", type=int, default=0, help="at least this many tokens")
     g.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token "
+                                                               "(an answer of exactly --max-tokens)")
     g.add_argument("--jurisdiction", action="append", help="allowed jurisdiction (repeatable)")
     g.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     g.add_argument("-v", "--verbose", action="store_true", help="print usage and placement")

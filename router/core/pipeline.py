@@ -328,7 +328,9 @@ class RouterCore:
         obs = self.telemetry.observe(req, caller, self.limits.name)
         try:
             grant = self.quotas.admit(policy, cost)
-            flight = Flight(req, caller, obs, Recovery(req.work), AdmissionWait(self.cfg.router.admission, caller))
+            recovery = Recovery(req.work)
+            recovery.resume(req.resume)
+            flight = Flight(req, caller, obs, recovery, AdmissionWait(self.cfg.router.admission, caller))
             async for out in self._attempts(flight):
                 obs.message(out)
                 record.saw(out)

@@ -60,6 +60,12 @@ class Recovery:
         self._t0 = time.perf_counter()
         self._ttft_ms: float | None = None
 
+    def resume(self, ids: list[int]) -> None:
+        """The client already has ``ids`` of the answer (from a router that went away): the first
+        attempt continues after them, as a migration does."""
+        if ids:
+            self.emitted, self.attempt = list(ids), 1
+
     @property
     def exhausted(self) -> bool:
         """Too many failures: the request fails."""

@@ -9,7 +9,7 @@ import enum
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvrelay.engine.errors import InvalidRequestError
 from kvrelay.engine.sampling_params import check_request_length
@@ -97,6 +97,8 @@ class Request:
     block_hashes: list[int] | None = None
     """The prompt's block hashes in its tenant's domain (computed with the
     tokens, off the event loop); None = not computed."""
+    resume: list[int] = field(default_factory=list)
+    """Output the client already has (``resume_token_ids``): the first attempt continues after it."""
 
 
 def prompt_bytes(req: ipb.GenerateRequest) -> int:
@@ -175,4 +177,17 @@ def parse_request(req: ipb.GenerateRequest, tok: Tokenizer, limits: ModelLimits,
     except InvalidRequestError as exc:
         raise RouterError(ErrorKind.INVALID, str(exc)) from None
     allowed = frozenset(req.allowed_jurisdictions) if req.allowed_jurisdictions else None
-    return Request(req.request_id or wr.request_id, wr, allowed, allowed)
+    out = Request(req.request_id or wr.request_id, wr, allowed, allowed)
+    out.resume = _resumed(req, wr, limits)
+    return out
+
+
+def _resumed(req: ipb.GenerateRequest, wr: wpb.WorkRequest, limits: ModelLimits) -> list[int]:
+    """``resume_token_ids`` checked: token ids of this model, fewer than max_tokens."""
+    ids = list(req.resume_token_ids)
+    if len(ids) >= wr.max_tokens:
+        raise RouterError(ErrorKind.INVALID, f"resume_token_ids holds {len(ids)} tokens: max_tokens ({wr.max_tokens}) "
+                                             "counts them, so nothing would be left to generate")
+    if any(not 0 <= t < limits.vocab_size for t in ids):
+        raise RouterError(ErrorKind.INVALID, f"resume_token_ids must be in [0, {limits.vocab_size})")
+    return ids

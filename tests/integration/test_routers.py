@@ -173,6 +173,31 @@ def test_a_killed_router_leaves_the_list_and_rejoins(routers):
     assert generate(routers, "bc").placement.decode_worker == "montreal/decode/0"
 
 
+def test_a_stream_cut_by_its_routers_death_resumes_at_another(routers):
+    """`kvrelay generate` given two routers: the first is killed mid-answer; the client resumes at the
+    second from the tokens it has (resume_token_ids), and the whole answer is the uninterrupted one."""
+    r = routers.routers
+    argv = ["generate", "--max-tokens", "300", "--ignore-eos", "--verbose", "Tell me about the rivers of Quebec."]
+    reference = cli(routers, "anywhere", *argv, "--router", r["qc"].address)
+    assert reference.returncode == 0, reference.stderr
+    env = {**os.environ, "KVRELAY_API_KEY": TOKENS["anywhere"]}
+    proc = subprocess.Popen([*KVRELAY, *argv, "--router", f"{r['bc'].address},{r['qc'].address}", "--ca",
+                             str(routers.ca_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        first = os.read(proc.stdout.fileno(), 1)  # the answer has started, at bc (unbuffered: nothing held back)
+        routers.stop_router("bc")
+        rest, raw_err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        routers.restart_router(name="bc")
+    err = raw_err.decode()
+    assert proc.returncode == 0, err
+    assert "went away after" in err and f"resuming at {r['qc'].address}" in err
+    assert (first + rest).decode() == reference.stdout  # nothing lost, nothing repeated
+    assert "+ 300 tokens;" in err  # the finish counts the whole answer
+    assert wait_until(lambda: live_routers(routers, "qc") == ["bc", "ont", "qc"], 15)
+
+
 @pytest.mark.parametrize("problem", ["unreachable", "foreign CA"])
 def test_a_router_that_cannot_use_its_etcd_exits_naming_it(routers, plumbing_model, tmp_path, problem):
     cfg = parse_config(three_routers())

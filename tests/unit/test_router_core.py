@@ -12,6 +12,7 @@ import pytest
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.router.core.errors import ErrorKind, RouterError
 from kvrelay.router.core.pipeline import AdmissionWait, RouterCore, refusal
+from kvrelay.router.core.recovery import Recovery
 from kvrelay.router.core.requests import Caller, ModelLimits, Priority, parse_request
 from kvrelay.router.frontends.grpc_api import STATUS
 from kvrelay.router.frontends.openai_http import HTTP_STATUS, api_error
@@ -55,6 +56,10 @@ def test_parse_request_refuses_with_typed_errors(tok):
         (ipb.GenerateRequest(), ErrorKind.INVALID, "no input"),
         (ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[1, 999])), ErrorKind.INVALID, "token ids must be in"),
         (ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[1] * 60), max_tokens=500), ErrorKind.INVALID, "exceeds"),
+        (ipb.GenerateRequest(prompt="hi", max_tokens=2, resume_token_ids=[5, 6]), ErrorKind.INVALID,
+         "resume_token_ids holds 2 tokens: max_tokens (2) counts them"),
+        (ipb.GenerateRequest(prompt="hi", max_tokens=8, resume_token_ids=[5, 999]), ErrorKind.INVALID,
+         "resume_token_ids must be in"),
     ]
     for msg, kind, text in cases:
         with pytest.raises(RouterError) as err:
@@ -70,6 +75,17 @@ def test_parse_request_salts_by_tenant_and_keeps_the_client_id(tok):
     assert req.allowed_jurisdictions == frozenset({"CA-ON"})
     anywhere = parse_request(ipb.GenerateRequest(prompt="hello"), tok, LIMITS)
     assert anywhere.allowed_jurisdictions is None and anywhere.client_id == anywhere.work.request_id
+    assert anywhere.resume == []
+
+
+def test_a_resumed_request_continues_after_what_the_client_has(tok):
+    req = parse_request(ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 6, 7]), max_tokens=10,
+                                            resume_token_ids=[8, 9]), tok, LIMITS)
+    run = Recovery(req.work)
+    run.resume(req.resume)
+    first = run.work_request()  # as a migrated stream: prompt + what was sent, the rest of max_tokens
+    assert list(first.prompt_token_ids) == [5, 6, 7, 8, 9] and first.max_tokens == 8
+    assert first.prior_output_tokens == 2 and run.migrations == 0
 
 
 def test_caller_deadline():
