@@ -8,7 +8,7 @@ running :class:`~launch.local.LocalCluster`:
   starts a replacement;
 - ``cut_link``: every packet on an emulated link between two cities is
   dropped for ``link_down_s`` (only with ``--cities``);
-- ``restart_router``: SIGKILL of the router, started again on its address;
+- ``restart_router``: SIGKILL of the router (with several, one at random), started again on its address;
   workers register again, and clients retry the streams it broke.
 
 :func:`compare` then checks the chaos run against a fault-free run of the
@@ -155,8 +155,11 @@ class Chaos:
         return f"{a}-{b} for {self.cfg.link_down_s:g} s"
 
     def _restart_router(self, rng: random.Random) -> str:
-        self.cluster.restart_router(kill=True)
-        return "router"
+        """SIGKILL one router (with several, one of them at random) and start it again."""
+        names = sorted(r.name for r in self.cluster.cfg.routers)
+        name = rng.choice(names) if names else ""
+        self.cluster.restart_router(kill=True, name=name)
+        return f"router {name}" if name else "router"
 
 
 def _dist(xs: list[float]) -> dict:

@@ -7,6 +7,7 @@ sampling every worker's load; then writes report.json and report.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -67,6 +68,10 @@ class ReplayRecord(RequestRecord):
     trace_id: str = ""
     """Its OpenTelemetry trace (32 hex; "" when not sampled or traces are off), from
     its placement: ``kvrelay trace TRACE_ID`` shows it."""
+    router_moves: int = 0
+    """Times it moved to another router because its own went away (several routers) ..."""
+    router_resumes: int = 0
+    """... of which its stream had started: resumed after the tokens it had."""
 
 
 @dataclass(slots=True)
@@ -141,16 +146,29 @@ def _retry_wait(exc: grpc.aio.AioRpcError, rec: ReplayRecord, cfg: ReplayConfig,
     return None
 
 
-async def _attempts(stub, req: ipb.GenerateRequest, t0: float, cfg: ReplayConfig, rec: ReplayRecord) -> bool:
-    """Sends ``req`` until it succeeds (True) or a retry rule gives up (False, ``rec.error`` set)."""
-    backoff = RETRY_BACKOFF_S[0]
+async def _attempts(stubs: list, first: int, req: ipb.GenerateRequest, t0: float, cfg: ReplayConfig,
+                    rec: ReplayRecord) -> bool:
+    """Sends ``req`` (to ``stubs[first]``) until it succeeds (True) or a retry rule gives up (False, ``rec.error``
+    set). With several routers, one that goes away (UNAVAILABLE) hands the request to the next at once: resumed
+    after the tokens already received (``resume_token_ids``), or sent afresh if none came."""
+    backoff, at, hops = RETRY_BACKOFF_S[0], first, 0
     while True:
-        rec.token_times, rec.token_ids, rec.error = [], [], None
+        if not req.resume_token_ids:
+            rec.token_times, rec.token_ids = [], []
+        rec.error = None
         try:
-            await _stream(stub, req, t0, cfg, rec)
+            await _stream(stubs[at % len(stubs)], req, t0, cfg, rec)
             return True
         except grpc.aio.AioRpcError as exc:
             rec.error = f"{exc.code().name}: {exc.details()}"
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and len(stubs) > 1 and hops < 2 * len(stubs):
+                at, hops = at + 1, hops + 1  # the next router, at once
+                rec.router_moves += 1
+                if rec.token_ids:
+                    rec.router_resumes += 1
+                    del req.resume_token_ids[:]
+                    req.resume_token_ids.extend(rec.token_ids)
+                continue
             retry = _retry_wait(exc, rec, cfg, _left_s(rec, t0, cfg), backoff)
         if retry is None:
             return False
@@ -164,14 +182,14 @@ async def _attempts(stub, req: ipb.GenerateRequest, t0: float, cfg: ReplayConfig
             rec.client_retries += 1
 
 
-async def _one(stub, sr: ScaledRequest, t0: float, cfg: ReplayConfig, rec: ReplayRecord) -> None:
+async def _one(stubs: list, sr: ScaledRequest, t0: float, cfg: ReplayConfig, rec: ReplayRecord) -> None:
     delay = t0 + rec.scheduled_s - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
     req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=sr.prompt), max_tokens=sr.max_tokens, ignore_eos=True,
                               request_id=f"replay-{sr.trace.index}")
     rec.sent_s = time.perf_counter() - t0
-    if not await _attempts(stub, req, t0, cfg, rec):
+    if not await _attempts(stubs, sr.trace.index, req, t0, cfg, rec):
         return
     rec.end_s = time.perf_counter() - t0
     # a message carrying k tokens: spread them over the gap since the previous one
@@ -251,20 +269,25 @@ async def _warm_up(stub, reqs: list[ScaledRequest], cfg: ReplayConfig) -> None:
 async def replay(address: str, reqs: list[ScaledRequest], cfg: ReplayConfig, client: Dialer,
                  operator: Dialer) -> tuple[list[ReplayRecord], dict]:
     """Runs the replay; returns a record per request and per-worker samples.
-    ``client`` sends the requests (a tenant's credentials); ``operator``
-    samples the workers' load (ListWorkers needs an operator)."""
+    ``address``: the router's, or several comma-separated (requests go to each in turn, and move to the
+    next when theirs goes away). ``client`` sends the requests (a tenant's credentials); ``operator``
+    samples the workers' load (ListWorkers needs an operator) at the first router."""
     records = [ReplayRecord(sr.trace.index, sr.trace.arrival_s / cfg.speedup, 0.0, len(sr.prompt), sr.max_tokens)
                for sr in reqs]
     samples: dict[str, WorkerSamples] = {}
     # reconnect quickly to a router that restarted (the default backoff grows to minutes)
     opts = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000))
-    async with client.aio(address, options=opts) as ch, operator.aio(address, options=opts) as och:
-        stub, reg = igrpc.InferenceStub(ch), wgrpc.RegistryStub(och)
-        await _warm_up(stub, reqs[:cfg.warmup], cfg)
+    addresses = [a for a in address.split(",") if a]
+    channels = [client.aio(a, options=opts) for a in addresses]
+    async with contextlib.AsyncExitStack() as stack, operator.aio(addresses[0], options=opts) as och:
+        for ch in channels:
+            await stack.enter_async_context(ch)
+        stubs, reg = [igrpc.InferenceStub(ch) for ch in channels], wgrpc.RegistryStub(och)
+        await _warm_up(stubs[0], reqs[:cfg.warmup], cfg)
         stop = asyncio.Event()
         sampler = asyncio.create_task(_sample(reg, stop, cfg.sample_interval_s, samples))
         t0 = time.perf_counter()
-        tasks = [asyncio.create_task(_one(stub, sr, t0, cfg, rec)) for sr, rec in zip(reqs, records)]
+        tasks = [asyncio.create_task(_one(stubs, sr, t0, cfg, rec)) for sr, rec in zip(reqs, records)]
         for done, fut in enumerate(asyncio.as_completed(tasks), 1):
             await fut
             if cfg.progress:
@@ -315,11 +338,15 @@ def overload_summary(records: Sequence[RequestRecord]) -> dict:
     """The report's overload fields (stable names): ``retried_429``, resends
     after an overload refusal (gRPC RESOURCE_EXHAUSTED, HTTP 429);
     ``retried_429_requests``, requests that needed any; ``overload_wait_s``,
-    seconds waited as advised; ``shed``, requests refused as overloaded for good."""
+    seconds waited as advised; ``shed``, requests refused as overloaded for good; ``router_moves``,
+    requests moved to another router because theirs went away, ``router_resumes`` those of them whose
+    stream had started (several routers)."""
     retries = [getattr(r, "overload_retries", 0) for r in records]
     return {"retried_429": sum(retries), "retried_429_requests": sum(1 for n in retries if n),
             "overload_wait_s": sum(getattr(r, "overload_wait_s", 0.0) for r in records),
-            "shed": sum(1 for r in records if (r.error or "").startswith(f"{SHED.name}:"))}
+            "shed": sum(1 for r in records if (r.error or "").startswith(f"{SHED.name}:")),
+            "router_moves": sum(getattr(r, "router_moves", 0) for r in records),
+            "router_resumes": sum(getattr(r, "router_resumes", 0) for r in records)}
 
 
 def _fmt(d: dict) -> str:

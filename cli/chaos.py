@@ -37,7 +37,8 @@ def run_chaos(args: argparse.Namespace, reqs, cfg, model_path: Path, cities) -> 
     prompts, meta, runs = None, {}, {}
     for name in ("baseline", "chaos"):
         cluster = LocalCluster(cfg, model_path, cities=cities)
-        address = cluster.start()
+        cluster.start()
+        address = cluster.addresses  # several routers: requests go to each in turn, and move on when one dies
         chaos = counters = None
         try:
             if prompts is None:

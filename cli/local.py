@@ -230,7 +230,8 @@ def cmd_bench_replay(args: argparse.Namespace) -> int:
         return run_chaos(args, reqs, cfg, resolve_model(cfg.model.path, args.cache_dir), cities_for(args))
     cluster = LocalCluster(cfg, resolve_model(cfg.model.path, args.cache_dir), cities=cities_for(args))
     try:
-        return run_replay(args, reqs, cluster.start(), cluster)
+        cluster.start()
+        return run_replay(args, reqs, cluster.addresses, cluster)  # several routers: each in turn
     finally:
         cluster.stop()
 

@@ -280,6 +280,11 @@ class LocalCluster:
         site, role, name = info.worker_id.split("/")
         return self.router_dialer().sync(info.address, server_name=Identity(site, CertRole(role), name).dns)
 
+    @property
+    def addresses(self) -> str:
+        """Every router's public address, comma-separated (what `kvrelay generate --router` and a replay take)."""
+        return ",".join(r.address for r in self.routers.values()) or self.router_address
+
     def router_for(self, site: str) -> str:
         """The internal address a worker of ``site`` registers at: its site's router, else the first."""
         here = next((r.name for r in self.cfg.routers if r.site == site and r.name in self.routers), None)

@@ -9,18 +9,22 @@ etcd, or whose certificate its etcd does not trust."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 
+from kvrelay.benchmarks.replay import ReplayConfig, replay
+from kvrelay.benchmarks.traces import SAMPLE_AZURE, build_prompts, load_trace
 from kvrelay.launch.credentials import ClusterCredentials
 from kvrelay.launch.etcd import free_port
 from kvrelay.launch.local import LocalCluster
@@ -195,6 +199,44 @@ def test_a_stream_cut_by_its_routers_death_resumes_at_another(routers):
     assert "went away after" in err and f"resuming at {r['qc'].address}" in err
     assert (first + rest).decode() == reference.stdout  # nothing lost, nothing repeated
     assert "+ 300 tokens;" in err  # the finish counts the whole answer
+    assert wait_until(lambda: live_routers(routers, "qc") == ["bc", "ont", "qc"], 15)
+
+
+def kill_when_busy(lc: LocalCluster, router: str, timeout_s: float = 60.0) -> None:
+    """SIGKILL ``router`` once it has requests on workers (a replay reached it), a moment later (some of
+    their streams have started)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if any(w.inflight for w in status(lc, router).workers):
+                time.sleep(0.3)
+                break
+        except grpc.RpcError:
+            pass
+        time.sleep(0.05)
+    lc.stop_router(router)
+
+
+def test_a_replay_loses_nothing_when_a_router_is_killed(routers):
+    """A trace replayed across the three routers (each request to one in turn); one router is killed with
+    SIGKILL mid-replay: every request ends with its whole answer (those it cut resumed at the next router)."""
+    reqs = load_trace(SAMPLE_AZURE, "azure", 24)
+    prompts = build_prompts(reqs, 0.02, (200, 40_000), seed=3, out_scale=1.0)
+    for p in prompts:
+        p.max_tokens = 200  # streams long enough to be cut
+    cfg = ReplayConfig(speedup=8.0, progress=False, request_timeout_s=180)
+    killer = threading.Thread(target=kill_when_busy, args=(routers, "ont"))
+    killer.start()
+    try:
+        records, _ = asyncio.run(replay(routers.addresses, prompts, cfg, routers.dialer(TOKENS["anywhere"]),
+                                        routers.operator_dialer))
+    finally:
+        killer.join()
+        routers.restart_router(name="ont")
+    assert [r.error for r in records if r.error] == []
+    assert all(len(r.token_ids) == 200 for r in records)  # whole answers, none cut short
+    assert sum(r.router_moves for r in records) >= 1  # the killed router had requests: they moved on
+    print(f"moved {sum(r.router_moves for r in records)}, resumed {sum(r.router_resumes for r in records)}")
     assert wait_until(lambda: live_routers(routers, "qc") == ["bc", "ont", "qc"], 15)
 
 
