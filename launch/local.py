@@ -335,7 +335,8 @@ class LocalCluster:
     def _start_router(self, deadline: float, entry: RouterEntrySection | None = None) -> None:
         """Starts the router (``entry``: router ``entry.name`` of ``routers:``) and waits for its READY line."""
         host = entry.host if entry is not None else self.cfg.router.host
-        hosts = tuple(dict.fromkeys((host, "localhost", "127.0.0.1", *self.cfg.tls.server_names)))
+        extra = (entry.advertise,) if entry is not None and entry.advertise else ()
+        hosts = tuple(dict.fromkeys((host, *extra, "localhost", "127.0.0.1", *self.cfg.tls.server_names)))
         ident = Identity.parse(entry.uri) if entry is not None else router_identity(self.cfg)
         if ident is None:  # the config checks each router's name and site
             raise ValueError(f"router {entry.name if entry else ''} names no router identity")

@@ -277,8 +277,7 @@ async def run(args: argparse.Namespace) -> None:
         stack.push_async_callback(jobs.stop)
         public, internal = await start_grpc(stack, cfg, tls, core, jobs, auth, audit)
         http = await start_http(stack, cfg, tls, core)
-        await join(stack, cfg, core, ipb.RouterPeer(name=args.name or "", site=cfg.router.site or "", address=public,
-                                                    internal_address=internal, http_address=http))
+        await join(stack, cfg, core, announced(cfg, args.name, public, internal, http))
         ready = f"READY {public} internal={internal}" + (f" http={http}" if http else "")
         if metrics is not None:
             ready += f" metrics={metrics.address}"
@@ -301,6 +300,14 @@ def membership(cfg: ClusterConfig, tls: TLSMaterial | None, registry: WorkerRegi
         client = EtcdClient(cfg.etcd.endpoints, Dialer(tls), cfg.etcd.timeout_s)
         return EtcdMembership(cfg.etcd, client, registry, pools)
     return SoloMembership()
+
+
+def announced(cfg: ClusterConfig, name: str | None, public: str, internal: str, http: str) -> ipb.RouterPeer:
+    """This router as the others and its clients reach it (``routers[].advertise``, else as bound)."""
+    entry = cfg.router_entry(name) if name else None
+    reach = entry.reachable if entry is not None else (lambda a: a)
+    return ipb.RouterPeer(name=name or "", site=cfg.router.site or "", address=reach(public),
+                          internal_address=reach(internal), http_address=reach(http) if http else "")
 
 
 async def join(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, core: RouterCore, me: ipb.RouterPeer) -> None:

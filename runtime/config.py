@@ -697,11 +697,24 @@ class RouterEntrySection(ConfigSection):
     """Mutual-TLS port (workers, certificate holders); 0 = any free port."""
     http_port: StrictInt | None = Field(default=8000, ge=0, le=65_535)
     """HTTP API port; 0 = any free port; null turns it off."""
+    advertise: StrictStr | None = None
+    """The host name or address workers, clients and the other routers reach it by (its certificate
+    must name it: ``tls.server_names``). None: ``host``, which must then not be a wildcard."""
 
     def __post_init__(self) -> None:
         for name, value in (("name", self.name), ("site", self.site)):
             if not _NAME.match(value):
                 raise FieldError(name, f"{value!r} must be lowercase letters, digits, - or _")
+        if self.advertise is None and self.host in ("0.0.0.0", "::", ""):
+            raise FieldError("advertise", f"required when host is {self.host!r} (every address of the machine): "
+                                          "the name or address the others reach this router by")
+
+    def reachable(self, address: str) -> str:
+        """``address`` (host:port as bound) as the others reach it: its port at ``advertise``."""
+        if self.advertise is None:
+            return address
+        host = f"[{self.advertise}]" if ":" in self.advertise else self.advertise
+        return f"{host}:{address.rpartition(':')[2]}"
 
     @property
     def uri(self) -> str:

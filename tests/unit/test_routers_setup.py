@@ -12,7 +12,7 @@ import pytest
 from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.launch.routers import Ready, router_config
-from kvrelay.router.main import named_router, pinned_identity
+from kvrelay.router.main import announced, named_router, pinned_identity
 from kvrelay.runtime.config import ConfigError, parse_config
 from kvrelay.runtime.heartbeats import EventFanout, RouterLoops, merge_events
 from kvrelay.runtime.pki import CertRole, Identity
@@ -47,6 +47,7 @@ def test_routers_and_their_identities():
     ({"etcd": {"prefix": "kvrelay"}}, "etcd.prefix: must start and end with /"),
     ({"etcd": {"lease_ttl_s": 1}}, "etcd.lease_ttl_s"),
     ({"etcd": {"watch": True}}, "etcd: unknown field(s) watch"),
+    ({"routers": [{"name": "qc", "site": "montreal", "host": "0.0.0.0"}]}, "routers[0].advertise: required when host"),
 ])
 def test_bad_routers_and_etcd_config_is_refused_by_name(more, error):
     with pytest.raises(ConfigError) as exc:
@@ -144,3 +145,15 @@ def test_a_worker_follows_only_the_routers_its_deployment_lists():
     assert len(loops.peers) == 2
     loops.update([qc])
     assert set(loops.peers) == {"10.0.0.1:50052"} and loops.changed.is_set()
+
+
+def test_a_router_announces_the_address_the_others_reach_it_by():
+    c = parse_config({"sites": SITES, "etcd": {"endpoints": ["127.0.0.1:2379"]}, "routers": [
+        {"name": "qc", "site": "montreal", "host": "0.0.0.0", "advertise": "router.qc.example.org"},
+        {"name": "ont", "site": "toronto", "host": "10.1.2.3"}]})
+    qc = announced(named_router(c, "qc"), "qc", "0.0.0.0:50051", "0.0.0.0:50052", "0.0.0.0:8000")
+    assert (qc.address, qc.internal_address, qc.http_address) == (
+        "router.qc.example.org:50051", "router.qc.example.org:50052", "router.qc.example.org:8000")
+    ont = announced(named_router(c, "ont"), "ont", "10.1.2.3:50051", "10.1.2.3:50052", "")
+    assert (ont.address, ont.http_address, ont.site) == ("10.1.2.3:50051", "", "toronto")
+    assert c.routers[1].reachable("10.1.2.3:7") == "10.1.2.3:7"
