@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.launch import vllm_env
 from kvrelay.launch.local import LocalCluster
 from kvrelay.router.core.auth import token_sha256
+from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.config import parse_config
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
@@ -135,16 +135,10 @@ def _fill(r: SystemResult, b: dict) -> None:
     r.duration_s = b["duration"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(model: Path, cfg: VllmPdConfig, log: Path, extra: list[str],
            env: dict[str, str]) -> tuple[int, subprocess.Popen]:
     """A ``vllm serve`` of the model as every system here serves it (its log in ``log``): its port and process."""
-    port = _free_port()
+    port = free_port()
     args = ["serve", str(model), "--served-model-name", MODEL_NAME, "--port", str(port), "--dtype", "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0",
             "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * 2**30)), *extra]
@@ -189,14 +183,14 @@ def run_vllm_nixl_pd(model: Path, cfg: VllmPdConfig, data: Path, work: Path) -> 
         urls = []
         for role in ("prefill", "decode"):
             # no pinning of cores: two instances share them (as kvrelay's vLLM workers do)
-            env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()), "UCX_MODULES": "^ib",
+            env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "UCX_MODULES": "^ib",
                    "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
             log = work / f"vllm_nixl_{role}.log"
             port, proc = _serve(model, cfg, log, ["--kv-transfer-config", vllm_nixl.kv_transfer_config()], env)
             procs.append(proc)
             _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
             urls.append(f"http://127.0.0.1:{port}")
-        port = _free_port()
+        port = free_port()
         procs.append(subprocess.Popen([sys.executable, "-m", "kvrelay.benchmarks.vllm_nixl", "--port", str(port),
                                        "--prefill", urls[0], "--decode", urls[1]]))
         _wait_http(f"http://127.0.0.1:{port}/health", procs[-1], None)

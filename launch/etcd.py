@@ -10,26 +10,19 @@ from __future__ import annotations
 import asyncio
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay.launch.credentials import ClusterCredentials
+from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.etcd import EtcdClient, EtcdError
 from kvrelay.runtime.pki import CertRole, Identity, write_private
 from kvrelay.runtime.rpc import Dialer
 
 ETCD_BINARY = "etcd"
 INSTALL_HINT = "install Debian's etcd-server (apt-get install etcd-server; `make install` does as root)"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (the OS's pick)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ import grpc
 from kvrelay.launch.cities import CitiesState
 from kvrelay.launch.credentials import LOCAL_TENANT, ClusterCredentials
 from kvrelay.launch.etcd import EtcdCluster
-from kvrelay.launch.routers import Ready, router_config, start_etcd
+from kvrelay.launch.routers import Ready, port_of, router_config, start_etcd
 from kvrelay.launch.zygote import shared_zygote
 from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.config import ClusterConfig, Credential, RouterEntrySection, dump_config
@@ -384,12 +384,12 @@ class LocalCluster:
         if entry is not None:
             self._start_router(time.monotonic() + timeout_s, entry)
             return
-        self.cfg.router.port = int(self.router_address.rpartition(":")[2])
-        self.cfg.router.internal_port = int(self.internal_address.rpartition(":")[2])
+        r = self.cfg.router
+        r.port, r.internal_port = port_of(self.router_address), port_of(self.internal_address)
         if self.http_address:
-            self.cfg.router.http_port = int(self.http_address.rpartition(":")[2])
+            r.http_port = port_of(self.http_address)
         if self.metrics_address:  # a restarted router serves /metrics where Prometheus looks
-            self.cfg.telemetry.router_metrics_port = int(self.metrics_address.rpartition(":")[2])
+            self.cfg.telemetry.router_metrics_port = port_of(self.metrics_address)
         dump_config(self.cfg, self.config_path)
         self._start_router(time.monotonic() + timeout_s)
 

@@ -54,15 +54,16 @@ def router_config(cfg: ClusterConfig, entry: RouterEntrySection, ready: Ready | 
                                                 _own(rec.usage_db, entry.name))
     if ready is not None:
         mine = next(r for r in out.routers if r.name == entry.name)
-        mine.port, mine.internal_port = _port(ready.address), _port(ready.internal)
+        mine.port, mine.internal_port = port_of(ready.address), port_of(ready.internal)
         if ready.http:
-            mine.http_port = _port(ready.http)
+            mine.http_port = port_of(ready.http)
         if ready.metrics:
-            out.telemetry.router_metrics_port = _port(ready.metrics)
+            out.telemetry.router_metrics_port = port_of(ready.metrics)
     return out
 
 
-def _port(address: str) -> int:
+def port_of(address: str) -> int:
+    """The port of ``host:port``."""
     return int(address.rpartition(":")[2])
 
 

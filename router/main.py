@@ -324,6 +324,7 @@ async def join(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, core: Route
     if isinstance(m, EtcdMembership):  # tenants' quotas hold across the routers (router/core/shared_quotas.py)
         exchange = QuotaExchange(m.client, cfg.etcd.prefix, me.name, core.quotas, core.tenants, lambda: m.lease,
                                  core.queue)
+        m.on_quotas = exchange.take  # the membership's watch brings the others' figures
         task = asyncio.create_task(exchange.run(), name="quota-exchange")
         stack.push_async_callback(_cancelled, task)
 

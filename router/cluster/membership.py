@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from kvrelay.router.cluster.pools import PoolManager
@@ -71,14 +72,17 @@ class Membership(Protocol):
         """A worker this router registered, for every other router (RouterError-free: EtcdError when it cannot)."""
         ...
 
-    async def forget_worker(self, worker_id: str) -> None: ...
+    async def forget_worker(self, worker_id: str) -> None:
+        """A worker that left, for every other router (best effort: logged when it cannot)."""
+        ...
 
     def can_change_pools(self) -> str | None:
         """None when pool sizes and drains can be shared now, else why not."""
         ...
 
     async def publish_pool(self, site: str, role: Role, desired: int, drained: list[str]) -> None:
-        """A pool's new desired size and the workers this router drains for it, for every other router."""
+        """A pool's new desired size and the workers this router drains for it, for every other router
+        (best effort: logged when it cannot; callers ask :meth:`can_change_pools` first)."""
         ...
 
     async def aclose(self) -> None: ...
@@ -127,6 +131,8 @@ class EtcdMembership:
         self.section, self.client, self.registry, self.pools = section, client, registry, pools
         self.drains: set[str] = set()
         """Workers some router drains (applied to each as this router learns it)."""
+        self.on_quotas: Callable[[str, bytes | None], None] | None = None
+        """Where the routers' quota figures (``quotas/<router>``) go as they change (router/core/shared_quotas.py)."""
         self._me = ipb.RouterPeer()
         self.routers: dict[str, ipb.RouterPeer] = {}
         self.lease = 0
@@ -179,7 +185,7 @@ class EtcdMembership:
             elif kind == "workers":
                 workers[name] = wpb.WorkerInfo.FromString(e.value)
             else:
-                self._apply_pools(kind, name, e.value)
+                self._apply_other(kind, name, e.value)
         self.routers = routers
         for worker_id in [w for w in self.registry.workers if w not in workers]:
             await self.registry.deregister(worker_id)
@@ -191,9 +197,13 @@ class EtcdMembership:
         if info.worker_id in self.drains:
             self.pools.start_drain(self.registry.workers[info.worker_id])
 
-    def _apply_pools(self, kind: str, name: str, value: bytes | None) -> None:
-        """A pool's desired size or a drain another router decided (ignored if it names nothing known)."""
-        if kind == "drains":
+    def _apply_other(self, kind: str, name: str, value: bytes | None) -> None:
+        """A pool's desired size or a drain another router decided (ignored if it names nothing known), or
+        a router's quota figures (to ``on_quotas``)."""
+        if kind == "quotas":
+            if self.on_quotas is not None:
+                self.on_quotas(name, value)
+        elif kind == "drains":
             if value is None:
                 self.drains.discard(name)
                 return
@@ -222,7 +232,7 @@ class EtcdMembership:
             else:
                 await self._learn(wpb.WorkerInfo.FromString(ch.value))
         else:
-            self._apply_pools(kind, name, ch.value)
+            self._apply_other(kind, name, ch.value)
         self.revision = max(self.revision, ch.revision)
 
     async def _watch(self) -> None:
@@ -285,8 +295,11 @@ class EtcdMembership:
         await self.client.put(self._key("workers", info.worker_id), info.SerializeToString())
 
     async def forget_worker(self, worker_id: str) -> None:
-        await self.client.delete(self._key("workers", worker_id))
-        await self.client.delete(self._key("drains", worker_id))
+        try:
+            await self.client.delete(self._key("workers", worker_id))
+            await self.client.delete(self._key("drains", worker_id))
+        except EtcdError as exc:  # the others drop it when it stops heartbeating them (and the sweep removes it)
+            log.warning("could not remove %s from etcd: %s", worker_id, exc)
 
     def can_change_pools(self) -> str | None:
         if self.down_since is None:
@@ -295,9 +308,13 @@ class EtcdMembership:
                 f"({self.last_error}); change them when it is back")
 
     async def publish_pool(self, site: str, role: Role, desired: int, drained: list[str]) -> None:
-        await self.client.put(self._key("pools", f"{site}/{role}"), str(desired).encode())
-        for worker_id in drained:
-            await self.client.put(self._key("drains", worker_id), b"")
+        try:
+            await self.client.put(self._key("pools", f"{site}/{role}"), str(desired).encode())
+            for worker_id in drained:
+                await self.client.put(self._key("drains", worker_id), b"")
+        except EtcdError as exc:  # etcd went away since can_change_pools said it was there
+            log.warning("could not share %s/%s's size and drains %s with the other routers: %s", site, role,
+                        drained, exc)
 
     async def aclose(self) -> None:
         for t in self._tasks:

@@ -290,11 +290,11 @@ class RouterCore:
         routers to use. The front ends ask before reading the request where their protocol allows (HTTP:
         before the body); nothing of it is tokenized, logged or forwarded, the refusal is audited."""
         site = self.cfg.router.site
-        allowed = self.tenants.of(tenant).jurisdictions
         here = self.registry.jurisdiction.get(site or "", "")
         if not self.cfg.routers or site is None or self.reads_prompts_of(tenant, here):
             return
-        better = [p for p in self.membership.peers() if p.jurisdiction in allowed]
+        allowed = self.tenants.of(tenant).jurisdictions
+        better = [p for p in self.membership.peers() if self.reads_prompts_of(tenant, p.jurisdiction)]
         where = "; ".join(f"{p.name} ({p.site}, {p.jurisdiction}) at {p.address}" for p in better)
         exc = RouterError(ErrorKind.CONSTRAINT, f"tenant {tenant!r}'s prompts may enter only in "
                           f"{{{', '.join(sorted(allowed))}}}; this router ({self.membership.me.name}) is at {site} "

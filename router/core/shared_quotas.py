@@ -3,7 +3,8 @@
 Every ``EXCHANGE_S`` each router writes what it took of each tenant's quotas
 since it started (requests, tokens net of what finished requests gave back)
 and the tenant's requests in progress there, as one JSON value under its own
-etcd lease (``quotas/<router>``), then reads every router's. What another
+etcd lease (``quotas/<router>``), and applies the others' latest, which its
+membership watch (router/cluster/membership.py) hands it as they change. What another
 router took since it last wrote is charged to this router's buckets (past
 zero if need be: a debt that refills as any other); the others' requests in
 progress count against ``max_concurrent``. So every router's buckets follow
@@ -52,6 +53,8 @@ class QuotaExchange:
         self.client, self.key, self.prefix = client, f"{prefix}quotas/{me}", f"{prefix}quotas/"
         self.quotas, self.tenants, self.lease, self.queue = quotas, tenants, lease, queue
         self.seen: dict[str, dict[str, tuple[int, int, int]]] = {}
+        self.latest: dict[str, dict] = {}
+        """Each other router's last figures, as the membership watch delivered them."""
         """Per other router: each tenant's figures already charged here."""
 
     def mine(self) -> bytes:
@@ -90,19 +93,27 @@ class QuotaExchange:
         if self.queue is not None:
             self.queue.served_elsewhere(tenant, admitted, policy.weight)
 
+    def take(self, router: str, value: bytes | None) -> None:
+        """A router's figures as etcd changed them (None: its key went with its lease); this router's own
+        are ignored."""
+        if self.prefix + router == self.key:
+            return
+        if value is None:
+            self.latest.pop(router, None)
+            return
+        try:
+            figures = json.loads(value)
+        except ValueError:
+            figures = None
+        if not isinstance(figures, dict):
+            log.warning("ignoring %s%s: not a router's quota figures", self.prefix, router)
+            return
+        self.latest[router] = figures
+
     async def exchange(self) -> None:
-        """One round: write this router's figures, read and apply everyone else's."""
+        """One round: apply the others' latest figures, write this router's."""
+        self.apply(dict(self.latest))
         await self.client.put(self.key, self.mine(), self.lease())
-        entries, _ = await self.client.get_prefix(self.prefix)
-        others = {}
-        for e in entries:
-            if e.key == self.key:
-                continue
-            try:
-                others[e.key[len(self.prefix):]] = json.loads(e.value)
-            except ValueError:
-                log.warning("ignoring %s: not a router's quota figures", e.key)
-        self.apply(others)
 
     async def run(self) -> None:
         """Exchanges every EXCHANGE_S until cancelled; a round etcd does not answer is skipped."""

@@ -17,7 +17,6 @@ from kvrelay.router.core.errors import RouterError
 from kvrelay.router.core.records import Auditor, RecordKind
 from kvrelay.router.frontends.peer import STATUS, GrpcCaller, authorization
 from kvrelay.router.governance.statement import UnknownTenant, deployment_state, statement
-from kvrelay.runtime.etcd import EtcdError
 from kvrelay.runtime.roles import Role
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
@@ -101,10 +100,7 @@ class AdminService(agrpc.AdminServicer):
 
     async def _publish(self, site: str, role: Role, drained: list[str]) -> None:
         """A pool change, for the other routers (router/cluster/membership.py)."""
-        try:
-            await self.membership.publish_pool(site, role, self.pools.desired[(site, role)], drained)
-        except EtcdError as exc:
-            log.warning("could not share %s/%s's new size with the other routers: %s", site, role, exc)
+        await self.membership.publish_pool(site, role, self.pools.desired[(site, role)], drained)
 
     async def ListPools(self, request, context) -> apb.ListPoolsResponse:
         await self._authorize(context)

@@ -90,6 +90,7 @@ class RegistryService(wgrpc.RegistryServicer):
             await self.core.membership.publish_worker(info)
         except EtcdError as exc:
             log.warning("refused to register %s: %s", info.worker_id, exc)
+            self._audit(info, context, "unavailable: the routers' shared store is unreachable")
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"cannot register {info.worker_id} now: the routers' shared store is unreachable "
                                 f"({exc}); the routers serve their known workers and take new ones when it is back")
@@ -99,13 +100,9 @@ class RegistryService(wgrpc.RegistryServicer):
         drained = self.pools.trim(info.site, role)  # a pool scaled down while this worker was starting
         if drained:
             log.info("%s/%s is above its desired size: draining %s", info.site, role, ", ".join(drained))
-            try:
-                await self.core.membership.publish_pool(info.site, role, self.pools.desired[(info.site, role)],
-                                                        drained)
-            except EtcdError as exc:
-                log.warning("could not share the drain of %s with the other routers: %s", drained, exc)
+            await self.core.membership.publish_pool(info.site, role, self.pools.desired[(info.site, role)], drained)
         return wpb.RegisterResponse(heartbeat_interval_s=self.cfg.router.liveness.heartbeat_interval_s,
-                                    routers=self.core.membership.peers())
+                                    routers=self._peers())
 
     def _audit(self, info: wpb.WorkerInfo, context, outcome: str) -> None:
         """A registration and the certificate it came with, accepted or refused, in the audit log."""
@@ -129,18 +126,19 @@ class RegistryService(wgrpc.RegistryServicer):
     async def Heartbeat(self, request: wpb.HeartbeatRequest, context) -> wpb.HeartbeatResponse:
         await self._refuse_unless_own(context, request.load.worker_id, "Heartbeat")
         resp = self.registry.heartbeat(request)
-        resp.routers.extend(self.core.membership.peers())
+        resp.routers.extend(self._peers())
         return resp
+
+    def _peers(self) -> list:
+        """The live routers, for a worker's answer: with several (``routers:``) only; one router has none to add."""
+        return self.core.membership.peers() if self.cfg.routers else []
 
     async def Deregister(self, request: wpb.DeregisterRequest, context) -> wpb.DeregisterResponse:
         await self._refuse_unless_own(context, request.worker_id, "Deregister")
         final = request.load if request.HasField("load") else None  # its last usage counters
         if await self.registry.deregister(request.worker_id, final):
             log.info("worker %s left", request.worker_id)
-        try:
-            await self.core.membership.forget_worker(request.worker_id)
-        except EtcdError as exc:  # the other routers drop it when it stops heartbeating them
-            log.warning("could not remove %s from etcd: %s", request.worker_id, exc)
+        await self.core.membership.forget_worker(request.worker_id)
         return wpb.DeregisterResponse()
 
     def _link_status(self, lc: LinkSection, now: float) -> wpb.LinkStatus:

@@ -11,7 +11,8 @@ import shutil
 import pytest
 
 from kvrelay.launch.credentials import ClusterCredentials
-from kvrelay.launch.etcd import EtcdCluster, free_port
+from kvrelay.launch.etcd import EtcdCluster
+from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.config import TLSSection
 from kvrelay.runtime.etcd import EtcdClient, EtcdError, prefix_end
 from kvrelay.runtime.pki import CertRole, Identity

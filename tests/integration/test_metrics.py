@@ -16,7 +16,6 @@ import random
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrelay.runtime.addresses import free_port
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from tests.dashboard import exprs, load_dashboard, substitute
@@ -66,11 +66,6 @@ TTFT_P50 = "histogram_quantile(0.5, sum by (le) (rate(kvrelay_time_to_first_toke
 
 
 # -- a Prometheus server ---------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def http_get(url: str, timeout_s: float = 10.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:

@@ -26,8 +26,8 @@ import pytest
 from kvrelay.benchmarks.replay import ReplayConfig, replay
 from kvrelay.benchmarks.traces import SAMPLE_AZURE, build_prompts, load_trace
 from kvrelay.launch.credentials import ClusterCredentials
-from kvrelay.launch.etcd import free_port
 from kvrelay.launch.local import LocalCluster
+from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.config import TLSSection, dump_config, parse_config
 from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.rpc import Dialer
@@ -373,7 +373,7 @@ def test_a_quota_holds_across_routers(routers):
     """6 requests a minute: 4 taken at qc leave about 2 at ont (each router alone would allow 6)."""
     for _ in range(4):
         generate(routers, "qc", tenant="metered")
-    time.sleep(2.5)  # the routers exchange what they took every second
+    time.sleep(4.0)  # the routers exchange what they took every second (a loaded machine: a few rounds)
     admitted, refused = 0, None
     for _ in range(4):
         try:
@@ -388,13 +388,20 @@ def test_a_quota_holds_across_routers(routers):
 
 
 def test_requests_in_progress_count_at_every_router(routers):
-    req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 6, 7]), max_tokens=1000, ignore_eos=True)
+    req = ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 6, 7]), max_tokens=4000, ignore_eos=True)
+    refused = None
     with routers.dialer(TOKENS["single"]).sync(routers.routers["qc"].address) as ch:
         stream = igrpc.InferenceStub(ch).Generate(req, timeout=120)
         next(stream)  # started at qc
-        time.sleep(2.5)
-        with pytest.raises(grpc.RpcError) as refused:
-            generate(routers, "bc", tenant="single")
+        end = time.monotonic() + 15
+        while refused is None and time.monotonic() < end:  # bc learns of it within a few exchanges
+            try:
+                generate(routers, "bc", tenant="single")
+                time.sleep(0.2)
+            except grpc.RpcError as exc:
+                refused = exc
+        running = stream.running()  # the stream at qc was still going when bc refused
         stream.cancel()
-    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "max_concurrent quota (1 requests in progress)" in refused.value.details()
+    assert refused is not None and running
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_concurrent quota (1 requests in progress)" in refused.details()

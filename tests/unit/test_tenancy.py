@@ -147,6 +147,12 @@ def test_the_routers_exchange_what_they_took_of_a_quota():
         here.admit(a, 10)  # 2 here + 1 there
     ex.apply({})  # that router left (its lease ended): its request no longer counts
     assert here.state["a"].remote_running == 0
+    ex.take("there", _figures(there).encode())  # as the membership watch hands them over
+    ex.take("here", b"{}")  # this router's own key: not another's
+    ex.take("junk", b"[1, 2]")  # not figures: ignored (and said in the log)
+    assert set(ex.latest) == {"there"} and ex.latest["there"]["a"][0] == 5
+    ex.take("there", None)  # its lease ended
+    assert ex.latest == {}
     there.release(g, 100)
 
 
