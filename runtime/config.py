@@ -743,6 +743,9 @@ class EtcdSection(ConfigSection):
     def __post_init__(self) -> None:
         if self.members % 2 == 0:
             raise FieldError("members", f"must be odd (a majority must survive a member's loss), got {self.members}")
+        if self.endpoints and self.members != 3:
+            raise FieldError("members", "is how many members kvrelay serve starts when endpoints is empty; with "
+                                        "endpoints given, your etcd's members are those endpoints")
         if not self.prefix.startswith("/") or not self.prefix.endswith("/"):
             raise FieldError("prefix", f"must start and end with /, got {self.prefix!r}")
         for i, ep in enumerate(self.endpoints):
@@ -967,6 +970,9 @@ def _check_routers(cfg: ClusterConfig, sites: set[str]) -> None:
         seen.add(r.name)
         if r.site not in sites:
             raise ConfigError(f"routers[{i}].site: unknown site {r.site!r} (sites: {', '.join(sorted(sites))})")
+    if not cfg.routers and cfg.etcd != EtcdSection():
+        raise ConfigError("etcd: set, but routers: lists no routers: one router shares nothing through etcd "
+                          "(list the routers, or remove etcd:)")
     if cfg.routers and cfg.tls.router_identity is not None:
         raise ConfigError("tls.router_identity: with routers: listed, each router's identity is "
                           "kvrelay://<its site>/router/<its name>; remove tls.router_identity")

@@ -47,6 +47,8 @@ def test_routers_and_their_identities():
     ({"etcd": {"prefix": "kvrelay"}}, "etcd.prefix: must start and end with /"),
     ({"etcd": {"lease_ttl_s": 1}}, "etcd.lease_ttl_s"),
     ({"etcd": {"watch": True}}, "etcd: unknown field(s) watch"),
+    ({"routers": ROUTERS, "etcd": {"endpoints": ["e:2379"], "members": 5}}, "etcd.members: is how many members"),
+    ({"etcd": {"endpoints": ["e:2379"]}}, "etcd: set, but routers: lists no routers"),
     ({"routers": [{"name": "qc", "site": "montreal", "host": "0.0.0.0"}]}, "routers[0].advertise: required when host"),
 ])
 def test_bad_routers_and_etcd_config_is_refused_by_name(more, error):
