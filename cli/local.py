@@ -328,6 +328,8 @@ def _announce(cluster: LocalCluster, args: argparse.Namespace, model_path: Path)
             print(f"kvrelay: router {entry.name} at {entry.site} on {ready.address}"
                   + (f" (HTTP {ready.http})" if ready.http else ""), flush=True)
         print(f"kvrelay: etcd at {', '.join(cfg.etcd.endpoints)}", flush=True)
+        print(f"kvrelay: batch jobs in PostgreSQL at {', '.join(cfg.postgres.endpoints)} (primary, then standbys)",
+              flush=True)
     print(f"kvrelay: serving {model_path.name} on {addr} with {n} workers ({args.backend}) "
           f"(try: kvrelay generate --router {addr} \"What is the capital of France?\")", flush=True)
     if cluster.http_address:

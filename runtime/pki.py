@@ -58,6 +58,9 @@ class CertRole(StrEnum):
     control channel between nodes, and no kvrelay listener admits it."""
     ETCD = "etcd"
     """A member of the routers' etcd (client and peer TLS); no kvrelay listener admits it."""
+    STORE = "store"
+    """A server of the routers' job database (PostgreSQL: its TLS, and a standby's replication
+    connection); no kvrelay listener admits it."""
 
     @property
     def is_server(self) -> bool:
@@ -67,7 +70,7 @@ class CertRole(StrEnum):
     @property
     def serves_tls(self) -> bool:
         """Certificates that a TLS server presents (a kvrelay component or a Ray node)."""
-        return self.is_server or self in (CertRole.NODE, CertRole.ETCD)
+        return self.is_server or self in (CertRole.NODE, CertRole.ETCD, CertRole.STORE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +180,7 @@ def new_ca(common_name: str = "kvrelay cluster CA", days: float = CA_DAYS) -> CA
 
 def _sans(identity: Identity, hosts: tuple[str, ...]) -> list[x509.GeneralName]:
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity.uri)]
-    if identity.role.is_server or identity.role is CertRole.ETCD:
+    if identity.role.is_server or identity.role in (CertRole.ETCD, CertRole.STORE):
         names += [x509.DNSName(identity.dns), x509.DNSName(role_dns(identity.role))]
     for host in hosts:
         try:

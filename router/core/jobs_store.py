@@ -32,8 +32,10 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from kvrelay.runtime.files import create_private, private_sqlite_sides
 
@@ -92,6 +94,48 @@ class StoreLimitExceeded(Exception):
     """A submission past its tenant's :class:`StoredLimits`; the message names the limit."""
 
 
+class JobStoreUnavailable(Exception):
+    """The jobs database cannot be reached now (the shared one: router/core/shared_jobs.py); the message names it."""
+
+
+def over_limits_message(owner: str, n: int, held: int, size: int, limits: StoredLimits) -> str | None:
+    """Why ``owner``, storing ``n`` jobs of ``held`` bytes, may not store one more of ``size`` (None: it may)."""
+    if n + 1 > limits.jobs:
+        return (f"tenant {owner!r} stores {n} jobs, its max_stored_jobs quota; "
+                "delete finished ones (kvrelay job delete) to submit more")
+    if held + size > limits.bytes:
+        return (f"tenant {owner!r} stores {held} bytes of jobs and this one is {size}: over its "
+                f"max_stored_job_bytes quota ({limits.bytes}); delete finished ones (kvrelay job delete) first")
+    return None
+
+
+class JobStorage(Protocol):
+    """What the Jobs service and the retention sweeper use: :class:`JobStore` (one router's
+    SQLite) or the routers' shared one (router/core/shared_jobs.py)."""
+
+    def close(self) -> None: ...
+    def resume(self) -> int: ...
+    def reclaim(self, live: Iterable[str], grace_s: float) -> int: ...
+    def over_limits(self, owner: str, size: int, limits: StoredLimits) -> str | None: ...
+    def submit(self, name: str, requests: list[bytes], owner: str = "",
+               limits: StoredLimits | None = None) -> JobRow: ...
+    def get(self, job: str) -> JobRow | None: ...
+    def list(self, owner: str | None = None) -> builtins.list[JobRow]: ...
+    def cancel(self, job: str) -> JobRow | None: ...
+    def claim(self, n: int, skip_owners: frozenset[str] = frozenset()) -> builtins.list[tuple[str, int, bytes, str]]:
+        ...
+    def finish(self, job: str, idx: int, result: bytes, ok: bool) -> bool: ...
+    def release(self, job: str, idx: int) -> None: ...
+    def state(self, job: str) -> int | None: ...
+    def last_seq(self, job: str) -> int: ...
+    def results(self, job: str, from_idx: int = 0, after_idx: int = -1, upto_seq: int | None = None,
+                limit: int = RESULT_PAGE) -> builtins.list[tuple[int, int, bytes]]: ...
+    def results_after(self, job: str, after_seq: int,
+                      limit: int = RESULT_PAGE) -> builtins.list[tuple[int, int, bytes]]: ...
+    def finished_before(self, before_ts: float) -> builtins.list[JobRow]: ...
+    def delete(self, job: str) -> int | None: ...
+
+
 def _serialized(method):
     """``method`` under the store's lock (one connection, one caller at a time)."""
     @functools.wraps(method)
@@ -140,6 +184,10 @@ class JobStore:
         with self.db:
             return self.db.execute("UPDATE items SET status=? WHERE status=?", (PENDING, RUNNING)).rowcount
 
+    def reclaim(self, live: Iterable[str], grace_s: float) -> int:
+        """Nothing: one router's store has no other router's requests to take back (0)."""
+        return 0
+
     @_serialized
     def holdings(self, owner: str) -> tuple[int, int]:
         """How many jobs ``owner`` stores, and their bytes."""
@@ -150,13 +198,7 @@ class JobStore:
     def over_limits(self, owner: str, size: int, limits: StoredLimits) -> str | None:
         """Why ``owner`` may not store one more job of ``size`` bytes (None: it may)."""
         n, held = self.holdings(owner)
-        if n + 1 > limits.jobs:
-            return (f"tenant {owner!r} stores {n} jobs, its max_stored_jobs quota; "
-                    "delete finished ones (kvrelay job delete) to submit more")
-        if held + size > limits.bytes:
-            return (f"tenant {owner!r} stores {held} bytes of jobs and this one is {size}: over its "
-                    f"max_stored_job_bytes quota ({limits.bytes}); delete finished ones (kvrelay job delete) first")
-        return None
+        return over_limits_message(owner, n, held, size, limits)
 
     @_serialized
     def submit(self, name: str, requests: list[bytes], owner: str = "", limits: StoredLimits | None = None) -> JobRow:

@@ -3,14 +3,22 @@ cancellation, results and deletion, over the durable store in jobs_store.py, and
 runner that feeds the jobs' requests through the same path as interactive
 ones, at lower priority: it starts a job request only while no interactive
 request is waiting for room, and keeps at most ``router.admission.job_concurrency`` in
-flight, so jobs fill idle capacity."""
+flight, so jobs fill idle capacity.
+
+With several routers the store is shared (router/core/shared_jobs.py): every router
+runs any job's requests, a job submitted at one is read and followed at any other,
+and every RECLAIM_S a router takes back the requests held by routers whose etcd
+lease ended, so a router's death costs its requests in flight and about a lease
+period. A request whose result or release cannot be written while the database is
+away stays running here: it runs again when this router restarts or leaves."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -22,7 +30,9 @@ from kvrelay.router.core.jobs_store import (
     JOB_DONE,
     RESULT_PAGE,
     JobRow,
+    JobStorage,
     JobStore,
+    JobStoreUnavailable,
     StoredLimits,
     StoreLimitExceeded,
 )
@@ -50,9 +60,15 @@ DELETE_WAIT_S = 10.0
 """How long DeleteJob waits for a running job's requests in flight to stop."""
 
 
+RECLAIM_S = 2.0
+"""How often a router with others takes back the requests of routers that left (their etcd lease ended)."""
+
+
 TRANSIENT = frozenset({ErrorKind.UNAVAILABLE, ErrorKind.OVERLOADED})
 """No worker could take the request now (none registered yet, all full): not its fault; it runs again later."""
 BACKOFF_S = 1.0
+STORE_RETRY_S = 30.0
+"""How long a result waits for a jobs database that went away before it is given up (to run again)."""
 
 
 def _job_proto(row: JobRow) -> jpb.Job:
@@ -67,11 +83,36 @@ def add_jobs_to_server(jobs: JobService, server: grpc.aio.Server, bounds: CallBo
     add_service(server, jobs, jpb.DESCRIPTOR.services_by_name["Jobs"], bounds)
 
 
+def _store_errors(method):
+    """An RPC whose store cannot be reached now ends UNAVAILABLE naming it (not UNKNOWN)."""
+    if asyncio.iscoroutinefunction(method):
+        @functools.wraps(method)
+        async def unary(self, request, context):
+            try:
+                return await method(self, request, context)
+            except JobStoreUnavailable as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return unary
+
+    @functools.wraps(method)
+    async def stream(self, request, context):
+        try:
+            async for msg in method(self, request, context):
+                yield msg
+        except JobStoreUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    return stream
+
+
 class JobService(jgrpc.JobsServicer):
-    def __init__(self, core: RouterCore, db_path: str, concurrency: int, auth: GrpcCaller,
-                 audit: Auditor | None = None) -> None:
-        """``core``: the router core whose request path runs the jobs; ``auth`` names each caller's
-        tenant; ``audit``: where job submissions and deletions are recorded (None: nowhere)."""
+    def __init__(self, core: RouterCore, db_path: str | Callable[[], JobStorage], concurrency: int,
+                 auth: GrpcCaller, audit: Auditor | None = None,
+                 live: Callable[[], frozenset[str] | None] | None = None, grace_s: float = 6.0) -> None:
+        """``core``: the router core whose request path runs the jobs; ``db_path``: this router's
+        SQLite file, or what opens the routers' shared store (router/core/shared_jobs.py); ``auth``
+        names each caller's tenant; ``audit``: where job submissions and deletions are recorded
+        (None: nowhere); ``live``: with a shared store, the routers live now (None while that is not
+        known): requests the others hold are taken back ``grace_s`` after their router left."""
         self.core = core
         self.audit = audit
         self.auth = auth
@@ -81,17 +122,19 @@ class JobService(jgrpc.JobsServicer):
         """Validates submitted jobs (tokenizing every prompt), apart from the interactive tokenizer threads."""
         self._checks = FairChecker(lambda reqs, start, owner: self._first_invalid(reqs, start, owner), self._checker)
         """Tenants' submissions take turns on the checker thread, chunk by chunk."""
-        self.store: JobStore | None = None
+        self.store: JobStorage | None = None
         self.db_path = db_path
+        self.live, self.grace_s = live, grace_s
         self.inflight: set[asyncio.Task] = set()
         self._runner: asyncio.Task | None = None
+        self._reclaimer: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._paused_until = 0.0
         self._owner_paused: dict[str, float] = {}
         """Owner -> until when its jobs wait (it was over a quota)."""
 
     @property
-    def _store(self) -> JobStore:
+    def _store(self) -> JobStorage:
         """The store, which :meth:`start` opens."""
         if self.store is None:
             raise RuntimeError("the job service is not started: it has no store")
@@ -101,15 +144,19 @@ class JobService(jgrpc.JobsServicer):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def start(self) -> None:
-        self.store = await self._db(JobStore, self.db_path)
+        opener = self.db_path if callable(self.db_path) else functools.partial(JobStore, self.db_path)
+        self.store = await self._db(opener)
         resumed = await self._db(self.store.resume)
         if resumed:
             log.info("resuming %d job requests left running by the previous router", resumed)
         self._runner = asyncio.create_task(self._run())
+        if self.live is not None:
+            self._reclaimer = asyncio.create_task(self._reclaim())
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            self._runner.cancel()
+        for task in (self._runner, self._reclaimer):
+            if task is not None:
+                task.cancel()
         for t in list(self.inflight):
             t.cancel()
         await asyncio.gather(*self.inflight, return_exceptions=True)
@@ -128,6 +175,7 @@ class JobService(jgrpc.JobsServicer):
             self.core.audit_refused("jobs", exc, "token" if authorization(context) else "none")
             await abort(context, exc)
 
+    @_store_errors
     async def SubmitJob(self, request: jpb.SubmitJobRequest, context) -> jpb.Job:
         """Validates every request as the interactive path would, then stores the job (all or
         nothing). Refused (RESOURCE_EXHAUSTED) before any prompt is tokenized: a router short
@@ -203,13 +251,16 @@ class JobService(jgrpc.JobsServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
         return row
 
+    @_store_errors
     async def GetJob(self, request: jpb.GetJobRequest, context) -> jpb.Job:
         return _job_proto(await self._row(request.id, context))
 
+    @_store_errors
     async def ListJobs(self, request, context) -> jpb.ListJobsResponse:
         owner = await self._owner(context)
         return jpb.ListJobsResponse(jobs=[_job_proto(r) for r in await self._db(self._store.list, owner)])
 
+    @_store_errors
     async def CancelJob(self, request: jpb.CancelJobRequest, context) -> jpb.Job:
         row = await self._row(request.id, context)
         self._audit({"action": "cancelled", "job": row.id, "tenant": row.owner})
@@ -220,6 +271,7 @@ class JobService(jgrpc.JobsServicer):
         if self.audit is not None:
             self.audit.append(RecordKind.JOB, fields)
 
+    @_store_errors
     async def DeleteJob(self, request: jpb.DeleteJobRequest, context) -> jpb.DeleteJobResponse:
         """Deletes the caller's job with its requests and results (another
         tenant's is NOT_FOUND). A job that runs is cancelled first and its
@@ -260,6 +312,7 @@ class JobService(jgrpc.JobsServicer):
         _, pending = await asyncio.wait(tasks, timeout=DELETE_WAIT_S)
         return not pending
 
+    @_store_errors
     async def JobResults(self, request: jpb.JobResultsRequest, context) -> AsyncIterator[jpb.JobResult]:
         """The results stored so far in index order; with ``follow``, then each
         new one as it is stored. Every poll reads only the results stored since
@@ -316,11 +369,35 @@ class JobService(jgrpc.JobsServicer):
             room = self.concurrency - len(self.inflight)
             now = loop.time()
             paused = frozenset(o for o, until in self._owner_paused.items() if until > now)
-            for job, idx, blob, owner in await self._db(self._store.claim, room, paused):
+            try:
+                claimed = await self._db(self._store.claim, room, paused)
+            except JobStoreUnavailable as exc:
+                log.warning("jobs wait: %s", exc)
+                self._paused_until = loop.time() + BACKOFF_S
+                continue
+            for job, idx, blob, owner in claimed:
                 task = asyncio.create_task(self._one(job, idx, ipb.GenerateRequest.FromString(blob), owner),
                                            name=f"job {job}/{idx}")
                 self.inflight.add(task)
                 task.add_done_callback(self.inflight.discard)
+
+    async def _reclaim(self) -> None:
+        """Every RECLAIM_S, the requests of routers no longer live go back to pending (while the
+        live routers are known: not while etcd is away)."""
+        assert self.live is not None  # started only with it
+        while True:
+            await asyncio.sleep(RECLAIM_S)
+            live = self.live()
+            if live is None:
+                continue
+            try:
+                n = await self._db(self._store.reclaim, live, self.grace_s)
+            except JobStoreUnavailable as exc:
+                log.warning("could not take back the requests of routers that left: %s", exc)
+                continue
+            if n:
+                log.warning("took back %d job requests of routers that left; they run again", n)
+                self._wake.set()
 
     async def _one(self, job: str, idx: int, req: ipb.GenerateRequest, owner: str) -> None:
         if not req.request_id:
@@ -338,22 +415,44 @@ class JobService(jgrpc.JobsServicer):
                 if msg.HasField("finish"):
                     result.finish.CopyFrom(msg.finish)
         except QuotaExceeded as exc:  # its owner's quota: that owner's jobs wait, nobody else's
-            await self._db(self._store.release, job, idx)
+            await self._release(job, idx)
             self._owner_paused[owner] = asyncio.get_running_loop().time() + (exc.retry_after_s or BACKOFF_S)
             return
         except RouterError as exc:
             if exc.kind in TRANSIENT:
-                await self._db(self._store.release, job, idx)
+                await self._release(job, idx)
                 self._paused_until = asyncio.get_running_loop().time() + BACKOFF_S
                 log.info("job %s request %d: %s; it runs again later", job, idx, exc)
                 return
             ok, result.error = False, f"{STATUS[exc.kind].name}: {exc.message}"
         except asyncio.CancelledError:
-            await asyncio.shield(self._db(self._store.release, job, idx))  # runs again after a restart
+            await asyncio.shield(self._release(job, idx))  # runs again after a restart
             raise
         except Exception as exc:  # a bug must not leave the request running forever: record it
             log.exception("job %s request %d failed inside the router", job, idx)
             ok, result.error = False, f"internal error: {exc}"
-        if not await self._db(self._store.finish, job, idx, result.SerializeToString(), ok):
-            log.warning("job %s request %d was no longer running; its result is not stored twice", job, idx)
+        await self._store_result(job, idx, result.SerializeToString(), ok)
         self._wake.set()
+
+    async def _release(self, job: str, idx: int) -> None:
+        """The request back to pending; with the store away it stays running here (module docstring)."""
+        try:
+            await self._db(self._store.release, job, idx)
+        except JobStoreUnavailable as exc:
+            log.warning("job %s request %d stays running here until this router restarts or leaves: %s",
+                        job, idx, exc)
+
+    async def _store_result(self, job: str, idx: int, blob: bytes, ok: bool) -> None:
+        """Stores a result, trying again for STORE_RETRY_S while the store is away; after that the
+        request stays running here and runs again when this router restarts or leaves."""
+        end = asyncio.get_running_loop().time() + STORE_RETRY_S
+        while True:
+            try:
+                if not await self._db(self._store.finish, job, idx, blob, ok):
+                    log.warning("job %s request %d no longer runs here; its result is not stored twice", job, idx)
+                return
+            except JobStoreUnavailable as exc:
+                if asyncio.get_running_loop().time() > end:
+                    log.error("job %s request %d: result not stored (%s); it runs again later", job, idx, exc)
+                    return
+                await asyncio.sleep(BACKOFF_S)

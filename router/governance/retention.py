@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvrelay.router.core.jobs_store import JobStore
+from kvrelay.router.core.jobs_store import JobStorage
 from kvrelay.router.core.records import RecordKind
 from kvrelay.router.governance.audit import OTHER_TENANTS, AuditLog, parse_time
 from kvrelay.router.governance.audit_writer import AuditWriter
@@ -56,7 +56,7 @@ class RetentionReport:
 class RetentionSweeper:
     """Deletes expired jobs and audit records, on demand (:meth:`sweep_once`) or periodically (:meth:`run`)."""
 
-    def __init__(self, cfg: ClusterConfig, jobs_store: JobStore | None, audit: AuditLog | AuditWriter | None,
+    def __init__(self, cfg: ClusterConfig, jobs_store: JobStorage | None, audit: AuditLog | AuditWriter | None,
                  clock: Callable[[], float] = time.time) -> None:
         """``jobs_store``: the router's job store (the Jobs service's: its
         calls are serialized, so this thread may share it); None: no jobs to
@@ -82,7 +82,7 @@ class RetentionSweeper:
             report.audit_records_deleted = dict(result.counts)
         return report
 
-    def _sweep_jobs(self, jobs: JobStore, now: float, report: RetentionReport) -> None:
+    def _sweep_jobs(self, jobs: JobStorage, now: float, report: RetentionReport) -> None:
         shortest = min(t.job_retention_days for t in [*self.cfg.tenants, DEFAULT_POLICY])
         for row in jobs.finished_before(now - shortest * DAY_S):
             if row.finished >= now - self.policy(row.owner).job_retention_days * DAY_S:

@@ -27,6 +27,7 @@ from kvrelay.benchmarks.replay import ReplayConfig, replay
 from kvrelay.benchmarks.traces import SAMPLE_AZURE, build_prompts, load_trace
 from kvrelay.launch.credentials import ClusterCredentials
 from kvrelay.launch.local import LocalCluster
+from kvrelay.launch.postgres import installed as postgres_installed
 from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.config import TLSSection, dump_config, parse_config
 from kvrelay.runtime.pki import CertRole, Identity
@@ -36,12 +37,16 @@ from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
+from kvrelay.v1 import jobs_pb2 as jpb
+from kvrelay.v1 import jobs_pb2_grpc as jgrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
 from tests.integration.helpers import tls_context, wait_until
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None,
-                                reason="etcd is not installed (make etcd, as root: Debian's etcd-server)")
+pytestmark = [pytest.mark.skipif(shutil.which("etcd") is None,
+                                 reason="etcd is not installed (make etcd, as root: Debian's etcd-server)"),
+              pytest.mark.skipif(not postgres_installed(),
+                                 reason="PostgreSQL is not installed (make postgres, as root: postgresql-15)")]
 
 ROUTERS = {"qc": ("montreal", "CA-QC"), "ont": ("toronto", "CA-ON"), "bc": ("vancouver", "CA-BC")}
 TOKENS = {"anywhere": "token-of-a-tenant-with-no-jurisdiction-0123456789", "lab-qc": "token-of-lab-qc-0123456789abcdef",
@@ -240,11 +245,57 @@ def test_a_replay_loses_nothing_when_a_router_is_killed(routers):
     assert wait_until(lambda: live_routers(routers, "qc") == ["bc", "ont", "qc"], 15)
 
 
+def test_a_job_continues_at_the_other_routers_when_its_router_dies(routers):
+    """A job submitted at bc, which runs some of its requests; bc is killed: the requests it held are
+    taken back within 15 s (its etcd lease ended) and run at the others; every result is stored once
+    (read at qc), the standby holds them, and `kvrelay job results --follow` given bc then qc follows
+    on at qc, writing each result once."""
+    n = 24
+    reqs = [ipb.GenerateRequest(token_ids=ipb.TokenIds(ids=[5, 6, 7, 10 + i]), max_tokens=30, ignore_eos=True)
+            for i in range(n)]
+    with routers.dialer(TOKENS["anywhere"]).sync(routers.routers["bc"].address) as ch:
+        job = jgrpc.JobsStub(ch).SubmitJob(jpb.SubmitJobRequest(name="survives", requests=reqs), timeout=60)
+    pg = routers.postgres
+    assert pg is not None
+    held = f"SELECT count(*) FROM items WHERE job = '{job.id}' AND holder = 'bc'"
+    assert wait_until(lambda: pg.replayed(0, held) != "0", 60)  # bc runs some of them
+    r = routers.routers
+    follower = subprocess.Popen([*KVRELAY, "job", "results", "--follow", "--router", f"{r['bc'].address},"
+                                 f"{r['qc'].address}", "--ca", str(routers.ca_file), job.id], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "KVRELAY_API_KEY":
+                                                                        TOKENS["anywhere"]})
+    try:
+        first = follower.stdout.readline() if follower.stdout else ""  # following at bc: a result came
+        routers.stop_router("bc")  # SIGKILL
+        killed = time.monotonic()
+        assert wait_until(lambda: pg.replayed(0, held) == "0", 15)  # taken back: they run at qc and ont
+        taken_back_s = time.monotonic() - killed
+        with routers.dialer(TOKENS["anywhere"]).sync(r["qc"].address) as ch:
+            results = list(jgrpc.JobsStub(ch).JobResults(jpb.JobResultsRequest(id=job.id, follow=True),
+                                                         timeout=240))
+        rest, err = follower.communicate(timeout=60)
+    finally:
+        follower.kill()
+        routers.restart_router(name="bc")
+    assert follower.returncode == 0, err
+    assert "went away after" in err and f"following the job at {r['qc'].address}" in err
+    assert sorted(json.loads(line)["index"] for line in (first + rest).splitlines()) == list(range(n))  # once each
+    assert sorted(r.index for r in results) == list(range(n))  # every result, once
+    assert [r.error for r in results if r.error] == []
+    assert all(len(r.token_ids) == 30 for r in results)
+    numbered = f"SELECT count(DISTINCT seq) || '/' || max(seq) FROM items WHERE job = '{job.id}'"
+    assert pg.replayed(0, numbered) == f"{n}/{n}"  # each stored once: no result numbered twice or skipped
+    assert wait_until(lambda: pg.replayed(1, numbered) == f"{n}/{n}", 10)  # and on the standby
+    print(f"bc's requests taken back {taken_back_s:.1f} s after its death")
+    assert wait_until(lambda: live_routers(routers, "qc") == ["bc", "ont", "qc"], 15)
+
+
 @pytest.mark.parametrize("problem", ["unreachable", "foreign CA"])
 def test_a_router_that_cannot_use_its_etcd_exits_naming_it(routers, plumbing_model, tmp_path, problem):
     cfg = parse_config(three_routers())
     endpoint = f"127.0.0.1:{free_port()}" if problem == "unreachable" else routers.etcd.endpoints[1]
     cfg.etcd.endpoints, cfg.etcd.timeout_s = [endpoint], 2.0
+    cfg.postgres.endpoints = routers.cfg.postgres.endpoints
     cfg.router.records.audit_log = str(tmp_path / "audit.jsonl")
     path = tmp_path / "cluster.yaml"
     dump_config(cfg, path)

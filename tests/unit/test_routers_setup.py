@@ -25,7 +25,7 @@ ROUTERS = [{"name": "qc", "site": "montreal", "port": 7001, "internal_port": 700
 
 
 def cfg(**more):
-    return parse_config({"sites": SITES, "routers": ROUTERS, **more})
+    return parse_config({"sites": SITES, "routers": ROUTERS, "postgres": {"endpoints": ["127.0.0.1:5432"]}, **more})
 
 
 def test_routers_and_their_identities():
@@ -49,6 +49,11 @@ def test_routers_and_their_identities():
     ({"etcd": {"watch": True}}, "etcd: unknown field(s) watch"),
     ({"routers": ROUTERS, "etcd": {"endpoints": ["e:2379"], "members": 5}}, "etcd.members: is how many members"),
     ({"etcd": {"endpoints": ["e:2379"]}}, "etcd: set, but routers: lists no routers"),
+    ({"postgres": {"endpoints": ["db:5432"]}}, "postgres: set, but routers: lists no routers"),
+    ({"routers": ROUTERS, "postgres": {"endpoints": ["db:5432"], "standbys": 2}}, "postgres.standbys: is how many"),
+    ({"routers": ROUTERS, "postgres": {"endpoints": ["postgres://db"]}}, "postgres.endpoints[0]: must be host:port"),
+    ({"routers": ROUTERS, "postgres": {"user": "Robert'); DROP"}}, "postgres.user: must be a lowercase SQL"),
+    ({"routers": ROUTERS, "postgres": {"sslmode": "disable"}}, "postgres: unknown field(s) sslmode"),
     ({"routers": [{"name": "qc", "site": "montreal", "host": "0.0.0.0"}]}, "routers[0].advertise: required when host"),
 ])
 def test_bad_routers_and_etcd_config_is_refused_by_name(more, error):
@@ -73,6 +78,11 @@ def test_a_router_process_takes_its_entry():
 def test_a_router_process_without_its_entry_exits_naming_the_problem(name, error):
     with pytest.raises(SystemExit, match=error):
         named_router(cfg(etcd={"endpoints": ["127.0.0.1:2379"]}), name)
+
+
+def test_several_routers_without_their_jobs_database_exit_naming_it():
+    with pytest.raises(SystemExit, match=r"share their batch jobs in PostgreSQL, and postgres\.endpoints is empty"):
+        named_router(cfg(etcd={"endpoints": ["127.0.0.1:2379"]}, postgres={}), "qc")
 
 
 def test_several_routers_without_etcd_refuse_to_start():
@@ -150,7 +160,8 @@ def test_a_worker_follows_only_the_routers_its_deployment_lists():
 
 
 def test_a_router_announces_the_address_the_others_reach_it_by():
-    c = parse_config({"sites": SITES, "etcd": {"endpoints": ["127.0.0.1:2379"]}, "routers": [
+    c = parse_config({"sites": SITES, "etcd": {"endpoints": ["127.0.0.1:2379"]},
+                      "postgres": {"endpoints": ["db.example.org:5432"]}, "routers": [
         {"name": "qc", "site": "montreal", "host": "0.0.0.0", "advertise": "router.qc.example.org"},
         {"name": "ont", "site": "toronto", "host": "10.1.2.3"}]})
     qc = announced(named_router(c, "qc"), "qc", "0.0.0.0:50051", "0.0.0.0:50052", "0.0.0.0:8000")
