@@ -46,6 +46,13 @@ def parse_rate_change(text: str) -> RateChange:
         raise argparse.ArgumentTypeError(f"--link-rate {text!r}: SECONDS and GBPS must be numbers") from None
 
 
+def routers_arg(text: str) -> str:
+    """``--routers``: a positive count, or ``sites``."""
+    if text != "sites" and not (text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"--routers {text!r}: expected a count >= 1 or 'sites'")
+    return text
+
+
 def sim_inputs(args: argparse.Namespace):
     """(config, profile, arrivals, report meta) from the command line; raises ValueError naming the problem."""
     for name in ("speedup", "length_scale", "output_scale"):
@@ -78,8 +85,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
     except (ValueError, TraceError, ConfigError, ProfileError) as exc:
         print(f"kvrelay: {exc}", file=sys.stderr)
         return 2
+    routers = len(cfg.sites) if args.routers == "sites" else int(args.routers)
     sim = SimConfig(seed=args.seed, router_s=args.router_ms / 1e3, rpc_s=args.rpc_ms / 1e3, failures=args.fail,
-                    rate_changes=args.link_rate)
+                    rate_changes=args.link_rate, routers=routers, heartbeat_s=args.heartbeat_s)
     try:
         report = simulate(cfg, profile, arr, sim, Objectives(args.slo_ttft, args.slo_tpot), meta)
     except SimInputError as exc:
@@ -121,6 +129,12 @@ def add_parsers(sub) -> None:
     s.add_argument("--link-rate", action="append", default=[], type=parse_rate_change,
                    help="A-B@SECONDS=GBPS: the link's rate changes then (repeatable); the router measures it "
                         "from its transfers (router.placement.link_rates)")
+    s.add_argument("--routers", default="1", type=routers_arg,
+                   help="routers placing at once, each counting only its own requests in flight: N, or 'sites' "
+                        "(one per site); request i enters at router i mod N")
+    s.add_argument("--heartbeat-s", type=float, default=0.0,
+                   help="workers' heartbeat interval: how far every router's view of their load and prefix caches "
+                        "lags (live: router.liveness.heartbeat_interval_s, 1 s by default; 0: exact views)")
     s.add_argument("--out", required=True, help="directory for report.json and report.md")
     s.add_argument("--json", help="also write meta and summary to this file")
     s.add_argument("--no-plots", action="store_true", help="skip the PNG plots (large runs)")

@@ -17,11 +17,16 @@ One request's life, as in DESIGN.md's request path:
 4. a worker dying re-places its requests (a decode worker's migrate with the
    tokens already sent, prefilled again); a failed transfer is placed again
    without that prefill worker; a link down is avoided from then on.
+
+With ``SimConfig.heartbeat_s`` the router's view of the workers lags as a live
+one does, and with ``SimConfig.routers`` several routers place at once, each
+with its own count of what it sent (issue 36).
 """
 
 from __future__ import annotations
 
 import functools
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -79,6 +84,16 @@ class SimConfig:
     """One internal RPC or streamed message on the local network."""
     failures: list[Failure] = field(default_factory=list)
     rate_changes: list[RateChange] = field(default_factory=list)
+    routers: int = 1
+    """Routers placing at once, each with its own view: request i enters at router i mod ``routers``
+    (one per site: as many as sites). Each counts only its own requests in flight on a worker
+    (``max_inflight_per_worker``) and its own prompts sent since a worker's last heartbeat, as live
+    routers do; the workers' loads and prefix-cache events reach every router alike, through
+    ``heartbeat_s``. Not modelled: the routers' admission queues are one (a waiting request is placed
+    by its own router's view, in arrival order with every router's), and quotas are not simulated."""
+    heartbeat_s: float = 0.0
+    """Workers' heartbeat interval: the lag of every router's view of their load and prefix
+    caches (0: exact and at once, the simulator's model before several routers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +126,13 @@ class SimRequest:
     migrations: int = 0
     est_ttft_s: float = 0.0
     link: str = ""
+    router: int = 0
+    """Which router it entered at (SimConfig.routers)."""
+    pending: int = 0
+    """Prompt tokens its router sent to ``p`` to compute (less its cached prefix) whose first token has
+    not come back (the router's own count)."""
+    cached_prefill: int = 0
+    """Leading prompt tokens the chosen prefill worker held, as the router's index said."""
 
     @property
     def sent_tokens(self) -> int:
@@ -166,6 +188,20 @@ class SimCluster:
         self.local = {site.name: SimLink(self.clock, self.view.local_link, self._sample) for site in cfg.sites}
         self.workers: dict[str, SimWorker] = {
             v.worker_id: SimWorker(v, self.clock, profile, self.num_blocks, bs, cfg.scheduler, hooks) for v in views}
+        if sim.routers < 1 or sim.heartbeat_s < 0:
+            raise SimInputError(f"routers must be at least 1 (got {sim.routers}) and the heartbeat interval "
+                                f"at least 0 (got {sim.heartbeat_s} s)")
+        phases = random.Random(sim.seed)
+        for w in self.workers.values():
+            w.heartbeat_s, w.phase_s = sim.heartbeat_s, phases.uniform(0, sim.heartbeat_s)
+        self.own: list[dict[str, int]] = [{} for _ in range(sim.routers)]
+        """Per router, its requests in flight per worker (none: absent)."""
+        self.pend: list[dict[str, tuple[int, int]]] = [{} for _ in range(sim.routers)]
+        """Per router and worker: the prompt tokens it sent there less those that came back prefilled since
+        the worker's last heartbeat (as of which heartbeat): what a live router adds to a heartbeat's queue
+        at once (registry ``pending_prefill_tokens``)."""
+        self._shown = 0
+        """The router whose counts the views' ``inflight`` hold now (that of the request being placed)."""
         self._check(sim.failures)
         self._check_rates(sim.rate_changes)
         self.capacity_tokens = min(profile.model.max_context, self.num_blocks * bs)
@@ -255,7 +291,7 @@ class SimCluster:
                 rec.error = (f"INVALID_ARGUMENT: prompt + max_tokens ({a.prompt_tokens + a.max_tokens} tokens) "
                              f"exceeds a worker's context or KV cache ({self.capacity_tokens} tokens)")
                 continue
-            req = SimRequest(a, a.chain(self.block_size), rec, f"sim-{a.index}")
+            req = SimRequest(a, a.chain(self.block_size), rec, f"sim-{a.index}", router=a.index % self.sim.routers)
             self.clock.at(a.arrival_s + self.sim.router_s, self._place, req)
         for f in self.sim.failures:
             self.clock.at(f.at_s, self._fail, f)
@@ -271,8 +307,51 @@ class SimCluster:
         req.record.error = why
         self.active.pop(req.rid, None)
 
+    @staticmethod
+    def _add(counts: dict[str, int], wid: str, delta: int) -> None:
+        n = counts.get(wid, 0) + delta
+        if n:
+            counts[wid] = n
+        else:
+            counts.pop(wid, None)
+
+    def _count(self, req: SimRequest, w: SimWorker, delta: int) -> None:
+        """``req``'s router has ``delta`` more requests in flight on ``w``."""
+        self._add(self.own[req.router], w.wid, delta)
+        if req.router == self._shown:
+            w.view.inflight += delta
+
+    def _pend(self, req: SimRequest, p: SimWorker, tokens: int) -> None:
+        """``req``'s router sent ``p`` a prompt of ``tokens`` to compute (0: its first token came back, or the
+        attempt ended): the router's change to ``p``'s queue since ``p``'s last heartbeat."""
+        delta, req.pending = tokens - req.pending, tokens
+        if delta:
+            since = self._since(req.router, p) + delta
+            self.pend[req.router][p.wid] = (since, p.beats)
+            if req.router == self._shown:
+                p.show_pending(since)
+
+    def _since(self, router: int, w: SimWorker) -> int:
+        """``router``'s change to ``w``'s queue since ``w``'s last heartbeat."""
+        since, beat = self.pend[router].get(w.wid, (0, -1))
+        return since if beat == w.beats else 0
+
+    def _show(self, router: int) -> None:
+        """The views as ``router`` sees them: its own requests in flight and prompts not yet prefilled
+        (only the workers either router has some on)."""
+        if router == self._shown:
+            return
+        own, pend, old = self.own[router], self.pend[router], self._shown
+        for wid in self.own[old].keys() | own.keys():
+            self.workers[wid].view.inflight = own.get(wid, 0)
+        for wid in self.pend[old].keys() | pend.keys():
+            w = self.workers[wid]
+            w.show_pending(self._since(router, w))
+        self._shown = router
+
     def _place(self, req: SimRequest) -> None:
         a = req.arrival
+        self._show(req.router)
         prompt = a.prompt_tokens + req.sent_tokens
         hashes = req.chain.upto(prompt // self.block_size)
         preq = PlacementRequest(prompt, self.index.leading_blocks(hashes), exclude=frozenset(req.exclude),
@@ -292,6 +371,7 @@ class SimCluster:
         d = self.workers[pl.decode.worker_id]
         p = self.workers[pl.prefill.worker_id] if pl.prefill is not None else None
         req.est_ttft_s = pl.est_ttft_s
+        req.cached_prefill = pl.cached_blocks_prefill * self.block_size
         if not self._start(req, p, d, prompt):
             if req.queued_at is None:
                 self._queue(req)
@@ -325,17 +405,18 @@ class SimCluster:
         d_seq = new_sequence(req.rid, prompt, max_tokens, req.chain)
         req.p, req.d, req.d_seq, req.p_seq, req.flow = p, d, d_seq, None, None
         self.active[req.rid] = req
-        d.view.inflight += 1
+        self._count(req, d, 1)
         if p is None:
             req.link, req.kv_bytes = "", 0
             d.add(d_seq)
             return True
         hit = d.reserve(d_seq)
         if hit is None:
-            d.view.inflight -= 1
+            self._count(req, d, -1)
             self.active.pop(req.rid, None)
             return False
-        p.view.inflight += 1
+        self._count(req, p, 1)
+        self._pend(req, p, max(0, prompt - req.cached_prefill))
         link = self.link_between(p.view.site, d.view.site)
         req.link = link.name
         req.kv_bytes = round((blocks_for(prompt, self.block_size) - hit) * self.kv_block_bytes * link.view.kv_fraction)
@@ -368,6 +449,7 @@ class SimCluster:
             return
         if w.view.role is Role.PREFILL:
             if req.p_seq is seq and req.flow is not None:
+                self._pend(req, w, 0)
                 req.transfer_s = self.clock.now  # what the prefill worker reports: its wait after the prefill
                 req.flow.link.close(req.flow)
             return
@@ -379,7 +461,7 @@ class SimCluster:
             rec.end_s = rec.token_times[-1]
             rec.cached_tokens = (req.p_seq or seq).num_cached_tokens
             rec.placement = self._placement(req)
-            w.view.inflight -= 1
+            self._count(req, w, -1)
             self.active.pop(req.rid, None)
             self._pump()
 
@@ -390,8 +472,9 @@ class SimCluster:
         p, d = req.p, req.decode_worker
         if p is None:  # KV flows only from a prefill worker
             raise RuntimeError(f"request {req.rid}: KV landed for an attempt without a prefill worker")
+        self._pend(req, p, 0)
         if p.alive:
-            p.view.inflight -= 1
+            self._count(req, p, -1)
             p.release(req.prefill_sequence)
         req.transfer_s = self.clock.now - req.transfer_s
         if req.flow is not None:
@@ -400,7 +483,7 @@ class SimCluster:
             d.commit(d_seq)
             return
         req.retries += 1
-        d.view.inflight -= 1
+        self._count(req, d, -1)
         d.release(d_seq)
         req.exclude.add(p.view.worker_id)
         self.active.pop(req.rid, None)
@@ -438,11 +521,13 @@ class SimCluster:
             if req.flow is not None and not req.flow.over:
                 req.flow.link.cancel(req.flow)
                 self.meter.end(req.flow.crossing, self.clock.now)
+            if p is not None:
+                self._pend(req, p, 0)
             if p is not None and p is not w:
-                p.view.inflight -= 1
+                self._count(req, p, -1)
                 p.release(req.prefill_sequence)
             if d is not w:
-                d.view.inflight -= 1
+                self._count(req, d, -1)
                 d.release(req.decode_sequence)
             if d is w:
                 req.migrations += 1

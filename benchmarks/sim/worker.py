@@ -231,20 +231,52 @@ class SimWorker:
             seq.num_registered_blocks = full
 
     def refresh(self) -> None:
-        """The router's view of this worker (exact: the simulator has no heartbeat lag)."""
-        v, s, u = self.view, self.sched, self.usage
-        v.running, v.waiting, v.free_blocks = len(s.running), len(s.waiting), self.pool.num_free
-        v.queued_prefill_tokens = sum(max(0, q.num_prompt_tokens - q.num_computed_tokens)
-                                      for q in (*s.waiting, *s.running))
-        v.prefill_tokens_per_s = u.prefill_tokens / u.prefill_s if u.prefill_s else 0.0
-        v.decode_step_s = u.decode_s / u.decode_steps if u.decode_steps else 0.0
-        now = self.clock.now
+        """Accounts this worker's KV use; its load and prefix-cache events reach the routers now
+        (``heartbeat_s`` 0: exact views) or at its next heartbeat (they lag as live views do)."""
+        u, now = self.usage, self.clock.now
         used = (self.pool.num_blocks - self.pool.num_free) / self.pool.num_blocks
         u.kv_block_s += self._kv_used * (now - u.last_t) if u.last_t else 0.0
         u.last_t, self._kv_used = now, used
         u.kv_max = max(u.kv_max, used)
+        if self.heartbeat_s <= 0:
+            self.publish()
+        elif not self._beat_due:  # one heartbeat event while something changed, none while idle
+            self._beat_due = True
+            k = -(-(now - self.phase_s) // self.heartbeat_s)  # the next tick at phase + k * interval
+            self.clock.at(max(now, self.phase_s + k * self.heartbeat_s), self._beat)
+
+    def _beat(self) -> None:
+        self._beat_due = False
+        if self.alive:
+            self.publish()
+
+    def publish(self) -> None:
+        """What a heartbeat carries: the worker's load into its view, its prefix-cache events to the index."""
+        v, s, u = self.view, self.sched, self.usage
+        v.running, v.waiting, v.free_blocks = len(s.running), len(s.waiting), self.pool.num_free
+        self.reported_queued = sum(max(0, q.num_prompt_tokens - q.num_computed_tokens)
+                                   for q in (*s.waiting, *s.running))
+        self.beats += 1  # the routers' changes since the last heartbeat are in this one
+        self.show_pending(0)
+        v.prefill_tokens_per_s = u.prefill_tokens / u.prefill_s if u.prefill_s else 0.0
+        v.decode_step_s = u.decode_s / u.decode_steps if u.decode_steps else 0.0
         ev = self.pool.drain_events()
         if ev.stored or ev.removed:
             self.hooks.kv_events(self, ev.stored, ev.removed)
 
+    def show_pending(self, since: int) -> None:
+        """The placing router's change to this worker's queue since its last heartbeat (prompts sent
+        less those prefilled): with lagging views, the queue it sees is the heartbeat's plus that."""
+        lagging = self.heartbeat_s > 0
+        self.view.queued_prefill_tokens = max(0, self.reported_queued + since) if lagging else self.reported_queued
+
     _kv_used = 0.0
+    reported_queued = 0
+    """Prompt tokens queued here, as its last heartbeat said."""
+    beats = 0
+    """Heartbeats sent so far."""
+    heartbeat_s = 0.0
+    """Interval of this worker's heartbeats to the routers (0: the routers see it exactly, at once)."""
+    phase_s = 0.0
+    """When in the interval its heartbeats fall."""
+    _beat_due = False

@@ -59,6 +59,10 @@ class WorkerRecord:
     synced: bool = False
     """The prefix index holds this worker's cache (a snapshot arrived)."""
     _pending: int = 0
+    _since: int = 0
+    """Prompt tokens this router sent here less those that came back prefilled since the last
+    heartbeat: placement sees the heartbeat's queue plus this, so its own changes count at once in
+    both directions (a prompt prefilled is not counted until the next heartbeat says so)."""
     registered_at: float = 0.0
     answered_at: float = 0.0
     """When the router last answered this worker's heartbeat (or registration):
@@ -93,15 +97,21 @@ class WorkerRecord:
 
     @pending_prefill_tokens.setter
     def pending_prefill_tokens(self, value: int) -> None:
+        self._since += value - self._pending
         self._pending = value
         if self.row is not None:
-            self.row.queued_prefill_tokens = max(self.load.queued_prefill_tokens, value)
+            self.row.queued_prefill_tokens = max(0, self.load.queued_prefill_tokens + self._since)
+
+    def heard(self, load: wpb.WorkerLoad) -> None:
+        """A heartbeat's load: its queue holds this router's prompts sent before it (``_since`` starts over)."""
+        self.load, self._since = load, 0
+        self.sync_load()
 
     def sync_load(self) -> None:
         """Writes the last heartbeat's load into its view row."""
         if self.row is not None:
             load, r = self.load, self.row
-            r.queued_prefill_tokens = max(load.queued_prefill_tokens, self._pending)
+            r.queued_prefill_tokens = max(0, load.queued_prefill_tokens + self._since)
             r.running, r.waiting = load.running, load.waiting
             r.free_blocks = load.free_blocks if load.total_blocks else (self.info.num_blocks or 1 << 30)
             r.prefill_tokens_per_s, r.decode_step_s = load.prefill_tokens_per_s, load.decode_step_ms / 1e3
@@ -235,8 +245,7 @@ class WorkerRegistry:
         rec = self.workers.get(req.load.worker_id)
         if rec is None:
             return wpb.HeartbeatResponse(known=False)
-        rec.load = req.load
-        rec.sync_load()
+        rec.heard(req.load)
         rec.last_seen = time.monotonic()
         if rec.last_seen - self._metered_at >= 1.0:  # links measured long ago go back to their config
             self._metered_at = rec.last_seen

@@ -110,8 +110,9 @@ class Relay:
         self.t0 = self.t_first = time.perf_counter()
         self.prefiller = p or d
         self.pending = 0
-        """Prompt tokens this router has queued at the prefilling worker, known at
-        once (heartbeats lag); released with the first token."""
+        """Prompt tokens this router has queued at the prefilling worker (less those its prefix
+        cache holds: what it will compute), known at once (heartbeats lag); released with the
+        first token."""
         self.call = None
         self.read: asyncio.Future | None = None
         self.prefill: asyncio.Future | None = None
@@ -331,7 +332,9 @@ class Relay:
         self.d.inflight += 1
         if self.p is not None:
             self.p.inflight += 1
-        self.pending = len(self.wr.prompt_token_ids)
+        pl = self.placement  # the prompt's leading blocks the prefilling worker holds need no computing
+        cached = pl.prefill_cached_blocks if self.p is not None else pl.decode_cached_blocks
+        self.pending = max(0, len(self.wr.prompt_token_ids) - cached * self.prefiller.info.block_size)
         self.prefiller.pending_prefill_tokens += self.pending
 
     def release(self) -> None:

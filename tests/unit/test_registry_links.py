@@ -59,3 +59,35 @@ async def _run() -> None:
 
 def test_stale_probes_cannot_undo_a_link_change():
     asyncio.run(_run())
+
+
+async def _queue_as_placement_sees_it() -> list[int]:
+    reg = WorkerRegistry(parse_config(CONFIG))
+    wid = "toronto/prefill/0"
+    await reg.register(wpb.WorkerInfo(worker_id=wid, role=Role.PREFILL.proto, site="toronto", address="127.0.0.1:1"))
+    reg.view()  # the placement view: the record writes through to its row
+    rec = reg.workers[wid]
+    seen = []
+
+    def beat(queued: int) -> None:
+        reg.heartbeat(wpb.HeartbeatRequest(load=wpb.WorkerLoad(worker_id=wid, queued_prefill_tokens=queued)))
+        seen.append(rec.row.queued_prefill_tokens)
+
+    try:
+        beat(1000)
+        rec.pending_prefill_tokens += 500  # this router sends a prompt: counted at once
+        seen.append(rec.row.queued_prefill_tokens)
+        beat(1500)  # the worker's next heartbeat has it queued: not counted twice
+        rec.pending_prefill_tokens -= 500  # its first token came back: gone at once, not a heartbeat later
+        seen.append(rec.row.queued_prefill_tokens)
+        rec.pending_prefill_tokens += 300
+        rec.pending_prefill_tokens -= 300  # sent and prefilled between two heartbeats
+        seen.append(rec.row.queued_prefill_tokens)
+        beat(0)
+    finally:
+        await reg.close()
+    return seen
+
+
+def test_placement_sees_the_heartbeats_queue_plus_this_routers_changes_since():
+    assert asyncio.run(_queue_as_placement_sees_it()) == [1000, 1500, 1500, 1000, 1000, 0]

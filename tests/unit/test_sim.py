@@ -124,6 +124,37 @@ def test_overload_queues_then_sheds_after_the_admission_wait():
     assert errors.count(None) >= 2 and any(e and e.startswith("RESOURCE_EXHAUSTED") for e in errors)
 
 
+def test_each_router_counts_only_its_own_requests_in_flight():
+    """Two decode workers of 2 slots each, 8 requests at once: one router starts 4 and sheds the rest after
+    its admission wait; two routers (requests alternating) each fill every slot they count, so all 8 start."""
+    arr = [request(3000, 200, at=0.0, index=i) for i in range(8)]
+    cfg = one_site(0, 2, admission={"max_inflight_per_worker": 2, "admission_wait_s": 0.2})
+    one, two = run(cfg, arr), run(cfg, arr, routers=2)
+    shed = [r["error"] for r in one["requests"] if r["error"]]
+    assert len(shed) == 4 and all(e.startswith("RESOURCE_EXHAUSTED") for e in shed)
+    assert two["summary"]["failed"] == 0
+    assert two["meta"]["sim"]["routers"] == 2
+
+
+def test_a_lagging_view_learns_a_workers_cache_at_its_next_heartbeat():
+    """The same prompt twice, 0.5 s apart, two prefill workers: with exact views the router sends the
+    second where the first left its blocks (its prefill or its decode worker), expecting their help; with
+    2 s heartbeats its index cannot know of them yet: it expects no help (the engine may still find them,
+    by chance of the choice)."""
+    first, again = request(4000, 4, at=0.0, index=0), request(4000, 4, at=0.5, index=1)
+    again.hash_ids, first.hash_ids, again.trace_block = [7] * 8, [7] * 8, 512
+    cfg = one_site(2, 1, policy="cost_model")
+    exact, lagging = run(cfg, [first, again]), run(cfg, [first, again], heartbeat_s=2.0)
+    assert exact["requests"][1]["cached_tokens"] >= 3584
+    assert lagging["requests"][1]["placement"]["estimated_ttft_ms"] > exact["requests"][1]["placement"][
+        "estimated_ttft_ms"]
+
+
+def test_routers_and_heartbeats_are_checked():
+    with pytest.raises(ValueError, match="routers must be at least 1"):
+        run(one_site(0, 1), [request(100, 2)], routers=0)
+
+
 # --------------------------------------------------------------- failures
 def test_a_decode_worker_dying_mid_stream_migrates_without_losing_tokens():
     arr = [request(800, 200, at=0.01 * i, index=i) for i in range(4)]
