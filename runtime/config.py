@@ -247,6 +247,11 @@ class AdmissionSection(ConfigSection):
     """A request that finds no healthy decode worker it may use (workers
     restarting, or a router that just restarted and awaits their heartbeats)
     waits for one up to this long (never past its deadline), then gets UNAVAILABLE."""
+    shed_early: StrictBool = True
+    """A request that would wait for room is refused at once (RESOURCE_EXHAUSTED with a retry
+    hint) when, at the rate the router's queue has been served, its turn would come only after
+    it may wait (its deadline or admission_wait_s): refused early, not lost late
+    (router/core/admission.py)."""
 
     def __post_init__(self) -> None:
         if self.interactive_reserve >= self.max_inflight_per_worker:

@@ -22,13 +22,24 @@ that just failed (whatever their tenant: so a large request is not
 overtaken forever by small ones that fit the same workers). A placement
 made for a ticket holds its capacity at once, so no two tickets get the
 same room. A tenant with nothing waiting starts at the queue's virtual
-time: requests of its that gave up waiting leave it no debt."""
+time: requests of its that gave up waiting leave it no debt.
+
+Shedding early: the queue measures how fast it serves tickets while it has
+some (over the last SHED_WINDOW_S of backlog). A request that would wait
+behind ``ahead`` tickets is told at once, with a retry hint, when at that
+rate its turn would come after it may wait (its deadline, or
+``admission_wait_s``), instead of waiting toward its deadline and failing
+late (:meth:`FairQueue.expected_wait`). With no measure yet (less than
+SHED_MIN_BACKLOG_S of backlog, or fewer than SHED_MIN_SERVED served in a
+backlog shorter than SHED_WINDOW_S: requests may just be long) nobody is
+shed."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +54,12 @@ PUMP_TRIES = 8
 """Most placements a pass over the waiting tickets tries in one turn of the
 event loop (a decision takes ~0.1-1 ms: a turn holds the loop a few ms at
 most); then it lets the loop run and carries on where it stopped."""
+SHED_WINDOW_S = 10.0
+"""The queue's service rate is measured over the last this many seconds of backlog."""
+SHED_MIN_BACKLOG_S = 2.0
+"""Nobody is shed before the queue has had tickets this long (its rate is not known yet)."""
+SHED_MIN_SERVED = 2
+"""... nor before it has served this many, unless it has served fewer in a whole SHED_WINDOW_S."""
 
 
 @dataclass(slots=True)
@@ -77,6 +94,10 @@ class FairQueue:
     _rest: asyncio.Handle | None = None
     """The rest of a pass cut short, or a new pass asked for meanwhile (one at a time)."""
     _again: bool = False
+    _served: deque = field(default_factory=deque)
+    """Loop times at which tickets were served, the last SHED_WINDOW_S of them."""
+    _backlog_since: float | None = None
+    """Since when tickets have waited without a break (None: none wait)."""
 
     @property
     def interactive_waiting(self) -> int:
@@ -94,8 +115,36 @@ class FairQueue:
                    try_place, asyncio.get_running_loop().create_future(), interactive)
         self.waiting.append(t)
         self.waiting.sort(key=lambda x: x.tag)
+        self._noted(asyncio.get_running_loop().time(), False)
         self.pump()
         return t
+
+    def ahead_of(self, rank: int, interactive: bool) -> int:
+        """Tickets a new one of this class would wait behind (its class or a better one)."""
+        return sum(1 for t in self.waiting if t.tag[:2] <= (rank, not interactive))
+
+    def expected_wait(self, ahead: int, now: float) -> tuple[float, float] | None:
+        """(seconds until a ticket behind ``ahead`` others would be served, tickets served per second) at
+        the rate measured over the backlog's last SHED_WINDOW_S; None while that is not known."""
+        if self._backlog_since is None or now - self._backlog_since < SHED_MIN_BACKLOG_S:
+            return None
+        span = min(SHED_WINDOW_S, now - self._backlog_since)
+        served = sum(1 for at in self._served if at >= now - span)
+        if served < SHED_MIN_SERVED and span < SHED_WINDOW_S:
+            return None  # too few to measure by yet (requests may simply be long)
+        rate = served / span
+        return ((ahead + 1) / rate if rate > 0 else float("inf")), rate
+
+    def _noted(self, now: float, served: bool) -> None:
+        """Keeps the service measure: a ticket served now (``served``), and whether tickets still wait."""
+        if served:
+            self._served.append(now)
+        while self._served and self._served[0] < now - SHED_WINDOW_S:
+            self._served.popleft()
+        if not self.waiting:
+            self._backlog_since = None
+        elif self._backlog_since is None:
+            self._backlog_since = now
 
     def served_elsewhere(self, tenant: str, cost: float, weight: float) -> None:
         """Service another router gave ``tenant`` (``cost``: prompt + max_tokens, as a ticket's): its tickets
@@ -115,6 +164,7 @@ class FairQueue:
         t.queued = False
         if t in self.waiting:
             self.waiting.remove(t)
+        self._noted(asyncio.get_running_loop().time(), False)
 
     def pump(self) -> None:
         """Tries the waiting tickets in order; each one placed leaves the queue
@@ -157,6 +207,8 @@ class FairQueue:
             self.waiting.remove(t)
             self.vtime = max(self.vtime, t.start)
             t.future.set_result(placed)
+            self._noted(asyncio.get_running_loop().time(), True)
+        self._noted(asyncio.get_running_loop().time(), False)
         if self._again:
             self._again = False
             self._rest = asyncio.get_running_loop().call_soon(self._pump_anew)

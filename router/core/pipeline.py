@@ -82,6 +82,8 @@ class RateLimit:
         return dropped
 
 
+SHED_RETRY_MAX_S = 300.0
+"""Longest retry hint given to a request shed early."""
 PLACEMENT_KIND = {PlacementFailure.CONSTRAINT: ErrorKind.CONSTRAINT, PlacementFailure.CAPACITY: ErrorKind.OVERLOADED,
                   PlacementFailure.UNAVAILABLE: ErrorKind.UNAVAILABLE}
 
@@ -398,8 +400,11 @@ class RouterCore:
             except PlacementError as exc:
                 if not f.admission.allows(exc.wait):
                     raise refusal(exc) from None
-        f.obs.waiting()
         policy = self.tenants.of(f.caller.tenant)
+        shed = self._shed_early(f, policy.priority.rank)
+        if shed is not None:
+            raise shed
+        f.obs.waiting()
         ticket = self.queue.ticket(
             f.caller.tenant, policy.priority.rank, f.caller.priority is Priority.INTERACTIVE, policy.weight,
             preq.prompt_tokens + work.max_tokens,
@@ -414,6 +419,24 @@ class RouterCore:
             if ticket.future.done() and not ticket.future.cancelled() and ticket.future.exception() is None:
                 ticket.future.result().release()  # placed just as its caller left
             raise
+
+    def _shed_early(self, f: Flight, rank: int) -> RouterError | None:
+        """Why ``f`` is refused now rather than queued (router.admission.shed_early): at the rate the queue
+        has been served, its turn would come after it may wait. None: it waits."""
+        if not self.cfg.router.admission.shed_early or not self.can_decode:
+            return None  # no worker now: waiting for one is unavailable_wait_s's, not a queue to measure
+        now = asyncio.get_running_loop().time()
+        ahead = self.queue.ahead_of(rank, f.caller.priority is Priority.INTERACTIVE)
+        expected = self.queue.expected_wait(ahead, now)
+        may = f.admission.until[Wait.ROOM] - now
+        if expected is None or expected[0] <= may:
+            return None
+        wait, rate = expected
+        retry = min(SHED_RETRY_MAX_S, max(1.0, wait - may))
+        return RouterError(ErrorKind.OVERLOADED, f"no room: {ahead} requests wait ahead of this one and the router "
+                           f"serves about {rate:.2g} a second, so its turn would come in about {wait:.0f} s, after "
+                           f"the {max(0.0, may):.0f} s it may wait; retry in {int(retry * 1e3)} ms",
+                           retry_after_s=retry)
 
     async def _turn(self, ticket, admission: AdmissionWait) -> Relay:
         """Waits for ``ticket``'s placement within the admission wait of what it last lacked."""

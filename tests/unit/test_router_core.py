@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.router.core.admission import SHED_MIN_BACKLOG_S, SHED_WINDOW_S, FairQueue
 from kvrelay.router.core.errors import ErrorKind, RouterError
 from kvrelay.router.core.pipeline import AdmissionWait, RouterCore, refusal
 from kvrelay.router.core.recovery import Recovery
@@ -141,6 +142,47 @@ def test_admission_wait_tells_what_waiting_can_bring(tok):
         return w.allows(Wait.ROOM), w.allows(Wait.WORKERS), w.allows(Wait.NOTHING)
 
     assert asyncio.run(go()) == (True, False, False)
+
+
+def test_the_queue_estimates_a_new_requests_wait_from_the_rate_it_is_served():
+    """What early shedding reads: unknown until the queue has had a backlog for SHED_MIN_BACKLOG_S and served
+    a few (or a whole window passed); then the tickets ahead of a new one (its class or better) divided by the
+    tickets served per second of backlog."""
+    async def go():
+        q = FairQueue()
+
+        def full():
+            raise PlacementError(PlacementFailure.CAPACITY, "every decode worker is full", 1.0, Wait.ROOM)
+
+        for _ in range(6):
+            q.ticket("lab-a", 1, True, 1.0, 10.0, "same", full)
+        q.ticket("lab-b", 1, False, 1.0, 10.0, "same", full)  # a batch request
+        now = asyncio.get_running_loop().time()
+        unknown = q.expected_wait(6, now)
+        q._backlog_since = now - SHED_MIN_BACKLOG_S - 1.0
+        q._served.append(now - 1.0)
+        one_served = q.expected_wait(6, now)  # one served in three seconds: long requests, not a measure
+        q._backlog_since = now - 10.0
+        q._served.extend([now - 9.0, now - 5.0])  # three served in ten seconds of backlog
+        known = q.expected_wait(q.ahead_of(1, True), now)
+        q._backlog_since, q._served = now - SHED_WINDOW_S, type(q._served)()
+        stalled = q.expected_wait(0, now)
+        ahead = q.ahead_of(1, True), q.ahead_of(1, False), q.ahead_of(0, True)
+        for t in list(q.waiting):
+            q.withdraw(t)
+        return unknown, one_served, known, stalled, ahead, q._backlog_since
+
+    unknown, one_served, (wait, rate), (stalled_wait, stalled_rate), ahead, since = asyncio.run(go())
+    assert unknown is None and one_served is None  # nobody is shed on no measure
+    assert rate == pytest.approx(0.3) and wait == pytest.approx(7 / 0.3)  # behind 6 interactive tickets
+    assert stalled_rate == 0.0 and stalled_wait == float("inf")  # nothing served in a whole window of backlog
+    assert ahead == (6, 7, 0)  # a batch request waits behind the interactive ones; a better class behind none
+    assert since is None  # the queue empty: the next backlog is measured anew
+
+
+def test_shedding_early_is_on_by_default_and_may_be_turned_off():
+    assert parse_config({}).router.admission.shed_early is True
+    assert parse_config({"router": {"admission": {"shed_early": False}}}).router.admission.shed_early is False
 
 
 def test_roles_and_links():
