@@ -29,7 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.engine.config import DType
-from kvrelay.runtime.config import ClusterConfig, LinkSection, PoolSection, TLSSection, bounds, field_info
+from kvrelay.runtime.config import (
+    ClusterConfig,
+    EtcdSection,
+    LinkSection,
+    PoolSection,
+    PostgresSection,
+    TLSSection,
+    bounds,
+    field_info,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "kvrelay"
@@ -56,8 +65,9 @@ CHART_OWNED: dict[str, set[str]] = {
 }
 """Fields of kvrelay's config the chart sets itself (values ``config`` refuses them):
 what Kubernetes decides (addresses, ports, files, TLS, scaling), and what
-has its own place in the values (sites, links, model). ``routers`` and ``etcd``:
-the chart runs one router (a router per site is not in the chart yet)."""
+has its own place in the values (sites, links, model, and the top-level
+``routers``, ``etcd`` and ``postgres``, which the chart maps into the config
+with each router's addresses)."""
 
 
 # -- the schema of kvrelay's config, from its dataclasses ---------------------------------------------------------
@@ -132,6 +142,8 @@ _RESOURCES = _obj({"limits": _QUANTITIES, "requests": _QUANTITIES},
                   description="Kubernetes resources, e.g. {limits: {nvidia.com/gpu: 1}}")
 _PLACEMENT = {"nodeSelector": _LABELS, "tolerations": _TOLERATIONS}
 _PEERS = {"type": "array", "items": {"type": "object"}}
+_ROUTER_NAME = {"type": "string", "pattern": "^[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?$",
+                "description": "lowercase letters, digits and -, at most 22 (it names a Deployment and a Service)"}
 _SITE_NAME = {"type": "string", "pattern": "^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$",
               "description": "lowercase letters, digits and -, at most 32 (it names Deployments and labels)"}
 
@@ -177,6 +189,10 @@ def values_schema() -> dict:
                                              "storageClass": _STR, "size": _STR}),
                         "podDisruptionBudget": _obj({"enabled": {"type": "boolean"},
                                                      "minAvailable": {"type": "integer", "minimum": 0}})}),
+        "routers": {"type": "array", "items": _obj({"name": _ROUTER_NAME, "site": _SITE_NAME, "resources": _RESOURCES,
+                                                     **_PLACEMENT}, required=["name", "site"])},
+        "etcd": section_schema(EtcdSection, exclude={"members"}),
+        "postgres": section_schema(PostgresSection, exclude={"standbys"}),
         "kvSecret": _obj({"existingSecret": _STR, "generate": {"type": "boolean"}}),
         "tls": _obj({"mode": {"enum": ["certManager", "issuer"]}, "ca": _obj({"existingSecret": _STR}),
                      "issuer": _obj({"caKeyInEveryPod": {"type": "boolean"}}),

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from kvrelay.launch import helm as chart
+from kvrelay.router.main import named_router
 from kvrelay.runtime.config import load_config
 
 ROOT = chart.ROOT
@@ -177,6 +178,51 @@ BAD = {
 }
 
 
+BAD_ROUTERS = {
+    "a router at an unknown site": (["routers[1].site=ottawa"], 'routers[1].site: unknown site "ottawa"'),
+    "two routers of one name": (["routers[1].name=qc"], 'routers[1].name: duplicate router "qc"'),
+    "router.site beside routers": (["router.site=toronto"], "router.site: with routers listed"),
+    "routers without etcd": (["etcd.endpoints=null"], "etcd.endpoints: routers share their state in etcd"),
+    "routers without PostgreSQL": (["postgres.endpoints=null"], "postgres.endpoints: routers keep batch jobs"),
+    "a router name with an underscore": (["routers[0].name=q_c"], "routers.0.name: Does not match pattern"),
+    "etcd members (the chart runs none)": (["etcd.members=3"], "etcd: Additional property members"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ROUTERS))
+def test_bad_router_values_are_refused_naming_the_field(helm_bin: Path, case: str):
+    sets, message = BAD_ROUTERS[case]
+    out = chart.template([chart.EXAMPLES / "three-routers" / "values.yaml"], sets, helm_bin)
+    assert out.returncode != 0, f"{case}: rendered"
+    assert message in out.stderr, out.stderr
+
+
+def test_a_router_at_every_site_each_with_its_identity_and_its_sites_workers(tmp_path: Path):
+    docs = rendered("three-routers")
+    cfg = cluster_config(docs, tmp_path)
+    expected = {"qc": "montreal", "ont": "toronto", "bc": "vancouver"}
+    assert {r.name: r.site for r in cfg.routers} == expected
+    assert cfg.etcd.endpoints and cfg.postgres.endpoints
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    certs = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Certificate"}
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    for name, site in expected.items():
+        svc = f"kvrelay-router-{name}"
+        pod = deployments[svc]["spec"]["template"]["spec"]
+        assert f"--name={name}" in pod["containers"][0]["args"]
+        assert pod["nodeSelector"]["topology.kvrelay.io/site"] == site  # on its site's nodes
+        assert certs[svc]["uris"] == [f"kvrelay://{site}/router/{name}"]
+        assert f"{svc}.kvrelay.svc" in certs[svc]["dnsNames"]
+        tls = next(v for v in pod["volumes"] if v["name"] == "tls")
+        assert tls["secret"]["secretName"] == certs[svc]["secretName"]
+        assert svc in services and next(r for r in cfg.routers if r.name == name).advertise == f"{svc}.kvrelay.svc"
+        assert named_router(cfg, name).router.site == site  # each router process takes its entry
+    for site, router in (("montreal", "qc"), ("toronto", "ont")):  # workers register with their site's router
+        for role in ("prefill", "decode"):
+            args = deployments[f"kvrelay-{site}-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+            assert f"--router=kvrelay-router-{router}:50052" in args
+
+
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_values_are_refused_naming_the_field(helm_bin: Path, case: str):
     sets, message = BAD[case]
@@ -261,10 +307,12 @@ def test_no_pod_can_read_the_ca_key_by_default(helm_bin: Path, name: str):
             assert keys == {"ca.crt"}, (doc["metadata"]["name"], container, keys)
     issuer = next(d for d in docs if d["kind"] == "Issuer")
     assert issuer["spec"] == {"ca": {"secretName": "kvrelay-ca"}}
-    cert = next(d for d in docs if d["kind"] == "Certificate")
-    assert cert["spec"]["issuerRef"] == {"name": issuer["metadata"]["name"], "kind": "Issuer",
-                                         "group": "cert-manager.io"}
-    workers = [d for d in deployments if not d["metadata"]["name"].endswith("-router")]
+    certs = [d for d in docs if d["kind"] == "Certificate"]
+    assert len(certs) == sum(d["metadata"]["labels"]["app.kubernetes.io/component"] == "router" for d in deployments)
+    for cert in certs:  # one per router
+        assert cert["spec"]["issuerRef"] == {"name": issuer["metadata"]["name"], "kind": "Issuer",
+                                             "group": "cert-manager.io"}
+    workers = [d for d in deployments if d["metadata"]["labels"]["app.kubernetes.io/component"] != "router"]
     for doc in workers:
         tls = next(v for v in doc["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
         assert tls["csi"]["volumeAttributes"]["csi.cert-manager.io/issuer-name"] == issuer["metadata"]["name"]

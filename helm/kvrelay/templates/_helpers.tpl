@@ -66,11 +66,50 @@ http: 8000
 {{- .Values.kvSecret.existingSecret | default (printf "%s-kv" (include "kvrelay.fullname" .)) -}}
 {{- end -}}
 
-{{/* The router's Service names: its certificate is valid for each. */}}
+{{/*
+The routers this release runs, as a JSON list of {name, site, id, svc}: the
+one router (`router`, name "", identity kvrelay://<site>/router/0, Service
+<release>-router), or one per entry of `routers` (kvrelay's routers:, each
+kvrelay://<site>/router/<name>, Service <release>-router-<name>).
+*/}}
+{{- define "kvrelay.routerList" -}}
+{{- $fullname := include "kvrelay.fullname" . -}}
+{{- $out := list -}}
+{{- if .Values.routers -}}
+{{- range .Values.routers -}}
+{{- $out = append $out (dict "name" .name "site" .site "id" .name "svc" (printf "%s-router-%s" $fullname .name) "entry" .) -}}
+{{- end -}}
+{{- else -}}
+{{- $out = append $out (dict "name" "" "site" (.Values.router.site | default (index .Values.sites 0).name) "id" "0" "svc" (printf "%s-router" $fullname) "entry" .Values.router) -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/* The Service names of one router (dict "root" $ "svc" "<release>-router"): its certificate is valid for each. */}}
 {{- define "kvrelay.routerHosts" -}}
-{{- $svc := printf "%s-router" (include "kvrelay.fullname" .) -}}
-{{- $hosts := list $svc (printf "%s.%s" $svc .Release.Namespace) (printf "%s.%s.svc" $svc .Release.Namespace) (printf "%s.%s.svc.cluster.local" $svc .Release.Namespace) -}}
-{{- concat $hosts .Values.tls.serverNames | toJson -}}
+{{- $svc := .svc -}}
+{{- $ns := .root.Release.Namespace -}}
+{{- $hosts := list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns) -}}
+{{- concat $hosts .root.Values.tls.serverNames | toJson -}}
+{{- end -}}
+
+{{/* Every router's Service names (the config's tls.server_names). */}}
+{{- define "kvrelay.allRouterHosts" -}}
+{{- $all := list -}}
+{{- range include "kvrelay.routerList" . | fromJsonArray -}}
+{{- $all = concat $all (include "kvrelay.routerHosts" (dict "root" $ "svc" .svc) | fromJsonArray) -}}
+{{- end -}}
+{{- $all | uniq | toJson -}}
+{{- end -}}
+
+{{/* The internal address a worker at site .site registers with: its site's router, else the first. */}}
+{{- define "kvrelay.workerRouter" -}}
+{{- $ports := include "kvrelay.ports" .root | fromYaml -}}
+{{- $routers := include "kvrelay.routerList" .root | fromJsonArray -}}
+{{- $mine := index $routers 0 -}}
+{{- $found := false -}}
+{{- range $routers }}{{ if and (not $found) (eq .site $.site) }}{{ $mine = . }}{{ $found = true }}{{ end }}{{ end -}}
+{{- printf "%s:%v" $mine.svc $ports.internal -}}
 {{- end -}}
 
 {{/*
@@ -95,7 +134,17 @@ ports, files, TLS, scaling). The schema refuses those fields under `config`.
 {{- $_ := set $records "audit_log" (printf "%s/audit.jsonl" $p.state) -}}
 {{- $_ := set $records "usage_db" (printf "%s/usage.sqlite" $p.state) -}}
 {{- $_ := set $router "records" $records -}}
+{{- if .Values.routers -}}
+{{- $entries := list -}}
+{{- range include "kvrelay.routerList" . | fromJsonArray -}}
+{{- $entries = append $entries (dict "name" .name "site" .site "host" "0.0.0.0" "port" $ports.grpc "internal_port" $ports.internal "http_port" $ports.http "advertise" (printf "%s.%s.svc" .svc $.Release.Namespace)) -}}
+{{- end -}}
+{{- $_ := set $cfg "routers" $entries -}}
+{{- $_ := set $cfg "etcd" (deepCopy .Values.etcd) -}}
+{{- $_ := set $cfg "postgres" (deepCopy .Values.postgres) -}}
+{{- else -}}
 {{- with .Values.router.site }}{{ $_ := set $router "site" . }}{{ end -}}
+{{- end -}}
 {{- $_ := set $cfg "router" $router -}}
 {{- $_ := set $cfg "model" (dict "path" (include "kvrelay.modelPath" .) "dtype" .Values.model.dtype) -}}
 {{- $sites := list -}}
@@ -122,7 +171,7 @@ ports, files, TLS, scaling). The schema refuses those fields under `config`.
 {{- $_ := set $tls "cert" $p.cert -}}
 {{- $_ := set $tls "key" $p.key -}}
 {{- $_ := set $tls "cert_days" .Values.tls.certDays -}}
-{{- $_ := set $tls "server_names" (include "kvrelay.routerHosts" . | fromJsonArray) -}}
+{{- $_ := set $tls "server_names" (include "kvrelay.allRouterHosts" . | fromJsonArray) -}}
 {{- $_ := set $cfg "tls" $tls -}}
 {{- $tel := get $cfg "telemetry" | default dict -}}
 {{- $_ := set $tel "metrics_host" "0.0.0.0" -}}
@@ -208,7 +257,7 @@ The init container that gives a pod its certificate (tls.mode issuer):
     - {name: model, mountPath: {{ $p.model }}}
 {{- end -}}
 
-{{/* Volumes every kvrelay pod has: (dict "root" $ "role" "decode" "site" "toronto") */}}
+{{/* Volumes every kvrelay pod has: (dict "root" $ "role" "decode" "site" "toronto"); a router's also "svc" (its Service). */}}
 {{- define "kvrelay.volumes" -}}
 {{- $v := .root.Values -}}
 - name: config
@@ -223,7 +272,7 @@ The init container that gives a pod its certificate (tls.mode issuer):
 {{- else if eq .role "router" }}
 - name: tls
   secret:
-    secretName: {{ include "kvrelay.fullname" .root }}-router-tls
+    secretName: {{ .svc }}-tls
     defaultMode: 0440
     items: [{key: tls.crt, path: tls.pem}, {key: tls.key, path: tls.key}]
 {{- else }}
