@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _MOVE_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+WATCH_QUIET_S = 10.0
+"""A watch silent this long asks its member for progress (an answer proves the stream alive)."""
 """Codes after which the next endpoint is tried (the member is gone or cut off)."""
 
 
@@ -83,16 +85,29 @@ class _Endpoint:
         self.maintenance = egrpc.MaintenanceStub(self.channel)
 
 
+async def _read_into(call, answers: asyncio.Queue) -> None:
+    """Every answer of a watch stream into ``answers``, then its end (EOF, or the error that ended it)."""
+    try:
+        while True:
+            resp = await call.read()
+            answers.put_nowait(resp)
+            if resp is grpc.aio.EOF:
+                return
+    except grpc.aio.AioRpcError as exc:
+        answers.put_nowait(exc)
+
+
 class EtcdClient:
     """A client of one etcd cluster (``endpoints``: its members' client addresses)."""
 
     def __init__(self, endpoints: list[str], dialer: Dialer, timeout_s: float,
-                 server_name: str = role_dns(CertRole.ETCD)) -> None:
+                 server_name: str = role_dns(CertRole.ETCD), quiet_s: float = WATCH_QUIET_S) -> None:
         """``dialer``: our certificate and the CA the members' certificates must come from;
-        ``server_name``: the name the members' certificates carry (every etcd member's)."""
+        ``server_name``: the name the members' certificates carry (every etcd member's);
+        ``quiet_s``: a watch silent this long asks its member for progress (see :meth:`watch`)."""
         if not endpoints:
             raise EtcdError("no etcd endpoints (etcd.endpoints)")
-        self.timeout_s = timeout_s
+        self.timeout_s, self.quiet_s = timeout_s, quiet_s
         self._endpoints = [_Endpoint(a, dialer, server_name) for a in endpoints]
         self._current = 0
 
@@ -203,24 +218,24 @@ class EtcdClient:
         """The changes under ``prefix`` from ``start_revision`` on, a batch at a time (an empty
         batch first, once the member accepted the watch), until the stream breaks (EtcdError; the
         caller watches again from its last revision + 1, on the next member). EtcdError too when
-        that revision was compacted away (read again)."""
+        that revision was compacted away (read again), and when the member stops answering: a
+        watch silent for ``quiet_s`` asks for progress, and one that gets no answer within
+        ``timeout_s`` is given up (a member that hangs with its connection open, or one cut off
+        from the others, would otherwise keep this router deaf to every change)."""
         ep = self._endpoints[self._current]
         call = ep.watch.Watch()
-        asked = False
+        answers: asyncio.Queue = asyncio.Queue()
+        reader: asyncio.Task | None = None
         try:
+            try:
+                await call.write(epb.WatchRequest(create_request=epb.WatchCreateRequest(
+                    key=prefix.encode(), range_end=prefix_end(prefix), start_revision=start_revision)))
+            except grpc.aio.AioRpcError as exc:  # a member that is gone fails the request as it fails a read
+                self._current = (self._current + 1) % len(self._endpoints)
+                raise EtcdError(f"etcd watch on {ep.address} ended: {_why(exc)}") from None
+            reader = asyncio.create_task(_read_into(call, answers))
             while True:
-                try:  # a member that is gone fails the request as it fails a read
-                    if not asked:
-                        await call.write(epb.WatchRequest(create_request=epb.WatchCreateRequest(
-                            key=prefix.encode(), range_end=prefix_end(prefix), start_revision=start_revision)))
-                        asked = True
-                    resp = await call.read()
-                except grpc.aio.AioRpcError as exc:
-                    self._current = (self._current + 1) % len(self._endpoints)
-                    raise EtcdError(f"etcd watch on {ep.address} ended: {_why(exc)}") from None
-                if resp is grpc.aio.EOF:
-                    self._current = (self._current + 1) % len(self._endpoints)
-                    raise EtcdError(f"etcd watch on {ep.address} ended")
+                resp = await self._next_answer(call, answers, ep)
                 if resp.compact_revision or resp.canceled:
                     raise EtcdError(f"etcd watch on {ep.address} refused: "
                                     f"{resp.cancel_reason or f'compacted to {resp.compact_revision}'}")
@@ -228,7 +243,33 @@ class EtcdClient:
                     yield [Change(e.kv.key.decode(), e.kv.value if e.type == epb.Event.PUT else None,
                                   e.kv.mod_revision) for e in resp.events]
         finally:
+            if reader is not None:
+                reader.cancel()
             call.cancel()
+
+    async def _next_answer(self, call, answers: asyncio.Queue, ep: _Endpoint) -> epb.WatchResponse:
+        """The watch's next answer; after ``quiet_s`` of silence a progress request, and EtcdError (the
+        next member is tried next) when that gets no answer within ``timeout_s``, or the stream ends."""
+        asked = False
+        while True:
+            try:
+                item = await asyncio.wait_for(answers.get(), self.timeout_s if asked else self.quiet_s)
+            except TimeoutError:
+                if asked:
+                    self._current = (self._current + 1) % len(self._endpoints)
+                    raise EtcdError(f"etcd watch on {ep.address}: no answer to a progress request within "
+                                    f"{self.timeout_s:g} s") from None
+                try:
+                    await call.write(epb.WatchRequest(progress_request=epb.WatchProgressRequest()))
+                except grpc.aio.AioRpcError:
+                    pass  # the stream broke: its reader says how
+                asked = True
+                continue
+            if isinstance(item, grpc.aio.AioRpcError) or item is grpc.aio.EOF:
+                self._current = (self._current + 1) % len(self._endpoints)
+                why = f": {_why(item)}" if isinstance(item, grpc.aio.AioRpcError) else ""
+                raise EtcdError(f"etcd watch on {ep.address} ended{why}")
+            return item
 
     async def close(self) -> None:
         for ep in self._endpoints:

@@ -6,7 +6,9 @@ watches, a member lost, and the errors a wrong endpoint or a foreign CA gets."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 
 import pytest
 
@@ -136,3 +138,43 @@ def test_a_certificate_from_another_ca_is_refused(etcd):
 
     with pytest.raises(EtcdError, match="TLS refused"):
         run(scenario())
+
+
+def test_a_watch_whose_member_hangs_is_given_up_and_taken_up_at_the_next(etcd):
+    """A member that stops answering with its connection open (SIGSTOP): the watch on it asks for progress
+    after quiet_s of silence, gets no answer within timeout_s and ends naming why; watched again, on the next
+    member, it sees the change made meanwhile. A quiet but healthy member answers and the watch stays."""
+    cluster, dialer, _ = etcd
+    hung = cluster.members[0].proc
+    assert hung is not None
+
+    async def scenario():
+        client = EtcdClient(cluster.endpoints, dialer, timeout_s=3.0, quiet_s=0.5)
+        writer = EtcdClient(cluster.endpoints[1:], dialer, timeout_s=5.0)
+        try:
+            await client.connect()  # the first member answers: watches start there
+            _, rev = await client.get_prefix("/t5/")
+            watch = client.watch("/t5/", rev + 1)
+            assert await anext(watch) == []  # created
+            waiting = asyncio.ensure_future(anext(watch))
+            await asyncio.sleep(2.0)  # quiet for four quiet_s: each progress request answered
+            assert not waiting.done()
+            os.kill(hung.pid, signal.SIGSTOP)
+            try:
+                await writer.put("/t5/k", b"v")
+                with pytest.raises(EtcdError, match="no answer to a progress request within 3 s"):
+                    await asyncio.wait_for(waiting, 30)
+                again = client.watch("/t5/", rev + 1)
+                seen: list[str] = []
+                while not seen:
+                    seen = [c.key for c in await asyncio.wait_for(anext(again), 30)]
+                assert seen == ["/t5/k"]
+                await again.aclose()
+            finally:
+                os.kill(hung.pid, signal.SIGCONT)
+            await watch.aclose()
+        finally:
+            await client.close()
+            await writer.close()
+
+    run(scenario())

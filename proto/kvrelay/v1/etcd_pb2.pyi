@@ -223,13 +223,19 @@ class WatchCancelRequest(_message.Message):
     watch_id: int
     def __init__(self, watch_id: _Optional[int] = ...) -> None: ...
 
+class WatchProgressRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class WatchRequest(_message.Message):
-    __slots__ = ("create_request", "cancel_request")
+    __slots__ = ("create_request", "cancel_request", "progress_request")
     CREATE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     CANCEL_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_REQUEST_FIELD_NUMBER: _ClassVar[int]
     create_request: WatchCreateRequest
     cancel_request: WatchCancelRequest
-    def __init__(self, create_request: _Optional[_Union[WatchCreateRequest, _Mapping]] = ..., cancel_request: _Optional[_Union[WatchCancelRequest, _Mapping]] = ...) -> None: ...
+    progress_request: WatchProgressRequest
+    def __init__(self, create_request: _Optional[_Union[WatchCreateRequest, _Mapping]] = ..., cancel_request: _Optional[_Union[WatchCancelRequest, _Mapping]] = ..., progress_request: _Optional[_Union[WatchProgressRequest, _Mapping]] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
     __slots__ = ("header", "watch_id", "created", "canceled", "compact_revision", "cancel_reason", "events")
