@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
@@ -65,10 +66,20 @@ class WorkerProc(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
+class RouterProc(WorkerProc, Protocol):
+    """A router a backend runs at its site: also its output, line by line (its READY line)."""
+
+    def readline(self, timeout: float) -> str: ...
+
+
 class WorkerBackend(Protocol):
     """Starts worker processes (``python -m <module> <args>``) at a site."""
 
     def start(self, name: str, module: str, args: list[str], site: str, env: dict[str, str]) -> WorkerProc: ...
+    def start_router(self, name: str, args: list[str], site: str, env: dict[str, str]) -> RouterProc | None:
+        """One of several routers (``python -m kvrelay.router <args>``) at ``site``; None: the
+        launcher runs routers itself, on its own machine."""
+        ...
     def close(self) -> None: ...
 
 
@@ -93,8 +104,23 @@ class LocalBackend:
         # no preexec_fn (unsafe in a threaded launcher): the worker asks for PDEATHSIG itself
         return subprocess.Popen([*prefix, sys.executable, "-m", module, *args], env={**os.environ, **env})
 
+    def start_router(self, name: str, args: list[str], site: str, env: dict[str, str]) -> RouterProc | None:
+        """None: routers run as the launcher's own children."""
+        return None
+
     def close(self) -> None:
         pass
+
+
+def _line_reader(proc: subprocess.Popen) -> Callable[[float], str]:
+    """``readline(timeout)`` over a process's piped stdout."""
+    out = proc.stdout
+    if out is None:  # started with stdout=PIPE
+        raise RuntimeError("the router's stdout is not a pipe")
+
+    def readline(timeout: float) -> str:
+        return out.readline() if select.select([out], [], [], timeout)[0] else ""
+    return readline
 
 
 @dataclass(slots=True)
@@ -353,18 +379,25 @@ class LocalCluster:
             config = Path(self._worker_tmp.name) / f"router-{entry.name}.yaml"
             dump_config(router_config(self.cfg, entry, self.routers.get(entry.name)), config)
             named = ["--name", entry.name]
-        prefix: list[str] = []
-        if self.cities is not None:  # it parses network input: no root, as the workers (launch/privileges.py)
-            rec = self.cfg.router.records
-            self.cities.check_router_writes([p for p in (rec.jobs_db, rec.audit_log, rec.usage_db) if p])
-            prefix = list(self.cities.worker_drop().prefix)
-        router = subprocess.Popen([*prefix, sys.executable, "-m", "kvrelay.router", "--config", str(config),
-                                   "--model-path", str(self.model_path), "--log-level", self.log_level, *named],
-                                  env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
+        args = ["--config", str(config), "--model-path", str(self.model_path), "--log-level", self.log_level, *named]
         name = entry.name if entry is not None else ""
-        with self._lock:
-            self.children.append(Child(f"router/{name}" if name else "router", router, stdout=router.stdout))
-        ready = self.routers[name] = self._await_ready(router, deadline)
+        child = f"router/{name}" if name else "router"
+        actor = self.backend.start_router(child, args, entry.site, env) if entry is not None else None
+        if actor is not None:  # at its site, as the backend runs it (Ray: an actor on a node of the site)
+            with self._lock:
+                self.children.append(Child(child, actor))
+            ready = self.routers[name] = self._await_ready(actor, actor.readline, deadline)
+        else:
+            prefix: list[str] = []
+            if self.cities is not None:  # it parses network input: no root, as the workers (launch/privileges.py)
+                rec = self.cfg.router.records
+                self.cities.check_router_writes([p for p in (rec.jobs_db, rec.audit_log, rec.usage_db) if p])
+                prefix = list(self.cities.worker_drop().prefix)
+            router = subprocess.Popen([*prefix, sys.executable, "-m", "kvrelay.router", *args],
+                                      env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
+            with self._lock:
+                self.children.append(Child(child, router, stdout=router.stdout))
+            ready = self.routers[name] = self._await_ready(router, _line_reader(router), deadline)
         if entry is None or entry is self.cfg.routers[0]:
             self.router_address, self.internal_address = ready.address, ready.internal
             self.http_address, self.metrics_address = ready.http, ready.metrics
@@ -400,15 +433,13 @@ class LocalCluster:
         dump_config(self.cfg, self.config_path)
         self._start_router(time.monotonic() + timeout_s)
 
-    def _await_ready(self, proc: subprocess.Popen, deadline: float) -> Ready:
-        out = proc.stdout
-        if out is None:  # started with stdout=PIPE
-            raise RuntimeError("the router's stdout is not a pipe")
+    def _await_ready(self, proc: WorkerProc, readline: Callable[[float], str], deadline: float) -> Ready:
+        """The router's READY line (``readline(timeout)``: its next line of output, "" when none came)."""
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"router exited with code {proc.returncode} before it was ready")
-            ready, _, _ = select.select([out], [], [], 0.5)
-            if ready and (addresses := Ready.parse(out.readline())) is not None:
+            code = proc.poll()
+            if code is not None:
+                raise RuntimeError(f"router exited with code {code} before it was ready")
+            if (addresses := Ready.parse(readline(0.5))) is not None:
                 return addresses
         raise TimeoutError("router did not become ready in time")
 

@@ -6,7 +6,12 @@ and each worker actor takes one unit of it, so it can only land there.
 
 The router stays with the launcher (the node where ``kvrelay serve`` runs);
 workers register with it over the network exactly as local ones do, so the
-router's address (``router.host``) must be reachable from every node.
+router's address (``router.host``) must be reachable from every node. With
+several routers (``routers:``), each runs as an actor on a node of its own
+site, like a worker; each router's ``host`` (or ``advertise``) must then be
+reachable from every node, and etcd and PostgreSQL too (the launcher starts
+them on its own loopback only when no endpoints are given, which serves
+nodes on this machine).
 
 Ray 2.60 authenticates every connection with a cluster token by default.
 A local Ray started here makes and uses its own token; to join an existing
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -38,12 +44,20 @@ def _actor_class():
 
     @ray.remote(num_cpus=0, max_restarts=0)
     class WorkerActor:
-        """Owns one worker process on this node; it dies with the actor."""
+        """Owns one worker (or router) process on this node; it dies with the actor."""
 
-        def __init__(self, module: str, args: list[str], env: dict[str, str]) -> None:
+        def __init__(self, module: str, args: list[str], env: dict[str, str], capture: bool = False) -> None:
             # this node's Python, not the launcher's path: nodes may differ; the
             # worker asks for SIGTERM when this actor's process exits (runtime/lifetime.py)
-            self.proc = subprocess.Popen([sys.executable, "-m", module, *args], env={**os.environ, **env})
+            self.proc = subprocess.Popen([sys.executable, "-m", module, *args], env={**os.environ, **env},
+                                         stdout=subprocess.PIPE if capture else None, text=capture)
+
+        def readline(self, timeout: float) -> str:
+            """The process's next line of output ("" when none came within ``timeout``, or it ended)."""
+            out = self.proc.stdout
+            if out is None or not select.select([out], [], [], timeout)[0]:
+                return ""
+            return out.readline()
 
         def node_id(self) -> str:
             return ray.get_runtime_context().get_node_id()
@@ -84,6 +98,10 @@ class RayWorker:
 
     def node_id(self) -> str:
         return self._call(self.actor.node_id)
+
+    def readline(self, timeout: float) -> str:
+        """The process's next line of output, when it was started to capture it ("" when none came)."""
+        return self._call(self.actor.readline, timeout, timeout=timeout + CALL_TIMEOUT_S)
 
     def poll(self) -> int | None:
         if self._exit is not None:
@@ -188,6 +206,12 @@ class RayBackend:
 
     def start(self, name: str, module: str, args: list[str], site: str, env: dict[str, str]) -> RayWorker:
         actor = self._actor.options(resources={site_resource(site): 1}).remote(module, args, env)
+        return RayWorker(name, actor)
+
+    def start_router(self, name: str, args: list[str], site: str, env: dict[str, str]) -> RayWorker:
+        """One of several routers, as an actor on a node of ``site``; its output kept for
+        :meth:`RayWorker.readline` (the launcher reads its READY line)."""
+        actor = self._actor.options(resources={site_resource(site): 1}).remote("kvrelay.router", args, env, True)
         return RayWorker(name, actor)
 
     def close(self) -> None:
