@@ -300,10 +300,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_backend(cfg: ClusterConfig, args: argparse.Namespace) -> RayBackend | None:
     """Where `kvrelay serve`'s workers run (None: processes here); ValueError for flags that do not combine."""
-    if cfg.routers and args.cities:
-        raise ValueError("routers: several routers run here as processes of this machine or as Ray actors at their "
-                         "sites; under --cities they are not started yet (a router per city in its namespace is "
-                         "future work): use one router, or serve without --cities")
     if args.backend != "ray":
         return None
     if args.cities:

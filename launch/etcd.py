@@ -31,30 +31,35 @@ class EtcdMember:
     client_port: int
     peer_port: int
     folder: Path
+    host: str = "127.0.0.1"
     proc: subprocess.Popen | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
 
 class EtcdCluster:
     """``members`` etcd processes on loopback, started by :meth:`start`, each killable and restartable."""
 
-    def __init__(self, members: int, folder: Path, creds: ClusterCredentials | None, site: str) -> None:
+    def __init__(self, members: int, folder: Path, creds: ClusterCredentials | None, site: str,
+                 host: str = "127.0.0.1") -> None:
         """``folder``: the members' data and certificates (the caller's, removed with it); ``creds``:
         the cluster CA that issues each member its certificate (None: plaintext on loopback);
-        ``site``: the site its members' certificates name."""
+        ``site``: the site its members' certificates name; ``host``: the address they listen on
+        (loopback, or the emulated cities' gateway, which routers in the cities' namespaces reach)."""
         if shutil.which(ETCD_BINARY) is None:
             raise RuntimeError(f"etcd is not installed: {INSTALL_HINT}")
         self.creds = creds
         self.scheme = "https" if creds is not None else "http"
         self.token = "kvrelay-" + secrets.token_hex(6)
-        self.members = [EtcdMember(f"m{i}", free_port(), free_port(), folder / f"m{i}") for i in range(members)]
+        self.host = host
+        names = tuple(dict.fromkeys((host, "127.0.0.1", "localhost")))
+        self.members = [EtcdMember(f"m{i}", free_port(), free_port(), folder / f"m{i}", host) for i in range(members)]
         for m in self.members:
             m.folder.mkdir(parents=True, mode=0o700, exist_ok=True)
             if creds is not None:
-                mat = creds.material(Identity(site, CertRole.ETCD, m.name), ("127.0.0.1", "localhost"))
+                mat = creds.material(Identity(site, CertRole.ETCD, m.name), names)
                 assert mat.cert_pem is not None and mat.key_pem is not None  # material() issues both
                 write_private(m.folder / "cert.pem", mat.cert_pem)
                 write_private(m.folder / "key.pem", mat.key_pem)
@@ -65,7 +70,7 @@ class EtcdCluster:
         return [m.endpoint for m in self.members]
 
     def _args(self, m: EtcdMember, state: str) -> list[str]:
-        url = f"{self.scheme}://127.0.0.1"
+        url = f"{self.scheme}://{self.host}"
         cluster = ",".join(f"{o.name}={url}:{o.peer_port}" for o in self.members)
         args = [ETCD_BINARY, "--name", m.name, "--data-dir", str(m.folder / "data"),
                 "--listen-client-urls", f"{url}:{m.client_port}", "--advertise-client-urls", f"{url}:{m.client_port}",

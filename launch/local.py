@@ -331,11 +331,14 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 180.0) -> str:
         """Starts everything; returns the router address once every worker registered."""
-        if self.cities is not None:
-            self.cfg.router.host = self.cities.gateway
-        self.etcd = start_etcd(self.cfg, self.creds, Path(self._tmp.name) / "etcd")
+        shared_host = "127.0.0.1"
+        if self.cities is not None:  # the router on the bridge; several: each in its city, etcd and PostgreSQL
+            self.cfg.router.host = shared_host = self.cities.gateway  # on the bridge, which every city reaches
+            for r in self.cfg.routers:
+                r.host = self.cities.site(r.site).site_addr
+        self.etcd = start_etcd(self.cfg, self.creds, Path(self._tmp.name) / "etcd", host=shared_host)
         try:
-            self.postgres = start_postgres(self.cfg, self.creds)
+            self.postgres = start_postgres(self.cfg, self.creds, host=shared_host)
         except BaseException:
             if self.etcd is not None:
                 self.etcd.stop()
@@ -392,7 +395,9 @@ class LocalCluster:
             if self.cities is not None:  # it parses network input: no root, as the workers (launch/privileges.py)
                 rec = self.cfg.router.records
                 self.cities.check_router_writes([p for p in (rec.jobs_db, rec.audit_log, rec.usage_db) if p])
-                prefix = list(self.cities.worker_drop().prefix)
+                # one of several: in its city's namespace (it reaches other cities' workers over the links)
+                prefix = (self.cities.exec_prefix(entry.site) if entry is not None
+                          else list(self.cities.worker_drop().prefix))
             router = subprocess.Popen([*prefix, sys.executable, "-m", "kvrelay.router", *args],
                                       env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
             with self._lock:

@@ -61,10 +61,11 @@ class PgServer:
     port: int
     folder: Path
     """Its data (``data/``), certificates and log."""
+    host: str = "127.0.0.1"
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def data(self) -> Path:
@@ -75,18 +76,20 @@ class PostgresCluster:
     """A primary and ``standbys`` streaming replicas on loopback, started by :meth:`start`."""
 
     def __init__(self, standbys: int, creds: ClusterCredentials | None, site: str, database: str = "kvrelay",
-                 user: str = "kvrelay") -> None:
+                 user: str = "kvrelay", host: str = "127.0.0.1") -> None:
         """``creds``: the cluster CA that issues each server its certificate (None: plaintext on
-        loopback); ``site``: the site its certificates name; ``database``/``user``: what routers use."""
+        loopback); ``site``: the site its certificates name; ``database``/``user``: what routers use;
+        ``host``: the address the servers listen on (loopback, or the emulated cities' gateway)."""
         pg_bin("initdb")
-        self.creds, self.database, self.user = creds, database, user
+        self.creds, self.database, self.user, self.host = creds, database, user, host
         self.as_service = os.geteuid() == 0
         self.root = Path(tempfile.mkdtemp(prefix="kvrelay-pg-"))
-        self.servers = [PgServer(f"s{i}", free_port(), self.root / f"s{i}") for i in range(standbys + 1)]
+        self.servers = [PgServer(f"s{i}", free_port(), self.root / f"s{i}", host) for i in range(standbys + 1)]
+        names = tuple(dict.fromkeys((host, "127.0.0.1", "localhost")))
         for s in self.servers:
             s.folder.mkdir(mode=0o700)
             if creds is not None:
-                mat = creds.material(Identity(site, CertRole.STORE, s.name), ("127.0.0.1", "localhost"))
+                mat = creds.material(Identity(site, CertRole.STORE, s.name), names)
                 assert mat.cert_pem is not None and mat.key_pem is not None  # material() issues both
                 write_private(s.folder / "cert.pem", mat.cert_pem)
                 write_private(s.folder / "key.pem", mat.key_pem)
@@ -114,7 +117,7 @@ class PostgresCluster:
 
     def _conf(self, s: PgServer) -> str:
         """The settings every server runs with (appended: later lines win over copied ones)."""
-        lines = [f"port = {s.port}", "listen_addresses = '127.0.0.1'", f"unix_socket_directories = '{s.folder}'",
+        lines = [f"port = {s.port}", f"listen_addresses = '{self.host}'", f"unix_socket_directories = '{s.folder}'",
                  "shared_buffers = 16MB", "max_connections = 60", "wal_level = replica", "hot_standby = on",
                  "fsync = on", "synchronous_commit = on", "log_min_messages = warning"]
         if self.creds is not None:
@@ -125,15 +128,15 @@ class PostgresCluster:
     def _hba(self) -> str:
         if self.creds is None:
             return ("local all all peer\n"
-                    f"host {self.database} {self.user} 127.0.0.1/32 trust\n"
-                    f"host replication {REPLICATION_ROLE} 127.0.0.1/32 trust\n")
+                    f"host {self.database} {self.user} {self.host}/32 trust\n"
+                    f"host replication {REPLICATION_ROLE} {self.host}/32 trust\n")
         return ("local all all peer\n"
                 f"hostssl {self.database} {self.user} all cert map=routers\n"
                 f"hostssl replication {REPLICATION_ROLE} all cert map=stores\n")
 
     def _conninfo(self, target: PgServer, own: PgServer) -> str:
         """How server ``own`` (a standby) reaches ``target`` for replication, with its own certificate."""
-        info = f"host=127.0.0.1 port={target.port} user={REPLICATION_ROLE} connect_timeout=10"
+        info = f"host={self.host} port={target.port} user={REPLICATION_ROLE} connect_timeout=10"
         if self.creds is not None:
             info += (f" sslmode=verify-full sslrootcert={own.folder / 'ca.pem'} sslcert={own.folder / 'cert.pem'}"
                      f" sslkey={own.folder / 'key.pem'}")

@@ -69,13 +69,13 @@ def port_of(address: str) -> int:
 
 
 def start_etcd(cfg: ClusterConfig, creds: ClusterCredentials | None, folder: Path,
-               timeout_s: float = 30.0) -> EtcdCluster | None:
+               timeout_s: float = 30.0, host: str = "127.0.0.1") -> EtcdCluster | None:
     """etcd for the routers when the config lists several and names no etcd (``etcd.members`` on
-    loopback, certificates from ``creds``); fills in ``cfg.etcd.endpoints``. None when not needed."""
+    ``host``, certificates from ``creds``); fills in ``cfg.etcd.endpoints``. None when not needed."""
     if len(cfg.routers) < 2 or cfg.etcd.endpoints:
         return None
     site = cfg.routers[0].site
-    etcd = EtcdCluster(cfg.etcd.members, folder, creds, site)
+    etcd = EtcdCluster(cfg.etcd.members, folder, creds, site, host)
     ident = Identity.parse(cfg.routers[0].uri)
     dialer = Dialer(creds.material(ident)) if creds is not None and ident is not None else Dialer()
     cfg.etcd.endpoints = etcd.start(dialer, timeout_s)
@@ -83,12 +83,13 @@ def start_etcd(cfg: ClusterConfig, creds: ClusterCredentials | None, folder: Pat
 
 
 def start_postgres(cfg: ClusterConfig, creds: ClusterCredentials | None,
-                   timeout_s: float = 60.0) -> PostgresCluster | None:
+                   timeout_s: float = 60.0, host: str = "127.0.0.1") -> PostgresCluster | None:
     """The routers' job database when the config lists several and names none (a primary and
-    ``postgres.standbys`` on loopback, certificates from ``creds``); fills in
+    ``postgres.standbys`` on ``host``, certificates from ``creds``); fills in
     ``cfg.postgres.endpoints``. None when not needed."""
     if len(cfg.routers) < 2 or cfg.postgres.endpoints:
         return None
-    pg = PostgresCluster(cfg.postgres.standbys, creds, cfg.routers[0].site, cfg.postgres.database, cfg.postgres.user)
+    pg = PostgresCluster(cfg.postgres.standbys, creds, cfg.routers[0].site, cfg.postgres.database, cfg.postgres.user,
+                         host)
     cfg.postgres.endpoints = pg.start(timeout_s)
     return pg
