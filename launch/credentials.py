@@ -93,6 +93,16 @@ class ClusterCredentials:
         cert, key = issue(self.ca, ident, self.days, hosts)
         return TLSMaterial(self.ca.pem, cert, key, ident, self.revoked)
 
+    def write_files(self, ident: Identity, hosts: tuple[str, ...], folder: Path) -> None:
+        """A new certificate for ``ident`` in ``folder`` as cert.pem, key.pem and ca.pem (0600), for a
+        program that reads files (etcd, PostgreSQL)."""
+        mat = self.material(ident, hosts)
+        if mat.cert_pem is None or mat.key_pem is None:  # material() issues both
+            raise RuntimeError(f"no certificate and key were issued for {ident}")
+        write_private(folder / "cert.pem", mat.cert_pem)
+        write_private(folder / "key.pem", mat.key_pem)
+        write_private(folder / "ca.pem", mat.ca_pem)
+
     def env(self, ident: Identity, hosts: tuple[str, ...] = ()) -> dict[str, str]:
         """The environment that hands a child process its certificate."""
         mat = self.material(ident, hosts)

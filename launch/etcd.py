@@ -18,7 +18,7 @@ from pathlib import Path
 from kvrelay.launch.credentials import ClusterCredentials
 from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.etcd import EtcdClient, EtcdError
-from kvrelay.runtime.pki import CertRole, Identity, write_private
+from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.rpc import Dialer
 
 ETCD_BINARY = "etcd"
@@ -59,11 +59,7 @@ class EtcdCluster:
         for m in self.members:
             m.folder.mkdir(parents=True, mode=0o700, exist_ok=True)
             if creds is not None:
-                mat = creds.material(Identity(site, CertRole.ETCD, m.name), names)
-                assert mat.cert_pem is not None and mat.key_pem is not None  # material() issues both
-                write_private(m.folder / "cert.pem", mat.cert_pem)
-                write_private(m.folder / "key.pem", mat.key_pem)
-                write_private(m.folder / "ca.pem", mat.ca_pem)
+                creds.write_files(Identity(site, CertRole.ETCD, m.name), names, m.folder)
 
     @property
     def endpoints(self) -> list[str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvrelay.launch.credentials import ClusterCredentials
 from kvrelay.runtime.addresses import free_port
-from kvrelay.runtime.pki import CertRole, Identity, write_private
+from kvrelay.runtime.pki import CertRole, Identity
 
 BIN_DIRS = ("/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin", "/usr/lib/postgresql/17/bin")
 INSTALL_HINT = "install Debian's PostgreSQL (apt-get install postgresql-15; `make test` does as root)"
@@ -89,11 +89,7 @@ class PostgresCluster:
         for s in self.servers:
             s.folder.mkdir(mode=0o700)
             if creds is not None:
-                mat = creds.material(Identity(site, CertRole.STORE, s.name), names)
-                assert mat.cert_pem is not None and mat.key_pem is not None  # material() issues both
-                write_private(s.folder / "cert.pem", mat.cert_pem)
-                write_private(s.folder / "key.pem", mat.key_pem)
-                write_private(s.folder / "ca.pem", mat.ca_pem)
+                creds.write_files(Identity(site, CertRole.STORE, s.name), names, s.folder)
         if self.as_service:
             service = pwd.getpwnam(SERVICE_USER)
             for path in (self.root, *self.root.rglob("*")):
