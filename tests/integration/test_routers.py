@@ -245,7 +245,7 @@ def test_a_replay_loses_nothing_when_a_router_is_killed(routers):
     assert wait_until(lambda: live_routers(routers, "qc") == ["bc", "ont", "qc"], 15)
 
 
-def test_a_job_continues_at_the_other_routers_when_its_router_dies(routers):
+def test_a_job_continues_at_the_other_routers_when_its_router_dies(routers, tmp_path):
     """A job submitted at bc, which runs some of its requests; bc is killed: the requests it held are
     taken back within 15 s (its etcd lease ended) and run at the others; every result is stored once
     (read at qc), the standby holds them, and `kvrelay job results --follow` given bc then qc follows
@@ -260,12 +260,13 @@ def test_a_job_continues_at_the_other_routers_when_its_router_dies(routers):
     held = f"SELECT count(*) FROM items WHERE job = '{job.id}' AND holder = 'bc'"
     assert wait_until(lambda: pg.replayed(0, held) != "0", 60)  # bc runs some of them
     r = routers.routers
-    follower = subprocess.Popen([*KVRELAY, "job", "results", "--follow", "--router", f"{r['bc'].address},"
-                                 f"{r['qc'].address}", "--ca", str(routers.ca_file), job.id], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env={**os.environ, "KVRELAY_API_KEY":
-                                                                        TOKENS["anywhere"]})
+    out, err_file = tmp_path / "results.jsonl", tmp_path / "follower.err"
+    with out.open("w") as out_f, err_file.open("w") as err_f:  # files: nothing buffered between two readers
+        follower = subprocess.Popen([*KVRELAY, "job", "results", "--follow", "--router", f"{r['bc'].address},"
+                                     f"{r['qc'].address}", "--ca", str(routers.ca_file), job.id], stdout=out_f,
+                                    stderr=err_f, env={**os.environ, "KVRELAY_API_KEY": TOKENS["anywhere"]})
     try:
-        first = follower.stdout.readline() if follower.stdout else ""  # following at bc: a result came
+        assert wait_until(lambda: out.read_text().count("\n") >= 1, 60)  # following at bc: a result came
         routers.stop_router("bc")  # SIGKILL
         killed = time.monotonic()
         assert wait_until(lambda: pg.replayed(0, held) == "0", 15)  # taken back: they run at qc and ont
@@ -273,13 +274,14 @@ def test_a_job_continues_at_the_other_routers_when_its_router_dies(routers):
         with routers.dialer(TOKENS["anywhere"]).sync(r["qc"].address) as ch:
             results = list(jgrpc.JobsStub(ch).JobResults(jpb.JobResultsRequest(id=job.id, follow=True),
                                                          timeout=240))
-        rest, err = follower.communicate(timeout=60)
+        follower.wait(60)
     finally:
         follower.kill()
         routers.restart_router(name="bc")
+    err = err_file.read_text()
     assert follower.returncode == 0, err
     assert "went away after" in err and f"following the job at {r['qc'].address}" in err
-    assert sorted(json.loads(line)["index"] for line in (first + rest).splitlines()) == list(range(n))  # once each
+    assert sorted(json.loads(line)["index"] for line in out.read_text().splitlines()) == list(range(n))  # once each
     assert sorted(r.index for r in results) == list(range(n))  # every result, once
     assert [r.error for r in results if r.error] == []
     assert all(len(r.token_ids) == 30 for r in results)
