@@ -17,7 +17,7 @@ pytestmark = pytest.mark.model
 CONFIG = {
     "router": {"port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0},
                "liveness": {"heartbeat_interval_s": 0.25}},
-    "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 2}}],
+    "sites": [{"name": "local", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 3}}],
     "workers": {"threads": 1},
     "cache": {"memory_gib": 0.25},
 }
@@ -68,16 +68,16 @@ def test_a_decode_worker_whose_engine_dies_leaves_and_is_replaced(smollm_path, r
         assert "local/decode/0" not in workers(lc)
 
 
-def test_a_migrated_stream_reuses_the_prompts_kv_the_prefill_worker_still_holds(smollm_path):
+def test_a_migrated_stream_reuses_the_prompts_kv_the_prefill_worker_still_holds(failover_cluster):
     """Recovery costs what the fault cost: the prefill worker that computed the prompt keeps its blocks in
     its prefix cache, the router's index knows them, and the migrated attempt is placed where they are:
-    only the tokens already sent (and the prompt's last partial block) are computed again. (A cluster of
-    its own: the module's has lost a decode worker to the test above.)"""
+    only the tokens already sent (and the prompt's last partial block) are computed again. (The module's
+    cluster has three decode workers: the test above killed one.)"""
     prompt = list(range(2000, 2200))  # 200 tokens: 12 full blocks of 16
-    with running_cluster(CONFIG, smollm_path, reconcile=False) as lc:
-        assert wait_until(lambda: sum(w.healthy for w in workers(lc).values()) == 3, 60)
-        tokens, msgs, killed = stream_killing_its_decode_worker(lc, ipb.GenerateRequest(
-            token_ids=ipb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True))
+    lc = failover_cluster
+    assert wait_until(lambda: sum(w.healthy for w in workers(lc).values()) >= 3, 60)
+    tokens, msgs, killed = stream_killing_its_decode_worker(lc, ipb.GenerateRequest(
+        token_ids=ipb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True))
     assert killed is not None and len(tokens) == MAX_TOKENS
     fin = msgs[-1].finish
     assert fin.placement.migrations == 1

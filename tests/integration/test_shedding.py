@@ -20,8 +20,8 @@ from tests.integration.helpers import running_cluster, wait_until, workers
 pytestmark = pytest.mark.model
 
 TOKEN = "token-of-the-shedding-tenant-0123"
-LONG = 1500
-"""Output tokens of each long stream (about 6 s on the plumbing model at 4 ms a token)."""
+LONG = 1000
+"""Output tokens of each long stream (about 4 s on the plumbing model at 4 ms a token)."""
 
 
 @pytest.fixture(scope="module")
