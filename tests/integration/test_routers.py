@@ -464,23 +464,15 @@ def test_requests_in_progress_count_at_every_router(routers):
 def test_routers_on_ray_each_run_at_a_node_of_its_site(plumbing_model):
     """`kvrelay serve --backend ray` with routers: each router is an actor on a node of its own site (as
     workers are), they share etcd and PostgreSQL, and each places on workers the other registered."""
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
     from kvrelay.launch.ray_backend import RayBackend
-    from tests.integration.test_scaling import _ray_head
+    from tests.integration.test_scaling import ray_sites
 
     raw = three_routers()
     raw["routers"] = [{"name": "qc", "site": "montreal"}, {"name": "ont", "site": "toronto"}]
     raw["sites"] = [{"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0},
                      "decode": {"replicas": 1}},
                     {"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 0}, "decode": {"replicas": 0}}]
-    rc = _ray_head(Cluster)
-    nodes = {"montreal": rc.add_node(num_cpus=1, resources={"site:montreal": 4}),
-             "toronto": rc.add_node(num_cpus=1, resources={"site:toronto": 4})}
-    ray.init(address=rc.address, log_to_driver=False)
-    try:
-        rc.wait_for_nodes()
+    with ray_sites("montreal", "toronto") as nodes:
         lc = LocalCluster(parse_config(raw), plumbing_model, backend=RayBackend(["montreal", "toronto"]))
         lc.start()
         try:
@@ -491,6 +483,3 @@ def test_routers_on_ray_each_run_at_a_node_of_its_site(plumbing_model):
             assert sorted(live_routers(lc, "ont")) == ["ont", "qc"]
         finally:
             lc.stop()
-    finally:
-        ray.shutdown()
-        rc.shutdown()

@@ -6,6 +6,7 @@ are checked."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -135,29 +136,36 @@ def _ray_head(cluster_cls):
     raise AssertionError("unreachable")
 
 
-@pytest.mark.serial
-def test_scale_on_ray_two_nodes(plumbing_model):
+@contextlib.contextmanager
+def ray_sites(*sites: str):
+    """A Ray cluster (this process connected to it) with one node per site, each offering its site's
+    resource; yields the nodes by site. Shut down afterwards."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
-    from kvrelay.launch.ray_backend import RayBackend
-
     rc = _ray_head(Cluster)
-    nodes = {"toronto": rc.add_node(num_cpus=1, resources={"site:toronto": 4}),
-             "montreal": rc.add_node(num_cpus=1, resources={"site:montreal": 4})}
+    nodes = {s: rc.add_node(num_cpus=1, resources={f"site:{s}": 4}) for s in sites}
     ray.init(address=rc.address, log_to_driver=False)
     try:
         rc.wait_for_nodes()
-        with running_cluster(CONFIG, plumbing_model, backend=RayBackend(["toronto", "montreal"])) as lc:
-            def on_right_node() -> bool:
-                return all(c.proc.node_id() == nodes[c.site].node_id for c in lc.children if c.role)
-            assert on_right_node()
-            new = scale_up_and_down_while_streaming(lc)
-            assert new.startswith("montreal/decode/")
-            assert on_right_node()
+        yield nodes
     finally:
         ray.shutdown()
         rc.shutdown()
+
+
+@pytest.mark.serial
+def test_scale_on_ray_two_nodes(plumbing_model):
+    from kvrelay.launch.ray_backend import RayBackend
+
+    with ray_sites("toronto", "montreal") as nodes, \
+            running_cluster(CONFIG, plumbing_model, backend=RayBackend(["toronto", "montreal"])) as lc:
+        def on_right_node() -> bool:
+            return all(c.proc.node_id() == nodes[c.site].node_id for c in lc.children if c.role)
+        assert on_right_node()
+        new = scale_up_and_down_while_streaming(lc)
+        assert new.startswith("montreal/decode/")
+        assert on_right_node()
 
 
 @pytest.fixture(scope="module")
