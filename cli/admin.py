@@ -51,15 +51,15 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 
 def admin_call(args: argparse.Namespace, method: str, request):
-
-
-    with operator_dialer(args).sync(router_addresses(args)[0]) as ch:
+    """Admin.``method`` at the first --router, as an operator (or with --as-tenant as the tenant)."""
+    as_tenant = getattr(args, "as_tenant", False)
+    with (dialer(args, client_token(args)) if as_tenant else operator_dialer(args)).sync(
+            router_addresses(args)[0]) as ch:
         return getattr(agrpc.AdminStub(ch), method)(request, timeout=30)
 
 
 def run_admin(args: argparse.Namespace, method: str, request, show) -> int:
     """Calls Admin.``method``; shows the response, or the error with exit code 1."""
-
     try:
         resp = admin_call(args, method, request)
     except grpc.RpcError as exc:
@@ -136,6 +136,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             return grpc_error(exc)
     sys.stdout.write(text)
     return 0
+
+
+def tenant_reader_flag(p: argparse.ArgumentParser, what: str) -> None:
+    """--as-tenant: read ``what`` with the tenant's own credentials instead of an operator's."""
+    p.add_argument("--as-tenant", action="store_true",
+                   help=f"read {what} as a tenant, with its own credentials ($KVRELAY_API_KEY or the local client "
+                        "token, or --cert a client certificate): that tenant's only")
 
 
 def operator_flags(p: argparse.ArgumentParser) -> None:

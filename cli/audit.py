@@ -3,7 +3,9 @@
 
 ``kvrelay audit verify FILE...`` prints ``ok: N records, head <hash>`` for
 each log; note the head somewhere else, and ``--head`` later finds the log's
-end edited or cut off since. With several routers each keeps its own chain
+end edited or cut off since. ``--heads FILE --key PUB`` checks the log against
+the heads the router signed (router/governance/audit_heads.py): a tail
+rewritten, cut off, or appended to while the router was stopped. With several routers each keeps its own chain
 (``audit.<router>.jsonl`` beside the others under `kvrelay serve`): verify
 takes them all and names the file and record of each problem. ``kvrelay audit
 query`` reads ``<cache dir>/audit.jsonl`` and every router's beside it (where
@@ -21,6 +23,7 @@ from pathlib import Path
 from kvrelay.cli.common import table
 from kvrelay.router.core.records import RecordKind
 from kvrelay.router.governance.audit import parse_time, query, verify
+from kvrelay.router.governance.audit_heads import SignedHead, check_heads, load_public_key, read_heads
 
 AUDIT_FILE = "audit.jsonl"
 """The audit log's name in the cache folder (``kvrelay serve``'s default ``router.records.audit_log``)."""
@@ -28,23 +31,60 @@ _HEAD = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def cmd_audit_verify(args: argparse.Namespace) -> int:
-    """0 and ``ok: ...`` when every chain holds; 1 and each broken chain's first problem otherwise."""
+    """0 and ``ok: ...`` when every chain holds (and agrees with its signed heads);
+    1 and each broken chain's first problem otherwise."""
     if args.head is not None and not _HEAD.fullmatch(args.head):
         raise ValueError(f"--head: {args.head!r} is not a SHA-256 (64 hex digits, as `kvrelay audit verify` prints)")
     if args.head is not None and len(args.file) > 1:
         raise ValueError("--head is one log's head: give it with that log alone")
+    heads = _signed_heads(args)
     failed = 0
-    for path in args.file:
+    for i, path in enumerate(args.file):
+        name = path + ": " if len(args.file) > 1 else ""
         try:
+            if heads is not None:
+                failed += _verify_signed(path, name, heads[i])
+                continue
             result = verify(path, head=args.head.lower() if args.head else None)
         except OSError as exc:
             raise OSError(f"{path}: {exc.strerror or exc}") from None
         if result.ok:
-            print(f"{path + ': ' if len(args.file) > 1 else ''}ok: {result.records} records, head {result.head}")
+            print(f"{name}ok: {result.records} records, head {result.head}")
         else:
             failed += 1
             print(f"kvrelay: {path}: {result.problem}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _signed_heads(args: argparse.Namespace) -> list[list[SignedHead]] | None:
+    """Each log's signed heads (``--heads``, in the order of the logs), their signatures checked; None without."""
+    if not args.heads:
+        if args.key:
+            raise ValueError("--key is the key of signed heads: give --heads too")
+        return None
+    if len(args.heads) != len(args.file):
+        raise ValueError(f"--heads: {len(args.heads)} heads files for {len(args.file)} logs: give one per log, "
+                         "in the same order")
+    if not args.key:
+        raise ValueError("--heads needs --key: the public key the router signs with (router.records."
+                         "audit_signing_key's, e.g. keys/audit-signing.key.pub beside kvrelay serve's log)")
+    key = load_public_key(args.key)
+    return [read_heads(h, key) for h in args.heads]
+
+
+def _verify_signed(path: str, name: str, heads: list[SignedHead]) -> int:
+    """One log against its signed heads: prints the verdict; 1 if it fails."""
+    result = check_heads(path, heads)
+    if not result.chain.ok:
+        print(f"kvrelay: {path}: {result.chain.problem}", file=sys.stderr)
+        return 1
+    if result.problem is not None:
+        print(f"kvrelay: {path}: {result.problem}", file=sys.stderr)
+        return 1
+    tail = f"; {result.uncovered} records after it not yet covered" if result.uncovered else ""
+    print(f"{name}ok: {result.chain.records} records, head {result.chain.head}; {result.heads} signed heads agree "
+          f"(up to seq {result.covered}{tail})")
+    return 0
 
 
 def _since(text: str):
@@ -106,6 +146,10 @@ def add_parsers(sub) -> None:
     v.add_argument("file", nargs="+", help="the audit log (JSONL); with several routers, each router's")
     v.add_argument("--head", help="a head printed earlier: the log must still contain it (finds its end "
                                   "edited or cut off)")
+    v.add_argument("--heads", action="append", help="the heads the router signed (router.records.audit_heads; "
+                                                    "again for each log, in order): finds the log's tail "
+                                                    "rewritten, cut off or appended to while it was closed")
+    v.add_argument("--key", help="the Ed25519 public key (PEM) the heads were signed with")
     v.set_defaults(func=cmd_audit_verify)
     q = cmds.add_parser("query", help="records by tenant, site, time and kind")
     q.add_argument("--file", action="append", help=f"an audit log, again for each router's (default: <cache dir>/"

@@ -11,7 +11,7 @@ import sys
 
 import grpc
 
-from kvrelay.cli.admin import admin_call, operator_flags
+from kvrelay.cli.admin import admin_call, operator_flags, tenant_reader_flag
 from kvrelay.cli.common import grpc_error
 from kvrelay.v1 import admin_pb2 as apb
 
@@ -70,4 +70,5 @@ def add_parsers(sub) -> None:
     g.add_argument("--tenant", help="one tenant (default: every tenant)")
     g.add_argument("--format", choices=["md", "json"], default="md", help="Markdown (default) or JSON")
     operator_flags(g)
+    tenant_reader_flag(g, "its statement")
     g.set_defaults(func=cmd_governance)

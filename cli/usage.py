@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from kvrelay.cli.admin import admin_call, operator_flags
+from kvrelay.cli.admin import admin_call, operator_flags, tenant_reader_flag
 from kvrelay.cli.common import grpc_error, table
 from kvrelay.v1 import admin_pb2 as apb
 
@@ -96,7 +96,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
 def add_parsers(sub) -> None:
     us = sub.add_parser("usage", help="requests, tokens, KV bytes and worker-seconds per tenant, site and link, "
-                                      "from the workers' own counters (operators)")
+                                      "from the workers' own counters (operators; a tenant: --as-tenant)")
     us.add_argument("--since", default="0", help="from this time on: 1h (ago), 30m, 2d, --since=-1h, or an ISO "
                                                  "8601 time (default: since records began)")
     us.add_argument("--by", default="tenant,site,link",
@@ -105,4 +105,5 @@ def add_parsers(sub) -> None:
     us.add_argument("--tenant", default="", help="only this tenant")
     us.add_argument("--json", action="store_true", help="JSON with UsageRow's field names, and the totals")
     operator_flags(us)
+    tenant_reader_flag(us, "its usage")
     us.set_defaults(func=cmd_usage)

@@ -14,6 +14,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvrelay.router.governance.audit_heads import generate_signing_key
 from kvrelay.runtime.kvsecret import TLS_ENV
 from kvrelay.runtime.pki import (
     CA,
@@ -36,6 +37,8 @@ LOCAL_PKI = "pki"
 CLIENT_TOKEN = "client-token"
 """File (in the cache folder) of the local default's client token (tenant ``local``)."""
 LOCAL_TENANT = "local"
+AUDIT_KEY = "audit-signing.key"
+"""The audit log's signing key, made by the launcher in a ``keys`` folder beside the log (its public key: ``.pub``)."""
 
 
 def _private_cache(cache_dir: Path) -> None:
@@ -50,6 +53,15 @@ def ensure_local_ca(cache_dir: Path) -> tuple[Path, Path]:
     if not (folder / CA_CERT).exists():
         init_ca_dir(folder)
     return folder / CA_CERT, folder / CA_KEY
+
+
+def ensure_audit_key(folder: Path) -> Path:
+    """The audit log's Ed25519 signing key in ``folder`` (0700; key 0600, public key
+    ``<key>.pub`` beside it for `kvrelay audit verify --key`), made on first use."""
+    key = folder / AUDIT_KEY
+    if not key.exists():
+        generate_signing_key(key)
+    return key
 
 
 def ensure_client_token(cache_dir: Path) -> str:

@@ -30,7 +30,7 @@ from typing import IO, Protocol
 import grpc
 
 from kvrelay.launch.cities import CitiesState
-from kvrelay.launch.credentials import LOCAL_TENANT, ClusterCredentials
+from kvrelay.launch.credentials import AUDIT_KEY, LOCAL_TENANT, ClusterCredentials, ensure_audit_key
 from kvrelay.launch.etcd import EtcdCluster
 from kvrelay.launch.postgres import PostgresCluster
 from kvrelay.launch.routers import Ready, port_of, router_config, start_etcd, start_postgres
@@ -204,13 +204,7 @@ class LocalCluster:
         self.config_path = Path(self._worker_tmp.name) / "cluster.yaml"
         if cities is not None:
             cities.share_with_workers(Path(self._worker_tmp.name))
-        records = self._records_folder()
-        if cfg.router.records.jobs_db is None:  # durable across router restarts, for this cluster's life
-            cfg.router.records.jobs_db = str(records / "jobs.sqlite")
-        if cfg.router.records.audit_log is None:
-            cfg.router.records.audit_log = str(records / "audit" / "audit.jsonl")
-        if cfg.router.records.usage_db is None:
-            cfg.router.records.usage_db = str(records / "usage.sqlite")
+        self._default_records(cfg)
         self._secret = secrets.token_hex(32)
         """Per-run KV secret for the workers when the config names no secret file."""
         self.creds = ClusterCredentials.for_config(cfg.tls, Path(self._tmp.name) / "ca")
@@ -220,6 +214,33 @@ class LocalCluster:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_index: dict[tuple[str, str], int] = {}
+
+    def _default_records(self, cfg: ClusterConfig) -> None:
+        """The router's records the config names no file for: in this run's folder (durable across
+        router restarts, for this cluster's life), and the key that signs the audit log's heads."""
+        records, rec = self._records_folder(), cfg.router.records
+        if rec.jobs_db is None:
+            rec.jobs_db = str(records / "jobs.sqlite")
+        if rec.audit_log is None:
+            rec.audit_log = str(records / "audit" / "audit.jsonl")
+        if rec.usage_db is None:
+            rec.usage_db = str(records / "usage.sqlite")
+        self._audit_key(cfg)
+
+    def _audit_key(self, cfg: ClusterConfig) -> None:
+        """A key that signs the audit log's heads when the config names none: ``keys/`` beside
+        the log, made on first use (under --cities, the unprivileged router's own)."""
+        rec = cfg.router.records
+        if rec.audit_signing_key is not None or not rec.audit_log:
+            return
+        folder = Path(rec.audit_log).parent / "keys"
+        made = not (folder / AUDIT_KEY).exists()
+        key = ensure_audit_key(folder)
+        rec.audit_signing_key = str(key)
+        if made and self.cities is not None and not self.cities.worker_drop().keeps_root_uid:
+            drop = self.cities.worker_drop()
+            for p in (folder, key, key.with_name(key.name + ".pub")):
+                os.chown(p, drop.uid, drop.gid)
 
     def _records_folder(self) -> Path:
         """Where this run keeps the router's records when the config names none: the launcher's

@@ -48,11 +48,12 @@ def _own(path: str | None, name: str) -> str | None:
 
 def router_config(cfg: ClusterConfig, entry: RouterEntrySection, ready: Ready | None = None) -> ClusterConfig:
     """The config router ``entry`` runs with on a machine it shares with the others: its own
-    jobs, audit and usage files; ``ready``: where it listened before (a restart keeps its ports)."""
+    jobs, audit, audit heads and usage files; ``ready``: where it listened before (a restart keeps its ports)."""
     out = copy.deepcopy(cfg)
     rec = out.router.records
     rec.jobs_db, rec.audit_log, rec.usage_db = (_own(rec.jobs_db, entry.name), _own(rec.audit_log, entry.name),
                                                 _own(rec.usage_db, entry.name))
+    rec.audit_heads = _own(rec.audit_heads, entry.name)
     if ready is not None:
         mine = next(r for r in out.routers if r.name == entry.name)
         mine.port, mine.internal_port = port_of(ready.address), port_of(ready.internal)

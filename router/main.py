@@ -47,6 +47,7 @@ from kvrelay.router.frontends.http_server import serve_http
 from kvrelay.router.frontends.jobs import JobService, add_jobs_to_server
 from kvrelay.router.frontends.openai_http import OpenAIServer
 from kvrelay.router.frontends.peer import GrpcCaller
+from kvrelay.router.governance.audit_heads import HeadsError, HeadSigner, heads_path, load_signing_key
 from kvrelay.router.governance.audit_writer import AuditWriter
 from kvrelay.router.governance.retention import RetentionSweeper
 from kvrelay.router.placement.place import make_policy
@@ -130,11 +131,26 @@ def http_tls_files(tls: TLSMaterial | None, folder: Path) -> tuple[str, str] | N
 def audit_log(cfg) -> AuditWriter | None:
     """The router's audit log (router.records.audit_log), resumed where it ended and
     written off the event loop; None (and a warning) when unset."""
-    if cfg.router.records.audit_log:
-        return AuditWriter(cfg.router.records.audit_log)
+    rec = cfg.router.records
+    if rec.audit_log:
+        return AuditWriter(rec.audit_log, signer=head_signer(rec), head_interval_s=rec.audit_head_interval_s)
+    if rec.audit_signing_key:
+        raise SystemExit("router: router.records.audit_signing_key is set but router.records.audit_log is not: "
+                         "there is no log to sign")
     logging.getLogger(__name__).warning("router.records.audit_log is not set: requests and operator actions "
                                         "are not audited")
     return None
+
+
+def head_signer(rec) -> HeadSigner | None:
+    """The signer of the audit log's heads (router.records.audit_signing_key); SystemExit naming a bad key."""
+    if not rec.audit_signing_key:
+        return None
+    try:
+        key = load_signing_key(rec.audit_signing_key)
+    except HeadsError as exc:
+        raise SystemExit(f"router: router.records.audit_signing_key: {exc}") from None
+    return HeadSigner(key, rec.audit_heads or heads_path(rec.audit_log), Path(rec.audit_log).name)
 
 
 async def _stopped(task: asyncio.Task, timeout_s: float, what: str) -> None:

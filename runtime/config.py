@@ -321,6 +321,17 @@ class RecordsSection(ConfigSection):
     audit_log: StrictStr | None = None
     """Append-only, hash-chained JSONL audit log (one record per request and
     per operator action); None = `kvrelay serve` uses audit.jsonl in the cache folder."""
+    audit_signing_key: StrictStr | None = None
+    """Ed25519 private key (PEM) that signs the audit log's head when the router opens
+    the log, every ``audit_head_interval_s`` while it moves, and when it closes it
+    (router/governance/audit_heads.py); keep it apart from the log (another folder and
+    owner). None = `kvrelay serve` makes one in its keys folder; a router started alone
+    without it signs nothing."""
+    audit_heads: StrictStr | None = None
+    """File the signed heads are appended to (JSONL), for another party to keep; each
+    is also logged (logger kvrelay.audit.heads). None = ``<audit_log>.heads`` beside the log."""
+    audit_head_interval_s: StrictFloat = Field(default=60.0, gt=0, le=_DAY_S)
+    """Most seconds between two signed heads while records are written."""
     usage_db: StrictStr | None = None
     """SQLite file of usage accounting (the workers' own counters, per minute);
     None = `kvrelay serve` uses usage.sqlite in the cache folder."""

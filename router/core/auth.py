@@ -108,6 +108,26 @@ class CallerAuth:
         return self.operators.require(authorization)
 
 
+    def reader(self, authorization: str, cert: Identity | None = None) -> tuple[str, str | None]:
+        """Who reads usage or the data-handling statement: (operator, None) for an
+        operator, (tenant, tenant) for a tenant's own credentials (never anonymous, whose
+        "own" usage is everyone's); RouterError(UNAUTHENTICATED / PERMISSION_DENIED) otherwise."""
+        if cert is not None:
+            if cert.role is CertRole.CLIENT:
+                tenant = self.tenant(authorization, cert)
+                return tenant, tenant
+            return self.operator(authorization, cert), None
+        operator = self.operators.who(authorization)
+        if operator is not None:
+            return operator, None
+        client = self.clients.who(authorization)
+        if client is not None:
+            return client, client
+        raise RouterError(ErrorKind.UNAUTHENTICATED,
+                          "operator or tenant credentials required: 'authorization: Bearer <token>' with a token "
+                          "listed in auth.operators or tenants, or a certificate from the cluster CA")
+
+
 class TenantSalts:
     """Each tenant's prefix-cache salt, keyed by a secret: the salt reveals
     nothing about the tenant, and nobody without the key can forge one.

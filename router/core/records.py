@@ -21,6 +21,8 @@ class RecordKind(StrEnum):
     """The log's own repair: a torn last line moved aside, records dropped by a full writer queue."""
     REFUSAL = "refusal"
     """A call refused before it had a tenant (missing or wrong credentials), rate-limited."""
+    READ = "read"
+    """A tenant read its own usage or data-handling statement (Admin.Usage, Admin.Governance)."""
 
 
 class Auditor(Protocol):

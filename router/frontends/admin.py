@@ -1,6 +1,7 @@
 """The operator API (``kvrelay.v1.Admin``), a thin gRPC adapter over the
 pools (router/cluster/pools.py) and the planner (router/cluster/planner.py); every call needs
-operator credentials: a token in ``auth.operators`` or an operator certificate."""
+operator credentials: a token in ``auth.operators`` or an operator certificate, but for Usage and
+Governance, which a tenant's own credentials read too, limited to that tenant."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from kvrelay.router.core.pipeline import RouterCore
 
 log = logging.getLogger(__name__)
+
+_READS = {"usage": "usage", "governance": "data-handling statement"}
+"""What a tenant may read of its own through the Admin API, by audit action."""
 
 
 def external_scaling_hint(request: apb.ScaleRequest) -> str:
@@ -124,25 +128,49 @@ class AdminService(agrpc.AdminServicer):
                                                     recommended=p.recommended, reasons=p.reasons) for p in plans],
                                 window_s=self.pools.window.window_s, applied=request.apply)
 
+    async def _reader(self, context: grpc.aio.ServicerContext, asked: str, action: str) -> tuple[str, str | None]:
+        """The tenant whose usage or statement the call reads ("" = every tenant's, for an
+        operator), and the operator calling (None: a tenant reading its own, audited here as a
+        ``read`` record). PERMISSION_DENIED when a tenant asks for another tenant's."""
+        try:
+            who, own = self.auth.reader(context)
+        except RouterError as exc:
+            self.core.audit_refused("admin", exc, "token" if authorization(context) else "none")
+            await context.abort(STATUS[exc.kind], exc.message)
+        if own is None:
+            return asked, who
+        if asked and asked != own:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"tenant {own!r} reads its own {_READS[action]} only, not tenant {asked[:64]!r}'s")
+        if self.audit is not None:
+            self.audit.append(RecordKind.READ, {"tenant": own, "action": action})
+        return own, None
+
     async def Governance(self, request: apb.GovernanceRequest, context) -> apb.GovernanceResponse:
-        """The data-handling statement (router/governance/statement.py) of one tenant or all, from the live state."""
-        who = await self._authorize(context)
-        self._audit(who, "governance", tenant=request.tenant[:64] or None)
+        """The data-handling statement (router/governance/statement.py) of one tenant or all, from the live
+        state; a tenant reads its own (without the list of live workers)."""
+        tenant, who = await self._reader(context, request.tenant, "governance")
+        if who is not None:
+            self._audit(who, "governance", tenant=request.tenant[:64] or None)
         state = deployment_state(self.pools.registry, self.pools.desired)
         try:
-            doc = statement(self.pools.cfg, state, request.tenant or None)
+            doc = statement(self.pools.cfg, state, tenant or None)
         except UnknownTenant as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        if who is None:  # a tenant: its own statement, without the live workers
+            doc["deployment"].pop("workers", None)
         return apb.GovernanceResponse(statement_json=json.dumps(doc))
 
     async def Usage(self, request: apb.UsageRequest, context) -> apb.UsageResponse:
-        """Usage totals per group from the workers' own counters (router/cluster/usage.py);
-        INVALID_ARGUMENT naming a group-by that is not one of tenant, site, link, role, worker."""
-        who = await self._authorize(context)
-        self._audit(who, "usage", tenant=request.tenant[:64] or None)
+        """Usage totals per group from the workers' own counters (router/cluster/usage.py), a tenant's
+        own only for a tenant; INVALID_ARGUMENT naming a group-by that is not one of tenant, site, link,
+        role, worker."""
+        tenant, who = await self._reader(context, request.tenant, "usage")
+        if who is not None:
+            self._audit(who, "usage", tenant=request.tenant[:64] or None)
         try:
             by = grouping(request.by)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        report = await self.usage.report(request.since_unix, by, request.tenant)
+        report = await self.usage.report(request.since_unix, by, tenant)
         return usage_response(report)

@@ -67,3 +67,7 @@ class GrpcCaller:
     def operator(self, context: grpc.aio.ServicerContext) -> str:
         """The operator calling; raises RouterError."""
         return self.auth.operator(authorization(context), self.cert(context))
+
+    def reader(self, context: grpc.aio.ServicerContext) -> tuple[str, str | None]:
+        """Who reads usage or the statement: (operator, None) or (tenant, tenant); raises RouterError."""
+        return self.auth.reader(authorization(context), self.cert(context))

@@ -10,7 +10,12 @@ it describes; serving goes on (the audit log is evidence, not a gate), and
 so does the thread. At most :data:`MAX_QUEUED` records wait: beyond that
 :meth:`AuditWriter.append` drops them (counted in ``dropped``, an error
 logged at most once a second), and the next batch written ends with a
-``recovery`` record ``{action: "records dropped", count}``."""
+``recovery`` record ``{action: "records dropped", count}``.
+
+With a :class:`HeadSigner` (router/governance/audit_heads.py) the writer signs
+the log's head when it opens the log, after a batch once ``head_interval_s``
+has passed since the last signed head (when the head moved), and when it
+closes the log."""
 
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay.router.core.records import RecordKind
-from kvrelay.router.governance.audit import AuditError, AuditLog, SweepResult
+from kvrelay.router.governance.audit import AuditError, AuditLog, SweepResult, iso_time
+from kvrelay.router.governance.audit_heads import HeadSigner, HeadState
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +68,15 @@ _CLOSE = None
 class AuditWriter:
     """``append`` from any thread (never blocks on the disk); ``close`` writes what is queued."""
 
-    def __init__(self, path: str | Path, max_queued: int = MAX_QUEUED) -> None:
+    def __init__(self, path: str | Path, max_queued: int = MAX_QUEUED, signer: HeadSigner | None = None,
+                 head_interval_s: float = 60.0) -> None:
+        """``signer``: signs the log's head when it opens, every ``head_interval_s`` while it moves, at close."""
         self.log = AuditLog(path, fsync=False)
         self.max_queued = max_queued
+        self.signer, self.head_interval_s = signer, head_interval_s
+        self._signed_at = time.monotonic()
+        if signer is not None:
+            self._sign(HeadState.OPEN)
         self.dropped = 0
         """Records dropped so far because the queue was full."""
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
@@ -120,20 +132,43 @@ class AuditWriter:
         """Retention (:meth:`AuditLog.sweep`), in order with the queued records' writes."""
         return self.log.sweep(expired, cutoffs)
 
+    def _sign(self, state: HeadState) -> None:
+        assert self.signer is not None
+        self.signer.sign(state, self.log.seq, self.log.head, iso_time(time.time()))
+        self._signed_at = time.monotonic()
+
+    def _sign_due(self) -> None:
+        """A ``running`` head, when the interval has passed and the head moved since the last one."""
+        if self.signer is None or time.monotonic() < self._signed_at + self.head_interval_s:
+            return
+        if self.signer.signed != (self.log.seq, self.log.head):
+            self._sign(HeadState.RUNNING)
+        self._signed_at = time.monotonic()
+
     def _run(self) -> None:
         while True:
             batch = self._take()
+            if not batch:
+                self._sign_due()
+                continue
             try:
                 last = self._write_batch(batch)
             except Exception as exc:  # a bug here must not stop the writer: logged, the waiters told
                 log.exception("audit writer: a batch failed")
                 last = _release(batch, AuditError(self.path, f"the batch was not written: {exc!r}"))
+            self._sign_due()
             if last:
                 return
 
     def _take(self) -> list[_Item | None]:
-        """The next batch (waiting for its first item); what it takes no longer counts as queued."""
-        batch = [self._queue.get()]
+        """The next batch (waiting for its first item; with a signer, at most until the next
+        head is due: then maybe none); what it takes no longer counts as queued."""
+        try:
+            first = self._queue.get(timeout=None if self.signer is None else
+                                    max(0.05, self._signed_at + self.head_interval_s - time.monotonic()))
+        except queue.Empty:
+            return []
+        batch = [first]
         while len(batch) < MAX_BATCH:
             try:
                 batch.append(self._queue.get_nowait())
@@ -204,6 +239,8 @@ class AuditWriter:
         self._queue.put(_CLOSE)
         self._thread.join(timeout_s)
         self.log.close()
+        if self.signer is not None and not self._thread.is_alive():  # nothing can follow the closing head
+            self._sign(HeadState.CLOSED)
 
 
 def _what(fields: dict) -> str:

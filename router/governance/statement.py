@@ -372,6 +372,16 @@ def _kv_memory(cfg: ClusterConfig) -> str:
     return f"{c.memory_gib:g} GiB per worker, cache.memory_gib"
 
 
+def _heads_text(rs) -> str:
+    """The retention answer's sentence on the audit log's signed heads (router.records)."""
+    if not rs.audit_signing_key:
+        return ("The log's head is not signed (router.records.audit_signing_key is not set): whoever can "
+                "write the file can rewrite its tail undetected, unless its head was noted elsewhere. ")
+    return (f"The log's head is signed with a key kept apart from it, when the router opens and closes the "
+            f"log and every {rs.audit_head_interval_s:g} s, into {rs.audit_heads or rs.audit_log + '.heads'} "
+            f"(and the router's log), so a rewritten or cut tail is found against heads kept elsewhere. ")
+
+
 def retention(d: Deployment, t: TenantSection, r: Reach) -> dict:
     """(4) How long each kind of record is kept; where its prompts may be reused."""
     cfg, rs = d.cfg, d.cfg.router.records
@@ -382,6 +392,8 @@ def retention(d: Deployment, t: TenantSection, r: Reach) -> dict:
              "max_stored_jobs": t.max_stored_jobs, "max_stored_job_bytes": t.max_stored_job_bytes,
              "min_free_bytes_for_jobs": rs.min_free_bytes_for_jobs, "min_free_bytes": rs.min_free_bytes,
              "audit_retention_days": t.audit_retention_days, "audit_log": rs.audit_log,
+             "audit_heads_signed": bool(rs.audit_log and rs.audit_signing_key),
+             "audit_heads": (rs.audit_heads or f"{rs.audit_log}.heads") if rs.audit_signing_key else None,
              "expired_audit_records": "replaced by tombstones (seq, time, kind, tenant, hash of the removed line)",
              "operator_audit_retention_days": rs.operator_audit_retention_days,
              "retention_sweep_s": rs.retention_sweep_s, "usage_retention_days": usage_days,
@@ -403,6 +415,7 @@ def retention(d: Deployment, t: TenantSection, r: Reach) -> dict:
                  f"of the removed line stay, so the chain still verifies) {t.audit_retention_days:g} days after "
                  f"their time; records of no tenant (operator actions, worker registrations, retention records) "
                  f"after {rs.operator_audit_retention_days:g} days. ")
+        text += _heads_text(rs)
     else:
         text += "Nothing is audited (router.records.audit_log is not set). "
     text += (f"The router's retention sweep runs when it starts and every {rs.retention_sweep_s:g} s "
@@ -452,7 +465,8 @@ def access(d: Deployment, t: TenantSection, r: Reach) -> dict:
     sharing = sorted(t.share_prefix_cache_with) if cfg.cache.enable_prefix_caching else []
     facts: dict[str, Any]
     facts = {"tenant_signs_in_with": _sign_in(cfg, t),
-             "tenant_sees": {"jobs": "its own only", "usage": "no: operators only (Admin.Usage)",
+             "tenant_sees": {"jobs": "its own only", "usage": "its own only (Admin.Usage, `kvrelay usage`)",
+                             "statement": "its own only (Admin.Governance, `kvrelay governance`)",
                              "audit_records": "no: a file on the router's host"},
              "operators": _operators(cfg),
              "operators_see": ["usage of every tenant (Admin.Usage)", "this statement (Admin.Governance)",
@@ -466,7 +480,8 @@ def access(d: Deployment, t: TenantSection, r: Reach) -> dict:
         ["the audit log holds its prompts and outputs (log_prompts)"] if t.log_prompts and records.audit_log else [])
     text = (f"Users: whoever presents {_sign_in_text(facts['tenant_signs_in_with'])} acts as this tenant: it sends "
             f"requests and sees its own batch jobs only (another tenant's job is as unknown as a missing one); "
-            f"usage reports are for operators only (Admin.Usage needs operator credentials). Administrators: "
+            f"it reads its own usage and this statement, never another tenant's (Admin.Usage and Admin.Governance "
+            f"with its own credentials). Administrators: "
             f"{_operators_text(cfg)} scale and drain the pools and read every tenant's usage and this statement "
             f"through the Admin API, which serves no prompt, output or audit record. The router's files are read "
             f"on its host by whoever its file permissions let (as read there: "

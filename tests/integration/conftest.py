@@ -42,3 +42,36 @@ def reference_engine(smollm_path):
 def plumbing_reference(plumbing_model):
     """The reference engine of the tests whose clusters serve ``plumbing_model``."""
     return LLMEngine(EngineConfig(model_path=plumbing_model, cache=CacheConfig(num_blocks=512)))
+
+
+def _ray_head(cluster_cls):
+    """A Ray cluster with its head node. Ray gives its raylet a fixed 30 s to register with the GCS
+    and raises a bare Exception past it, which a busy 2-core machine can meet: that is Ray's start,
+    not the behaviour under test, so it is tried once more (its processes die with this one's exit)."""
+    for attempt in (1, 2):
+        try:
+            return cluster_cls(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        except Exception as exc:  # Ray raises exactly Exception for this
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="session")
+def ray_two_sites():
+    """A Ray cluster (this process connected to it) with a node for montreal and one for toronto,
+    each offering its site's resource; yields the nodes by site. Shared by the Ray tests (Ray's
+    start is ~10 s); shut down at the session's end."""
+    sites = ("montreal", "toronto")
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    rc = _ray_head(Cluster)
+    nodes = {s: rc.add_node(num_cpus=1, resources={f"site:{s}": 4}) for s in sites}
+    ray.init(address=rc.address, log_to_driver=False)
+    try:
+        rc.wait_for_nodes()
+        yield nodes
+    finally:
+        ray.shutdown()
+        rc.shutdown()

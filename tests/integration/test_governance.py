@@ -91,7 +91,7 @@ def test_statement_reflects_the_live_config_and_workers(governed_cluster, tmp_pa
     assert [p["pool"] for p in _answers(doc, "uni-qc")[2]["facts"]["pools"]] == []
 
 
-def test_markdown_for_one_tenant_unknown_tenants_and_operators_only(governed_cluster, tmp_path, capsys, monkeypatch):
+def test_markdown_for_one_tenant_unknown_tenants_and_a_tenants_own(governed_cluster, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("KVRELAY_OPERATOR_TOKEN", raising=False)
     code, out, err = _run(governed_cluster, tmp_path, capsys, "--tenant", "lab-on")
     assert code == 0, err
@@ -99,6 +99,14 @@ def test_markdown_for_one_tenant_unknown_tenants_and_operators_only(governed_clu
     assert [n for n in range(1, 9) if f"### {n}. " in out] == list(range(1, 9))
     code, out, err = _run(governed_cluster, tmp_path, capsys, "--tenant", "nobody")
     assert code == 1 and "NOT_FOUND" in err and "'nobody'" in err
-    # a tenant's token is no operator's
+    # a tenant's token reads its own statement, never another tenant's, and is no operator's
     code, out, err = _run(governed_cluster, tmp_path, capsys, token_text="lab-token")
+    assert code == 0 and "## Tenant `lab-on`" in out and "uni-qc`" not in out, err
+    code, out, err = _run(governed_cluster, tmp_path, capsys, "--tenant", "uni-qc", token_text="lab-token")
+    assert code == 1 and "PERMISSION_DENIED" in err and out == ""
+    assert "reads its own data-handling statement only" in err
+    monkeypatch.setenv("KVRELAY_API_KEY", "uni-token")
+    code, out, err = _run(governed_cluster, tmp_path, capsys, "--as-tenant", token_text="not-a-token")
+    assert code == 0 and "## Tenant `uni-qc`" in out and "lab-on`" not in out, err
+    code, out, err = _run(governed_cluster, tmp_path, capsys, token_text="not-a-token")
     assert code == 1 and "UNAUTHENTICATED" in err and out == ""

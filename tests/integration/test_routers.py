@@ -461,25 +461,24 @@ def test_requests_in_progress_count_at_every_router(routers):
 
 
 @pytest.mark.serial  # Ray's start and a second cluster: measured alone
-def test_routers_on_ray_each_run_at_a_node_of_its_site(plumbing_model):
+def test_routers_on_ray_each_run_at_a_node_of_its_site(plumbing_model, ray_two_sites):
     """`kvrelay serve --backend ray` with routers: each router is an actor on a node of its own site (as
     workers are), they share etcd and PostgreSQL, and each places on workers the other registered."""
     from kvrelay.launch.ray_backend import RayBackend
-    from tests.integration.test_scaling import ray_sites
 
     raw = three_routers()
     raw["routers"] = [{"name": "qc", "site": "montreal"}, {"name": "ont", "site": "toronto"}]
     raw["sites"] = [{"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0},
                      "decode": {"replicas": 1}},
                     {"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 0}, "decode": {"replicas": 0}}]
-    with ray_sites("montreal", "toronto") as nodes:
-        lc = LocalCluster(parse_config(raw), plumbing_model, backend=RayBackend(["montreal", "toronto"]))
-        lc.start()
-        try:
-            on = {c.name: c.proc.node_id() for c in lc.children if c.name.startswith("router/")}
-            assert on == {"router/qc": nodes["montreal"].node_id, "router/ont": nodes["toronto"].node_id}
-            for name in ("qc", "ont"):  # the decode worker registered with qc (its site's router)
-                assert generate(lc, name).placement.decode_worker == "montreal/decode/0"
-            assert sorted(live_routers(lc, "ont")) == ["ont", "qc"]
-        finally:
-            lc.stop()
+    nodes = ray_two_sites
+    lc = LocalCluster(parse_config(raw), plumbing_model, backend=RayBackend(["montreal", "toronto"]))
+    lc.start()
+    try:
+        on = {c.name: c.proc.node_id() for c in lc.children if c.name.startswith("router/")}
+        assert on == {"router/qc": nodes["montreal"].node_id, "router/ont": nodes["toronto"].node_id}
+        for name in ("qc", "ont"):  # the decode worker registered with qc (its site's router)
+            assert generate(lc, name).placement.decode_worker == "montreal/decode/0"
+        assert sorted(live_routers(lc, "ont")) == ["ont", "qc"]
+    finally:
+        lc.stop()

@@ -6,7 +6,6 @@ are checked."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 import threading
 import time
@@ -123,43 +122,12 @@ def test_scale_local_processes(plumbing_model):
         scale_up_and_down_while_streaming(lc)
 
 
-def _ray_head(cluster_cls):
-    """A Ray cluster with its head node. Ray gives its raylet a fixed 30 s to register with the GCS
-    and raises a bare Exception past it, which a busy 2-core machine can meet: that is Ray's start,
-    not the behaviour under test, so it is tried once more (its processes die with this one's exit)."""
-    for attempt in (1, 2):
-        try:
-            return cluster_cls(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-        except Exception as exc:  # Ray raises exactly Exception for this
-            if attempt == 2 or "timed out during startup" not in str(exc):
-                raise
-    raise AssertionError("unreachable")
-
-
-@contextlib.contextmanager
-def ray_sites(*sites: str):
-    """A Ray cluster (this process connected to it) with one node per site, each offering its site's
-    resource; yields the nodes by site. Shut down afterwards."""
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
-    rc = _ray_head(Cluster)
-    nodes = {s: rc.add_node(num_cpus=1, resources={f"site:{s}": 4}) for s in sites}
-    ray.init(address=rc.address, log_to_driver=False)
-    try:
-        rc.wait_for_nodes()
-        yield nodes
-    finally:
-        ray.shutdown()
-        rc.shutdown()
-
-
 @pytest.mark.serial
-def test_scale_on_ray_two_nodes(plumbing_model):
+def test_scale_on_ray_two_nodes(plumbing_model, ray_two_sites):
     from kvrelay.launch.ray_backend import RayBackend
 
-    with ray_sites("toronto", "montreal") as nodes, \
-            running_cluster(CONFIG, plumbing_model, backend=RayBackend(["toronto", "montreal"])) as lc:
+    nodes = ray_two_sites
+    with running_cluster(CONFIG, plumbing_model, backend=RayBackend(["toronto", "montreal"])) as lc:
         def on_right_node() -> bool:
             return all(c.proc.node_id() == nodes[c.site].node_id for c in lc.children if c.role)
         assert on_right_node()

@@ -18,6 +18,7 @@ import pytest
 
 from kvrelay.cli.main import main as kvrelay
 from kvrelay.router.core.auth import token_sha256
+from kvrelay.router.governance.audit_heads import heads_path, load_public_key, read_heads
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import inference_pb2 as ipb
@@ -42,7 +43,8 @@ TORONTO = "toronto/decode/0"
 def tenant_cluster(plumbing_model):
     raw = {
         "router": {"port": 0, "http_port": 0, "placement": {"policy": "least_loaded", "colocate_below_tokens": 0},
-                   "liveness": {"heartbeat_interval_s": 0.25}, "admission": {"admission_wait_s": 5.0}},
+                   "liveness": {"heartbeat_interval_s": 0.25}, "admission": {"admission_wait_s": 5.0},
+                   "records": {"audit_head_interval_s": 0.5}},
         "sites": [{"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
                   {"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 0},
                    "decode": {"replicas": 1, "tenants": ["lab-on"]}}],
@@ -175,6 +177,33 @@ def test_a_call_with_a_wrong_token_is_found_by_audit_query_kind_refusal(tenant_c
     assert any(r["api"] == "grpc" and r["credential"] == "token" and r["outcome"] == "unauthenticated" for r in found)
 
 
+def test_the_router_signs_heads_that_find_a_truncated_tail_of_the_real_log(tenant_cluster, tmp_path, capsys):
+    rec = tenant_cluster.cfg.router.records
+    heads, pub = heads_path(rec.audit_log), rec.audit_signing_key + ".pub"
+    for _ in range(3):
+        generate(tenant_cluster, "lab-x")
+
+    def covered() -> int:
+        signed = read_heads(heads, load_public_key(pub)) if heads.exists() else []
+        return max((h.seq for h in signed), default=0)
+    assert wait_until(lambda: covered() >= 3, 15), "the router signed no head covering its records"
+    copy, heads_copy = tmp_path / "audit.jsonl", tmp_path / "heads.jsonl"
+    heads_copy.write_bytes(heads.read_bytes())
+    lines = Path(rec.audit_log).read_bytes().splitlines(keepends=True)
+    copy.write_bytes(b"".join(lines))
+    args = ["audit", "verify", str(copy), "--heads", str(heads_copy), "--key", pub]
+    capsys.readouterr()
+    assert kvrelay(args) == 0
+    assert "signed heads agree" in capsys.readouterr().out
+    n = read_heads(heads_copy, load_public_key(pub))[-1].seq
+    copy.write_bytes(b"".join(lines[:n - 2]))  # the chain alone still holds: only the heads find it
+    assert kvrelay(["audit", "verify", str(copy)]) == 0
+    capsys.readouterr()
+    assert kvrelay(args) == 1
+    said = capsys.readouterr().err
+    assert f"the log ends at seq {n - 2}," in said and "were cut from its end" in said, said
+
+
 def test_verify_names_an_edited_a_deleted_and_an_inserted_record_of_the_real_log(tenant_cluster, tmp_path, capsys):
     for _ in range(4):
         generate(tenant_cluster, "lab-x")
@@ -191,3 +220,35 @@ def test_verify_names_an_edited_a_deleted_and_an_inserted_record_of_the_real_log
         err = capsys.readouterr()
         said = err.out + err.err
         assert "line 4" in said or "seq 4" in said, (name, said)
+
+
+def test_a_tenant_reads_its_own_usage_and_statement_never_another_tenants(tenant_cluster):
+    generate(tenant_cluster, "lab-x")
+    generate(tenant_cluster, "lab-qc")
+
+    def usage(token: str | None, tenant: str = "") -> dict[str, int]:
+        dial = tenant_cluster.dialer(token) if token else tenant_cluster.operator_dialer
+        with dial.sync(tenant_cluster.router_address) as ch:
+            rows = agrpc.AdminStub(ch).Usage(apb.UsageRequest(by=["tenant"], tenant=tenant), timeout=10).rows
+        return {r.tenant: r.requests for r in rows}
+    assert wait_until(lambda: {"lab-x", "lab-qc"} <= usage(None).keys(), 15), usage(None)
+    assert set(usage(TOKENS["lab-x"])) == {"lab-x"} and usage(TOKENS["lab-x"])["lab-x"] >= 1
+    with pytest.raises(grpc.RpcError) as err:
+        usage(TOKENS["lab-x"], tenant="lab-qc")
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "tenant 'lab-x' reads its own usage only, not tenant 'lab-qc'" in err.value.details()
+    with tenant_cluster.dialer(TOKENS["lab-x"]).sync(tenant_cluster.router_address) as ch:
+        doc = json.loads(agrpc.AdminStub(ch).Governance(apb.GovernanceRequest(), timeout=10).statement_json)
+        with pytest.raises(grpc.RpcError) as err:
+            agrpc.AdminStub(ch).Governance(apb.GovernanceRequest(tenant="lab-on"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as err:  # a tenant is no operator
+            agrpc.AdminStub(ch).Scale(apb.ScaleRequest(site="toronto", role="decode", replicas=1), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert [t["tenant"] for t in doc["tenants"]] == ["lab-x"] and "workers" not in doc["deployment"]
+    with tenant_cluster.dialer("not-a-token").sync(tenant_cluster.router_address) as ch, \
+            pytest.raises(grpc.RpcError) as err:
+        agrpc.AdminStub(ch).Usage(apb.UsageRequest(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert wait_until(lambda: any(r["kind"] == "read" and r["tenant"] == "lab-x" and r["action"] == "usage"
+                                  for r in _records(tenant_cluster)), 10)

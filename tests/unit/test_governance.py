@@ -270,13 +270,13 @@ def test_deployment_state_from_a_registry(tmp_path):
     assert state.files["audit_log"].mode is None and state.files["audit_log"].error == "missing"
 
 
-def test_tenants_see_their_own_jobs_and_usage_is_for_operators():
+def test_tenants_see_their_own_jobs_usage_and_statement():
     doc = _doc()
     a = _answer(doc, "uni-on", Question.ACCESS)
     assert "sees its own batch jobs only" in a["answer"] and "jobs and usage" not in a["answer"]
-    assert "usage reports are for operators only (Admin.Usage needs operator credentials)" in a["answer"]
+    assert "it reads its own usage and this statement, never another tenant's" in a["answer"]
     assert a["facts"]["tenant_sees"]["jobs"] == "its own only"
-    assert a["facts"]["tenant_sees"]["usage"].startswith("no: operators only")
+    assert a["facts"]["tenant_sees"]["usage"].startswith("its own only")
     assert "holders of operator tokens (noc) and of any operator certificate" in a["answer"]
 
     def more_operators_no_tls(raw):
