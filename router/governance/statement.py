@@ -215,13 +215,15 @@ def _link_text(lk: dict) -> str:
 def _operators(cfg: ClusterConfig) -> dict:
     """Who holds operator credentials: token names, and whether the CA's operator certificates count."""
     return {"tokens": [c.name for c in cfg.auth.operators], "certificates_accepted": cfg.tls.enabled,
-            "ca": cfg.tls.ca}
+            "ca": cfg.tls.ca, "openid": [f"{r.operator} ({p.name}: {r.claim}={r.value})" for p in cfg.identity.oidc
+                                         for r in p.rules if r.operator]}
 
 
 def _operators_text(cfg: ClusterConfig) -> str:
     ops = _operators(cfg)
     certs = " and of any operator certificate from the cluster CA" if ops["certificates_accepted"] else ""
-    return f"the holders of operator tokens ({_names(ops['tokens'])}){certs}"
+    openid = f", and OpenID operators {_names(ops['openid'])}" if ops["openid"] else ""
+    return f"the holders of operator tokens ({_names(ops['tokens'])}){certs}{openid}"
 
 
 def _pool_text(p: Pool) -> str:
@@ -444,13 +446,34 @@ def retention(d: Deployment, t: TenantSection, r: Reach) -> dict:
 
 def _sign_in(cfg: ClusterConfig, t: TenantSection) -> dict:
     return {"token": t.token_sha256 is not None, "client_certificate": cfg.tls.enabled,
+            "openid_token": any(r.tenant == t.name for p in cfg.identity.oidc for r in p.rules),
             "anonymous": t.name == ANONYMOUS and cfg.auth.allow_anonymous}
+
+
+def _federated(cfg: ClusterConfig, tenant: str) -> list[dict]:
+    """Each OpenID provider: what it is, and which claims act as this tenant and as operators."""
+    return [{"provider": p.name, "issuer": p.issuer, "audience": p.audience, "algorithms": list(p.algorithms),
+             "as_this_tenant": [f"{r.claim}={r.value}" for r in p.rules if r.tenant == tenant],
+             "as_other_tenants": sum(1 for r in p.rules if r.tenant not in (None, tenant)),
+             "as_operators": [f"{r.claim}={r.value} (operator {r.operator})" for r in p.rules if r.operator]}
+            for p in cfg.identity.oidc]
+
+
+def _federated_text(providers: list[dict]) -> str:
+    if not providers:
+        return "not configured (tenants sign in with kvrelay's own tokens or cluster-CA certificates)"
+    return "; ".join(
+        f"OpenID Connect provider {p['provider']} (issuer {p['issuer']}, audience {p['audience']}, "
+        f"{'/'.join(p['algorithms'])} signatures checked against its published keys): tokens whose "
+        f"{_names(p['as_this_tenant'], 'no claim', last='or')} act as this tenant, "
+        f"{_names(p['as_operators'], 'none', last='or')} as operators" for p in providers)
 
 
 def _sign_in_text(methods: dict) -> str:
     words = {"token": "a bearer token (only its SHA-256 is configured)",
              "client_certificate": "a client certificate naming it from the cluster CA (gRPC on the internal "
                                    "port; the HTTP API takes tokens only)",
+             "openid_token": "an access token of an OpenID provider whose claims map to it (identity.oidc)",
              "anonymous": "no credentials at all (anonymous access is allowed on loopback)"}
     return _names((words[k] for k, on in methods.items() if on), "nothing: it cannot sign in", last="or")
 
@@ -513,7 +536,7 @@ _QUOTA_WORDS = {"requests_per_minute": "{} requests per minute", "tokens_per_min
 def identity(d: Deployment, t: TenantSection, r: Reach) -> dict:
     """(6) Identity, transport security and the tenant's own policy."""
     cfg, tls = d.cfg, d.cfg.tls
-    federated = _section(getattr(cfg.auth, "federated", None))
+    federated = _federated(cfg, t.name)
     policy = _policy(d, t)
     facts: dict[str, Any]
     facts = {"sign_in": _sign_in(cfg, t), "federated_identity": federated or "not configured",
@@ -531,8 +554,7 @@ def identity(d: Deployment, t: TenantSection, r: Reach) -> dict:
                   "with a time to retry; a batch one waits, its owner's jobs paused until then)"
                   if quotas else "no quotas")
     links = _names((_link_text(lk) for lk in r.links), "none")
-    federated_text = (_section_text(federated) if federated else
-                      "not configured (tenants sign in with kvrelay's own tokens or cluster-CA certificates)")
+    federated_text = _federated_text(federated)
     text = (f"It signs in with {_sign_in_text(facts['sign_in'])}; federated or institutional identity: "
             f"{federated_text}. {tls_text}. KV links: {links}. Whether the links are private network paths is "
             f"{NOT_RECORDED}. Its policy: jurisdictions {_names(t.jurisdictions, 'any')}"

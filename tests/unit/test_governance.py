@@ -201,13 +201,29 @@ def test_no_open_decode_pool_is_a_warning():
     assert any("requests are refused" in w for w in lab["warnings"])
 
 
+def test_the_identity_answer_names_the_openid_providers_and_which_claims_map_to_whom():
+    def federate(raw):
+        raw["identity"] = {"oidc": [{"name": "eduid", "issuer": "https://login.example.ca", "audience": "urn:kvrelay",
+                                     "rules": [{"claim": "groups", "value": "uni-on-members", "tenant": "uni-on"},
+                                               {"claim": "groups", "value": "lab-qc", "tenant": "lab-qc"},
+                                               {"claim": "groups", "value": "noc", "operator": "noc"}]}]}
+    a = _answer(_doc(federate), "uni-on", Question.IDENTITY)
+    assert a["facts"]["sign_in"]["openid_token"] is True
+    [p] = a["facts"]["federated_identity"]
+    assert p["issuer"] == "https://login.example.ca" and p["as_this_tenant"] == ["groups=uni-on-members"]
+    assert p["as_operators"] == ["groups=noc (operator noc)"] and p["as_other_tenants"] == 1
+    assert ("OpenID Connect provider eduid (issuer https://login.example.ca, audience urn:kvrelay, RS256/ES256 "
+            "signatures checked against its published keys): tokens whose groups=uni-on-members act as this tenant, "
+            "groups=noc (operator noc) as operators") in a["answer"]
+
+
 def test_operators_identity_and_what_is_not_recorded():
     doc = _doc()
     ops = _answer(doc, "uni-on", Question.OPERATORS)
     assert ops["facts"]["operator_credentials"]["tokens"] == ["noc"] and "SmolLM2" in ops["answer"]
     assert ops["facts"]["site_and_hardware_operator"] == NOT_RECORDED
     ident = _answer(doc, "uni-on", Question.IDENTITY)["facts"]
-    assert ident["sign_in"] == {"token": True, "client_certificate": True, "anonymous": False}
+    assert ident["sign_in"] == {"token": True, "client_certificate": True, "openid_token": False, "anonymous": False}
     assert ident["policy"]["requests_per_minute"] == 60 and ident["federated_identity"] == "not configured"
     resp = _answer(doc, "uni-on", Question.RESPONSIBILITY)
     assert resp["facts"]["telemetry"]["traces"] == "none" and resp["facts"]["incident_response"] == NOT_RECORDED
@@ -219,7 +235,7 @@ def test_operators_identity_and_what_is_not_recorded():
     doc = _doc(anonymous)
     assert [t["tenant"] for t in doc["tenants"]][-1] == "anonymous"
     assert _answer(doc, "anonymous", Question.IDENTITY)["facts"]["sign_in"] == {
-        "token": False, "client_certificate": False, "anonymous": True}
+        "token": False, "client_certificate": False, "openid_token": False, "anonymous": True}
     assert "TLS is off" in _answer(doc, "anonymous", Question.IDENTITY)["answer"]
 
 

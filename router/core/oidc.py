@@ -1,0 +1,286 @@
+"""OpenID Connect access tokens (JWT) as bearer credentials: the checks a careful
+resource server makes, then the config's claim rules (``identity.oidc``).
+
+A token is checked in this order, and refused (UNAUTHENTICATED, the reason named)
+at the first that fails:
+
+1. it is a JWT (three base64url parts), its header's ``alg`` one the provider
+   accepts (``none`` and HS* never are: runtime/config.py);
+2. its ``iss`` is a configured provider's issuer, exactly;
+3. its ``kid`` is among that provider's keys, fetched from its ``jwks_uri`` (or
+   the one its discovery document names) every ``jwks_refresh_s`` by a thread of
+   its own, and at once (at most every :data:`MIN_REFETCH_S`) for a ``kid`` not
+   yet known: a rotated key is picked up without a restart. A provider that
+   cannot be reached leaves the keys already fetched in use until
+   ``jwks_max_age_s`` after the last fetch that succeeded;
+4. the signature verifies against that key (a key whose own ``alg`` differs
+   from the header's is not used);
+5. ``aud`` holds the provider's ``audience``; ``exp`` and ``nbf`` hold with
+   ``clock_skew_s`` of leeway; ``exp``, ``iat``, ``sub`` are present.
+
+Then the provider's rules, in order: the first whose claim holds its value
+makes the token a tenant's or an operator's; none is PERMISSION_DENIED. A
+verified token is remembered (by its SHA-256) until it expires, so a stream of
+requests with one token verifies it once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import ssl
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jwt
+
+from kvrelay.router.core.errors import ErrorKind, RouterError
+from kvrelay.runtime.config import ClaimRule, OIDCProviderSection
+
+log = logging.getLogger(__name__)
+
+MIN_REFETCH_S = 2.0
+"""Least seconds between two fetches of a provider's keys for an unknown ``kid``."""
+MAX_DOCUMENT_BYTES = 1 << 20
+"""A discovery document or key set larger than this is refused."""
+RETRY_S = 10.0
+"""Seconds between two fetches of a provider's keys while it cannot be reached."""
+MAX_REMEMBERED = 10_000
+"""Most verified tokens remembered at once."""
+
+Fetch = Callable[[str, float, ssl.SSLContext | None], bytes]
+
+
+def http_get(url: str, timeout_s: float, context: ssl.SSLContext | None) -> bytes:
+    """The body of a GET of ``url``; OSError (or ValueError for an oversized one) otherwise."""
+    req = urllib.request.Request(url, headers={"Accept": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s, context=context) as resp:
+        body = resp.read(MAX_DOCUMENT_BYTES + 1)
+    if len(body) > MAX_DOCUMENT_BYTES:
+        raise ValueError(f"{url}: larger than {MAX_DOCUMENT_BYTES} bytes")
+    return body
+
+
+@dataclass(slots=True, frozen=True)
+class Principal:
+    """Who a verified token is: a tenant's or an operator's, and its subject at its issuer."""
+
+    subject: str
+    issuer: str
+    provider: str
+    tenant: str | None
+    operator: str | None
+    expires: float
+
+    @property
+    def credential(self) -> str:
+        """How audit records name it."""
+        return f"oidc {self.provider} sub={self.subject} iss={self.issuer}"
+
+
+def _refused(why: str) -> RouterError:
+    return RouterError(ErrorKind.UNAUTHENTICATED, f"OpenID token refused: {why}")
+
+
+class KeySet:
+    """One provider's signing keys (by ``kid``: the key and the ``alg`` its JWK names, if any), kept
+    fresh by a daemon thread that fetches them at once, then every ``jwks_refresh_s`` (after a
+    failure, every :data:`RETRY_S`)."""
+
+    def __init__(self, provider: OIDCProviderSection, fetch: Fetch = http_get) -> None:
+        self.provider, self._fetch = provider, fetch
+        self._context = ssl.create_default_context(cafile=provider.ca) if provider.ca else None
+        self._keys: dict[str, tuple[jwt.PyJWK, str | None]] = {}
+        self._fetched_at: float | None = None
+        self._tried_at = float("-inf")
+        self._error: str | None = None
+        self._jwks_uri = provider.jwks_uri
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"oidc-keys-{provider.name}", daemon=True)
+        self._thread.start()
+
+    def key(self, kid: str) -> tuple[jwt.PyJWK, str | None]:
+        """The key ``kid`` and the algorithm its JWK names; RouterError(UNAUTHENTICATED) naming
+        why there is none. A ``kid`` not yet known, or keys past ``jwks_max_age_s``, fetch the keys
+        first (bounded by ``timeout_s``, at most every :data:`MIN_REFETCH_S`)."""
+        with self._lock:
+            now = time.monotonic()
+            stale = self._fetched_at is None or now - self._fetched_at > self.provider.jwks_max_age_s
+            if (kid not in self._keys or stale) and now - self._tried_at >= MIN_REFETCH_S:
+                self._refresh()
+            key, fetched, error = self._keys.get(kid), self._fetched_at, self._error
+        name = self.provider.name
+        if fetched is None:
+            raise _refused(f"the keys of provider {name} could not be fetched: {error}")
+        age = time.monotonic() - fetched
+        if age > self.provider.jwks_max_age_s:
+            raise _refused(f"the keys of provider {name} were last fetched {age:.0f} s ago, more than its "
+                           f"jwks_max_age_s ({self.provider.jwks_max_age_s:g} s): {error}")
+        if key is None:
+            down = f"; the provider cannot be reached: {error}" if error else ""
+            raise _refused(f"its key id {kid[:100]!r} is not among provider {name}'s keys (fetched {age:.0f} s "
+                           f"ago){down}")
+        return key
+
+    def close(self) -> None:
+        """Stops the refreshing thread."""
+        self._stop.set()
+
+    def _run(self) -> None:
+        wait = 0.0
+        while not self._stop.wait(wait):
+            with self._lock:
+                if time.monotonic() - self._tried_at >= MIN_REFETCH_S:
+                    self._refresh()
+                ok = self._error is None and self._fetched_at is not None
+            wait = self.provider.jwks_refresh_s if ok else min(self.provider.jwks_refresh_s, RETRY_S)
+
+    def _refresh(self) -> None:
+        """Fetches the keys (the lock held); on failure keeps those it has and notes why."""
+        self._tried_at = time.monotonic()
+        try:
+            keys = self._download()
+        except (OSError, ValueError) as exc:
+            self._error = str(exc)
+            log.warning("OpenID provider %s: its keys could not be fetched: %s", self.provider.name, exc)
+            return
+        self._keys, self._fetched_at, self._error = keys, time.monotonic(), None
+
+    def _download(self) -> dict[str, tuple[jwt.PyJWK, str | None]]:
+        p = self.provider
+        if self._jwks_uri is None:
+            url = p.issuer.rstrip("/") + "/.well-known/openid-configuration"
+            doc = _json(self._fetch(url, p.timeout_s, self._context), url)
+            if doc.get("issuer") != p.issuer:
+                raise ValueError(f"{url} names issuer {doc.get('issuer')!r}, not {p.issuer!r}")
+            if not isinstance(doc.get("jwks_uri"), str):
+                raise ValueError(f"{url} names no jwks_uri")
+            self._jwks_uri = doc["jwks_uri"]
+        url = self._jwks_uri
+        listed = _json(self._fetch(url, p.timeout_s, self._context), url).get("keys")
+        keys = {}
+        for k in listed if isinstance(listed, list) else []:
+            if not isinstance(k, dict) or k.get("use", "sig") != "sig" or not isinstance(k.get("kid"), str):
+                continue
+            try:
+                keys[k["kid"]] = (jwt.PyJWK(k), k.get("alg") if isinstance(k.get("alg"), str) else None)
+            except jwt.PyJWTError as exc:
+                log.warning("OpenID provider %s: key %s skipped: %s", p.name, k.get("kid"), exc)
+        if not keys:
+            raise ValueError(f"{url} holds no signing key with a kid")
+        return keys
+
+
+def _json(body: bytes, url: str) -> dict:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        raise ValueError(f"{url} is not JSON") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{url} is not a JSON object")
+    return doc
+
+
+def looks_like_jwt(token: str) -> bool:
+    """Three base64url parts, the first a JSON object's encoding (``eyJ``): a JWT, not a static token."""
+    return token.count(".") == 2 and token.startswith("eyJ")
+
+
+class OIDCVerifier:
+    """Checks tokens of the configured providers (see the module docstring)."""
+
+    def __init__(self, providers: list[OIDCProviderSection], fetch: Fetch = http_get) -> None:
+        self.providers = {p.issuer: p for p in providers}
+        self.keys = {p.issuer: KeySet(p, fetch) for p in providers}
+        self._verified: dict[str, Principal] = {}
+        self._lock = threading.Lock()
+
+    def verify(self, token: str) -> Principal:
+        """Who ``token`` is; RouterError UNAUTHENTICATED (a check failed) or PERMISSION_DENIED (no rule)."""
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        now = time.time()
+        with self._lock:
+            known = self._verified.get(digest)
+        if known is not None and known.expires > now:
+            return known
+        principal = self._check(token)
+        with self._lock:
+            if len(self._verified) >= MAX_REMEMBERED:
+                self._verified = {k: v for k, v in self._verified.items() if v.expires > now}
+            if len(self._verified) < MAX_REMEMBERED:
+                self._verified[digest] = principal
+        return principal
+
+    def close(self) -> None:
+        for ks in self.keys.values():
+            ks.close()
+
+    def _check(self, token: str) -> Principal:
+        try:
+            header = jwt.get_unverified_header(token)
+            unverified = jwt.decode(token, options={"verify_signature": False})
+        except jwt.PyJWTError as exc:
+            raise _refused(f"it is not a JWT ({exc})") from None
+        iss = unverified.get("iss")
+        p = self.providers.get(iss) if isinstance(iss, str) else None
+        if p is None:
+            raise _refused(f"its issuer {str(iss)[:200]!r} is not an accepted provider (identity.oidc issuers: "
+                           f"{', '.join(sorted(self.providers))})")
+        alg = header.get("alg")
+        if alg not in p.algorithms:
+            raise _refused(f"its algorithm {str(alg)[:20]!r} is not accepted for provider {p.name} "
+                           f"(identity.oidc algorithms: {', '.join(p.algorithms)})")
+        kid = header.get("kid")
+        if not isinstance(kid, str):
+            raise _refused("its header names no key id (kid)")
+        key, key_alg = self.keys[p.issuer].key(kid)
+        if key_alg is not None and key_alg != alg:
+            raise _refused(f"its algorithm {alg} is not that of provider {p.name}'s key {kid[:100]!r} ({key_alg})")
+        claims = _decode(token, key, alg, p)
+        return Principal(str(claims["sub"]), p.issuer, p.name, *_rule(claims, p), float(claims["exp"]))
+
+
+def _decode(token: str, key: jwt.PyJWK, alg: str, p: OIDCProviderSection) -> dict:
+    """The token's claims, its signature, audience, issuer and times checked; RouterError naming what failed."""
+    try:
+        return jwt.decode(token, key.key, algorithms=[alg], audience=p.audience, issuer=p.issuer,
+                          leeway=p.clock_skew_s, options={"require": ["exp", "iat", "sub", "aud", "iss"]})
+    except jwt.ExpiredSignatureError:
+        raise _refused(f"it expired (exp; clock skew allowed: {p.clock_skew_s:g} s)") from None
+    except jwt.ImmatureSignatureError:
+        raise _refused(f"it is not valid yet (nbf or iat; clock skew allowed: {p.clock_skew_s:g} s)") from None
+    except jwt.InvalidAudienceError:
+        raise _refused(f"its audience is not this service's ({p.audience!r}, provider {p.name})") from None
+    except jwt.InvalidIssuerError:
+        raise _refused(f"its issuer is not {p.issuer!r}") from None
+    except jwt.InvalidSignatureError:
+        raise _refused(f"its signature does not verify against provider {p.name}'s key") from None
+    except jwt.MissingRequiredClaimError as exc:
+        raise _refused(f"it lacks the {exc.claim!r} claim") from None
+    except jwt.PyJWTError as exc:
+        raise _refused(f"{exc}") from None
+
+
+def _rule(claims: dict, p: OIDCProviderSection) -> tuple[str | None, str | None]:
+    """(tenant, operator) of the first rule the claims match; PERMISSION_DENIED when none does."""
+    for rule in p.rules:
+        if _holds(claims.get(rule.claim), rule):
+            return rule.tenant, rule.operator
+    raise RouterError(ErrorKind.PERMISSION_DENIED,
+                      f"the token of {str(claims.get('sub'))[:200]!r} at provider {p.name} matches none of its "
+                      f"rules (identity.oidc[].rules: {', '.join(f'{r.claim}={r.value}' for r in p.rules)})")
+
+
+def _holds(value: object, rule: ClaimRule) -> bool:
+    if isinstance(value, str):
+        return value == rule.value
+    if isinstance(value, list):
+        return rule.value in value
+    return False
+
+
+__all__ = ["MIN_REFETCH_S", "RETRY_S", "KeySet", "OIDCVerifier", "Principal", "http_get", "looks_like_jwt"]

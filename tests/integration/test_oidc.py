@@ -1,0 +1,162 @@
+"""OpenID Connect access tokens as credentials, against a real provider
+(oidc-provider on Node, tests/integration/oidc_provider.py) and a real router:
+its tokens act as the tenant or operator their groups claim maps to, on gRPC and
+HTTP; every bad token (expired, another audience, another issuer, re-signed,
+``alg: none``, no matching rule) is refused naming why, in each API's own error
+shape, and the next good request is served; a key rotation is picked up without
+a restart, and a provider that goes down leaves the keys already fetched valid."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import jwt
+import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from kvrelay.v1 import admin_pb2 as apb
+from kvrelay.v1 import admin_pb2_grpc as agrpc
+from kvrelay.v1 import inference_pb2 as ipb
+from kvrelay.v1 import inference_pb2_grpc as igrpc
+from tests.integration.helpers import running_cluster, tls_context, wait_until, workers
+from tests.integration.oidc_provider import Client, Provider, rsa_jwk
+
+CLIENTS = [Client("lab-app", ["kvrelay-lab", "physics"]), Client("noc-app", ["kvrelay-noc"]),
+           Client("stranger", ["physics"]), Client("brief", ["kvrelay-lab"], ttl_s=1)]
+
+
+@pytest.fixture(scope="module")
+def idp(tmp_path_factory):
+    provider = Provider(tmp_path_factory.mktemp("idp"), CLIENTS, [rsa_jwk("k1")]).start()
+    yield provider
+    provider.stop()
+
+
+@pytest.fixture(scope="module")
+def oidc_cluster(idp, plumbing_model):
+    raw = {"router": {"port": 0, "http_port": 0, "placement": {"colocate_below_tokens": 0}},
+           "sites": [{"name": "local", "prefill": {"replicas": 0}, "decode": {"replicas": 1}}],
+           "workers": {"threads": 1}, "cache": {"memory_gib": 0.25},
+           "tenants": [{"name": "lab"}],
+           "identity": {"oidc": [{
+               "name": "test-idp", "issuer": idp.issuer, "audience": "urn:kvrelay", "clock_skew_s": 0,
+               "rules": [{"claim": "groups", "value": "kvrelay-lab", "tenant": "lab"},
+                         {"claim": "groups", "value": "kvrelay-noc", "operator": "noc"}]}]}}
+    with running_cluster(raw, plumbing_model) as lc:
+        assert wait_until(lambda: len(workers(lc)) == 1, 60)
+        yield lc
+
+
+def grpc_generate(lc, token: str) -> list[ipb.GenerateResponse]:
+    with lc.dialer(token).sync(lc.router_address) as ch:
+        return list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt="hi", max_tokens=2), timeout=60))
+
+
+def http_complete(lc, token: str) -> tuple[int, dict]:
+    req = urllib.request.Request(f"https://{lc.http_address}/v1/completions",
+                                 data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
+                                 headers={"authorization": f"Bearer {token}", "content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60, context=tls_context(lc)) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _b64(data: dict) -> str:
+    return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+
+
+def _claims(token: str) -> dict:
+    return jwt.decode(token, options={"verify_signature": False})
+
+
+def bad_tokens(idp: Provider, tmp_path: Path) -> dict[str, tuple[str, grpc.StatusCode, str]]:
+    """Each bad token, the gRPC code it must get and words its refusal must say."""
+    good = idp.token("lab-app")
+    attacker = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    resigned = jwt.encode(_claims(good) | {"groups": ["kvrelay-noc"]}, attacker, algorithm="RS256",
+                          headers={"kid": jwt.get_unverified_header(good)["kid"], "typ": "at+jwt"})
+    unsigned = f"{_b64({'alg': 'none', 'typ': 'at+jwt', 'kid': 'k1'})}.{_b64(_claims(good))}."
+    other = Provider(tmp_path, CLIENTS, idp.keys).start()  # the same keys, another issuer
+    try:
+        foreign = other.token("lab-app")
+    finally:
+        other.stop()
+    brief = idp.token("brief")
+    time.sleep(max(0.0, _claims(brief)["exp"] - time.time()) + 1.1)  # clock_skew_s is 0 here
+    u, p = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
+    return {"expired": (brief, u, "it expired"),
+            "audience": (idp.token("lab-app", resource="urn:other"), u, "its audience is not this service's"),
+            "issuer": (foreign, u, f"its issuer '{other.issuer}' is not an accepted provider"),
+            "re-signed": (resigned, u, "its signature does not verify"),
+            "alg none": (unsigned, u, "its algorithm 'none' is not accepted"),
+            "no rule": (idp.token("stranger"), p, "matches none of its rules")}
+
+
+def test_a_providers_token_acts_as_its_tenant_on_grpc_and_http_and_is_audited_by_subject(oidc_cluster, idp):
+    token = idp.token("lab-app")
+    msgs = grpc_generate(oidc_cluster, token)
+    assert sum(len(m.token_ids) for m in msgs) == 2
+    status, body = http_complete(oidc_cluster, token)
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+    def audited() -> list[dict]:
+        lines = Path(oidc_cluster.cfg.router.records.audit_log).read_text().splitlines()
+        return [r for r in map(json.loads, lines) if r["kind"] == "request" and r.get("tenant") == "lab"]
+    assert wait_until(lambda: len(audited()) >= 2, 10)
+    assert {r["api"] for r in audited()} >= {"grpc", "http"}
+    assert all(r["credential"] == f"oidc test-idp sub=lab-app iss={idp.issuer}" for r in audited())
+
+
+def test_each_bad_token_is_refused_naming_why_and_the_next_good_one_is_served(oidc_cluster, idp, tmp_path):
+    for case, (token, code, words) in bad_tokens(idp, tmp_path).items():
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_generate(oidc_cluster, token)
+        assert err.value.code() == code and words in err.value.details(), (case, err.value.details())
+        status, body = http_complete(oidc_cluster, token)
+        assert status == (401 if code == grpc.StatusCode.UNAUTHENTICATED else 403), (case, status, body)
+        assert words in body["error"]["message"], (case, body)
+        assert sum(len(m.token_ids) for m in grpc_generate(oidc_cluster, idp.token("lab-app"))) == 2, case
+
+
+def test_an_operator_token_reads_the_pools_and_is_no_tenant(oidc_cluster, idp):
+    token = idp.token("noc-app")
+    with oidc_cluster.dialer(token).sync(oidc_cluster.router_address) as ch:
+        pools = agrpc.AdminStub(ch).ListPools(apb.ListPoolsRequest(), timeout=10).pools
+    assert [p.site for p in pools] == ["local", "local"]
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_generate(oidc_cluster, token)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "is operator 'noc'" in err.value.details()
+    with oidc_cluster.dialer(idp.token("lab-app")).sync(oidc_cluster.router_address) as ch, \
+            pytest.raises(grpc.RpcError) as err:
+        agrpc.AdminStub(ch).ListPools(apb.ListPoolsRequest(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "needs an operator" in err.value.details()
+
+
+def test_a_rotated_key_is_taken_without_restart_and_a_provider_down_leaves_fetched_keys_valid(oidc_cluster, idp):
+    before = idp.token("lab-app")
+    idp.rotate(rsa_jwk("k2"))
+    after = idp.token("lab-app")
+    assert jwt.get_unverified_header(after)["kid"] == "k2"
+    assert grpc_generate(oidc_cluster, after) and grpc_generate(oidc_cluster, before)
+    unseen = idp.token("lab-app")  # never presented: verified against the keys the router holds
+    idp.stop()
+    try:
+        assert sum(len(m.token_ids) for m in grpc_generate(oidc_cluster, unseen)) == 2
+        stray = jwt.encode(_claims(unseen), rsa.generate_private_key(public_exponent=65537, key_size=2048),
+                           algorithm="RS256", headers={"kid": "k3"})
+        time.sleep(2.1)  # past the least interval between two fetches for an unknown key id
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_generate(oidc_cluster, stray)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "'k3' is not among provider test-idp's keys" in err.value.details()
+        assert "cannot be reached" in err.value.details()
+    finally:
+        idp.start()
