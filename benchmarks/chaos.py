@@ -179,7 +179,8 @@ def compare(base: Sequence[RequestRecord], chaos: Sequence[RequestRecord], fault
     """What the faults cost, request by request against the fault-free run."""
     by_index = {r.index: r for r in base}
     lost = [r.index for r in chaos if not r.ok]
-    differ = [r.index for r in chaos if r.ok and r.token_ids != by_index[r.index].token_ids]
+    # a request the fault-free run did not complete (shed for good, over capacity) has no output to compare
+    differ = [r.index for r in chaos if r.ok and by_index[r.index].ok and r.token_ids != by_index[r.index].token_ids]
     affected = [r for r in chaos if r.ok and (r.placement.get("retries") or r.placement.get("migrations")
                                               or r.client_retries)]
     added = _added_s([(r, by_index[r.index]) for r in chaos])
@@ -231,7 +232,9 @@ def comparison_markdown(c: dict) -> str:
     lines = [
         "# Chaos replay against the fault-free run", "",
         f"- requests: {c['requests']}; lost: {len(c['lost'])}; outputs different from the fault-free run: "
-        f"{len(c['outputs_differ'])}" + (f" (indexes {c['outputs_differ'][:20]})" if c["outputs_differ"] else ""),
+        f"{len(c['outputs_differ'])}" + (f" (indexes {c['outputs_differ'][:20]})" if c["outputs_differ"] else "")
+        + (f"; not compared: {len(c['baseline_failed'])} the fault-free run did not complete "
+           f"(indexes {c['baseline_failed'][:20]})" if c["baseline_failed"] else ""),
         f"- faults injected: {c['faults']} ({kinds})",
         f"- router retries (prefill side): {c['router_retries']}; stream migrations: {c['migrations']}; "
         f"client retries (router restarts): {c['client_retries']}; requests that needed any: "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+from kvrelay.cli.login import cached_token
 from kvrelay.launch.credentials import CLIENT_TOKEN, LOCAL_PKI
 from kvrelay.runtime.files import write_private
 from kvrelay.runtime.pki import CA_CERT, PKIError, check_pair, read_pem
@@ -49,8 +50,9 @@ def add_connect_flags(p: argparse.ArgumentParser, router_default: str | None = "
 
 
 def client_token(args: argparse.Namespace) -> str | None:
-    """The tenant token: $KVRELAY_API_KEY, else the local default's (written by kvrelay serve)."""
-    token = os.environ.get("KVRELAY_API_KEY", "")
+    """The tenant token: $KVRELAY_API_KEY, else the OpenID token `kvrelay login` cached (refreshed
+    when about to expire), else the local default's (written by kvrelay serve)."""
+    token = os.environ.get("KVRELAY_API_KEY", "") or cached_token(args.cache_dir) or ""
     if not token and (args.cache_dir / CLIENT_TOKEN).exists():
         token = (args.cache_dir / CLIENT_TOKEN).read_text().strip()
     return token or None

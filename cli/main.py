@@ -109,12 +109,12 @@ def _stream(dialer, address: str, req: ipb.GenerateRequest, timeout_s: float) ->
     return finish
 
 
-PARSER_MODULES = ("admin", "pki", "jobs", "usage", "governance", "audit", "trace", "sim")
+PARSER_MODULES = ("admin", "login", "pki", "jobs", "usage", "governance", "audit", "trace", "sim")
 """The cli modules whose ``add_parsers(sub)`` add top-level commands, in the order `kvrelay --help` lists
 them (cli/cities.py adds its own and bench's)."""
 CLIENT_COMMANDS = {"status": "admin", "routers": "admin", "scale": "admin", "drain": "admin", "pools": "admin",
                    "token": "admin", "pki": "pki", "job": "jobs", "usage": "usage", "governance": "governance",
-                   "audit": "audit", "trace": "trace"}
+                   "audit": "audit", "trace": "trace", "login": "login", "logout": "login"}
 """The client and operator commands, each parsed by its module alone (not plan: cli/sim.py adds
 ``plan capacity``): such a call imports neither the simulator, the benchmarks, the engine nor the
 config's validation (tests/unit/test_import_graph.py checks both, and the same help as the whole parser)."""

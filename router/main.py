@@ -117,15 +117,17 @@ def router_tls(cfg: ClusterConfig, name: str | None = None) -> TLSMaterial | Non
     return tls
 
 
-def http_tls_files(tls: TLSMaterial | None, folder: Path) -> tuple[str, str] | None:
-    """The router's certificate and key as files (uvicorn reads files), in a private folder."""
+def http_tls_files(tls: TLSMaterial | None, folder: Path) -> tuple[str, str, str] | None:
+    """The router's certificate and key, and the CA its HTTPS clients' certificates must come
+    from, as files (uvicorn reads files), in a private folder."""
     if tls is None:
         return None
     if tls.cert_pem is None or tls.key_pem is None:  # router_tls has checked that it names a router
         raise PKIError("the router's HTTPS listener needs its certificate and key (tls.cert / tls.key)")
     write_private(folder / "http.pem", tls.cert_pem)
     write_private(folder / "http.key", tls.key_pem)
-    return str(folder / "http.pem"), str(folder / "http.key")
+    write_private(folder / "ca.pem", tls.ca_pem)
+    return str(folder / "http.pem"), str(folder / "http.key"), str(folder / "ca.pem")
 
 
 def audit_log(cfg) -> AuditWriter | None:
@@ -252,8 +254,9 @@ async def start_http(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: 
         return ""
     private = stack.enter_context(private_folder())
     files = http_tls_files(tls, Path(private))
-    http, http_task, http_port = await serve_http(OpenAIServer(core, cfg.router.http).app, cfg.router.host,
-                                                  cfg.router.http_port, files, cfg.router.http)
+    http, http_task, http_port = await serve_http(OpenAIServer(core, cfg.router.http, tls=tls).app, cfg.router.host,
+                                                  cfg.router.http_port, files[:2] if files else None, cfg.router.http,
+                                                  client_ca=files[2] if files else None)
 
     async def stop() -> None:
         http.should_exit = True

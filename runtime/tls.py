@@ -69,9 +69,13 @@ class TLSMaterial:
         none (a server-only TLS listener); PeerRefused when it is revoked or
         names no kvrelay identity."""
         pems = context.auth_context().get("x509_pem_cert")
-        if not pems:
+        return self.peer_of_pem(pems[0] if pems else None)  # type: ignore[index]  # grpc's stubs: Iterable
+
+    def peer_of_pem(self, pem: bytes | None) -> Identity | None:
+        """:meth:`peer` of a certificate a caller presented (PEM; None: none), as the HTTP API has it."""
+        if not pem:
             return None
-        serial, ident = _identity_of_pem(pems[0])  # type: ignore[index]  # grpc's stubs: Iterable; grpc gives a list
+        serial, ident = _identity_of_pem(pem)
         if serial in self.revoked:
             raise PeerRefused(grpc.StatusCode.UNAUTHENTICATED,
                               f"certificate serial {serial:x} ({ident or 'no kvrelay identity'}) is revoked "

@@ -9,8 +9,9 @@ at the first that fails:
 2. its ``iss`` is a configured provider's issuer, exactly;
 3. its ``kid`` is among that provider's keys, fetched from its ``jwks_uri`` (or
    the one its discovery document names) every ``jwks_refresh_s`` by a thread of
-   its own, and at once (at most every :data:`MIN_REFETCH_S`) for a ``kid`` not
-   yet known: a rotated key is picked up without a restart. A provider that
+   its own, and at once (at most every :data:`MIN_REFETCH_S`, within the
+   provider's ``timeout_s``, the caller waiting) for a ``kid`` not yet known: a
+   rotated key is picked up without a restart. A provider that
    cannot be reached leaves the keys already fetched in use until
    ``jwks_max_age_s`` after the last fetch that succeeded;
 4. the signature verifies against that key (a key whose own ``alg`` differs
@@ -99,6 +100,9 @@ class KeySet:
         self._error: str | None = None
         self._jwks_uri = provider.jwks_uri
         self._lock = threading.Lock()
+        """Guards the keys and the times and error of the fetches."""
+        self._fetching = threading.Lock()
+        """Held during a fetch: one at a time."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"oidc-keys-{provider.name}", daemon=True)
         self._thread.start()
@@ -110,8 +114,10 @@ class KeySet:
         with self._lock:
             now = time.monotonic()
             stale = self._fetched_at is None or now - self._fetched_at > self.provider.jwks_max_age_s
-            if (kid not in self._keys or stale) and now - self._tried_at >= MIN_REFETCH_S:
-                self._refresh()
+            fetch = (kid not in self._keys or stale) and now - self._tried_at >= MIN_REFETCH_S
+        if fetch:
+            self._refresh()
+        with self._lock:
             key, fetched, error = self._keys.get(kid), self._fetched_at, self._error
         name = self.provider.name
         if fetched is None:
@@ -134,21 +140,28 @@ class KeySet:
         wait = 0.0
         while not self._stop.wait(wait):
             with self._lock:
-                if time.monotonic() - self._tried_at >= MIN_REFETCH_S:
-                    self._refresh()
+                due = time.monotonic() - self._tried_at >= MIN_REFETCH_S
+            if due:
+                self._refresh()
+            with self._lock:
                 ok = self._error is None and self._fetched_at is not None
             wait = self.provider.jwks_refresh_s if ok else min(self.provider.jwks_refresh_s, RETRY_S)
 
     def _refresh(self) -> None:
-        """Fetches the keys (the lock held); on failure keeps those it has and notes why."""
-        self._tried_at = time.monotonic()
-        try:
-            keys = self._download()
-        except (OSError, ValueError) as exc:
-            self._error = str(exc)
-            log.warning("OpenID provider %s: its keys could not be fetched: %s", self.provider.name, exc)
-            return
-        self._keys, self._fetched_at, self._error = keys, time.monotonic(), None
+        """Fetches the keys, one fetch at a time, without holding the state's lock (a slow
+        provider never holds up a check with keys in hand); on failure keeps those it has and notes why."""
+        with self._fetching:
+            with self._lock:
+                self._tried_at = time.monotonic()
+            try:
+                keys = self._download()
+            except (OSError, ValueError) as exc:
+                log.warning("OpenID provider %s: its keys could not be fetched: %s", self.provider.name, exc)
+                with self._lock:
+                    self._error = str(exc)
+                return
+            with self._lock:
+                self._keys, self._fetched_at, self._error = keys, time.monotonic(), None
 
     def _download(self) -> dict[str, tuple[jwt.PyJWK, str | None]]:
         p = self.provider

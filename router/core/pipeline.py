@@ -82,8 +82,11 @@ class RateLimit:
         return dropped
 
 
-SHED_RETRY_MAX_S = 300.0
-"""Longest retry hint given to a request shed early."""
+SHED_RETRY_MAX_S = 30.0
+"""Longest retry hint given to a request shed early. The queue's rate, measured at a backlog's
+start, can make its turn look several times further off than it is: with a 300 s cap, requests
+told to come back in ~300 s returned to an idle cluster (benchmarks/RESULTS.md, issue 36). A
+refusal costs the cluster nothing, so a client asked back sooner is at worst refused again."""
 PLACEMENT_KIND = {PlacementFailure.CONSTRAINT: ErrorKind.CONSTRAINT, PlacementFailure.CAPACITY: ErrorKind.OVERLOADED,
                   PlacementFailure.UNAVAILABLE: ErrorKind.UNAVAILABLE}
 

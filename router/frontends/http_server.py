@@ -129,11 +129,20 @@ class GuardedH11(H11Protocol):
             self._forget()
             return
         super().connection_made(tls)
+        self._note_client_cert(tls)
         self.handshaking = False
         self._arm_head_timer()
         if self.early:  # what TLS delivered before start_tls returned to us
             early, self.early = bytes(self.early), bytearray()
             self.data_received(early)
+
+    def _note_client_cert(self, tls: asyncio.Transport) -> None:
+        """A certificate the client presented (the listener asks for one, optionally) reaches the
+        app in each request's scope, as the ASGI TLS extension says: ``extensions.tls.client_cert_chain``."""
+        ssl_object = tls.get_extra_info("ssl_object")
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        if der:
+            self.app = with_client_cert(self.app, ssl.DER_cert_to_PEM_cert(der))
 
     def _forget(self) -> None:
         if self.peer_host is not None:
@@ -234,11 +243,21 @@ class GuardedServer(uvicorn.Server):
         self.started = True
 
 
+def with_client_cert(app, pem: str):
+    """``app`` with the client's certificate (PEM) in every request's scope (``extensions.tls``)."""
+    async def app_with_cert(scope, receive, send):
+        scope.setdefault("extensions", {})["tls"] = {"client_cert_chain": [pem]}
+        await app(scope, receive, send)
+    return app_with_cert
+
+
 async def serve_http(app, host: str, port: int, tls_files: tuple[str, str] | None,
-                     limits: HttpSection) -> tuple[GuardedServer, asyncio.Task, int]:
+                     limits: HttpSection, client_ca: str | None = None) -> tuple[GuardedServer, asyncio.Task, int]:
     """Starts the server on ``host:port`` (0: any free port) in this event loop,
     over TLS with ``tls_files`` (certificate and key files), in plaintext
-    without (loopback only); returns the server, its task and the bound port."""
+    without (loopback only); returns the server, its task and the bound port.
+    ``client_ca``: a CA file whose client certificates the handshake asks for (optionally)
+    and verifies; each reaches the app in its requests' scope (:func:`with_client_cert`)."""
     if tls_files is None and not is_loopback(host):
         raise OSError(f"refusing to serve HTTP in plaintext on {host}:{port} (not a loopback address)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -248,11 +267,14 @@ async def serve_http(app, host: str, port: int, tls_files: tuple[str, str] | Non
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    client_ca = client_ca if tls_files else None
     server = GuardedServer(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, http="h11",
                                           ws="none",
                                           timeout_graceful_shutdown=2, backlog=limits.max_connections,
                                           ssl_certfile=tls_files[0] if tls_files else None,
-                                          ssl_keyfile=tls_files[1] if tls_files else None),
+                                          ssl_keyfile=tls_files[1] if tls_files else None,
+                                          ssl_ca_certs=client_ca,
+                                          ssl_cert_reqs=ssl.CERT_OPTIONAL if client_ca else ssl.CERT_NONE),
                            limits)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     loop = asyncio.get_running_loop()

@@ -48,6 +48,8 @@ from kvrelay.router.frontends.openai_requests import (
 )
 from kvrelay.router.frontends.openai_schema import openapi
 from kvrelay.runtime.config import HttpSection
+from kvrelay.runtime.pki import Identity
+from kvrelay.runtime.tls import PeerRefused, TLSMaterial
 from kvrelay.runtime.tracing import TRACEPARENT
 from kvrelay.v1 import inference_pb2 as ipb
 
@@ -100,8 +102,10 @@ def _extension(finish: ipb.Finish) -> dict:
 class OpenAIServer:
     """The HTTP API over the router core."""
 
-    def __init__(self, core: RouterCore, limits: HttpSection, request_timeout_s: float | None = None) -> None:
-        self.core = core
+    def __init__(self, core: RouterCore, limits: HttpSection, request_timeout_s: float | None = None,
+                 tls: TLSMaterial | None = None) -> None:
+        """``tls``: the router's material, whose CA and revoked serials a client certificate is checked by."""
+        self.core, self.tls = core, tls
         self.limits = limits
         self.model_name = core.limits.name
         """The name answers carry when the request names none."""
@@ -126,9 +130,20 @@ class OpenAIServer:
         """The accepted request schema (no credentials needed: it is the same for everyone)."""
         return JSONResponse(self.schema)
 
+    def cert(self, request: Request) -> Identity | None:
+        """The identity of the client certificate the caller presented over TLS (None: none);
+        RouterError(UNAUTHENTICATED) when it is revoked or names no kvrelay identity."""
+        chain = request.scope.get("extensions", {}).get("tls", {}).get("client_cert_chain")
+        if not chain or self.tls is None:
+            return None
+        try:
+            return self.tls.peer_of_pem(chain[0].encode())
+        except PeerRefused as exc:
+            raise RouterError(ErrorKind.UNAUTHENTICATED, exc.message) from None
+
     async def models(self, request: Request) -> JSONResponse:
         try:
-            self.auth.tenant(request.headers.get("authorization", ""))
+            self.auth.tenant(request.headers.get("authorization", ""), self.cert(request))
         except RouterError as exc:
             return api_error(exc).response()
         lim = self.core.limits
@@ -170,9 +185,11 @@ class OpenAIServer:
         """Who calls (before anything of the body is read), then what they ask."""
         how = request.headers.get("authorization", "")
         try:
-            tenant = self.auth.tenant(how)
+            cert = self.cert(request)
+            tenant = self.auth.tenant(how, cert)
         except RouterError as exc:
-            self.core.audit_refused("http", exc, "token" if how else "none")
+            self.core.audit_refused("http", exc, "certificate" if request.scope.get("extensions", {}).get("tls")
+                                    else "token" if how else "none")
             raise api_error(exc) from None
         try:
             self.core.door(tenant, "http")  # before the body: a prompt that may not enter here is never read
@@ -181,7 +198,7 @@ class OpenAIServer:
         body = decode_body(await self._body(request))
         req, stream, include_usage = chat_request(body) if chat else completion_request(body)
         return req, stream, include_usage, Caller.with_timeout(
-            tenant, self.request_timeout_s, api="http", credential=self.auth.credential(how),
+            tenant, self.request_timeout_s, api="http", credential=self.auth.credential(how, cert),
             traceparent=request.headers.get(TRACEPARENT, ""))
 
     async def _first(self, req: ipb.GenerateRequest, caller: Caller):

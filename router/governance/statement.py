@@ -472,7 +472,7 @@ def _federated_text(providers: list[dict]) -> str:
 def _sign_in_text(methods: dict) -> str:
     words = {"token": "a bearer token (only its SHA-256 is configured)",
              "client_certificate": "a client certificate naming it from the cluster CA (gRPC on the internal "
-                                   "port; the HTTP API takes tokens only)",
+                                   "port, and the HTTPS API)",
              "openid_token": "an access token of an OpenID provider whose claims map to it (identity.oidc)",
              "anonymous": "no credentials at all (anonymous access is allowed on loopback)"}
     return _names((words[k] for k, on in methods.items() if on), "nothing: it cannot sign in", last="or")

@@ -1,12 +1,17 @@
 """A real OpenID Connect provider for the tests: the npm package oidc-provider
 (tests/oidc/provider.mjs, installed by `make oidc`) run by Node on loopback with
 keys made here, handing out real access tokens (JWT) by the client-credentials
-grant. Restarting it with new keys rotates them; stopping it takes it down."""
+grant, and by the device authorization grant to a user whose sign-in
+:meth:`Provider.sign_in` completes as a browser would. Restarting it with new
+keys rotates them; stopping it takes it down."""
 
 from __future__ import annotations
 
 import base64
+import html
+import http.cookiejar
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -58,11 +63,13 @@ class Provider:
         self.port = port or free_port()
         self.issuer = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.extra: dict = {}
+        """More of the provider's config: ``users`` (name -> groups) for the device flow, ``cli_ttl_s``."""
 
     def start(self) -> Provider:
         cfg = {"port": self.port, "issuer": self.issuer, "jwks": {"keys": self.keys},
                "clients": [{"client_id": c.client_id, "client_secret": c.secret, "groups": c.groups,
-                            "ttl_s": c.ttl_s} for c in self.clients.values()]}
+                            "ttl_s": c.ttl_s} for c in self.clients.values()]} | self.extra
         path = self.folder / f"provider-{self.port}.json"
         path.write_text(json.dumps(cfg))
         self.proc = subprocess.Popen(["node", str(SCRIPT), str(path)], stdout=subprocess.PIPE,
@@ -99,3 +106,26 @@ class Provider:
                 return json.loads(resp.read())["access_token"]
         except urllib.error.HTTPError as exc:
             raise RuntimeError(f"the provider refused a token: {exc.read()!r}") from None
+
+    def sign_in(self, url: str, user: str) -> None:
+        """What a researcher does in a browser at the device flow's link: confirm the code, sign in as
+        ``user`` (the provider's development login takes any name), each form posted with its cookies."""
+        browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+        with browser.open(url, timeout=10) as resp:
+            page = resp.read().decode()
+        for _ in range(8):
+            form = re.search(r'<form[^>]*action="([^"]*)"[^>]*>(.*?)</form>', page, re.S)
+            if form is None:
+                if "Success" not in page:
+                    raise RuntimeError(f"the sign-in ended without success: {page[:500]}")
+                return
+            fields = {n: "" for n in re.findall(r'<input[^>]*name="([^"]+)"', form[2])}
+            fields |= {n: html.unescape(v) for n, v in re.findall(r'<input[^>]*name="([^"]+)"[^>]*value="([^"]*)"',
+                                                                  form[2])}
+            fields |= {n: v for n, v in re.findall(r'<button[^>]*name="([^"]+)"[^>]*value="([^"]*)"', form[2])}
+            fields |= {k: v for k, v in (("login", user), ("password", "any")) if k in fields}
+            action = urllib.parse.urljoin(self.issuer + "/", html.unescape(form[1]))
+            with browser.open(urllib.request.Request(action, data=urllib.parse.urlencode(fields).encode()),
+                              timeout=10) as resp:
+                page = resp.read().decode()
+        raise RuntimeError("the sign-in did not end within 8 pages")

@@ -4,12 +4,17 @@ its tokens act as the tenant or operator their groups claim maps to, on gRPC and
 HTTP; every bad token (expired, another audience, another issuer, re-signed,
 ``alg: none``, no matching rule) is refused naming why, in each API's own error
 shape, and the next good request is served; a key rotation is picked up without
-a restart, and a provider that goes down leaves the keys already fetched valid."""
+a restart, and a provider that goes down leaves the keys already fetched valid.
+The HTTPS API also takes a client certificate from the cluster CA, as gRPC does."""
 
 from __future__ import annotations
 
 import base64
 import json
+import os
+import stat
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +25,8 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from kvrelay.cli.main import main as kvrelay
+from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import inference_pb2 as ipb
@@ -33,7 +40,9 @@ CLIENTS = [Client("lab-app", ["kvrelay-lab", "physics"]), Client("noc-app", ["kv
 
 @pytest.fixture(scope="module")
 def idp(tmp_path_factory):
-    provider = Provider(tmp_path_factory.mktemp("idp"), CLIENTS, [rsa_jwk("k1")]).start()
+    provider = Provider(tmp_path_factory.mktemp("idp"), CLIENTS, [rsa_jwk("k1")])
+    provider.extra = {"users": {"alice": ["kvrelay-lab"]}, "cli_ttl_s": 3}  # kvrelay login's tokens last 3 s
+    provider.start()
     yield provider
     provider.stop()
 
@@ -58,12 +67,12 @@ def grpc_generate(lc, token: str) -> list[ipb.GenerateResponse]:
         return list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt="hi", max_tokens=2), timeout=60))
 
 
-def http_complete(lc, token: str) -> tuple[int, dict]:
+def http_complete(lc, token: str, context=None) -> tuple[int, dict]:
+    headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {token}"} if token else {})
     req = urllib.request.Request(f"https://{lc.http_address}/v1/completions",
-                                 data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
-                                 headers={"authorization": f"Bearer {token}", "content-type": "application/json"})
+                                 data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=60, context=tls_context(lc)) as r:
+        with urllib.request.urlopen(req, timeout=60, context=context or tls_context(lc)) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -160,3 +169,61 @@ def test_a_rotated_key_is_taken_without_restart_and_a_provider_down_leaves_fetch
         assert "cannot be reached" in err.value.details()
     finally:
         idp.start()
+
+
+def test_a_client_certificate_is_its_tenant_on_the_https_api(oidc_cluster, tmp_path):
+    def presenting(ident: Identity):
+        material = oidc_cluster.creds.material(ident)
+        (tmp_path / "c.pem").write_bytes(material.cert_pem)
+        (tmp_path / "c.key").write_bytes(material.key_pem)
+        ctx = tls_context(oidc_cluster)
+        ctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "c.key")
+        return ctx
+    status, body = http_complete(oidc_cluster, "", presenting(Identity("local", CertRole.CLIENT, "lab")))
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+    status, body = http_complete(oidc_cluster, "", presenting(Identity("local", CertRole.DECODE, "0")))
+    assert status == 403 and "is a decode certificate" in body["error"]["message"], body
+    status, body = http_complete(oidc_cluster, "", presenting(Identity("local", CertRole.CLIENT, "nobody")))
+    assert status == 403 and "names tenant 'nobody', which is not in the config's tenants" in body["error"]["message"]
+    status, body = http_complete(oidc_cluster, "")
+    assert status == 401 and "client credentials required" in body["error"]["message"], body
+
+    def audited() -> list[str]:
+        lines = Path(oidc_cluster.cfg.router.records.audit_log).read_text().splitlines()
+        return [r["credential"] for r in map(json.loads, lines) if r["kind"] == "request" and r.get("api") == "http"]
+    assert wait_until(lambda: any(c.startswith("certificate ") and "client/lab" in c for c in audited()), 10)
+
+
+def test_kvrelay_login_signs_in_by_device_flow_and_client_commands_send_and_refresh_its_token(
+        oidc_cluster, idp, tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k != "KVRELAY_API_KEY"}
+    login = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "--cache-dir", str(cache), "login", "--issuer",
+                              idp.issuer], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert login.stdout is not None
+        shown = login.stdout.readline()  # "To sign in, open URL and enter the code CODE"
+        url = shown.split(" open ", 1)[1].split(" and enter", 1)[0]
+        idp.sign_in(url, "alice")
+        assert login.wait(60) == 0, login.stderr.read() if login.stderr else ""
+    finally:
+        if login.poll() is None:
+            login.kill()
+    cached = cache / "oidc-token.json"
+    assert stat.S_IMODE(cached.stat().st_mode) == 0o600
+    first = json.loads(cached.read_text())
+    assert first["refresh_token"] and _claims(first["access_token"])["sub"] == "alice"
+    monkeypatch.delenv("KVRELAY_API_KEY", raising=False)
+    time.sleep(max(0.0, first["expires_at"] - time.time()) + 0.5)  # expired: the next command refreshes it
+    capsys.readouterr()
+    args = ["--cache-dir", str(cache), "generate", "hi", "--max-tokens", "2", "--router", oidc_cluster.router_address,
+            "--ca", str(oidc_cluster.ca_file)]
+    assert kvrelay(args) == 0, capsys.readouterr().err
+    refreshed = json.loads(cached.read_text())
+    assert refreshed["access_token"] != first["access_token"] and refreshed["expires_at"] > first["expires_at"]
+
+    def audited() -> list[str]:
+        lines = Path(oidc_cluster.cfg.router.records.audit_log).read_text().splitlines()
+        return [r["credential"] for r in map(json.loads, lines) if r["kind"] == "request"]
+    assert wait_until(lambda: f"oidc test-idp sub=alice iss={idp.issuer}" in audited(), 10)
+    assert kvrelay(["--cache-dir", str(cache), "logout"]) == 0 and not cached.exists()
