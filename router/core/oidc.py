@@ -9,9 +9,9 @@ at the first that fails:
 2. its ``iss`` is a configured provider's issuer, exactly;
 3. its ``kid`` is among that provider's keys, fetched from its ``jwks_uri`` (or
    the one its discovery document names) every ``jwks_refresh_s`` by a thread of
-   its own, and at once (at most every :data:`MIN_REFETCH_S`, within the
-   provider's ``timeout_s``, the caller waiting) for a ``kid`` not yet known: a
-   rotated key is picked up without a restart. A provider that
+   its own, and at once (at most every :data:`MIN_REFETCH_S`; the check waits
+   :data:`INLINE_WAIT_S` at most) for a ``kid`` not yet known: a rotated key is
+   picked up without a restart. A provider that
    cannot be reached leaves the keys already fetched in use until
    ``jwks_max_age_s`` after the last fetch that succeeded;
 4. the signature verifies against that key (a key whose own ``alg`` differs
@@ -47,6 +47,9 @@ MIN_REFETCH_S = 2.0
 """Least seconds between two fetches of a provider's keys for an unknown ``kid``."""
 MAX_DOCUMENT_BYTES = 1 << 20
 """A discovery document or key set larger than this is refused."""
+INLINE_WAIT_S = 0.5
+"""Longest a check waits for the keys' thread to fetch a key id it does not know (the event loop
+waits with it: a provider slower than this makes that token fail, not the router stall)."""
 RETRY_S = 10.0
 """Seconds between two fetches of a provider's keys while it cannot be reached."""
 MAX_REMEMBERED = 10_000
@@ -101,27 +104,38 @@ class KeySet:
         self._jwks_uri = provider.jwks_uri
         self._lock = threading.Lock()
         """Guards the keys and the times and error of the fetches."""
-        self._fetching = threading.Lock()
-        """Held during a fetch: one at a time."""
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        """Set to make the thread fetch now (a key id not yet known, keys past their age)."""
+        self._fetched = threading.Event()
+        """Set when no fetch is due or under way."""
+        self._in_flight = True  # the thread's first fetch, at once
+        self._fetched.clear()
         self._thread = threading.Thread(target=self._run, name=f"oidc-keys-{provider.name}", daemon=True)
         self._thread.start()
 
     def key(self, kid: str) -> tuple[jwt.PyJWK, str | None]:
         """The key ``kid`` and the algorithm its JWK names; RouterError(UNAUTHENTICATED) naming
-        why there is none. A ``kid`` not yet known, or keys past ``jwks_max_age_s``, fetch the keys
-        first (bounded by ``timeout_s``, at most every :data:`MIN_REFETCH_S`)."""
+        why there is none. A ``kid`` not yet known, or keys past ``jwks_max_age_s``, make the thread
+        fetch the keys first (at most every :data:`MIN_REFETCH_S`; waited for :data:`INLINE_WAIT_S` at most)."""
         with self._lock:
             now = time.monotonic()
             stale = self._fetched_at is None or now - self._fetched_at > self.provider.jwks_max_age_s
-            fetch = (kid not in self._keys or stale) and now - self._tried_at >= MIN_REFETCH_S
-        if fetch:
-            self._refresh()
+            need = kid not in self._keys or stale
+            start = need and not self._in_flight and now - self._tried_at >= MIN_REFETCH_S
+            if start:
+                self._claim()
+            wait = need and self._in_flight
+        if start:
+            self._wake.set()
+        if wait:  # the thread fetches; this waits a moment for it, never a slow provider's whole fetch
+            self._fetched.wait(INLINE_WAIT_S)
         with self._lock:
             key, fetched, error = self._keys.get(kid), self._fetched_at, self._error
         name = self.provider.name
         if fetched is None:
-            raise _refused(f"the keys of provider {name} could not be fetched: {error}")
+            raise _refused(f"the keys of provider {name} could not be fetched yet: "
+                           f"{error or 'its first fetch is under way'}")
         age = time.monotonic() - fetched
         if age > self.provider.jwks_max_age_s:
             raise _refused(f"the keys of provider {name} were last fetched {age:.0f} s ago, more than its "
@@ -135,33 +149,49 @@ class KeySet:
     def close(self) -> None:
         """Stops the refreshing thread."""
         self._stop.set()
+        self._wake.set()
 
     def _run(self) -> None:
         wait = 0.0
-        while not self._stop.wait(wait):
+        while True:
+            self._wake.wait(wait)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             with self._lock:
-                due = time.monotonic() - self._tried_at >= MIN_REFETCH_S
-            if due:
+                go = self._in_flight or time.monotonic() - self._tried_at >= MIN_REFETCH_S
+                if go:
+                    self._claim()
+            if go:
                 self._refresh()
             with self._lock:
                 ok = self._error is None and self._fetched_at is not None
             wait = self.provider.jwks_refresh_s if ok else min(self.provider.jwks_refresh_s, RETRY_S)
 
+    def _claim(self) -> None:
+        """Marks a fetch as due or under way (the lock held): checks that need it wait for its end."""
+        self._in_flight = True
+        self._fetched.clear()
+
     def _refresh(self) -> None:
-        """Fetches the keys, one fetch at a time, without holding the state's lock (a slow
-        provider never holds up a check with keys in hand); on failure keeps those it has and notes why."""
-        with self._fetching:
+        """Fetches the keys (in the thread, without holding the state's lock: a slow provider never
+        holds up a check with its key in hand); on failure keeps those it has and notes why."""
+        with self._lock:
+            self._tried_at = time.monotonic()
+        try:
+            keys = self._download()
+        except (OSError, ValueError) as exc:
+            log.warning("OpenID provider %s: its keys could not be fetched: %s", self.provider.name, exc)
             with self._lock:
-                self._tried_at = time.monotonic()
-            try:
-                keys = self._download()
-            except (OSError, ValueError) as exc:
-                log.warning("OpenID provider %s: its keys could not be fetched: %s", self.provider.name, exc)
-                with self._lock:
-                    self._error = str(exc)
-                return
+                self._error = str(exc)
+            return
+        else:
             with self._lock:
                 self._keys, self._fetched_at, self._error = keys, time.monotonic(), None
+        finally:
+            with self._lock:
+                self._in_flight = False
+                self._fetched.set()
 
     def _download(self) -> dict[str, tuple[jwt.PyJWK, str | None]]:
         p = self.provider
@@ -296,4 +326,5 @@ def _holds(value: object, rule: ClaimRule) -> bool:
     return False
 
 
-__all__ = ["MIN_REFETCH_S", "RETRY_S", "KeySet", "OIDCVerifier", "Principal", "http_get", "looks_like_jwt"]
+__all__ = ["INLINE_WAIT_S", "MIN_REFETCH_S", "RETRY_S", "KeySet", "OIDCVerifier", "Principal", "http_get",
+           "looks_like_jwt"]
