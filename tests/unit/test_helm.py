@@ -338,3 +338,27 @@ def test_dockerfile_lints():
     image = yaml.safe_load((chart.CHART / "values.yaml").read_text())
     assert f"--uid {image['podSecurity']['runAsUser']}" in text
     assert image["model"]["imagePath"].startswith("/opt/kvrelay/models/") and "--cache-dir /opt/kvrelay" in text
+
+
+def test_an_audit_signing_key_secret_is_mounted_apart_from_the_log_and_named_in_the_config(helm_bin: Path,
+                                                                                         tmp_path: Path):
+    def routers(sets: list[str]) -> tuple[list[dict], object]:
+        out = chart.template([chart.EXAMPLES / "three-routers" / "values.yaml"], sets, helm_bin)
+        assert out.returncode == 0, out.stderr
+        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Deployment"
+                and d["metadata"]["name"].startswith("kvrelay-router-")]
+        return pods, cluster_config(docs, tmp_path)
+
+    pods, cfg = routers(["router.auditSigningKey.existingSecret=kvrelay-audit-key"])
+    assert len(pods) == 3 and cfg.router.records.audit_signing_key == "/etc/kvrelay/audit-key/signing.key"
+    for pod in pods:
+        volume = next(v for v in pod["volumes"] if v["name"] == "audit-key")
+        assert volume["secret"]["secretName"] == "kvrelay-audit-key" and volume["secret"]["defaultMode"] == 0o400
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "audit-key")
+        assert mount["readOnly"] and not cfg.router.records.audit_log.startswith(mount["mountPath"])
+    pods, cfg = routers([])
+    assert cfg.router.records.audit_signing_key is None
+    assert not any(v["name"] == "audit-key" for pod in pods for v in pod["volumes"])
+    out = chart.template([], ["config.router.records.audit_signing_key=/x"], helm_bin)
+    assert out.returncode != 0 and "audit_signing_key" in out.stderr

@@ -133,6 +133,9 @@ ports, files, TLS, scaling). The schema refuses those fields under `config`.
 {{- $_ := set $records "jobs_db" (printf "%s/jobs.sqlite" $p.state) -}}
 {{- $_ := set $records "audit_log" (printf "%s/audit.jsonl" $p.state) -}}
 {{- $_ := set $records "usage_db" (printf "%s/usage.sqlite" $p.state) -}}
+{{- if .Values.router.auditSigningKey.existingSecret -}}
+{{- $_ := set $records "audit_signing_key" "/etc/kvrelay/audit-key/signing.key" -}}
+{{- end -}}
 {{- $_ := set $router "records" $records -}}
 {{- if .Values.routers -}}
 {{- $entries := list -}}
