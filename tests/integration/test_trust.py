@@ -7,12 +7,16 @@ certificate stands in for a token; nothing readable crosses the wire."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -65,6 +69,7 @@ def trust_cluster(plumbing_model, pki):
     raw = dict(CLUSTER_YAML, sites=[*CLUSTER_YAML["sites"], {"name": "other", "jurisdiction": "EU",
                                                               "prefill": {"replicas": 0},
                                                               "decode": {"replicas": 0}}])
+    raw["router"] = dict(raw["router"], http_port=0)
     raw["tls"] = {"ca": str(pki["folder"] / CA_CERT), "ca_key": str(pki["folder"] / CA_KEY),
                   "revoked_serials": [pki["serial"]]}
     raw["tenants"] = [{"name": "local", "token_sha256": token_sha256(TENANT_TOKEN)}, {"name": "lab-c"}]  # lab-c: cert
@@ -274,6 +279,36 @@ def test_client_certificates_name_tenants_and_no_credentials_is_refused(trust_cl
             .sync(trust_cluster.internal_address) as ch:
         assert code_of(lambda: list(igrpc.InferenceStub(ch).Generate(req, timeout=30))) == \
             grpc.StatusCode.PERMISSION_DENIED
+
+
+def _https(lc, tmp_path, cert_key: tuple[bytes, bytes] | None) -> tuple[int, dict]:
+    """POST /v1/completions over HTTPS presenting ``cert_key`` (no token): status and body."""
+    ctx = ssl.create_default_context(cafile=str(lc.ca_file))
+    if cert_key is not None:
+        (tmp_path / "c.pem").write_bytes(cert_key[0])
+        (tmp_path / "c.key").write_bytes(cert_key[1])
+        ctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "c.key")
+    req = urllib.request.Request(f"https://{lc.http_address}/v1/completions", headers={
+        "content-type": "application/json"}, data=json.dumps({"prompt": "Say hi.", "max_tokens": 2}).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=60, context=ctx) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_https_takes_a_client_certificate_and_refuses_a_revoked_or_foreign_one(trust_cluster, pki, tmp_path):
+    status, body = _https(trust_cluster, tmp_path, issue(pki["ca"], Identity("local", CertRole.CLIENT, "lab-c")))
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+    status, body = _https(trust_cluster, tmp_path, pki["revoked"])  # a revoked serial of the config
+    assert status == 401 and f"certificate serial {pki['serial']}" in body["error"]["message"], body
+    assert "is revoked" in body["error"]["message"]
+    other = tmp_path / "other"
+    init_ca_dir(other)
+    foreign = issue(load_ca(other / CA_CERT, other / CA_KEY), Identity("local", CertRole.CLIENT, "lab-c"))
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        _https(trust_cluster, tmp_path, foreign)  # another CA's: the handshake itself fails
+    assert _https(trust_cluster, tmp_path, None)[0] == 401
 
 
 class LoopbackTap:
