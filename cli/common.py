@@ -18,7 +18,7 @@ from kvrelay.launch.credentials import CLIENT_TOKEN, LOCAL_PKI
 from kvrelay.runtime.files import write_private
 from kvrelay.runtime.pki import CA_CERT, PKIError, check_pair, read_pem
 from kvrelay.runtime.rpc import Dialer
-from kvrelay.runtime.tls import TLSMaterial, parse_serials
+from kvrelay.runtime.tls import RevokedSerials, TLSMaterial, parse_serials
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 
@@ -77,12 +77,12 @@ def dialer(args: argparse.Namespace, token: str | None) -> Dialer:
     except ValueError:
         raise PKIError(f"--revoked takes comma-separated hex serials, got {args.revoked!r}") from None
     if args.cert is None:
-        return Dialer(TLSMaterial(ca_pem, revoked=revoked), token)
+        return Dialer(TLSMaterial(ca_pem, revoked=RevokedSerials(revoked)), token)
     if args.key is None:
         raise PKIError("--cert needs --key")
     cert, key = read_pem(args.cert, "certificate"), read_pem(args.key, "key")
     info = check_pair(cert, key, ca_pem, str(args.cert))
-    return Dialer(TLSMaterial(ca_pem, cert, key, info.identity, revoked))
+    return Dialer(TLSMaterial(ca_pem, cert, key, info.identity, RevokedSerials(revoked)))
 
 
 def operator_token(token_file: Path) -> str | None:

@@ -27,7 +27,7 @@ from kvrelay.runtime.pki import (
     load_ca,
     write_private,
 )
-from kvrelay.runtime.tls import TLSMaterial, parse_serials
+from kvrelay.runtime.tls import RevokedSerials, TLSMaterial, parse_serials
 
 if TYPE_CHECKING:  # annotations only: the client commands import this module without the config's validation
     from kvrelay.runtime.config import TLSSection
@@ -103,7 +103,7 @@ class ClusterCredentials:
     def material(self, ident: Identity, hosts: tuple[str, ...] = ()) -> TLSMaterial:
         """A new certificate for ``ident`` (valid for ``hosts`` too), as a process uses it."""
         cert, key = issue(self.ca, ident, self.days, hosts)
-        return TLSMaterial(self.ca.pem, cert, key, ident, self.revoked)
+        return TLSMaterial(self.ca.pem, cert, key, ident, RevokedSerials(self.revoked))
 
     def write_files(self, ident: Identity, hosts: tuple[str, ...], folder: Path) -> None:
         """A new certificate for ``ident`` in ``folder`` as cert.pem, key.pem and ca.pem (0600), for a
@@ -125,5 +125,5 @@ class ClusterCredentials:
 
     def client(self) -> TLSMaterial:
         """What a client that presents no certificate needs: the CA."""
-        return TLSMaterial(self.ca.pem, revoked=self.revoked)
+        return TLSMaterial(self.ca.pem, revoked=RevokedSerials(self.revoked))
 

@@ -38,6 +38,7 @@ from kvrelay.router.core.jobs_store import JobStorage, JobStoreUnavailable
 from kvrelay.router.core.observe import TARGETS_REFRESH_S, RouterTelemetry, write_targets
 from kvrelay.router.core.pipeline import CoreParts, RouterCore
 from kvrelay.router.core.quotas import Quotas
+from kvrelay.router.core.records import RecordKind
 from kvrelay.router.core.requests import ModelLimits
 from kvrelay.router.core.shared_jobs import SharedJobStore, conninfo
 from kvrelay.router.core.shared_quotas import QuotaExchange
@@ -58,6 +59,7 @@ from kvrelay.runtime.kvsecret import pem_from_env, read_secret
 from kvrelay.runtime.lifetime import die_with_parent
 from kvrelay.runtime.metrics import serve_metrics
 from kvrelay.runtime.pki import CertRole, Identity, PKIError, write_private
+from kvrelay.runtime.revocations import follow_revocations
 from kvrelay.runtime.rpc import PLAINTEXT, CallBounds, Dialer, bind, create_server
 from kvrelay.runtime.tls import TLSMaterial, load_material, router_identity
 from kvrelay.runtime.topology import Topology
@@ -179,6 +181,16 @@ async def keep_targets(core: RouterCore, path: str | None, stop: asyncio.Event) 
             await asyncio.wait_for(stop.wait(), TARGETS_REFRESH_S)
         except TimeoutError:
             pass
+
+
+def revocations_audited(audit: AuditWriter | None):
+    """What records a change of ``tls.revoked_serials`` in the audit log (an operator's action on the config)."""
+    def changed(added: frozenset[int], removed: frozenset[int]) -> None:
+        if audit is not None:
+            audit.append(RecordKind.OPERATOR, {"operator": "config", "action": "revoked serials",
+                                               "added": [f"{s:x}" for s in sorted(added)],
+                                               "removed": [f"{s:x}" for s in sorted(removed)]})
+    return changed
 
 
 def model_limits(cfg: ClusterConfig, args: argparse.Namespace) -> tuple[Tokenizer, ModelLimits]:
@@ -315,9 +327,12 @@ async def run(args: argparse.Namespace) -> None:
         retention = RetentionSweeper(cfg, jobs.store, audit)
         sweeping = asyncio.create_task(retention.run(stop))
         targets = asyncio.create_task(keep_targets(core, cfg.telemetry.prometheus_targets, stop))
+        revocations = asyncio.create_task(follow_revocations(args.config, tls.revoked if tls else None, stop,
+                                                             revocations_audited(audit)))
         await stop.wait()
         await _stopped(sweeping, 30.0, "the retention sweep")
         await _stopped(targets, 5.0, "the Prometheus targets file")
+        await _stopped(revocations, 5.0, "following the revoked serials")
 
 
 def private_folder() -> tempfile.TemporaryDirectory:

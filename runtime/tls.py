@@ -38,6 +38,36 @@ class PeerRefused(Exception):
         self.message = message
 
 
+class RevokedSerials:
+    """The certificate serials refused though the CA signed them (``tls.revoked_serials``):
+    one object shared by every holder of a process's material, whose set a process may
+    replace while it runs (the router, when its config file changes), so that each check
+    after it refuses the new serials."""
+
+    __slots__ = ("_serials",)
+
+    def __init__(self, serials: frozenset[int] | set[int] = frozenset()) -> None:
+        self._serials = frozenset(serials)
+
+    def __contains__(self, serial: object) -> bool:
+        return serial in self._serials
+
+    def __bool__(self) -> bool:
+        return bool(self._serials)
+
+    def __len__(self) -> int:
+        return len(self._serials)
+
+    @property
+    def serials(self) -> frozenset[int]:
+        return self._serials
+
+    def replace(self, serials: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
+        """Refuses ``serials`` from now on (and no other); the serials (added, removed)."""
+        old, self._serials = self._serials, frozenset(serials)
+        return self._serials - old, old - self._serials
+
+
 @dataclass(frozen=True, slots=True)
 class TLSMaterial:
     """One process's TLS material, checked when built (:func:`load_material`)."""
@@ -49,8 +79,12 @@ class TLSMaterial:
     key_pem: bytes | None = None
     identity: Identity | None = None
     """What ``cert_pem`` names."""
-    revoked: frozenset[int] = field(default_factory=frozenset)
-    """Certificate serials that are refused even though the CA signed them."""
+    revoked: RevokedSerials = field(default_factory=RevokedSerials)
+    """Certificate serials that are refused even though the CA signed them (a frozenset given is wrapped)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.revoked, RevokedSerials):
+            object.__setattr__(self, "revoked", RevokedSerials(self.revoked))
 
     def server_credentials(self, mutual: bool) -> grpc.ServerCredentials:
         """TLS for a listener; ``mutual``: clients must present a certificate from the CA."""
@@ -141,4 +175,4 @@ def load_material(section: TLSSection, pem: dict[str, bytes] | None = None,
         ident = check_pair(cert_pem, key_pem, ca_pem, section.cert or f"{where} certificate").identity
     else:
         load_ca_bundle(ca_pem, section.ca or f"{where}.ca")
-    return TLSMaterial(ca_pem, cert_pem, key_pem, ident, parse_serials(section.revoked_serials))
+    return TLSMaterial(ca_pem, cert_pem, key_pem, ident, RevokedSerials(parse_serials(section.revoked_serials)))

@@ -17,9 +17,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -43,7 +45,7 @@ from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
 from kvrelay.v1 import worker_pb2 as wpb
 from kvrelay.v1 import worker_pb2_grpc as wgrpc
-from tests.integration.helpers import CLUSTER_YAML, running_cluster, workers
+from tests.integration.helpers import CLUSTER_YAML, running_cluster, wait_until, workers
 
 pytestmark = pytest.mark.model
 
@@ -361,3 +363,30 @@ def test_a_packet_capture_shows_no_prompt_output_or_token(trust_cluster):
     assert trust_cluster.client_token.encode() not in tap.data
     for word in {w for w in output.split() if len(w) >= 6}:
         assert word.encode() not in tap.data, word
+
+
+def test_a_serial_revoked_in_the_config_file_is_refused_without_a_restart(trust_cluster, pki):
+    """The router follows its config file: an operator certificate that works is refused once its
+    serial is added to tls.revoked_serials there, the router never restarted (the change audited)."""
+    ident = Identity("local", CertRole.OPERATOR, "on-call")
+    cert, key = issue(pki["ca"], ident)
+    dial = Dialer(TLSMaterial(trust_cluster.creds.ca_pem, cert, key, ident))
+
+    def listing() -> grpc.StatusCode:
+        with dial.sync(trust_cluster.internal_address) as ch:
+            try:
+                wgrpc.RegistryStub(ch).ListWorkers(wpb.ListWorkersRequest(), timeout=10)
+            except grpc.RpcError as exc:
+                return exc.code()
+        return grpc.StatusCode.OK
+    assert listing() == grpc.StatusCode.OK
+    router_pid = next(c.proc.pid for c in trust_cluster.children if c.name.startswith("router"))
+    serial = format(x509.load_pem_x509_certificate(cert).serial_number, "x")
+    raw = yaml.safe_load(trust_cluster.config_path.read_text())
+    raw["tls"]["revoked_serials"] = [*raw["tls"]["revoked_serials"], serial]
+    trust_cluster.config_path.write_text(yaml.safe_dump(raw))
+    assert wait_until(lambda: listing() == grpc.StatusCode.UNAUTHENTICATED, 20)
+    assert next(c.proc.pid for c in trust_cluster.children if c.name.startswith("router")) == router_pid
+    log = Path(trust_cluster.cfg.router.records.audit_log)
+    assert wait_until(lambda: any(r.get("action") == "revoked serials" and r["added"] == [serial]
+                                  for r in map(json.loads, log.read_text().splitlines())), 10)
