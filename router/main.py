@@ -32,7 +32,7 @@ from kvrelay.router.cluster.pools import PoolManager
 from kvrelay.router.cluster.registry import WorkerRegistry
 from kvrelay.router.cluster.usage import UsageLedger
 from kvrelay.router.core.admission import FairQueue
-from kvrelay.router.core.auth import TenantSalts
+from kvrelay.router.core.auth import CallerAuth, TenantSalts
 from kvrelay.router.core.disk import DiskCollector, DiskReserve
 from kvrelay.router.core.jobs_store import JobStorage, JobStoreUnavailable
 from kvrelay.router.core.observe import TARGETS_REFRESH_S, RouterTelemetry, write_targets
@@ -259,15 +259,16 @@ async def start_grpc(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: 
 
 
 async def start_http(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: TLSMaterial | None,
-                     core: RouterCore) -> str:
+                     core: RouterCore, auth: CallerAuth) -> str:
     """The OpenAI-compatible HTTP API when enabled (its certificate files in a private folder
-    removed at exit); its address ("" when off)."""
+    removed at exit), naming callers by ``auth`` (gRPC's: one OpenID key cache); its address ("" when off)."""
     if cfg.router.http_port is None:
         return ""
     private = stack.enter_context(private_folder())
     files = http_tls_files(tls, Path(private))
-    http, http_task, http_port = await serve_http(OpenAIServer(core, cfg.router.http, tls=tls).app, cfg.router.host,
-                                                  cfg.router.http_port, files[:2] if files else None, cfg.router.http,
+    app = OpenAIServer(core, cfg.router.http, tls=tls, auth=auth).app
+    http, http_task, http_port = await serve_http(app, cfg.router.host, cfg.router.http_port,
+                                                  files[:2] if files else None, cfg.router.http,
                                                   client_ca=files[2] if files else None)
 
     async def stop() -> None:
@@ -312,7 +313,7 @@ async def run(args: argparse.Namespace) -> None:
                            job_store(cfg, tls, args, Path(stack.enter_context(private_folder()))))
         stack.push_async_callback(jobs.stop)  # after the listeners stop
         public, internal = await start_grpc(stack, cfg, tls, core, jobs, auth, audit)
-        http = await start_http(stack, cfg, tls, core)
+        http = await start_http(stack, cfg, tls, core, auth.auth)
         await join(stack, cfg, core, announced(cfg, args.name, public, internal, http))
         try:  # after etcd: a router that cannot reach it says so first
             await jobs.start()

@@ -47,9 +47,10 @@ MIN_REFETCH_S = 2.0
 """Least seconds between two fetches of a provider's keys for an unknown ``kid``."""
 MAX_DOCUMENT_BYTES = 1 << 20
 """A discovery document or key set larger than this is refused."""
-INLINE_WAIT_S = 0.5
+INLINE_WAIT_S = 2.0
 """Longest a check waits for the keys' thread to fetch a key id it does not know (the event loop
-waits with it: a provider slower than this makes that token fail, not the router stall)."""
+waits with it, at most once per MIN_REFETCH_S: a provider slower than this makes that token fail,
+not the router stall; a busy 2-core host can take most of a second for a fetch on loopback)."""
 RETRY_S = 10.0
 """Seconds between two fetches of a provider's keys while it cannot be reached."""
 MAX_REMEMBERED = 10_000

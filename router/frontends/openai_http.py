@@ -103,13 +103,14 @@ class OpenAIServer:
     """The HTTP API over the router core."""
 
     def __init__(self, core: RouterCore, limits: HttpSection, request_timeout_s: float | None = None,
-                 tls: TLSMaterial | None = None) -> None:
-        """``tls``: the router's material, whose CA and revoked serials a client certificate is checked by."""
+                 tls: TLSMaterial | None = None, auth: CallerAuth | None = None) -> None:
+        """``tls``: the router's material, whose CA and revoked serials a client certificate is checked by;
+        ``auth``: who callers are (the gRPC front ends', so one OpenID key cache serves both; default: its own)."""
         self.core, self.tls = core, tls
         self.limits = limits
         self.model_name = core.limits.name
         """The name answers carry when the request names none."""
-        self.auth = CallerAuth(core.cfg)
+        self.auth = auth or CallerAuth(core.cfg)
         self.request_timeout_s = request_timeout_s
         self.schema = openapi(version("kvrelay"))
         self.app = Starlette(routes=[
