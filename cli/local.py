@@ -280,7 +280,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except RayPlaintext as exc:
         print(f"kvrelay: {exc}", file=sys.stderr)
         return 2
-    cluster = LocalCluster(cfg, model_path, log_level=args.log_level, cities=cities_for(args), backend=backend)
+    cluster = LocalCluster(cfg, model_path, log_level=args.log_level, cities=cities_for(args), backend=backend,
+                           config_file=args.config)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(True))

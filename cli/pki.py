@@ -1,9 +1,11 @@
-"""`kvrelay pki`: the cluster's certificates (init, issue, show).
+"""`kvrelay pki`: the cluster's certificates (init, issue, rotate-ca, show).
 
 ``init`` makes the cluster CA in a folder readable by this user only;
 ``issue`` signs a certificate for one component (its role, site and name,
 see runtime/pki.py) with that CA; ``show`` prints what a certificate names,
-its serial (as ``tls.revoked_serials`` takes it) and whether it is in date."""
+its serial (as ``tls.revoked_serials`` takes it) and whether it is in date;
+``rotate-ca`` rolls a new CA in, in three steps (trust it beside the old
+one, ``--issue`` with it, ``--finish``: drop the old one after the overlap)."""
 
 from __future__ import annotations
 
@@ -25,13 +27,16 @@ from kvrelay.runtime.pki import (
     PKIError,
     cert_info,
     check_issued_by,
+    finish_rotation,
     init_ca_dir,
     issue,
+    issue_with_new_ca,
     load_ca,
     load_ca_bundle,
     load_cert,
     read_pem,
     role_dns,
+    rotate_ca_dir,
     write_private,
 )
 
@@ -127,6 +132,40 @@ def cmd_pki_issue(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pki_rotate_ca(args: argparse.Namespace) -> int:
+    """A step of a CA rotation in ``args.dir``: start it (trust a new CA), ``--issue`` (issue with
+    it), ``--finish`` (trust only it); exit 2 for bad input or a step out of turn."""
+    folder: Path = args.dir
+    try:
+        if args.issue and args.finish:
+            raise PKIError("--issue and --finish are two steps: one at a time")
+        if args.force and not (args.issue or args.finish):
+            raise PKIError("--force goes with --issue or --finish")
+        if args.finish:
+            done = finish_rotation(folder, force=args.force)
+            print(f"kvrelay: {folder / CA_CERT} now holds only the new CA (serial {done.new_serial:x}); certificates "
+                  f"of the old one ({_serials(done.old_serials)}) are refused from each process's next look at it")
+            return 0
+        if args.issue:
+            rotation = issue_with_new_ca(folder, force=args.force)
+            print(f"kvrelay: the new CA (serial {rotation.new_serial:x}) issues now: launchers following {folder} "
+                  "issue every certificate again from it; renew others with kvrelay pki issue")
+            print(f"both CAs stay trusted until {_utc(rotation.until)}; then: kvrelay pki rotate-ca {folder} --finish")
+            return 0
+        ca, rotation = rotate_ca_dir(folder, args.overlap_days, days=args.days)
+    except PKIError as exc:
+        return _error(str(exc))
+    print(f"kvrelay: new CA (serial {ca.cert.serial_number:x}, expires {_utc(ca.cert.not_valid_after_utc)}) added to "
+          f"{folder / CA_CERT} beside the old one ({_serials(rotation.old_serials)}), which still issues")
+    print(f"processes that follow {folder / CA_CERT} trust both within seconds; give clients that copy of it now")
+    print(f"next, once they have it: kvrelay pki rotate-ca {folder} --issue")
+    return 0
+
+
+def _serials(serials: tuple[int, ...]) -> str:
+    return ", ".join(f"{s:x}" for s in serials)
+
+
 def validity_status(info: CertInfo, now: dt.datetime | None = None) -> tuple[bool, str]:
     """(in date, status line): "valid", "EXPIRED since ...", or "not yet valid until ..."."""
     now = now or dt.datetime.now(dt.UTC)
@@ -197,6 +236,17 @@ def add_parsers(sub) -> None:
     iss.add_argument("--host", action="append", metavar="H",
                      help="DNS name or IP address the component is reached by (repeatable)")
     iss.set_defaults(func=cmd_pki_issue)
+
+    rot = pki.add_parser("rotate-ca", help="roll a new CA in: trust it, issue with it, then drop the old one")
+    rot.add_argument("dir", type=Path, help="the CA folder made by kvrelay pki init")
+    rot.add_argument("--overlap-days", type=float, default=DEFAULT_CERT_DAYS,
+                     help="how long both CAs stay trusted once the new one issues (default: %(default)g, a "
+                          "certificate's lifetime)")
+    rot.add_argument("--days", type=float, default=CA_DAYS, help="the new CA's lifetime (default: %(default)g)")
+    rot.add_argument("--issue", action="store_true", help="step 2: issue with the new CA (the overlap starts)")
+    rot.add_argument("--finish", action="store_true", help="step 3, after the overlap: trust only the new CA")
+    rot.add_argument("--force", action="store_true", help="with --issue or --finish: sooner than they allow")
+    rot.set_defaults(func=cmd_pki_rotate_ca)
 
     show = pki.add_parser("show", help="print a certificate's identity, serial and validity")
     show.add_argument("file", type=Path, help="certificate (PEM)")

@@ -271,6 +271,10 @@ class Credentials(Protocol):
     def verify_signature(self, certificate: bytes, message: bytes, signature: bytes) -> None:
         """ValueError unless ``signature`` is by the key of ``certificate`` over ``message``."""
 
+    def pinned(self) -> Credentials:
+        """These credentials as they are now, for one handshake: the certificate it presents
+        and the key it signs with stay a pair even if the process renews them meanwhile."""
+
 
 class MemorySource(Protocol):
     """Receiver side of pulling: a sender's KV memory, attached in the

@@ -163,7 +163,7 @@ def client_handshake(sock: socket.socket, want: SenderHello, offer: pb.KVOffer |
     """Sender side, on a connected blocking socket: authenticates both ends,
     then sends ``offer`` (what lets the receiver pull from our memory) sealed.
     ProtocolError saying why the receiver or we refused."""
-    share, creds = KeyShare(), want.credentials
+    share, creds = KeyShare(), want.credentials.pinned() if want.credentials else None
     hello = pb.KVHello(protocol_version=PROTOCOL_VERSION, layout_hash=want.layout_hash, nonce=os.urandom(NONCE_BYTES),
                        key_share=share.public, certificate=creds.certificate if creds else b"",
                        ciphers=[c.value for c in preferred_ciphers()], protection=want.protection.value,
@@ -265,7 +265,7 @@ def answer_hello(frame: pb.KVFrame, body: bytes, policy: ReceiverPolicy
     the bytes to answer with, and why it was refused ("" when not)."""
     if frame.WhichOneof("body") != "hello":
         return _refuse("expected hello")
-    h, creds = frame.hello, policy.credentials
+    h, creds = frame.hello, policy.credentials.pinned() if policy.credentials else None
     reason = _hello_refusal(h, policy)
     if reason:
         return _refuse(reason)

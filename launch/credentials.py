@@ -10,12 +10,13 @@ cache folder on first use (folders 0700, files 0600) and reuse them after;
 
 from __future__ import annotations
 
+import logging
 import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvrelay.router.governance.audit_heads import generate_signing_key
-from kvrelay.runtime.kvsecret import TLS_ENV
+from kvrelay.runtime.files import file_stamp
 from kvrelay.runtime.pki import (
     CA,
     CA_CERT,
@@ -25,12 +26,16 @@ from kvrelay.runtime.pki import (
     init_ca_dir,
     issue,
     load_ca,
+    load_ca_bundle,
+    read_pem,
     write_private,
 )
-from kvrelay.runtime.tls import RevokedSerials, TLSMaterial, parse_serials
+from kvrelay.runtime.tls import Pems, RevokedSerials, TLSMaterial, parse_serials
 
 if TYPE_CHECKING:  # annotations only: the client commands import this module without the config's validation
     from kvrelay.runtime.config import TLSSection
+
+log = logging.getLogger(__name__)
 
 LOCAL_PKI = "pki"
 """Folder of the per-user CA inside the cache folder."""
@@ -74,10 +79,18 @@ def ensure_client_token(cache_dir: Path) -> str:
 
 
 class ClusterCredentials:
-    """Issues each process of one cluster its TLS material."""
+    """Issues each process of one cluster its TLS material. With the config's CA (``tls.ca``
+    and ``tls.ca_key``), :meth:`reload` follows those files: after ``kvrelay pki rotate-ca`` the
+    new CA issues and the bundle (new and old) is what processes trust."""
 
-    def __init__(self, ca: CA, tls: TLSSection) -> None:
+    def __init__(self, ca: CA, tls: TLSSection, bundle: bytes | None = None,
+                 files: tuple[Path, Path] | None = None) -> None:
         self.ca = ca
+        self.bundle = bundle or ca.pem
+        """The CA certificates processes trust (during a rotation, the new CA's and the old)."""
+        self.files = files
+        """The CA's certificate (bundle) and key files, when the config names them."""
+        self._stamps = self._stamp()
         self.days = tls.cert_days
         self.revoked = parse_serials(tls.revoked_serials)
 
@@ -94,16 +107,43 @@ class ClusterCredentials:
         if tls.ca_key is None:
             raise PKIError("tls.ca_key: the launcher issues each process its certificate, so it needs the CA's key "
                            "(or start each process yourself, each with a config whose tls.cert/tls.key are its own)")
-        return cls(load_ca(Path(tls.ca), Path(tls.ca_key)), tls)
+        files = (Path(tls.ca), Path(tls.ca_key))
+        return cls(load_ca(*files), tls, read_pem(files[0], "tls.ca"), files)
+
+    def _stamp(self) -> list | None:
+        return [file_stamp(p) for p in self.files] if self.files is not None else None
+
+    def reload(self) -> bool:
+        """True when the CA files changed and now load (the new CA issues from now on); a change
+        that does not load is logged and changes nothing."""
+        stamps = self._stamp()
+        if self.files is None or stamps == self._stamps or None in (stamps or ()):
+            return False
+        try:
+            ca, bundle = load_ca(*self.files), read_pem(self.files[0], "tls.ca")
+            load_ca_bundle(bundle, str(self.files[0]))
+        except PKIError as exc:
+            log.warning("the CA files changed but cannot be used (%s): issuing with the CA as it was", exc)
+            return False
+        self._stamps = stamps
+        changed = ca.cert != self.ca.cert or bundle != self.bundle
+        self.ca, self.bundle = ca, bundle
+        return changed
 
     @property
     def ca_pem(self) -> bytes:
-        return self.ca.pem
+        """The CA bundle processes trust."""
+        return self.bundle
+
+    def issue_pems(self, ident: Identity, hosts: tuple[str, ...] = ()) -> Pems:
+        """A new certificate and key for ``ident`` (valid for ``hosts`` too), with the bundle."""
+        cert, key = issue(self.ca, ident, self.days, hosts)
+        return Pems(self.bundle, cert, key, ident)
 
     def material(self, ident: Identity, hosts: tuple[str, ...] = ()) -> TLSMaterial:
         """A new certificate for ``ident`` (valid for ``hosts`` too), as a process uses it."""
-        cert, key = issue(self.ca, ident, self.days, hosts)
-        return TLSMaterial(self.ca.pem, cert, key, ident, RevokedSerials(self.revoked))
+        pems = self.issue_pems(ident, hosts)
+        return TLSMaterial(pems.ca_pem, pems.cert_pem, pems.key_pem, ident, RevokedSerials(self.revoked))
 
     def write_files(self, ident: Identity, hosts: tuple[str, ...], folder: Path) -> None:
         """A new certificate for ``ident`` in ``folder`` as cert.pem, key.pem and ca.pem (0600), for a
@@ -115,15 +155,7 @@ class ClusterCredentials:
         write_private(folder / "key.pem", mat.key_pem)
         write_private(folder / "ca.pem", mat.ca_pem)
 
-    def env(self, ident: Identity, hosts: tuple[str, ...] = ()) -> dict[str, str]:
-        """The environment that hands a child process its certificate."""
-        mat = self.material(ident, hosts)
-        if mat.cert_pem is None or mat.key_pem is None:  # material() issues both
-            raise RuntimeError(f"no certificate and key were issued for {ident}")
-        return {TLS_ENV["ca"]: mat.ca_pem.decode(), TLS_ENV["cert"]: mat.cert_pem.decode(),
-                TLS_ENV["key"]: mat.key_pem.decode()}
-
     def client(self) -> TLSMaterial:
         """What a client that presents no certificate needs: the CA."""
-        return TLSMaterial(self.ca.pem, revoked=RevokedSerials(self.revoked))
+        return TLSMaterial(self.bundle, revoked=RevokedSerials(self.revoked))
 

@@ -33,16 +33,25 @@ from kvrelay.launch.cities import CitiesState
 from kvrelay.launch.credentials import AUDIT_KEY, LOCAL_TENANT, ClusterCredentials, ensure_audit_key
 from kvrelay.launch.etcd import EtcdCluster
 from kvrelay.launch.postgres import PostgresCluster
+from kvrelay.launch.renewal import CertKeeper
 from kvrelay.launch.routers import Ready, port_of, router_config, start_etcd, start_postgres
 from kvrelay.launch.zygote import shared_zygote
 from kvrelay.router.core.auth import token_sha256
-from kvrelay.runtime.config import ClusterConfig, Credential, RouterEntrySection, dump_config
+from kvrelay.runtime.config import (
+    ClusterConfig,
+    ConfigError,
+    Credential,
+    RouterEntrySection,
+    dump_config,
+    load_config,
+)
 from kvrelay.runtime.engines import pool_engine_problem
+from kvrelay.runtime.files import file_stamp, private_folder
 from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import Dialer
 from kvrelay.runtime.tenants import TenantSection
-from kvrelay.runtime.tls import TLSMaterial, router_identity
+from kvrelay.runtime.tls import TLSMaterial, parse_serials, router_identity
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import admin_pb2_grpc as agrpc
 from kvrelay.v1 import worker_pb2 as wpb
@@ -162,12 +171,14 @@ def _any_free_ports(cfg: ClusterConfig) -> None:
 class LocalCluster:
     def __init__(self, cfg: ClusterConfig, model_path: str | Path, log_level: str = "WARNING",
                  cities: CitiesState | None = None, backend: WorkerBackend | None = None,
-                 reconcile: bool = True) -> None:
+                 reconcile: bool = True, config_file: str | Path | None = None) -> None:
         """``cities``: run each site's workers inside its namespace of a
         ``kvrelay cities up`` emulation (the router listens on its gateway).
         ``backend``: where workers run (default: processes here).
         ``reconcile``: keep pools at their desired size (replace dead workers,
         follow ``kvrelay scale``); tests that kill workers on purpose turn it off.
+        ``config_file``: the file ``cfg`` came from, whose ``tls.revoked_serials`` the launcher
+        follows into the copies its processes read (they follow those: runtime/revocations.py).
         The launcher works on its own copy of ``cfg`` (``self.cfg``)."""
         cfg = copy.deepcopy(cfg)  # it adds its credential, a jobs database, the router address
         if backend is None:  # the workers run here: their engines must
@@ -209,11 +220,15 @@ class LocalCluster:
         """Per-run KV secret for the workers when the config names no secret file."""
         self.creds = ClusterCredentials.for_config(cfg.tls, Path(self._tmp.name) / "ca")
         """Issues each process its certificate (None: tls.enabled false)."""
+        self.keeper = self._keeper()
+        """Renews each local process's certificate (None: TLS off, or the processes run elsewhere)."""
         self._add_run_tokens(cfg)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_index: dict[tuple[str, str], int] = {}
+        self._config_file = Path(config_file) if config_file is not None else None
+        self._config_stamp = file_stamp(Path(config_file)) if config_file is not None else None
 
     def _default_records(self, cfg: ClusterConfig) -> None:
         """The router's records the config names no file for: in this run's folder (durable across
@@ -267,12 +282,42 @@ class LocalCluster:
         """Bearer token for the Admin API when the config lists no operators ("" otherwise)."""
         cfg.auth.operators.append(Credential("kvrelay-launcher", token_sha256(self._launcher_token)))
 
-    def _env(self, ident: Identity, hosts: tuple[str, ...] = ()) -> dict[str, str]:
-        """A child's secrets: the KV secret (unless the config names a file) and its certificate."""
+    def _keeper(self) -> CertKeeper | None:
+        """The keeper of the processes' certificates, in a folder local workers can enter (owned by
+        the user they run as under --cities)."""
+        if self.creds is None:
+            return None
+        root = Path(self._worker_tmp.name) / "tls"
+        private_folder(root)
+        if self._child_owner is not None:
+            os.chown(root, *self._child_owner)
+        return CertKeeper(self.creds, root)
+
+    @property
+    def _child_owner(self) -> tuple[int, int] | None:
+        """The uid and gid the router and workers run as, when not this launcher's (--cities)."""
+        if self.cities is None or self.cities.worker_drop().keeps_root_uid:
+            return None
+        drop = self.cities.worker_drop()
+        return drop.uid, drop.gid
+
+    def _env(self, name: str, ident: Identity, hosts: tuple[str, ...] = (), remote: bool = False) -> dict[str, str]:
+        """A child's secrets: the KV secret (unless the config names a file) and its certificate
+        (in a folder here the launcher renews it in; ``remote``: a process its backend starts on
+        another node, handed the certificate in its environment, its actor taking renewals)."""
         env = {} if self.cfg.kv.secret_file else {"KVRELAY_KV_SECRET": self._secret}
-        if self.creds is not None:
-            env |= self.creds.env(ident, hosts)
+        if self.keeper is not None and remote:
+            env |= self.keeper.issue_remote(name, ident, hosts)
+        elif self.keeper is not None:
+            env |= self.keeper.issue(name, ident, hosts, self._child_owner)
         return env
+
+    def _started(self, name: str, proc: WorkerProc) -> WorkerProc:
+        """``proc``, started with :meth:`_env`'s certificate: renewals reach it through its actor when it has one."""
+        deliver = getattr(proc, "write_tls", None)
+        if self.keeper is not None and deliver is not None:
+            self.keeper.attach(name, deliver)
+        return proc
 
     # -- how callers reach this cluster ---------------------------------------
     @property
@@ -344,8 +389,9 @@ class LocalCluster:
         name = f"{site}/{role}/{i}"
         args = ["--config", str(self.config_path), "--model-path", str(self.model_path),
                 "--router", self.router_for(site), "--site", site, "--index", str(i), "--log-level", self.log_level]
-        env = self._env(Identity(site, CertRole(role), str(i)))
-        child = Child(name, self.backend.start(name, f"kvrelay.{role}_worker", args, site, env), site, role)
+        env = self._env(name, Identity(site, CertRole(role), str(i)), remote=not isinstance(self.backend, LocalBackend))
+        child = Child(name, self._started(name, self.backend.start(name, f"kvrelay.{role}_worker", args, site, env)),
+                      site, role)
         with self._lock:
             self.children.append(child)
         return child
@@ -387,7 +433,35 @@ class LocalCluster:
         if self.reconcile_pools:
             self._thread = threading.Thread(target=self._reconcile_loop, name="pool-reconciler", daemon=True)
             self._thread.start()
+        if self.keeper is not None:
+            self.keeper.start(self.follow_revocations)
         return self.router_address
+
+    def follow_revocations(self) -> bool:
+        """The config file's ``tls.revoked_serials`` into the copies the router and workers read,
+        when the file changed (True then); a config that does not load is logged and changes nothing."""
+        if self._config_file is None or self.creds is None:
+            return False
+        stamp = file_stamp(self._config_file)
+        if stamp is None or stamp == self._config_stamp:
+            return False
+        self._config_stamp = stamp
+        try:
+            serials = load_config(self._config_file).tls.revoked_serials
+        except (ConfigError, OSError) as exc:
+            log.error("%s changed but does not load (%s): the revoked serials stay as they were",
+                      self._config_file, exc)
+            return False
+        if serials == self.cfg.tls.revoked_serials:
+            return False
+        self.cfg.tls.revoked_serials = list(serials)
+        self.creds.revoked = parse_serials(serials)
+        dump_config(self.cfg, self.config_path)
+        for entry in self.cfg.routers:
+            if entry.name in self.routers:
+                dump_config(router_config(self.cfg, entry, self.routers[entry.name]), self._router_config(entry))
+        log.warning("tls.revoked_serials changed in %s: passed on to the router and workers", self._config_file)
+        return True
 
     def _start_router(self, deadline: float, entry: RouterEntrySection | None = None) -> None:
         """Starts the router (``entry``: router ``entry.name`` of ``routers:``) and waits for its READY line."""
@@ -397,17 +471,18 @@ class LocalCluster:
         ident = Identity.parse(entry.uri) if entry is not None else router_identity(self.cfg)
         if ident is None:  # the config checks each router's name and site
             raise ValueError(f"router {entry.name if entry else ''} names no router identity")
-        env = self._env(ident, hosts)
+        name = entry.name if entry is not None else ""
+        child = f"router/{name}" if name else "router"
+        env = self._env(child, ident, hosts, remote=entry is not None and not isinstance(self.backend, LocalBackend))
         config, named = self.config_path, []
         if entry is not None:
-            config = Path(self._worker_tmp.name) / f"router-{entry.name}.yaml"
+            config = self._router_config(entry)
             dump_config(router_config(self.cfg, entry, self.routers.get(entry.name)), config)
             named = ["--name", entry.name]
         args = ["--config", str(config), "--model-path", str(self.model_path), "--log-level", self.log_level, *named]
-        name = entry.name if entry is not None else ""
-        child = f"router/{name}" if name else "router"
         actor = self.backend.start_router(child, args, entry.site, env) if entry is not None else None
-        if actor is not None:  # at its site, as the backend runs it (Ray: an actor on a node of the site)
+        if actor is not None:
+            self._started(child, actor)  # at its site, as the backend runs it (Ray: an actor on a node of the site)
             with self._lock:
                 self.children.append(Child(child, actor))
             ready = self.routers[name] = self._await_ready(actor, actor.readline, deadline)
@@ -427,6 +502,10 @@ class LocalCluster:
         if entry is None or entry is self.cfg.routers[0]:
             self.router_address, self.internal_address = ready.address, ready.internal
             self.http_address, self.metrics_address = ready.http, ready.metrics
+
+    def _router_config(self, entry: RouterEntrySection) -> Path:
+        """The config file router ``entry`` reads (one of several)."""
+        return Path(self._worker_tmp.name) / f"router-{entry.name}.yaml"
 
     def stop_router(self, name: str = "", kill: bool = True) -> None:
         """Stops router ``name`` ("": the single router) with SIGKILL (or SIGTERM with ``kill=False``)."""
@@ -518,6 +597,8 @@ class LocalCluster:
             for c in [c for c in self.children if c.role and c.proc.poll() is not None]:
                 self.children.remove(c)
                 self.left.append(c)
+                if self.keeper is not None:
+                    self.keeper.forget(c.name)
                 how = "left after draining" if c.proc.poll() == 0 else f"exited with code {c.proc.poll()}"
                 (log.info if c.proc.poll() == 0 else log.warning)("%s %s", c.name, how)
             for c in self.children:
@@ -554,6 +635,8 @@ class LocalCluster:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10.0)
+        if self.keeper is not None:
+            self.keeper.stop()
         with self._lock:
             workers = [c for c in self.children if not c.name.startswith("router")]
             routers = [c for c in self.children if c.name.startswith("router")]

@@ -20,14 +20,22 @@ cluster, this machine needs that cluster's token (``RAY_AUTH_TOKEN`` or
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from kvrelay.runtime.addresses import is_loopback
+from kvrelay.runtime.files import write_private
+from kvrelay.runtime.kvsecret import TLS_DIR_ENV, TLS_ENV
+from kvrelay.runtime.renewal import TLS_DIR_FILES
+from kvrelay.runtime.tls import Pems
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +55,17 @@ def _actor_class():
         """Owns one worker (or router) process on this node; it dies with the actor."""
 
         def __init__(self, module: str, args: list[str], env: dict[str, str], capture: bool = False) -> None:
+            # the certificate into a folder of this node's, where write_tls renews it and the process follows it
+            self.tls_dir = tls_folder(env)
             # this node's Python, not the launcher's path: nodes may differ; the
             # worker asks for SIGTERM when this actor's process exits (runtime/lifetime.py)
             self.proc = subprocess.Popen([sys.executable, "-m", module, *args], env={**os.environ, **env},
                                          stdout=subprocess.PIPE if capture else None, text=capture)
+
+        def write_tls(self, ca: bytes, cert: bytes, key: bytes) -> None:
+            """A renewed certificate into the process's folder (the launcher's keeper sends it)."""
+            if self.tls_dir is not None:
+                write_tls_files(self.tls_dir, ca, cert, key)
 
         def readline(self, timeout: float) -> str:
             """The process's next line of output ("" when none came within ``timeout``, or it ended)."""
@@ -81,6 +96,27 @@ def _actor_class():
     return WorkerActor
 
 
+def tls_folder(env: dict[str, str]) -> Path | None:
+    """On the actor's node: the certificate the launcher put in ``env`` (as PEM) written to a
+    private folder of this node's instead, ``env`` naming that folder (``KVRELAY_TLS_DIR``) so the
+    process follows it; None when ``env`` carries no certificate (TLS off)."""
+    pem = {k: env.pop(v) for k, v in TLS_ENV.items() if v in env}
+    if "cert" not in pem:
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="kvrelay-tls-"))  # 0700
+    atexit.register(shutil.rmtree, folder, True)
+    write_tls_files(folder, pem["ca"].encode(), pem["cert"].encode(), pem["key"].encode())
+    env[TLS_DIR_ENV] = str(folder)
+    return folder
+
+
+def write_tls_files(folder: Path, ca: bytes, cert: bytes, key: bytes) -> None:
+    """The files a process follows (runtime/renewal.py), its certificate last."""
+    ca_file, cert_file, key_file = (folder / n for n in TLS_DIR_FILES)
+    for path, pem in ((ca_file, ca), (key_file, key), (cert_file, cert)):
+        write_private(path, pem)
+
+
 class RayWorker:
     """A worker process on a Ray node, seen through its actor (WorkerProc)."""
 
@@ -98,6 +134,14 @@ class RayWorker:
 
     def node_id(self) -> str:
         return self._call(self.actor.node_id)
+
+    def write_tls(self, pems: Pems) -> None:
+        """Delivers a renewed certificate to the process's folder on its node; OSError when its
+        actor cannot be reached (gone, or not answering in time)."""
+        try:
+            self._call(self.actor.write_tls, pems.ca_pem, pems.cert_pem, pems.key_pem)
+        except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError) as exc:
+            raise OSError(f"{self.name}'s actor did not take its renewed certificate: {exc}") from None
 
     def readline(self, timeout: float) -> str:
         """The process's next line of output, when it was started to capture it ("" when none came)."""

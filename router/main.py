@@ -18,9 +18,11 @@ import logging
 import os
 import secrets
 import signal
+import ssl
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -29,7 +31,7 @@ from kvrelay.engine.config import ModelConfig, effective_max_model_len
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.router.cluster.membership import EtcdMembership, Membership, SoloMembership
 from kvrelay.router.cluster.pools import PoolManager
-from kvrelay.router.cluster.registry import WorkerRegistry
+from kvrelay.router.cluster.registry import RETIRED_GRACE_S, WorkerRegistry
 from kvrelay.router.cluster.usage import UsageLedger
 from kvrelay.router.core.admission import FairQueue
 from kvrelay.router.core.auth import CallerAuth, TenantSalts
@@ -44,7 +46,7 @@ from kvrelay.router.core.shared_jobs import SharedJobStore, conninfo
 from kvrelay.router.core.shared_quotas import QuotaExchange
 from kvrelay.router.core.tenancy import TenantPolicies
 from kvrelay.router.frontends.grpc_api import WORKER_CALLS, add_router_to_server
-from kvrelay.router.frontends.http_server import serve_http
+from kvrelay.router.frontends.http_server import GuardedServer, serve_http
 from kvrelay.router.frontends.jobs import JobService, add_jobs_to_server
 from kvrelay.router.frontends.openai_http import OpenAIServer
 from kvrelay.router.frontends.peer import GrpcCaller
@@ -55,13 +57,14 @@ from kvrelay.router.placement.place import make_policy
 from kvrelay.runtime.config import ClusterConfig, load_config
 from kvrelay.runtime.etcd import EtcdClient, EtcdError
 from kvrelay.runtime.health import HealthChecks, serve_health
-from kvrelay.runtime.kvsecret import pem_from_env, read_secret
+from kvrelay.runtime.kvsecret import pem_from_env, read_secret, tls_dir_from_env
 from kvrelay.runtime.lifetime import die_with_parent
 from kvrelay.runtime.metrics import serve_metrics
 from kvrelay.runtime.pki import CertRole, Identity, PKIError, write_private
+from kvrelay.runtime.renewal import follow_material, material_files
 from kvrelay.runtime.revocations import follow_revocations
 from kvrelay.runtime.rpc import PLAINTEXT, CallBounds, Dialer, bind, create_server
-from kvrelay.runtime.tls import TLSMaterial, load_material, router_identity
+from kvrelay.runtime.tls import Pems, TLSMaterial, load_material, router_identity
 from kvrelay.runtime.topology import Topology
 from kvrelay.runtime.tracing import NO_TRACING, Tracing
 from kvrelay.v1 import inference_pb2 as ipb
@@ -102,10 +105,11 @@ def pinned_identity(cfg: ClusterConfig, name: str | None) -> Identity:
     return ident
 
 
-def router_tls(cfg: ClusterConfig, name: str | None = None) -> TLSMaterial | None:
-    """The router's material; SystemExit unless its certificate is a router's."""
+def router_tls(cfg: ClusterConfig, name: str | None = None, pem: dict[str, bytes] | None = None) -> TLSMaterial | None:
+    """The router's material (``pem``: what the launcher handed over); SystemExit unless its
+    certificate is a router's."""
     try:
-        tls = load_material(cfg.tls, pem_from_env())
+        tls = load_material(cfg.tls, pem)
     except PKIError as exc:
         raise SystemExit(f"router: {exc}") from None
     if tls is not None and (tls.identity is None or tls.identity.role is not CertRole.ROUTER):
@@ -119,17 +123,58 @@ def router_tls(cfg: ClusterConfig, name: str | None = None) -> TLSMaterial | Non
     return tls
 
 
-def http_tls_files(tls: TLSMaterial | None, folder: Path) -> tuple[str, str, str] | None:
-    """The router's certificate and key, and the CA its HTTPS clients' certificates must come
-    from, as files (uvicorn reads files), in a private folder."""
-    if tls is None:
-        return None
-    if tls.cert_pem is None or tls.key_pem is None:  # router_tls has checked that it names a router
-        raise PKIError("the router's HTTPS listener needs its certificate and key (tls.cert / tls.key)")
-    write_private(folder / "http.pem", tls.cert_pem)
-    write_private(folder / "http.key", tls.key_pem)
-    write_private(folder / "ca.pem", tls.ca_pem)
-    return str(folder / "http.pem"), str(folder / "http.key"), str(folder / "ca.pem")
+class MaterialCopies:
+    """Copies of the router's material for libraries that read files (uvicorn's HTTPS, libpq), in
+    private folders: written at start, written again after each renewal."""
+
+    def __init__(self, tls: TLSMaterial | None) -> None:
+        self.tls = tls
+        self.copies: list[tuple[Path, Path, Path]] = []
+
+    def write(self, ca: Path, cert: Path, key: Path, what: str) -> tuple[str, str, str] | None:
+        """The router's CA bundle, certificate and key into these files (None when TLS is off)."""
+        if self.tls is None:
+            return None
+        if self.tls.cert_pem is None or self.tls.key_pem is None:  # router_tls has checked that it names a router
+            raise PKIError(f"the router's {what} needs its certificate and key (tls.cert / tls.key)")
+        self.copies.append((ca, cert, key))
+        self._write(ca, cert, key)
+        return str(ca), str(cert), str(key)
+
+    def _write(self, ca: Path, cert: Path, key: Path) -> None:
+        tls = self.tls
+        assert tls is not None and tls.cert_pem is not None and tls.key_pem is not None  # checked in write()
+        for path, pem in ((key, tls.key_pem), (cert, tls.cert_pem), (ca, tls.ca_pem)):
+            write_private(path, pem)
+
+    def rewrite(self) -> None:
+        for files in self.copies:
+            self._write(*files)
+
+
+@dataclass(slots=True)
+class Renewal:
+    """What the router does when its certificate, key or CA bundle are renewed (its listeners take
+    the new material at their next handshake by themselves): copies rewritten, the HTTPS context
+    remade, and channels to workers and etcd made again, since a channel presents the certificate it
+    was made with whenever it connects again."""
+
+    copies: MaterialCopies
+    registry: WorkerRegistry
+    http: GuardedServer | None = None
+    etcd: EtcdClient | None = None
+
+    def __call__(self, pems: Pems) -> None:
+        self.copies.rewrite()
+        if self.http is not None:
+            try:
+                self.http.reload_tls()
+            except (ssl.SSLError, OSError) as exc:
+                logging.getLogger(__name__).error("the HTTPS listener keeps its old certificate: %s", exc)
+        redialled = self.registry.redial()
+        if self.etcd is not None:
+            self.etcd.redial(RETIRED_GRACE_S)
+        logging.getLogger(__name__).info("renewed material in use; %d worker channels made again", redialled)
 
 
 def audit_log(cfg) -> AuditWriter | None:
@@ -258,18 +303,21 @@ async def start_grpc(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: 
     return f"{host}:{port}", f"{host}:{internal}"
 
 
-async def start_http(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, tls: TLSMaterial | None,
+async def start_http(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, renewal: Renewal,
                      core: RouterCore, auth: CallerAuth) -> str:
     """The OpenAI-compatible HTTP API when enabled (its certificate files in a private folder
-    removed at exit), naming callers by ``auth`` (gRPC's: one OpenID key cache); its address ("" when off)."""
+    removed at exit, renewed by ``renewal``), naming callers by ``auth`` (gRPC's: one OpenID key
+    cache); its address ("" when off)."""
+    tls, copies = renewal.copies.tls, renewal.copies
     if cfg.router.http_port is None:
         return ""
-    private = stack.enter_context(private_folder())
-    files = http_tls_files(tls, Path(private))
+    private = Path(stack.enter_context(private_folder()))
+    files = copies.write(private / "ca.pem", private / "http.pem", private / "http.key", "HTTPS listener")
     app = OpenAIServer(core, cfg.router.http, tls=tls, auth=auth).app
     http, http_task, http_port = await serve_http(app, cfg.router.host, cfg.router.http_port,
-                                                  files[:2] if files else None, cfg.router.http,
-                                                  client_ca=files[2] if files else None)
+                                                  files[1:] if files else None, cfg.router.http,
+                                                  client_ca=files[0] if files else None)
+    renewal.http = http
 
     async def stop() -> None:
         http.should_exit = True
@@ -283,7 +331,8 @@ async def run(args: argparse.Namespace) -> None:
     """The composition root: builds every part in the order they depend on each other and
     tears them down in reverse (one AsyncExitStack) when SIGTERM or SIGINT arrives."""
     cfg = named_router(load_config(args.config), args.name)
-    tls = router_tls(cfg, args.name)
+    pem = pem_from_env()
+    tls = router_tls(cfg, args.name, pem)
     salt_key = read_secret(cfg.kv.secret_file, os.environ.get("KVRELAY_KV_SECRET", ""))
     tok, limits = model_limits(cfg, args)
     async with contextlib.AsyncExitStack() as stack:
@@ -309,11 +358,13 @@ async def run(args: argparse.Namespace) -> None:
         if health is not None:
             stack.callback(health.close)
         auth = GrpcCaller(cfg, tls)
+        m = parts.membership
+        renewal = Renewal(MaterialCopies(tls), parts.registry, etcd=m.client if isinstance(m, EtcdMembership) else None)
         jobs = job_service(cfg, args, core, auth, audit,
-                           job_store(cfg, tls, args, Path(stack.enter_context(private_folder()))))
+                           job_store(cfg, renewal.copies, args, Path(stack.enter_context(private_folder()))))
         stack.push_async_callback(jobs.stop)  # after the listeners stop
         public, internal = await start_grpc(stack, cfg, tls, core, jobs, auth, audit)
-        http = await start_http(stack, cfg, tls, core, auth.auth)
+        http = await start_http(stack, cfg, renewal, core, auth.auth)
         await join(stack, cfg, core, announced(cfg, args.name, public, internal, http))
         try:  # after etcd: a router that cannot reach it says so first
             await jobs.start()
@@ -325,15 +376,16 @@ async def run(args: argparse.Namespace) -> None:
         print(ready + (f" health={cfg.health.host}:{health.port}" if health is not None else ""), flush=True)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        retention = RetentionSweeper(cfg, jobs.store, audit)
-        sweeping = asyncio.create_task(retention.run(stop))
-        targets = asyncio.create_task(keep_targets(core, cfg.telemetry.prometheus_targets, stop))
-        revocations = asyncio.create_task(follow_revocations(args.config, tls.revoked if tls else None, stop,
-                                                             revocations_audited(audit)))
+        tasks = [(RetentionSweeper(cfg, jobs.store, audit).run(stop), 30.0, "the retention sweep"),
+                 (keep_targets(core, cfg.telemetry.prometheus_targets, stop), 5.0, "the Prometheus targets file"),
+                 (follow_revocations(args.config, tls.revoked if tls else None, stop, revocations_audited(audit)),
+                  5.0, "following the revoked serials"),
+                 (follow_material(material_files(cfg.tls, tls_dir_from_env(), pem), tls, stop, renewal),
+                  5.0, "following the TLS material")]
+        running = [(asyncio.create_task(work), wait_s, what) for work, wait_s, what in tasks]
         await stop.wait()
-        await _stopped(sweeping, 30.0, "the retention sweep")
-        await _stopped(targets, 5.0, "the Prometheus targets file")
-        await _stopped(revocations, 5.0, "following the revoked serials")
+        for task, wait_s, what in running:
+            await _stopped(task, wait_s, what)
 
 
 def private_folder() -> tempfile.TemporaryDirectory:
@@ -341,7 +393,7 @@ def private_folder() -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix="kvrelay-router-")
 
 
-def job_store(cfg: ClusterConfig, tls: TLSMaterial | None, args: argparse.Namespace,
+def job_store(cfg: ClusterConfig, copies: MaterialCopies, args: argparse.Namespace,
               folder: Path) -> str | Callable[[], JobStorage]:
     """Where this router's jobs live: its SQLite file (one router), or what opens the routers'
     PostgreSQL (several; libpq reads the router's certificate, key and CA from ``folder``)."""
@@ -349,13 +401,7 @@ def job_store(cfg: ClusterConfig, tls: TLSMaterial | None, args: argparse.Namesp
         if not (args.jobs_db or cfg.router.records.jobs_db):
             logging.getLogger(__name__).warning("router.records.jobs_db is not set: batch jobs live in memory only")
         return args.jobs_db or cfg.router.records.jobs_db or ":memory:"
-    files = None
-    if tls is not None:
-        if tls.cert_pem is None or tls.key_pem is None:  # router_tls has checked that it names a router
-            raise PKIError("the router's jobs database needs its certificate and key (tls.cert / tls.key)")
-        files = (str(folder / "pg-ca.pem"), str(folder / "pg.pem"), str(folder / "pg.key"))
-        for path, pem in zip(files, (tls.ca_pem, tls.cert_pem, tls.key_pem), strict=True):
-            write_private(Path(path), pem)
+    files = copies.write(folder / "pg-ca.pem", folder / "pg.pem", folder / "pg.key", "jobs database")
     pg = cfg.postgres
     info = conninfo(pg.endpoints, pg.database, pg.user, files)
     return functools.partial(SharedJobStore, info, args.name, ", ".join(pg.endpoints), pg.timeout_s)

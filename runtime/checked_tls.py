@@ -73,8 +73,10 @@ class Forwarder:
         self.folder = Path(tempfile.mkdtemp(prefix="kvrelay-tls-"))  # 0700
         atexit.register(shutil.rmtree, self.folder, True)
         self._routes: dict[Route, str] = {}
-        self._contexts: dict[TLSMaterial, ssl.SSLContext] = {}
+        self._contexts: dict[TLSMaterial, tuple[int, ssl.SSLContext]] = {}
+        """Each material's client context, and the generation it was made from (remade after a renewal)."""
         self._lock = threading.Lock()
+        self._contexts_lock = threading.Lock()  # apart: the loop's thread makes contexts while target() waits on it
         self._loop = asyncio.new_event_loop()
         self._loop.set_exception_handler(_quiet_at_exit)
         threading.Thread(target=self._loop.run_forever, daemon=True, name="checked-tls").start()
@@ -87,36 +89,38 @@ class Forwarder:
             path = self._routes.get(route)
             if path is None:
                 path = str(self.folder / f"{len(self._routes)}.sock")
-                ctx = self._context(material)
                 started = asyncio.run_coroutine_threadsafe(
-                    asyncio.start_unix_server(functools.partial(self._carry, route, ctx), path=path), self._loop)
+                    asyncio.start_unix_server(functools.partial(self._carry, route), path=path), self._loop)
                 started.result(START_S)
                 self._routes[route] = path
         return f"unix:{path}"
 
     def _context(self, material: TLSMaterial) -> ssl.SSLContext:
-        """A client context that verifies servers by ``material``'s CA and presents its certificate."""
-        ctx = self._contexts.get(material)
-        if ctx is not None:
+        """A client context that verifies servers by ``material``'s CA and presents its certificate
+        (as the material is now: a new context after each renewal)."""
+        with self._contexts_lock:
+            made = self._contexts.get(material)
+            if made is not None and made[0] == material.generation:
+                return made[1]
+            generation, pems = material.generation, material.pems
+            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=pems.ca_pem.decode())
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            ctx.set_alpn_protocols(["h2"])
+            if pems.cert_pem is not None and pems.key_pem is not None:
+                n = len(self._contexts)
+                cert, key = self.folder / f"{n}.crt", self.folder / f"{n}.key"
+                for path, pem in ((cert, pems.cert_pem), (key, pems.key_pem)):
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(pem)
+                ctx.load_cert_chain(cert, key)
+            self._contexts[material] = (generation, ctx)
             return ctx
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=material.ca_pem.decode())
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.set_alpn_protocols(["h2"])
-        if material.cert_pem is not None and material.key_pem is not None:
-            n = len(self._contexts)
-            cert, key = self.folder / f"{n}.crt", self.folder / f"{n}.key"
-            for path, pem in ((cert, material.cert_pem), (key, material.key_pem)):
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(pem)
-            ctx.load_cert_chain(cert, key)
-        self._contexts[material] = ctx
-        return ctx
 
-    async def _carry(self, route: Route, ctx: ssl.SSLContext, local_r: asyncio.StreamReader,
-                     local_w: asyncio.StreamWriter) -> None:
+    async def _carry(self, route: Route, local_r: asyncio.StreamReader, local_w: asyncio.StreamWriter) -> None:
         """One connection of a channel: the checked TLS connection to the server, then bytes both ways."""
         name = route.server_name or route.host
+        ctx = self._context(route.material)
         try:
             remote_r, remote_w = await asyncio.wait_for(asyncio.open_connection(
                 route.host, route.port, ssl=ctx, server_hostname=name), HANDSHAKE_S)

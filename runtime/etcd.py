@@ -108,8 +108,20 @@ class EtcdClient:
         if not endpoints:
             raise EtcdError("no etcd endpoints (etcd.endpoints)")
         self.timeout_s, self.quiet_s = timeout_s, quiet_s
+        self._dialer, self._server_name = dialer, server_name
         self._endpoints = [_Endpoint(a, dialer, server_name) for a in endpoints]
         self._current = 0
+        self._retired: set[asyncio.Task] = set()
+
+    def redial(self, grace_s: float) -> None:
+        """New channels to every member (after this process's certificate was renewed); calls in
+        flight on the old ones get ``grace_s`` to end (a watch is then ended, and made again)."""
+        old, self._endpoints = self._endpoints, [_Endpoint(e.address, self._dialer, self._server_name)
+                                                 for e in self._endpoints]
+        for ep in old:
+            task = asyncio.get_running_loop().create_task(ep.channel.close(grace=grace_s))
+            self._retired.add(task)
+            task.add_done_callback(self._retired.discard)
 
     @property
     def endpoints(self) -> list[str]:
@@ -274,3 +286,5 @@ class EtcdClient:
     async def close(self) -> None:
         for ep in self._endpoints:
             await ep.channel.close()
+        for task in list(self._retired):
+            task.cancel()

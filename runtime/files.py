@@ -12,6 +12,16 @@ SQLITE_SIDE_FILES = ("", "-wal", "-shm")
 """A SQLite database and the side files WAL mode makes (with the database's mode)."""
 
 
+def file_stamp(path: Path) -> tuple[int, int, int] | None:
+    """What tells that a file changed (its time, size and inode, through symbolic links: a
+    Kubernetes ConfigMap's or Secret's file is one that the kubelet swaps); None: it is missing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
 def private_folder(folder: Path) -> None:
     """Makes ``folder`` (and its parents) if missing; one made here is 0700 (whatever the umask)."""
     if not folder.exists():

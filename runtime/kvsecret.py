@@ -34,6 +34,28 @@ TLS_ENV = {"ca": "KVRELAY_TLS_CA", "cert": "KVRELAY_TLS_CERT", "key": "KVRELAY_T
 """Environment variables through which a launcher hands a process its PEM material."""
 
 
+TLS_DIR_ENV = "KVRELAY_TLS_DIR"
+"""Environment variable naming the folder where a launcher keeps a process's PEM material
+(``ca.pem``, ``cert.pem``, ``key.pem``), renewing it there while the process runs."""
+
+
 def pem_from_env() -> dict[str, bytes]:
-    """The PEM material the launcher handed over (read in process entry points only)."""
+    """The PEM material the launcher handed over (read in process entry points only): from
+    its folder for this process (:data:`TLS_DIR_ENV`), else from the environment."""
+    folder = tls_dir_from_env()
+    if folder is not None:
+        return {k: _read_pem(folder / f"{k}.pem") for k in TLS_ENV}
     return {k: os.environ[v].encode() for k, v in TLS_ENV.items() if os.environ.get(v)}
+
+
+def tls_dir_from_env() -> Path | None:
+    """The launcher's folder of this process's material (process entry points only)."""
+    folder = os.environ.get(TLS_DIR_ENV)
+    return Path(folder) if folder else None
+
+
+def _read_pem(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise SystemExit(f"{TLS_DIR_ENV}: cannot read {path}: {exc.strerror}") from None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import json
 import re
 from dataclasses import dataclass
 from enum import StrEnum
@@ -335,10 +336,130 @@ def init_ca_dir(folder: Path, days: float = CA_DAYS) -> CA:
 
 
 def load_ca(cert_path: Path, key_path: Path) -> CA:
-    """The CA whose certificate and key are in these files."""
-    cert = load_cert(read_pem(cert_path, "CA certificate"), str(cert_path))
+    """The CA whose key is in ``key_path`` and whose certificate is in ``cert_path`` (a bundle
+    during a CA rotation: the certificate the key belongs to is the signing one)."""
+    bundle = read_pem(cert_path, "CA certificate")
     key = load_key(read_pem(key_path, "CA key"), str(key_path))
-    if key.public_key() != cert.public_key():
+    try:
+        certs = x509.load_pem_x509_certificates(bundle)
+    except ValueError as exc:
+        raise PKIError(f"{cert_path}: not a PEM certificate bundle ({exc})") from None
+    cert = next((c for c in certs if c.public_key() == key.public_key()), None)
+    if cert is None:
         raise PKIError(f"{key_path}: the key does not belong to the CA certificate {cert_path}")
     check_validity(cert, str(cert_path))
     return CA(cert, key)
+
+
+ROTATION = "rotation.json"
+"""A CA folder's record of a rotation in progress."""
+NEXT_KEY = "ca-next.key"
+"""The new CA's key while the old one still issues (a rotation's first step)."""
+MIN_TRUST_S = 15.0
+"""The least time between a rotation's first step and its second: every process that follows
+``ca.pem`` looks at it again within that (each looks every 2 s, a launcher every 5 s)."""
+
+
+class RotationStep(StrEnum):
+    """Where a CA rotation stands (``kvrelay pki rotate-ca``)."""
+
+    TRUSTING = "trusting"
+    """Both CAs trusted; the old one still issues (clients and processes learn the new one)."""
+    ISSUING = "issuing"
+    """Both trusted; the new one issues (certificates of the old one are replaced)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rotation:
+    """A CA rotation in a folder, in three steps so that no certificate is ever presented to a
+    peer that does not trust its CA yet: the new CA trusted beside the old (``ca.pem`` holds
+    both; the old key still issues), then issuing with the new (the next look at ``ca.key``), then,
+    after ``overlap_days``, the old one dropped from ``ca.pem``."""
+
+    step: RotationStep
+    new_serial: int
+    old_serials: tuple[int, ...]
+    since: dt.datetime
+    """When this step began."""
+    overlap_days: float
+
+    @property
+    def until(self) -> dt.datetime:
+        """When the old CA may be dropped (the overlap after the new one began issuing)."""
+        return self.since + dt.timedelta(days=self.overlap_days)
+
+    def to_json(self) -> str:
+        return json.dumps({"step": self.step.value, "new": f"{self.new_serial:x}",
+                           "old": [f"{s:x}" for s in self.old_serials], "since": self.since.isoformat(),
+                           "overlap_days": self.overlap_days}, indent=2) + "\n"
+
+    def write(self, folder: Path) -> None:
+        write_private(folder / ROTATION, self.to_json().encode())
+
+    @classmethod
+    def read(cls, folder: Path) -> Rotation | None:
+        """The rotation in progress in ``folder`` (None: none); PKIError for a record that does not parse."""
+        path = folder / ROTATION
+        if not path.exists():
+            return None
+        try:
+            raw = json.loads(path.read_text())
+            return cls(RotationStep(raw["step"]), int(raw["new"], 16), tuple(int(s, 16) for s in raw["old"]),
+                       dt.datetime.fromisoformat(raw["since"]), float(raw["overlap_days"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PKIError(f"{path}: not a rotation record ({exc})") from None
+
+
+def rotate_ca_dir(folder: Path, overlap_days: float, days: float = CA_DAYS) -> tuple[CA, Rotation]:
+    """A rotation's first step (``kvrelay pki rotate-ca``): a new CA whose certificate joins
+    ``ca.pem`` after the old one's, its key kept aside (``ca-next.key``) while the old one still
+    issues. PKIError when a rotation is in progress or the overlap is not positive."""
+    if overlap_days <= 0:
+        raise PKIError(f"the overlap must be positive, got {overlap_days:g} days")
+    if Rotation.read(folder) is not None:
+        raise PKIError(f"{folder}: a rotation is in progress (kvrelay pki rotate-ca --issue, then --finish)")
+    load_ca(folder / CA_CERT, folder / CA_KEY)  # the folder holds a CA and its key
+    kept = load_ca_bundle(read_pem(folder / CA_CERT, "CA certificate"), str(folder / CA_CERT))
+    new = new_ca(days=days)
+    rotation = Rotation(RotationStep.TRUSTING, new.cert.serial_number, tuple(c.serial_number for c in kept),
+                        _now(), overlap_days)
+    write_private(folder / NEXT_KEY, _key_pem(new.key))
+    rotation.write(folder)
+    write_private(folder / CA_CERT, read_pem(folder / CA_CERT, "CA certificate") + new.pem)
+    return new, rotation
+
+
+def issue_with_new_ca(folder: Path, force: bool = False) -> Rotation:
+    """A rotation's second step (``--issue``): the new CA's key becomes ``ca.key``, so a launcher
+    following the folder issues every certificate again from it; the overlap starts. PKIError
+    unless the first step is done, at least :data:`MIN_TRUST_S` ago (``force``: sooner)."""
+    rotation = Rotation.read(folder)
+    if rotation is None or rotation.step is not RotationStep.TRUSTING:
+        raise PKIError(f"{folder}: no rotation waiting to issue with its new CA (kvrelay pki rotate-ca starts one)")
+    waited = (_now() - rotation.since).total_seconds()
+    if not force and waited < MIN_TRUST_S:
+        raise PKIError(f"the new CA was added {waited:.0f} s ago: give every process {MIN_TRUST_S:.0f} s to trust it "
+                       "first (and clients their copy of ca.pem), or --force")
+    new_key = read_pem(folder / NEXT_KEY, "the new CA's key")
+    issuing = Rotation(RotationStep.ISSUING, rotation.new_serial, rotation.old_serials, _now(), rotation.overlap_days)
+    issuing.write(folder)
+    write_private(folder / CA_KEY, new_key)
+    (folder / NEXT_KEY).unlink()
+    load_ca(folder / CA_CERT, folder / CA_KEY)  # the new key's certificate is in the bundle
+    return issuing
+
+
+def finish_rotation(folder: Path, force: bool = False) -> Rotation:
+    """A rotation's last step (``--finish``): ``ca.pem`` keeps only the new CA, so certificates of
+    the old ones are refused from each process's next look at it. PKIError unless the new CA
+    issues, or (without ``force``) before the overlap ends."""
+    rotation = Rotation.read(folder)
+    if rotation is None or rotation.step is not RotationStep.ISSUING:
+        raise PKIError(f"{folder}: no rotation whose new CA issues (kvrelay pki rotate-ca, then --issue)")
+    if not force and _now() < rotation.until:
+        raise PKIError(f"the overlap lasts until {rotation.until:%Y-%m-%d %H:%M:%S} UTC: certificates of the old "
+                       "CA may still be in use until then (--force ends it now)")
+    ca = load_ca(folder / CA_CERT, folder / CA_KEY)
+    write_private(folder / CA_CERT, ca.pem)
+    (folder / ROTATION).unlink()
+    return rotation

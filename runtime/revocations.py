@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 from kvrelay.runtime.config import ConfigError, load_config
+from kvrelay.runtime.files import file_stamp
 from kvrelay.runtime.tls import RevokedSerials, parse_serials
 
 log = logging.getLogger(__name__)
@@ -23,14 +23,6 @@ POLL_S = 2.0
 
 Changed = Callable[[frozenset[int], frozenset[int]], None]
 """Told the serials (added, removed) after each change."""
-
-
-def _stamp(path: Path) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)  # follows symbolic links: a ConfigMap's file is one that Kubernetes swaps
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size, st.st_ino
 
 
 def reload_revocations(path: Path, revoked: RevokedSerials) -> tuple[frozenset[int], frozenset[int]] | None:
@@ -50,14 +42,14 @@ async def follow_revocations(path: str | None, revoked: RevokedSerials | None, s
     if path is None or revoked is None:
         return
     config = Path(path)
-    seen = _stamp(config)
+    seen = file_stamp(config)
     while True:
         try:
             await asyncio.wait_for(stop.wait(), poll_s)
             return
         except TimeoutError:
             pass
-        now = _stamp(config)
+        now = file_stamp(config)
         if now is None or now == seen:
             continue
         seen = now

@@ -9,7 +9,7 @@ issued it and that it is in date; a revoked serial is refused here."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -69,34 +69,93 @@ class RevokedSerials:
 
 
 @dataclass(frozen=True, slots=True)
-class TLSMaterial:
-    """One process's TLS material, checked when built (:func:`load_material`)."""
+class Pems:
+    """One generation of a process's TLS material (checked by whoever made it)."""
 
     ca_pem: bytes
-    """The CA bundle this process trusts (the cluster CA)."""
+    """The CA bundle trusted (during a CA rotation, the new CA and the old)."""
     cert_pem: bytes | None = None
-    """This process's certificate (None: a client that presents none)."""
     key_pem: bytes | None = None
     identity: Identity | None = None
-    """What ``cert_pem`` names."""
-    revoked: RevokedSerials = field(default_factory=RevokedSerials)
-    """Certificate serials that are refused even though the CA signed them (a frozenset given is wrapped)."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.revoked, RevokedSerials):
-            object.__setattr__(self, "revoked", RevokedSerials(self.revoked))
+
+class TLSMaterial:
+    """One process's TLS material, checked when built (:func:`load_material`), which the
+    process may renew while it runs (:meth:`renew`: a new certificate for the same identity,
+    a new CA bundle): each listener's next handshake, each channel made after it and each KV
+    handshake use the new material; connections already made go on with theirs."""
+
+    __slots__ = ("_pems", "generation", "revoked")
+
+    def __init__(self, ca_pem: bytes, cert_pem: bytes | None = None, key_pem: bytes | None = None,
+                 identity: Identity | None = None,
+                 revoked: RevokedSerials | frozenset[int] | set[int] | None = None) -> None:
+        self._pems = Pems(ca_pem, cert_pem, key_pem, identity)
+        self.generation = 0
+        """How many times the material was renewed."""
+        self.revoked = revoked if isinstance(revoked, RevokedSerials) else RevokedSerials(revoked or frozenset())
+        """Certificate serials that are refused even though the CA signed them."""
+
+    @property
+    def pems(self) -> Pems:
+        return self._pems
+
+    @property
+    def ca_pem(self) -> bytes:
+        """The CA bundle this process trusts (the cluster CA)."""
+        return self._pems.ca_pem
+
+    @property
+    def cert_pem(self) -> bytes | None:
+        """This process's certificate (None: a client that presents none)."""
+        return self._pems.cert_pem
+
+    @property
+    def key_pem(self) -> bytes | None:
+        return self._pems.key_pem
+
+    @property
+    def identity(self) -> Identity | None:
+        """What ``cert_pem`` names (the same for the process's life)."""
+        return self._pems.identity
+
+    def renew(self, pems: Pems) -> None:
+        """Uses ``pems`` from now on: PKIError when they name another identity (a process's
+        identity never changes) or drop the certificate."""
+        if pems.identity != self.identity:
+            raise PKIError(f"a renewed certificate must name {self.identity or 'no identity'}, "
+                           f"not {pems.identity or 'no identity'}")
+        if (pems.cert_pem is None) != (self.cert_pem is None):
+            raise PKIError("a renewal must keep a certificate and key (or keep having none)")
+        self._pems = pems
+        self.generation += 1
+
+    def _server_config(self):
+        pems = self._pems
+        if pems.cert_pem is None or pems.key_pem is None:
+            raise PKIError("a listener needs a certificate and key (tls.cert / tls.key)")
+        return grpc.ssl_server_certificate_configuration([(pems.key_pem, pems.cert_pem)],
+                                                         root_certificates=pems.ca_pem)
 
     def server_credentials(self, mutual: bool) -> grpc.ServerCredentials:
-        """TLS for a listener; ``mutual``: clients must present a certificate from the CA."""
-        if self.cert_pem is None or self.key_pem is None:
-            raise PKIError("a listener needs a certificate and key (tls.cert / tls.key)")
-        return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem,
-                                           require_client_auth=mutual)
+        """TLS for a listener; ``mutual``: clients must present a certificate from the CA.
+        Each handshake takes the material current then (gRPC asks before each one)."""
+        initial = self._server_config()
+        served = [self.generation]
+
+        def current():  # called by gRPC before every handshake: None keeps the last configuration
+            if self.generation == served[0]:
+                return None
+            served[0] = self.generation
+            return self._server_config()
+        return grpc.dynamic_ssl_server_credentials(initial, current, require_client_authentication=mutual)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        """TLS for a channel: verify the server by the CA; present our certificate if we have one."""
-        return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem,
-                                            certificate_chain=self.cert_pem)
+        """TLS for a channel: verify the server by the CA; present our certificate if we have one
+        (the material current now: a channel made before a renewal keeps what it had)."""
+        pems = self._pems
+        return grpc.ssl_channel_credentials(root_certificates=pems.ca_pem, private_key=pems.key_pem,
+                                            certificate_chain=pems.cert_pem)
 
     def peer(self, context: grpc.aio.ServicerContext) -> Identity | None:
         """The identity the caller's certificate names; None when it presented
@@ -168,11 +227,18 @@ def load_material(section: TLSSection, pem: dict[str, bytes] | None = None,
             raise PKIError(f"{where}.cert needs {where}.key")
         cert_pem = read_pem(section.cert, f"{where}.cert")
         key_pem = read_pem(section.key, f"{where}.key")
-    ident = None
-    if cert_pem is not None:
-        if key_pem is None:
-            raise PKIError(f"{where}: a certificate without its key")
-        ident = check_pair(cert_pem, key_pem, ca_pem, section.cert or f"{where} certificate").identity
-    else:
-        load_ca_bundle(ca_pem, section.ca or f"{where}.ca")
-    return TLSMaterial(ca_pem, cert_pem, key_pem, ident, RevokedSerials(parse_serials(section.revoked_serials)))
+    pems = check_pems(ca_pem, cert_pem, key_pem, section.cert or f"{where} certificate", section.ca or f"{where}.ca")
+    return TLSMaterial(pems.ca_pem, pems.cert_pem, pems.key_pem, pems.identity,
+                       RevokedSerials(parse_serials(section.revoked_serials)))
+
+
+def check_pems(ca_pem: bytes, cert_pem: bytes | None, key_pem: bytes | None, where: str,
+               ca_where: str) -> Pems:
+    """Material that can be used now (the pair in date, issued by the bundle, matched by its
+    key, naming an identity); PKIError naming ``where`` (or ``ca_where``) otherwise."""
+    if cert_pem is None:
+        load_ca_bundle(ca_pem, ca_where)
+        return Pems(ca_pem)
+    if key_pem is None:
+        raise PKIError(f"{where}: a certificate without its key")
+    return Pems(ca_pem, cert_pem, key_pem, check_pair(cert_pem, key_pem, ca_pem, where).identity)

@@ -31,9 +31,11 @@ from kvrelay.runtime.fds import handshake_budget, raise_open_files_limit
 from kvrelay.runtime.health import HealthChecks, serve_health
 from kvrelay.runtime.heartbeats import EventFanout, WorkerStatus, heartbeat_routers, register_and_heartbeat
 from kvrelay.runtime.kvcreds import CertCredentials
-from kvrelay.runtime.kvsecret import pem_from_env, read_secret
+from kvrelay.runtime.kvsecret import pem_from_env, read_secret, tls_dir_from_env
 from kvrelay.runtime.lifetime import die_with_parent
 from kvrelay.runtime.pki import CertRole, Identity, PKIError
+from kvrelay.runtime.renewal import MaterialFiles, follow_material, material_files
+from kvrelay.runtime.revocations import follow_revocations
 from kvrelay.runtime.role_gate import PeerGate
 from kvrelay.runtime.roles import Role
 from kvrelay.runtime.rpc import Dialer, bind, create_server
@@ -181,6 +183,10 @@ class WorkerSetup:
     model_path: str
     tls: TLSMaterial | None
     """This worker's certificate (naming its site, role and index) and the CA; None: tls.enabled false."""
+    tls_files: MaterialFiles | None = None
+    """Where ``tls`` is renewed from while the worker runs (None: nowhere)."""
+    config_path: str | None = None
+    """The config file whose ``tls.revoked_serials`` the worker follows (None: the embedded default)."""
 
     @property
     def dialer(self) -> Dialer:
@@ -220,8 +226,9 @@ def worker_tls(cfg: ClusterConfig, role: Role, site: str, index: int | str,
 
 
 def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str,
-                 pem: dict[str, bytes] | None = None) -> WorkerSetup:
-    """Parses the config once and checks this worker's place in it."""
+                 pem: dict[str, bytes] | None = None, tls_dir: Path | None = None) -> WorkerSetup:
+    """Parses the config once and checks this worker's place in it (``pem``, ``tls_dir``:
+    the material the launcher handed over, and its folder for it)."""
     cfg = load_config(args.config)
     site = {s.name: s for s in cfg.sites}.get(args.site)
     if site is None:
@@ -240,7 +247,8 @@ def worker_setup(role: Role, args: argparse.Namespace, kv_secret_env: str,
     if problem is not None:
         raise SystemExit(problem)
     return WorkerSetup(cfg, WorkerIdentity(f"{args.site}/{role}/{args.index}", role, args.site),
-                       site.pool(role), transport, transfer, host, args.router, args.model_path, tls)
+                       site.pool(role), transport, transfer, host, args.router, args.model_path, tls,
+                       material_files(cfg.tls, tls_dir, pem or {}), args.config)
 
 
 def kv_transfer_config(cfg: ClusterConfig, role: Role, site: str, secret: bytes,
@@ -338,8 +346,9 @@ async def serve_worker(setup: WorkerSetup, aengine: AsyncEngine, server: grpc.ai
         hb = asyncio.create_task(register_and_heartbeat(setup.router, setup.dialer, info, load_fn, stop,
                                                         lambda snapshot: fanout.take("", snapshot), status=status,
                                                         router_name=setup.router_name))
+    tasks = [hb, asyncio.create_task(engine_watch(aengine)), *followers(setup, stop)]
     try:
-        failure = await serve_until_signal(server, aengine, stop, [hb, asyncio.create_task(engine_watch(aengine))])
+        failure = await serve_until_signal(server, aengine, stop, tasks)
     finally:
         aengine.engine.cache.unlink()
         if health is not None:
@@ -347,6 +356,17 @@ async def serve_worker(setup: WorkerSetup, aengine: AsyncEngine, server: grpc.ai
     if failure is not None:
         await leave(setup, info.worker_id, load_fn())
         raise SystemExit(1)
+
+
+def followers(setup: WorkerSetup, stop: asyncio.Event) -> list[asyncio.Task]:
+    """Tasks that run until ``stop`` (any that ends earlier ends the worker): its material renewed from
+    its files, its revoked serials from its config file."""
+    if setup.tls is None:
+        return []
+    tasks = [asyncio.create_task(follow_material(setup.tls_files, setup.tls, stop))] if setup.tls_files else []
+    if setup.config_path is not None:
+        tasks.append(asyncio.create_task(follow_revocations(setup.config_path, setup.tls.revoked, stop)))
+    return tasks
 
 
 def worker_main(role: Role, argv: list[str] | None, run) -> int:
@@ -357,6 +377,6 @@ def worker_main(role: Role, argv: list[str] | None, run) -> int:
         os.environ.setdefault("UCX_MODULES", "^ib")
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s {role}[{args.site}/{args.index}] %(levelname)s "
                         "%(name)s: %(message)s", stream=sys.stderr)
-    setup = worker_setup(role, args, os.environ.get("KVRELAY_KV_SECRET", ""), pem_from_env())
+    setup = worker_setup(role, args, os.environ.get("KVRELAY_KV_SECRET", ""), pem_from_env(), tls_dir_from_env())
     asyncio.run(run(setup))
     return 0

@@ -46,6 +46,11 @@ class _Mirrored:
             setattr(obj.row, self.column, value)
 
 
+RETIRED_GRACE_S = 900.0
+"""How long a channel replaced by :meth:`WorkerRegistry.redial` waits for its calls (a decode
+stream's longest life, with room) before it cancels the rest."""
+
+
 @dataclass(slots=True)
 class WorkerRecord:
     info: wpb.WorkerInfo
@@ -155,6 +160,8 @@ class WorkerRegistry:
         worker's reported load (its usage counters) goes, from heartbeats and a leaving worker's last."""
         self.cfg = cfg
         self.dialer = dialer
+        self._retired: set[asyncio.Task] = set()
+        """Closings of channels :meth:`redial` replaced."""
         self.timeout_s = cfg.router.liveness.worker_timeout_s
         self.workers: dict[str, WorkerRecord] = {}
         self.index = PrefixIndex()
@@ -218,10 +225,7 @@ class WorkerRegistry:
         if old is not None:
             await old.channel.close()
         self.index.remove_worker(info.worker_id)
-        ident = worker_identity(info)
-        channel = self.dialer.aio(info.address, server_name=ident.dns if ident else None)
-        stub = (wgrpc.PrefillWorkerStub(channel) if Role.of(info.role) is Role.PREFILL
-                else wgrpc.DecodeWorkerStub(channel))
+        channel, stub = self._dial(info)
         now = time.monotonic()
         seen = now if heard else now - self.timeout_s - 1.0
         self.workers[info.worker_id] = WorkerRecord(info, wpb.WorkerLoad(worker_id=info.worker_id),
@@ -379,9 +383,30 @@ class WorkerRegistry:
         if self.on_load is not None:
             self.on_load(rec.info.worker_id, rec.info.site, Role.of(rec.info.role), load)
 
+    def _dial(self, info: wpb.WorkerInfo) -> tuple[grpc.aio.Channel, wgrpc.PrefillWorkerStub | wgrpc.DecodeWorkerStub]:
+        """A channel to ``info``'s worker that accepts only its certificate, and the stub of its role."""
+        ident = worker_identity(info)
+        channel = self.dialer.aio(info.address, server_name=ident.dns if ident else None)
+        return channel, (wgrpc.PrefillWorkerStub(channel) if Role.of(info.role) is Role.PREFILL
+                         else wgrpc.DecodeWorkerStub(channel))
+
+    def redial(self) -> int:
+        """New channels to every worker (after this router's certificate was renewed: a channel
+        presents the certificate it was made with whenever it connects again). Calls made from now
+        on take the new channel; the old one closes once its calls end (at most
+        :data:`RETIRED_GRACE_S`). Returns how many were redialled."""
+        for rec in self.workers.values():
+            old, (rec.channel, rec.stub) = rec.channel, self._dial(rec.info)
+            task = asyncio.get_running_loop().create_task(old.close(grace=RETIRED_GRACE_S))
+            self._retired.add(task)
+            task.add_done_callback(self._retired.discard)
+        return len(self.workers)
+
     async def close(self) -> None:
         for rec in self.workers.values():
             await rec.channel.close()
+        for task in list(self._retired):
+            task.cancel()
 
 
 def _own_block_size(worker: int, cluster: int) -> int:

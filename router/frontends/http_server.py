@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import h11
 import uvicorn
+from uvicorn.config import create_ssl_context
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvrelay.runtime.addresses import is_loopback
@@ -241,6 +242,17 @@ class GuardedServer(uvicorn.Server):
         loop = asyncio.get_running_loop()  # TLS starts in GuardedH11, after the connection is counted
         self.servers = [await loop.create_server(protocol, sock=s, backlog=config.backlog) for s in sockets or ()]
         self.started = True
+
+    def reload_tls(self) -> None:
+        """A new TLS context from the certificate, key and CA files (rewritten after a renewal):
+        connections accepted from now on handshake with it; those open keep theirs. ssl.SSLError
+        or OSError when the files cannot be used (the context stays as it was)."""
+        c = self.config
+        if c.ssl is None or not c.ssl_certfile:
+            return
+        c.ssl = create_ssl_context(keyfile=c.ssl_keyfile, certfile=c.ssl_certfile, password=None,
+                                   ssl_version=c.ssl_version, cert_reqs=c.ssl_cert_reqs, ca_certs=c.ssl_ca_certs,
+                                   ciphers=c.ssl_ciphers, alpn_protocols=getattr(GuardedH11, "alpn_protocols", None))
 
 
 def with_client_cert(app, pem: str):

@@ -166,3 +166,33 @@ def test_show_a_file_that_is_not_a_certificate(ca_dir: Path, tmp_path: Path, cap
     assert f"{garbage}: not a PEM file" in capsys.readouterr().err
     assert main(["pki", "show", str(ca_dir / CA_KEY)]) == 2
     assert f"{ca_dir / CA_KEY}: not a PEM certificate" in capsys.readouterr().err
+
+
+def test_rotate_ca_in_three_steps_each_in_its_turn(ca_dir: Path, tmp_path: Path, capsys):
+    old = load_ca(ca_dir / CA_CERT, ca_dir / CA_KEY)
+    assert main(["pki", "rotate-ca", str(ca_dir), "--overlap-days", "3"]) == 0
+    out = capsys.readouterr().out
+    bundle = x509.load_pem_x509_certificates(read_pem(ca_dir / CA_CERT, "bundle"))
+    assert bundle[0] == old.cert and len(bundle) == 2 and f"{bundle[1].serial_number:x}" in out
+    assert f"kvrelay pki rotate-ca {ca_dir} --issue" in out
+    assert load_ca(ca_dir / CA_CERT, ca_dir / CA_KEY).cert == old.cert  # step 1: the old CA still issues
+    assert main(["pki", "rotate-ca", str(ca_dir), "--issue"]) == 2  # too soon for every process to trust it
+    assert "give every process 15 s to trust it" in capsys.readouterr().err
+    assert main(["pki", "rotate-ca", str(ca_dir), "--finish"]) == 2
+    assert "no rotation whose new CA issues" in capsys.readouterr().err
+    assert main(["pki", "rotate-ca", str(ca_dir)]) == 2
+    assert "a rotation is in progress" in capsys.readouterr().err
+    assert main(["pki", "rotate-ca", str(ca_dir), "--force"]) == 2
+    assert "--force goes with --issue or --finish" in capsys.readouterr().err
+    assert main(["pki", "rotate-ca", str(ca_dir), "--issue", "--force"]) == 0
+    assert "issues now" in capsys.readouterr().out
+    new = load_ca(ca_dir / CA_CERT, ca_dir / CA_KEY)
+    assert new.cert == bundle[1] and not (ca_dir / "ca-next.key").exists()
+    assert main(issue_args(ca_dir, tmp_path / "out")) == 0  # kvrelay pki issue signs with the new CA now
+    issued = load_cert(read_pem(tmp_path / "out" / f"decode-{SITE}-w1.pem", "cert"), "cert")
+    issued.verify_directly_issued_by(new.cert)
+    assert main(["pki", "rotate-ca", str(ca_dir), "--finish"]) == 2
+    assert "the overlap lasts until" in capsys.readouterr().err
+    assert main(["pki", "rotate-ca", str(ca_dir), "--finish", "--force"]) == 0
+    assert "now holds only the new CA" in capsys.readouterr().out
+    assert x509.load_pem_x509_certificates(read_pem(ca_dir / CA_CERT, "bundle")) == [new.cert]
