@@ -19,6 +19,7 @@ from kvrelay.benchmarks import cities_bench as cb
 from kvrelay.benchmarks import codec_bench, codec_quality, link_track, routers_bench, telemetry_bench
 from kvrelay.benchmarks.engine_bench import format_result, run_engine_bench, to_json
 from kvrelay.benchmarks.gate_bench import format_gate, run_gate_bench
+from kvrelay.benchmarks.handshake_bench import format_handshakes, run_handshake_bench
 from kvrelay.benchmarks.kv_bench import emit_report, format_kv, kv_json, machine, run_kv_bench
 from kvrelay.benchmarks.kv_wan import add_wan
 from kvrelay.benchmarks.placement_bench import format_placement, run_placement_bench
@@ -168,6 +169,19 @@ def cmd_bench_tls(args: argparse.Namespace) -> int:
     print(format_tls(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res.to_dict(), indent=2) + "\n")
+    return 0
+
+
+def cmd_bench_handshakes(args: argparse.Namespace) -> int:
+    """Renewable listeners' handshakes against static ones (benchmarks/handshake_bench.py)."""
+    try:
+        res = run_handshake_bench(args.connections, args.renew_every)
+    except ValueError as exc:
+        raise SystemExit(f"kvrelay bench handshakes: {exc}") from None
+    print(format_handshakes(res))
+    if args.json:
+        out = {"command": "kvrelay bench handshakes " + " ".join(sys.argv[3:]), "machine": machine(), **res.to_dict()}
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 

@@ -302,6 +302,7 @@ def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> N
 
     _add_bench_kv_codec_parser(bench)
     _add_bench_routers_parser(bench)
+    _add_bench_handshakes_parser(bench)
 
     bg = bench.add_parser("kv-gate", help="a real sender's KV transfer time, quiet and under a flood of idle "
                                           "connections and replayed hellos (from 127.0.0.2 and 127.0.0.3)")
@@ -321,6 +322,15 @@ def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> N
                          "(runtime/checked_tls.py): what that costs")
     bt.add_argument("--json", help="also write the result to this file")
     bt.set_defaults(func=local("cmd_bench_tls"))
+
+
+def _add_bench_handshakes_parser(bench) -> None:
+    bh = bench.add_parser("handshakes", help="a call on a new TLS channel: renewable (dynamic) server credentials "
+                                             "against static ones, in one run")
+    bh.add_argument("--connections", type=int, default=300, help="new channels per server (after 20 warm-up)")
+    bh.add_argument("--renew-every", type=int, default=10, help="the renewing server's material renewed every N")
+    bh.add_argument("--json", help="also write the result to this file")
+    bh.set_defaults(func=local("cmd_bench_handshakes"))
 
 
 def _add_replay_parser(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvrelay.router.governance.audit_heads import generate_signing_key
 from kvrelay.runtime.files import file_stamp
+from kvrelay.runtime.kvsecret import TLS_ENV
 from kvrelay.runtime.pki import (
     CA,
     CA_CERT,
@@ -76,6 +77,14 @@ def ensure_client_token(cache_dir: Path) -> str:
     if not token_file.exists():
         write_private(token_file, (secrets.token_urlsafe(32) + "\n").encode())
     return token_file.read_text().strip()
+
+
+def pem_env(pems: Pems) -> dict[str, str]:
+    """The environment variables that hand a process ``pems`` (:data:`~runtime.kvsecret.TLS_ENV`)."""
+    if pems.cert_pem is None or pems.key_pem is None:
+        raise PKIError("a process needs a certificate and key, not only the CA")
+    return {TLS_ENV["ca"]: pems.ca_pem.decode(), TLS_ENV["cert"]: pems.cert_pem.decode(),
+            TLS_ENV["key"]: pems.key_pem.decode()}
 
 
 class ClusterCredentials:
@@ -154,6 +163,10 @@ class ClusterCredentials:
         write_private(folder / "cert.pem", mat.cert_pem)
         write_private(folder / "key.pem", mat.key_pem)
         write_private(folder / "ca.pem", mat.ca_pem)
+
+    def env(self, ident: Identity, hosts: tuple[str, ...] = ()) -> dict[str, str]:
+        """The environment that hands a child process a new certificate (not renewed: see launch/renewal.py)."""
+        return pem_env(self.issue_pems(ident, hosts))
 
     def client(self) -> TLSMaterial:
         """What a client that presents no certificate needs: the CA."""

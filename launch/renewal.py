@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrelay.launch.credentials import ClusterCredentials
+from kvrelay.launch.credentials import ClusterCredentials, pem_env
 from kvrelay.runtime.files import private_folder, write_private
-from kvrelay.runtime.kvsecret import TLS_DIR_ENV, TLS_ENV
+from kvrelay.runtime.kvsecret import TLS_DIR_ENV
 from kvrelay.runtime.pki import Identity, PKIError, cert_info, load_cert
 from kvrelay.runtime.renewal import TLS_DIR_FILES
 from kvrelay.runtime.tls import Pems
@@ -77,12 +77,10 @@ class CertKeeper:
         """A new certificate for process ``name`` on another node, as the environment that hands it
         over (its actor writes it to a folder there); renewals go through :meth:`attach`'s ``deliver``."""
         kept = Kept(ident, hosts, None)
-        pems = self._issue(kept)
-        assert pems.cert_pem is not None and pems.key_pem is not None  # issue_pems issues both
+        env = pem_env(self._issue(kept))
         with self._lock:
             self.kept[name] = kept
-        return {TLS_ENV["ca"]: pems.ca_pem.decode(), TLS_ENV["cert"]: pems.cert_pem.decode(),
-                TLS_ENV["key"]: pems.key_pem.decode()}
+        return env
 
     def attach(self, name: str, deliver: Callable[[Pems], None]) -> None:
         """How renewals reach process ``name`` (started after :meth:`issue_remote`)."""

@@ -661,17 +661,20 @@ class TLSSection(ConfigSection):
     """False: plaintext everywhere (comparisons on one machine); refused
     unless every listener is on a loopback address."""
     ca: StrictStr | None = None
-    """CA bundle (PEM) every process trusts. None: `kvrelay serve` uses the
-    per-user CA it makes under the cache folder."""
+    """CA bundle (PEM) every process trusts, followed while it runs (``kvrelay pki
+    rotate-ca`` adds a new CA to it). None: `kvrelay serve` uses the per-user CA it
+    makes under the cache folder."""
     ca_key: StrictStr | None = None
     """The CA's key: the launcher then issues a certificate to each process it
     starts. Without it, each process uses ``cert``/``key``."""
     cert: StrictStr | None = None
-    """This process's certificate (PEM), when the launcher does not issue one."""
+    """This process's certificate (PEM), when the launcher does not issue one; followed
+    while it runs with ``key`` (a renewal written there is taken without a restart)."""
     key: StrictStr | None = None
     """Its private key (PEM, unencrypted, readable by this user only)."""
     cert_days: StrictFloat = Field(default=30.0, gt=0, le=3_650)
-    """Lifetime of the certificates the launcher and `kvrelay pki issue` make (ten years at most)."""
+    """Lifetime of the certificates the launcher and `kvrelay pki issue` make (ten years at most);
+    the launcher issues each process's next one after two thirds of it."""
     revoked_serials: StringList = field(default_factory=list)
     """Serials (hex, as `kvrelay pki show` prints them) refused although the CA signed them."""
     server_names: StringList = field(default_factory=list)

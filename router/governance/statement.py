@@ -547,8 +547,9 @@ def identity(d: Deployment, t: TenantSection, r: Reach) -> dict:
              "private_network_paths": NOT_RECORDED, "policy": policy}
     tls_text = (f"TLS is on for every listener, mutual TLS on the internal one and between workers, with "
                 f"certificates from {'the CA ' + tls.ca if tls.ca else 'a CA the launcher made for this run'} "
-                f"({len(tls.revoked_serials)} revoked serials)" if tls.enabled else
-                "TLS is off (plaintext, allowed on loopback addresses only)")
+                f"({len(tls.revoked_serials)} revoked serials) that the launcher issues for {tls.cert_days:g} days "
+                "and renews after two thirds of that, each process taking its new one without a restart"
+                if tls.enabled else "TLS is off (plaintext, allowed on loopback addresses only)")
     quotas = [_QUOTA_WORDS[k].format(policy[k]) for k in _QUOTA_WORDS if policy[k]]
     quota_text = (f"quotas {_names(quotas)} (over a rate or concurrency quota an interactive request is refused "
                   "with a time to retry; a batch one waits, its owner's jobs paused until then)"

@@ -26,10 +26,8 @@ from cryptography.exceptions import InvalidSignature
 from kvrelay.runtime.pki import (
     CA_CERT,
     CA_KEY,
-    MIN_TRUST_S,
     CertRole,
     Identity,
-    Rotation,
     finish_rotation,
     init_ca_dir,
     issue,
@@ -120,22 +118,21 @@ class Streams:
                 kept.close()
 
 
-def _served(lc) -> x509.Certificate:
-    """The certificate the router's public listener presents to a new connection."""
-    host, port = lc.router_address.rsplit(":", 1)
+def _served(lc, address: str | None = None) -> x509.Certificate:
+    """The certificate a listener (the router's public one) presents to a new connection: a TLS 1.3
+    client has it before a listener that wants a client certificate refuses it for the lack of one."""
+    host, port = (address or lc.router_address).rsplit(":", 1)
     ctx = ssl.create_default_context(cadata=lc.creds.ca_pem.decode())
     ctx.check_hostname = False
+    ctx.set_alpn_protocols(["h2"])
     with socket.create_connection((host, int(port)), timeout=10) as raw, ctx.wrap_socket(raw) as conn:
         der = conn.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der)
 
 
-def start_of(pki: Path) -> float:
-    """When the rotation in ``pki`` took its last step."""
-    rotation = Rotation.read(pki)
-    assert rotation is not None
-    return rotation.since.timestamp()
+def _served_at(address: str, lc) -> int:
+    return _served(lc, address).serial_number
 
 
 def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
@@ -168,26 +165,29 @@ def test_certificates_renew_and_the_ca_rotates_under_streaming_requests(renewing
     old_ca = load_ca(pki / CA_CERT, pki / CA_KEY)
     old_operator = _operator(old_ca, "old-noc")
     with Streams(lc) as streams:
-        # every process renewed, and the router's first certificate has expired meanwhile
-        assert wait_until(lambda: lc.keeper.renewals >= len(pids)
-                          and time.time() > first.not_valid_after_utc.timestamp() + 1, 4 * LIFETIME_S)
+        # every process renewed, the router serving its second certificate
+        assert wait_until(lambda: lc.keeper.renewals >= len(pids), 4 * LIFETIME_S)
         assert wait_until(lambda: _served(lc).serial_number != first.serial_number, 10)
         renewed_before_rotation = streams.done.copy()
         new, _ = rotate_ca_dir(pki, overlap_days=1)  # step 1: the new CA trusted everywhere, the old one issues
         new_operator = _operator(new, "new-noc")
         assert wait_until(lambda: _lists_workers(lc, new_operator) == grpc.StatusCode.OK, 20)
         assert _issued_by(_served(lc), old_ca.cert)
-        time.sleep(max(0.0, MIN_TRUST_S - (time.time() - start_of(pki))))
-        issue_with_new_ca(pki)  # step 2: every certificate issued again from the new CA
+        time.sleep(3)  # every process's folder looked at since the launcher wrote them all (each looks every 2 s)
+        issue_with_new_ca(pki, force=True)  # step 2 (sooner than the CLI allows: the test knows who looked)
         assert wait_until(lambda: _issued_by(_served(lc), new.cert), 20)
         assert _lists_workers(lc, old_operator) == grpc.StatusCode.OK  # the overlap: the old CA still trusted
-        time.sleep(4)  # every process's folder looked at since (each looks every 2 s)
+        time.sleep(3)
         finish_rotation(pki, force=True)  # step 3, before the overlap's end: only the new CA anywhere
         assert wait_until(lambda: _lists_workers(lc, old_operator) == grpc.StatusCode.UNAVAILABLE, 20)
         assert _lists_workers(lc, new_operator) == grpc.StatusCode.OK
-        time.sleep(4)  # requests after the end of the overlap: only the new CA anywhere
+        # requests went on past the expiry of the first certificates, and after the end of the overlap
+        assert wait_until(lambda: time.time() > first.not_valid_after_utc.timestamp() + 2, 2 * LIFETIME_S)
+        time.sleep(2)
+    print(f"requests served: {streams.done} ({renewed_before_rotation} before the rotation); "
+          f"certificates issued again: {lc.keeper.renewals}")
     assert streams.failures == [], streams.failures
-    assert all(n >= 3 for n in renewed_before_rotation.values()), renewed_before_rotation
+    assert all(n >= 2 for n in renewed_before_rotation.values()), renewed_before_rotation
     assert all(streams.done[k] > renewed_before_rotation[k] for k in streams.done), streams.done
     assert {c.name: c.proc.pid for c in lc.children} == pids  # nothing restarted
     assert len(workers(lc)) == 2
@@ -232,24 +232,22 @@ def test_a_serial_revoked_in_the_operators_config_reaches_router_and_workers(ren
 def test_workers_on_ray_nodes_take_renewals_through_their_actors(plumbing_model, ray_two_sites):
     """A worker on a Ray node gets its first certificate in its actor's environment; the actor
     writes it, and each renewal the launcher sends, into a folder of that node's, which the
-    worker follows: requests after the first certificates expired still go prefill -> KV ->
-    decode, each end checking the other's certificate."""
+    worker follows: each then presents its new certificate, and requests still go prefill -> KV
+    -> decode, each end checking the other's."""
     from kvrelay.launch.ray_backend import RayBackend
 
     raw = dict(CLUSTER_YAML, sites=[
         {"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 0}},
-        {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0}, "decode": {"replicas": 1}}],
-        links=[{"between": ["toronto", "montreal"], "rtt_ms": 9, "gbps": 10}],
-        tls={"cert_days": 15 / 86400})
+        {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0}, "decode": {"replicas": 1}}])
     with running_cluster(raw, plumbing_model, reconcile=False, backend=RayBackend(["toronto", "montreal"])) as lc:
-        first = {n: k.serial for n, k in lc.keeper.kept.items()}
-        expiry = time.time() + 15
-        assert {n for n, k in lc.keeper.kept.items() if k.deliver is not None} == {
-            "toronto/prefill/0", "montreal/decode/0"}
-        assert wait_until(lambda: all(k.serial != first[n] for n, k in lc.keeper.kept.items())
-                          and time.time() > expiry + 1, 60)
+        remote = {"toronto/prefill/0", "montreal/decode/0"}
+        assert {n for n, k in lc.keeper.kept.items() if k.deliver is not None} == remote
+        info = {w.info.worker_id: w.info for w in workers(lc).values()}
+        assert {n: _served_at(info[n].address, lc) for n in remote} == {n: lc.keeper.kept[n].serial for n in remote}
+        assert sorted(lc.keeper.renew_due(now=time.time() + 365 * 86400)) == sorted([*remote, "router"])
+        renewed = {n: lc.keeper.kept[n].serial for n in remote}
+        assert wait_until(lambda: {n: _served_at(info[n].address, lc) for n in remote} == renewed, 20)
         with lc.client_dialer.sync(lc.router_address) as ch:
             out = [r for r in igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt=PROMPT, max_tokens=8),
                                                                 timeout=60) if r.token_ids]
         assert out
-        assert {w.info.worker_id for w in workers(lc).values()} == {"toronto/prefill/0", "montreal/decode/0"}

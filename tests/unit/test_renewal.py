@@ -17,6 +17,7 @@ import grpc
 import pytest
 from cryptography import x509
 
+from kvrelay.benchmarks.handshake_bench import format_handshakes, run_handshake_bench
 from kvrelay.launch.credentials import ClusterCredentials
 from kvrelay.launch.ray_backend import tls_folder, write_tls_files
 from kvrelay.launch.renewal import CertKeeper
@@ -270,3 +271,17 @@ def test_the_keeper_delivers_renewals_to_a_process_on_another_node(tmp_path):
     assert keeper.renew_due(now=keeper.kept["local/decode/0"].due + 1) == ["local/decode/0"]
     assert delivered == [keeper.kept["local/decode/0"].serial]
     assert _serial(MaterialFiles.in_folder(node).load().cert_pem) == delivered[0]
+
+
+def test_the_handshake_bench_times_new_channels_to_all_three_servers():
+    """``kvrelay bench handshakes`` on a few connections: each of its servers answered a call on every
+    new channel (a failed handshake raises), and its JSON names stay as documented."""
+    res = run_handshake_bench(connections=6, renew_every=2, warmup=1)
+    out = res.to_dict()
+    assert set(out) == {"connections", "renew_every", "static_p50_ms", "static_p90_ms", "dynamic_p50_ms",
+                        "dynamic_p90_ms", "renewing_p50_ms", "renewing_p90_ms", "dynamic_overhead_pct",
+                        "renewing_overhead_pct"}
+    assert all(out[f"{m}_p50_ms"] > 0 for m in ("static", "dynamic", "renewing"))
+    assert "while renewing" in format_handshakes(res)
+    with pytest.raises(ValueError, match="at least 1"):
+        run_handshake_bench(connections=0)
