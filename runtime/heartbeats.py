@@ -194,6 +194,38 @@ class _Heartbeats:
         return hb.drained
 
 
+class RouterChannel:
+    """A worker's channel to a router, made again once this process's certificate was renewed:
+    a channel presents the certificate it was made with whenever it connects again (after the
+    router restarts, one that may have expired since)."""
+
+    def __init__(self, dialer: Dialer, router: str, server_name: str) -> None:
+        self.dialer, self.router, self.server_name = dialer, router, server_name
+        self.channel = self._dial()
+
+    def _generation(self) -> int:
+        return self.dialer.tls.generation if self.dialer.tls is not None else 0
+
+    def _dial(self) -> grpc.aio.Channel:
+        self.generation = self._generation()
+        return self.dialer.aio(self.router, server_name=self.server_name)
+
+    async def renewed(self) -> bool:
+        """True when the material changed since the channel was made: it is made again (call
+        between calls: the old one closes at once)."""
+        if self._generation() == self.generation:
+            return False
+        old, self.channel = self.channel, self._dial()
+        await old.close()
+        return True
+
+    async def __aenter__(self) -> RouterChannel:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.channel.close()
+
+
 async def register_and_heartbeat(router: str, dialer: Dialer, info: wpb.WorkerInfo, load_fn, stop: asyncio.Event,
                                  events_fn=None, register_deadline_s: float = 60.0,
                                  status: WorkerStatus | None = None, router_name: str | None = None,
@@ -214,13 +246,15 @@ async def register_and_heartbeat(router: str, dialer: Dialer, info: wpb.WorkerIn
     ``registered``: the router knows this worker already (no Register unless it says it does not);
     ``on_routers``: given the deployment's live routers from each answer; ``on_drained``: given the
     router's drained flag instead of leaving when it is set (several routers)."""
-    async with dialer.aio(router, server_name=router_name or role_dns(CertRole.ROUTER)) as ch:
-        hb = _Heartbeats(wgrpc.RegistryStub(ch), info, load_fn, events_fn, status, registered, on_routers,
+    async with RouterChannel(dialer, router, router_name or role_dns(CertRole.ROUTER)) as ch:
+        hb = _Heartbeats(wgrpc.RegistryStub(ch.channel), info, load_fn, events_fn, status, registered, on_routers,
                          on_drained)
         loop = asyncio.get_running_loop()
         end = loop.time() + register_deadline_s
         try:
             while not stop.is_set():
+                if await ch.renewed():
+                    hb.stub = wgrpc.RegistryStub(ch.channel)
                 try:
                     if await hb.beat():
                         stop.set()

@@ -61,6 +61,7 @@ def renewing(plumbing_model, tmp_path_factory):
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump(raw))
     with running_cluster(raw, plumbing_model, reconcile=False, config_file=config) as lc:
+        lc.started_at = time.time()
         yield lc, pki, config
 
 
@@ -226,6 +227,20 @@ def test_a_serial_revoked_in_the_operators_config_reaches_router_and_workers(ren
             ipb.GenerateRequest(prompt=PROMPT, max_tokens=4), timeout=60))
     copy = yaml.safe_load(Path(lc.config_path).read_text())
     assert sorted(copy["tls"]["revoked_serials"]) == sorted(raw["tls"]["revoked_serials"])
+
+
+def test_workers_come_back_to_a_restarted_router_with_their_renewed_certificates(renewing):
+    """A channel presents the certificate it was made with whenever it connects again: after
+    the router restarts, workers whose first certificates expired long ago register again
+    (their heartbeats' channel made again after each renewal) and serve."""
+    lc, _, _ = renewing
+    assert wait_until(lambda: time.time() > lc.started_at + LIFETIME_S + 2, 2 * LIFETIME_S)
+    assert lc.keeper.renewals >= 1
+    lc.restart_router(kill=True)
+    assert wait_until(lambda: len(workers(lc)) == 2, 30)
+    with lc.client_dialer.sync(lc.router_address) as ch:
+        assert any(r.token_ids for r in igrpc.InferenceStub(ch).Generate(
+            ipb.GenerateRequest(prompt=PROMPT, max_tokens=4), timeout=60))
 
 
 @pytest.mark.serial  # Ray's nodes: alone
