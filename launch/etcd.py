@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay.launch.credentials import ClusterCredentials
+from kvrelay.launch.renewal import CertKeeper
 from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.etcd import EtcdClient, EtcdError
 from kvrelay.runtime.pki import CertRole, Identity
@@ -43,11 +44,13 @@ class EtcdCluster:
     """``members`` etcd processes on loopback, started by :meth:`start`, each killable and restartable."""
 
     def __init__(self, members: int, folder: Path, creds: ClusterCredentials | None, site: str,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", keeper: CertKeeper | None = None) -> None:
         """``folder``: the members' data and certificates (the caller's, removed with it); ``creds``:
         the cluster CA that issues each member its certificate (None: plaintext on loopback);
         ``site``: the site its members' certificates name; ``host``: the address they listen on
-        (loopback, or the emulated cities' gateway, which routers in the cities' namespaces reach)."""
+        (loopback, or the emulated cities' gateway, which routers in the cities' namespaces reach);
+        ``keeper``: renews the members' certificates in their folders (etcd reads them at each
+        handshake), issued once by ``creds`` without it."""
         if shutil.which(ETCD_BINARY) is None:
             raise RuntimeError(f"etcd is not installed: {INSTALL_HINT}")
         self.creds = creds
@@ -58,8 +61,11 @@ class EtcdCluster:
         self.members = [EtcdMember(f"m{i}", free_port(), free_port(), folder / f"m{i}", host) for i in range(members)]
         for m in self.members:
             m.folder.mkdir(parents=True, mode=0o700, exist_ok=True)
-            if creds is not None:
-                creds.write_files(Identity(site, CertRole.ETCD, m.name), names, m.folder)
+            ident = Identity(site, CertRole.ETCD, m.name)
+            if keeper is not None:
+                keeper.issue_files(f"etcd/{m.name}", ident, names, m.folder)
+            elif creds is not None:
+                creds.write_files(ident, names, m.folder)
 
     @property
     def endpoints(self) -> list[str]:

@@ -403,9 +403,10 @@ class LocalCluster:
             self.cfg.router.host = shared_host = self.cities.gateway  # on the bridge, which every city reaches
             for r in self.cfg.routers:
                 r.host = self.cities.site(r.site).site_addr
-        self.etcd = start_etcd(self.cfg, self.creds, Path(self._tmp.name) / "etcd", host=shared_host)
+        self.etcd = start_etcd(self.cfg, self.creds, Path(self._tmp.name) / "etcd", host=shared_host,
+                               keeper=self.keeper)
         try:
-            self.postgres = start_postgres(self.cfg, self.creds, host=shared_host)
+            self.postgres = start_postgres(self.cfg, self.creds, host=shared_host, keeper=self.keeper)
         except BaseException:
             if self.etcd is not None:
                 self.etcd.stop()

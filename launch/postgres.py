@@ -13,6 +13,7 @@ removed by :meth:`PostgresCluster.stop`."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import shutil
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay.launch.credentials import ClusterCredentials
+from kvrelay.launch.renewal import CertKeeper
 from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.pki import CertRole, Identity
 
@@ -76,20 +78,28 @@ class PostgresCluster:
     """A primary and ``standbys`` streaming replicas on loopback, started by :meth:`start`."""
 
     def __init__(self, standbys: int, creds: ClusterCredentials | None, site: str, database: str = "kvrelay",
-                 user: str = "kvrelay", host: str = "127.0.0.1") -> None:
+                 user: str = "kvrelay", host: str = "127.0.0.1", keeper: CertKeeper | None = None) -> None:
         """``creds``: the cluster CA that issues each server its certificate (None: plaintext on
         loopback); ``site``: the site its certificates name; ``database``/``user``: what routers use;
-        ``host``: the address the servers listen on (loopback, or the emulated cities' gateway)."""
+        ``host``: the address the servers listen on (loopback, or the emulated cities' gateway);
+        ``keeper``: renews the servers' certificates in their folders, each server told to read
+        them again (``pg_ctl reload``), issued once by ``creds`` without it."""
         pg_bin("initdb")
         self.creds, self.database, self.user, self.host = creds, database, user, host
+        self.keeper = keeper
         self.as_service = os.geteuid() == 0
         self.root = Path(tempfile.mkdtemp(prefix="kvrelay-pg-"))
         self.servers = [PgServer(f"s{i}", free_port(), self.root / f"s{i}", host) for i in range(standbys + 1)]
         names = tuple(dict.fromkeys((host, "127.0.0.1", "localhost")))
+        owner = (pwd.getpwnam(SERVICE_USER).pw_uid, pwd.getpwnam(SERVICE_USER).pw_gid) if self.as_service else None
         for s in self.servers:
             s.folder.mkdir(mode=0o700)
-            if creds is not None:
-                creds.write_files(Identity(site, CertRole.STORE, s.name), names, s.folder)
+            ident = Identity(site, CertRole.STORE, s.name)
+            if keeper is not None:
+                keeper.issue_files(f"postgres/{s.name}", ident, names, s.folder, owner,
+                                   functools.partial(self.reload, s))
+            elif creds is not None:
+                creds.write_files(ident, names, s.folder)
         if self.as_service:
             service = pwd.getpwnam(SERVICE_USER)
             for path in (self.root, *self.root.rglob("*")):
@@ -164,6 +174,16 @@ class PostgresCluster:
     def _start(self, s: PgServer, timeout_s: float) -> None:
         self._run([pg_bin("pg_ctl"), "-D", str(s.data), "-l", str(s.folder / "postgres.log"), "-w",
                    "-t", str(int(timeout_s)), "start"], timeout_s + 5)
+
+    def reload(self, s: PgServer) -> None:
+        """Tells a running server to read its configuration and certificate files again; OSError
+        when it cannot be told (the keeper tries again)."""
+        if not (s.data / "postmaster.pid").exists():
+            return
+        try:
+            self._run([pg_bin("pg_ctl"), "-D", str(s.data), "reload"], 30)
+        except RuntimeError as exc:
+            raise OSError(f"PostgreSQL server {s.name} did not reload its certificate: {exc}") from None
 
     def _sql(self, s: PgServer, sql: str) -> str:
         """``sql`` run by the server's superuser over its Unix socket."""

@@ -45,6 +45,8 @@ class Kept:
     """The uid and gid the process runs as, when not this launcher's (--cities)."""
     deliver: Callable[[Pems], None] | None = None
     """How a renewed certificate reaches a process on another node (its Ray actor writes it there)."""
+    after: Callable[[], None] | None = None
+    """What makes the process read its files again, for one that does not follow them (PostgreSQL's reload)."""
     due: float = 0.0
     """When (time.time()) the next certificate is issued."""
     serial: int = 0
@@ -72,6 +74,16 @@ class CertKeeper:
         with self._lock:
             self.kept[name] = kept
         return {TLS_DIR_ENV: str(folder)}
+
+    def issue_files(self, name: str, ident: Identity, hosts: tuple[str, ...], folder: Path,
+                    owner: tuple[int, int] | None = None, after: Callable[[], None] | None = None) -> None:
+        """A new certificate for a program that reads files (etcd, PostgreSQL) in ``folder``
+        (``cert.pem``, ``key.pem``, ``ca.pem``), renewed there; ``after``: run after each renewal
+        (a program that reads them only when told)."""
+        kept = Kept(ident, hosts, folder, owner, after=after)
+        self._write(kept)
+        with self._lock:
+            self.kept[name] = kept
 
     def issue_remote(self, name: str, ident: Identity, hosts: tuple[str, ...] = ()) -> dict[str, str]:
         """A new certificate for process ``name`` on another node, as the environment that hands it
@@ -105,6 +117,7 @@ class CertKeeper:
 
     def _write(self, kept: Kept) -> None:
         """A new certificate to ``kept``'s process: into its folder, or through ``deliver``."""
+        first = kept.serial
         pems = self._issue(kept)
         assert pems.cert_pem is not None and pems.key_pem is not None  # issue_pems issues both
         if kept.folder is None:
@@ -122,6 +135,8 @@ class CertKeeper:
         if kept.owner is not None:
             for path in (kept.folder, *(kept.folder / n for n in TLS_DIR_FILES)):
                 os.chown(path, *kept.owner)
+        if kept.after is not None and first:  # a renewal, not the first certificate
+            kept.after()
 
     def renew_due(self, now: float | None = None) -> list[str]:
         """Renews every certificate that is due (all of them after the CA changed); their names."""

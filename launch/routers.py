@@ -12,6 +12,7 @@ from pathlib import Path
 from kvrelay.launch.credentials import ClusterCredentials
 from kvrelay.launch.etcd import EtcdCluster
 from kvrelay.launch.postgres import PostgresCluster
+from kvrelay.launch.renewal import CertKeeper
 from kvrelay.runtime.config import ClusterConfig, RouterEntrySection
 from kvrelay.runtime.pki import Identity
 from kvrelay.runtime.rpc import Dialer
@@ -69,28 +70,29 @@ def port_of(address: str) -> int:
     return int(address.rpartition(":")[2])
 
 
-def start_etcd(cfg: ClusterConfig, creds: ClusterCredentials | None, folder: Path,
-               timeout_s: float = 30.0, host: str = "127.0.0.1") -> EtcdCluster | None:
+def start_etcd(cfg: ClusterConfig, creds: ClusterCredentials | None, folder: Path, timeout_s: float = 30.0,
+               host: str = "127.0.0.1", keeper: CertKeeper | None = None) -> EtcdCluster | None:
     """etcd for the routers when the config lists several and names no etcd (``etcd.members`` on
-    ``host``, certificates from ``creds``); fills in ``cfg.etcd.endpoints``. None when not needed."""
+    ``host``, certificates from ``creds``, renewed by ``keeper``); fills in ``cfg.etcd.endpoints``. None
+    when not needed."""
     if len(cfg.routers) < 2 or cfg.etcd.endpoints:
         return None
     site = cfg.routers[0].site
-    etcd = EtcdCluster(cfg.etcd.members, folder, creds, site, host)
+    etcd = EtcdCluster(cfg.etcd.members, folder, creds, site, host, keeper)
     ident = Identity.parse(cfg.routers[0].uri)
     dialer = Dialer(creds.material(ident)) if creds is not None and ident is not None else Dialer()
     cfg.etcd.endpoints = etcd.start(dialer, timeout_s)
     return etcd
 
 
-def start_postgres(cfg: ClusterConfig, creds: ClusterCredentials | None,
-                   timeout_s: float = 60.0, host: str = "127.0.0.1") -> PostgresCluster | None:
+def start_postgres(cfg: ClusterConfig, creds: ClusterCredentials | None, timeout_s: float = 60.0,
+                   host: str = "127.0.0.1", keeper: CertKeeper | None = None) -> PostgresCluster | None:
     """The routers' job database when the config lists several and names none (a primary and
-    ``postgres.standbys`` on ``host``, certificates from ``creds``); fills in
+    ``postgres.standbys`` on ``host``, certificates from ``creds``, renewed by ``keeper``); fills in
     ``cfg.postgres.endpoints``. None when not needed."""
     if len(cfg.routers) < 2 or cfg.postgres.endpoints:
         return None
     pg = PostgresCluster(cfg.postgres.standbys, creds, cfg.routers[0].site, cfg.postgres.database, cfg.postgres.user,
-                         host)
+                         host, keeper)
     cfg.postgres.endpoints = pg.start(timeout_s)
     return pg

@@ -9,16 +9,22 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
+import ssl
+import time
 
 import pytest
+from cryptography import x509
 
 from kvrelay.launch.credentials import ClusterCredentials
 from kvrelay.launch.etcd import EtcdCluster
+from kvrelay.launch.renewal import CertKeeper
 from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.config import TLSSection
 from kvrelay.runtime.etcd import EtcdClient, EtcdError, prefix_end
 from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.rpc import Dialer
+from tests.integration.helpers import wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None,
                                 reason="etcd is not installed (make etcd, as root: Debian's etcd-server)")
@@ -31,10 +37,11 @@ def etcd(tmp_path_factory):
     folder = tmp_path_factory.mktemp("etcd")
     creds = ClusterCredentials.for_config(TLSSection(), folder / "ca")
     assert creds is not None
-    cluster = EtcdCluster(3, folder / "members", creds, "montreal")
+    keeper = CertKeeper(creds, folder / "tls")  # the launcher's: it renews the members' certificates
+    cluster = EtcdCluster(3, folder / "members", creds, "montreal", keeper=keeper)
     dialer = Dialer(creds.material(ROUTER))
     cluster.start(dialer)
-    yield cluster, dialer, folder
+    yield cluster, dialer, folder, keeper
     cluster.stop()
 
 
@@ -49,7 +56,7 @@ def test_prefix_end_covers_exactly_the_prefix():
 
 
 def test_keys_leases_and_a_watch_on_a_real_cluster(etcd):
-    cluster, dialer, _ = etcd
+    cluster, dialer, _, _ = etcd
 
     async def scenario():
         client = EtcdClient(cluster.endpoints, dialer, timeout_s=5.0)
@@ -90,7 +97,7 @@ def test_keys_leases_and_a_watch_on_a_real_cluster(etcd):
 
 
 def test_a_lost_member_does_not_stop_the_client(etcd):
-    cluster, dialer, _ = etcd
+    cluster, dialer, _, _ = etcd
 
     async def scenario():
         client = EtcdClient(cluster.endpoints, dialer, timeout_s=5.0)
@@ -110,7 +117,7 @@ def test_a_lost_member_does_not_stop_the_client(etcd):
 
 
 def test_an_unreachable_endpoint_is_named(etcd):
-    _, dialer, _ = etcd
+    _, dialer, _, _ = etcd
     nobody = f"127.0.0.1:{free_port()}"
 
     async def scenario():
@@ -125,7 +132,7 @@ def test_an_unreachable_endpoint_is_named(etcd):
 
 
 def test_a_certificate_from_another_ca_is_refused(etcd):
-    cluster, _, folder = etcd
+    cluster, _, folder, _ = etcd
     other = ClusterCredentials.for_config(TLSSection(), folder / "other-ca")
     assert other is not None
 
@@ -144,7 +151,7 @@ def test_a_watch_whose_member_hangs_is_given_up_and_taken_up_at_the_next(etcd):
     """A member that stops answering with its connection open (SIGSTOP): the watch on it asks for progress
     after quiet_s of silence, gets no answer within timeout_s and ends naming why; watched again, on the next
     member, it sees the change made meanwhile. A quiet but healthy member answers and the watch stays."""
-    cluster, dialer, _ = etcd
+    cluster, dialer, _, _ = etcd
     hung = cluster.members[0].proc
     assert hung is not None
 
@@ -177,4 +184,35 @@ def test_a_watch_whose_member_hangs_is_given_up_and_taken_up_at_the_next(etcd):
             await client.close()
             await writer.close()
 
+    run(scenario())
+
+
+def _served_serial(endpoint: str, ca_pem: bytes) -> int:
+    host, port = endpoint.rsplit(":", 1)
+    ctx = ssl.create_default_context(cadata=ca_pem.decode())
+    ctx.check_hostname = False
+    with socket.create_connection((host, int(port)), timeout=5) as raw, ctx.wrap_socket(raw) as conn:
+        der = conn.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def test_members_present_their_renewed_certificates_without_a_restart(etcd):
+    """The launcher's keeper renews each member's files; etcd reads them at its next handshake."""
+    cluster, dialer, _, keeper = etcd
+    ca = keeper.creds.ca_pem
+    assert [_served_serial(e, ca) for e in cluster.endpoints] == [keeper.kept[f"etcd/m{i}"].serial for i in range(3)]
+    pids = [m.proc.pid for m in cluster.members if m.proc is not None]
+    assert sorted(keeper.renew_due(now=time.time() + 365 * 86400)) == ["etcd/m0", "etcd/m1", "etcd/m2"]
+    renewed = [keeper.kept[f"etcd/m{i}"].serial for i in range(3)]
+    assert wait_until(lambda: [_served_serial(e, ca) for e in cluster.endpoints] == renewed, 10)
+    assert [m.proc.pid for m in cluster.members if m.proc is not None] == pids
+
+    async def scenario():
+        client = EtcdClient(cluster.endpoints, dialer, timeout_s=5.0)
+        try:
+            await client.put("/renewed/k", b"v")
+            assert (await client.get("/renewed/k")).value == b"v"
+        finally:
+            await client.close()
     run(scenario())

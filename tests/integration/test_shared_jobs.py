@@ -6,15 +6,20 @@ and run elsewhere, and the standby holds what the primary committed."""
 
 from __future__ import annotations
 
+import socket
+import ssl
+import struct
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from kvrelay.launch.credentials import ClusterCredentials
 from kvrelay.launch.postgres import PostgresCluster
 from kvrelay.launch.postgres import installed as postgres_installed
+from kvrelay.launch.renewal import CertKeeper
 from kvrelay.router.core.jobs_store import DONE, JOB_DONE, StoredLimits, StoreLimitExceeded
 from kvrelay.router.core.shared_jobs import JobStoreUnavailable, SharedJobStore, conninfo
 from kvrelay.runtime.addresses import free_port
@@ -30,7 +35,8 @@ pytestmark = pytest.mark.skipif(not postgres_installed(),
 def pg(tmp_path_factory):
     creds = ClusterCredentials.for_config(TLSSection(), tmp_path_factory.mktemp("ca"))
     assert creds is not None
-    cluster = PostgresCluster(1, creds, "montreal")
+    keeper = CertKeeper(creds, tmp_path_factory.mktemp("tls"))  # the launcher's: it renews the servers' certificates
+    cluster = PostgresCluster(1, creds, "montreal", keeper=keeper)
     cluster.start()
     yield cluster, creds, tmp_path_factory.mktemp("clients")
     cluster.stop()
@@ -139,3 +145,33 @@ def test_an_unreachable_database_is_named(pg):
     endpoint = f"127.0.0.1:{free_port()}"
     with pytest.raises(JobStoreUnavailable, match=f"jobs database \\({endpoint}\\) cannot be reached"):
         store(pg, "a6", endpoints=[endpoint])
+
+
+def _served_serial(endpoint: str, ca_pem: bytes) -> int:
+    """The certificate a PostgreSQL server presents (its SSLRequest first, as libpq sends it)."""
+    host, port = endpoint.rsplit(":", 1)
+    ctx = ssl.create_default_context(cadata=ca_pem.decode())
+    ctx.check_hostname = False
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(struct.pack("!ii", 8, 80877103))
+        assert raw.recv(1) == b"S"
+        with ctx.wrap_socket(raw) as conn:
+            der = conn.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def test_servers_present_their_renewed_certificates_after_a_reload_not_a_restart(pg):
+    """The launcher's keeper renews each server's files and tells it to read them again (pg_ctl reload)."""
+    cluster, creds, _ = pg
+    keeper = cluster.keeper
+    assert keeper is not None
+    names = [f"postgres/{s.name}" for s in cluster.servers]
+    assert [_served_serial(e, creds.ca_pem) for e in cluster.endpoints] == [keeper.kept[n].serial for n in names]
+    pids = [(s.data / "postmaster.pid").read_text().split()[0] for s in cluster.servers]
+    assert sorted(keeper.renew_due(now=time.time() + 365 * 86400)) == sorted(names)
+    renewed = [keeper.kept[n].serial for n in names]
+    assert wait_until(lambda: [_served_serial(e, creds.ca_pem) for e in cluster.endpoints] == renewed, 10)
+    assert [(s.data / "postmaster.pid").read_text().split()[0] for s in cluster.servers] == pids
+    job = store(pg, "renewed").submit("after", [b"r0"], "t1").id
+    assert job
