@@ -27,7 +27,7 @@ async def run(setup: WorkerSetup) -> None:
     service = DecodeService(aengine, setup.ident, receiver, setup.cfg.router.liveness.kv_lease_s, tel)
     wgrpc.add_DecodeWorkerServicer_to_server(service, server)
     info = worker_info(setup, aengine.engine, port, receiver.endpoint)
-    info.metrics_address = tel.serve(aengine.engine, setup.host)
+    info.metrics_address = tel.serve(aengine.engine, setup.host, setup.tls)
     try:
         await serve_worker(setup, aengine, server, info, service.load)
     finally:

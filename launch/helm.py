@@ -304,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "install-helm":
         print(install_helm(args.dir))
         return 0
-    if not args.check:  # the schema first: rendering validates against it
+    if not args.check:  # the schema first: rendering validates against it; the dashboard too: it is rendered
         SCHEMA.write_text(schema_text())
+        (CHART / "dashboards" / "kvrelay.json").write_text(DASHBOARD.read_text())
     stale = []
     for path, text in _generated().items():
         current = path.read_text() if path.exists() else None

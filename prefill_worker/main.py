@@ -33,7 +33,7 @@ async def run(setup: WorkerSetup) -> None:
     service = PrefillService(aengine, setup.ident, sender, setup.cfg.kv.transfer_timeout_s, tel)
     wgrpc.add_PrefillWorkerServicer_to_server(service, server)
     info = worker_info(setup, aengine.engine, port, "")
-    info.metrics_address = tel.serve(aengine.engine, setup.host)
+    info.metrics_address = tel.serve(aengine.engine, setup.host, setup.tls)
     try:
         await serve_worker(setup, aengine, server, info, service.load)
     finally:

@@ -59,7 +59,7 @@ from kvrelay.runtime.etcd import EtcdClient, EtcdError
 from kvrelay.runtime.health import HealthChecks, serve_health
 from kvrelay.runtime.kvsecret import pem_from_env, read_secret, tls_dir_from_env
 from kvrelay.runtime.lifetime import die_with_parent
-from kvrelay.runtime.metrics import serve_metrics
+from kvrelay.runtime.metrics import CertificateCollector, serve_metrics
 from kvrelay.runtime.pki import CertRole, Identity, PKIError, write_private
 from kvrelay.runtime.renewal import follow_material, material_files
 from kvrelay.runtime.revocations import follow_revocations
@@ -342,7 +342,7 @@ async def run(args: argparse.Namespace) -> None:
         tracing = Tracing(cfg.telemetry, "kvrelay-router", "router", {"kvrelay.site": cfg.router.site or ""},
                           follow_remote=False)  # a client's sampled flag does not force tracing
         stack.callback(tracing.shutdown)
-        registry = CollectorRegistry()
+        registry = metrics_registry(cfg, args.name, tls)
         metrics = serve_metrics(registry, cfg.telemetry.metrics_host, cfg.telemetry.router_metrics_port)
         if metrics is not None:
             stack.callback(metrics.close)
@@ -386,6 +386,14 @@ async def run(args: argparse.Namespace) -> None:
         await stop.wait()
         for task, wait_s, what in running:
             await _stopped(task, wait_s, what)
+
+
+def metrics_registry(cfg: ClusterConfig, name: str | None, tls: TLSMaterial | None) -> CollectorRegistry:
+    """The router's Prometheus registry, with its certificate's expiry (the request metrics join it later)."""
+    registry = CollectorRegistry()
+    if tls is not None:
+        registry.register(CertificateCollector(tls, {"router": name or "", "site": cfg.router.site or ""}))
+    return registry
 
 
 def private_folder() -> tempfile.TemporaryDirectory:

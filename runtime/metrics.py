@@ -33,6 +33,9 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvrelay.runtime.pki import cert_info, load_cert
+from kvrelay.runtime.tls import TLSMaterial
+
 disable_created_metrics()  # no ``_created`` series: process-wide, and kvrelay's processes want none
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -148,6 +151,36 @@ class EngineCollector(Collector):
             yield g
 
 
+class CertificateCollector(Collector):
+    """When this process's certificate expires, and how many times it was renewed, read at each
+    scrape from its (renewable) TLS material: an alert on ``expiry - time()`` catches a process
+    whose renewals stopped arriving before its handshakes start failing."""
+
+    def __init__(self, material: TLSMaterial, labels: dict[str, str]) -> None:
+        self.material, self.labels = material, labels
+        self._seen: tuple[int, float] = (-1, 0.0)
+        """The generation last parsed, and its certificate's end (seconds since the epoch)."""
+
+    def _not_after(self) -> float:
+        gen = self.material.generation
+        if self._seen[0] != gen:
+            pem = self.material.cert_pem
+            end = cert_info(load_cert(pem, "certificate")).not_after.timestamp() if pem is not None else 0.0
+            self._seen = (gen, end)
+        return self._seen[1]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        names, values = list(self.labels), list(self.labels.values())
+        for name, doc, value in (
+                ("kvrelay_tls_certificate_expiry_timestamp_seconds", "When this process's certificate expires "
+                 "(seconds since the epoch)", self._not_after()),
+                ("kvrelay_tls_certificate_renewals", "Times this process took a renewed certificate or CA "
+                 "bundle since it started", float(self.material.generation))):
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            yield g
+
+
 class TransferMetrics:
     """KV transfers a decode worker received: bytes and time per link and transport, failures per reason."""
 
@@ -208,5 +241,6 @@ METRIC_NAMES = (
     "kvrelay_tokens_total", "kvrelay_placements_total", "kvrelay_retries_total", "kvrelay_migrations_total",
     "kvrelay_link_up", "kvrelay_link_rate_gbps", "kvrelay_kv_transfer_bytes_total", "kvrelay_kv_transfer_seconds",
     "kvrelay_kv_transfer_failures_total", "kvrelay_kv_cache_usage_ratio", "kvrelay_prefix_cache_hit_ratio",
-    "kvrelay_num_requests_running", "kvrelay_num_requests_waiting", "kvrelay_prefill_tokens_per_second")
+    "kvrelay_num_requests_running", "kvrelay_num_requests_waiting", "kvrelay_prefill_tokens_per_second",
+    "kvrelay_tls_certificate_expiry_timestamp_seconds", "kvrelay_tls_certificate_renewals")
 """Every metric name kvrelay exports (histograms add ``_bucket``, ``_sum`` and ``_count``)."""

@@ -101,7 +101,7 @@ class Look(StrEnum):
     UNUSABLE = "unusable"
 
 
-def renew_from(files: MaterialFiles, material: TLSMaterial, quiet: bool = False) -> str:
+def renew_from(files: MaterialFiles, material: TLSMaterial, quiet: bool = False) -> Look:
     """One look: a :class:`Look`: the files' material renewed ``material``, was the same, or
     did not check out (logged unless ``quiet``)."""
     try:

@@ -24,6 +24,7 @@ from kvrelay.engine.interface import WorkerEngine
 from kvrelay.engine.llm_engine import StepUsage
 from kvrelay.runtime.config import TelemetrySection
 from kvrelay.runtime.metrics import (
+    CertificateCollector,
     EngineCollector,
     EngineState,
     MetricsServer,
@@ -31,6 +32,7 @@ from kvrelay.runtime.metrics import (
     serve_metrics,
 )
 from kvrelay.runtime.roles import Role
+from kvrelay.runtime.tls import TLSMaterial
 from kvrelay.runtime.tracing import NO_TRACING, Tracing, process_name, within
 
 log = logging.getLogger(__name__)
@@ -114,11 +116,13 @@ class WorkerTelemetry:
         """What every span of this worker carries."""
         return {"kvrelay.site": self.site, "kvrelay.worker": self.worker_id}
 
-    def serve(self, engine: WorkerEngine, advertise: str) -> str:
-        """Registers the engine's gauges and starts /metrics; returns the address
-        to advertise ("" when off; ``advertise`` replaces a wildcard bind address)."""
+    def serve(self, engine: WorkerEngine, advertise: str, tls: TLSMaterial | None = None) -> str:
+        """Registers the engine's gauges (and ``tls``'s certificate expiry) and starts /metrics; returns
+        the address to advertise ("" when off; ``advertise`` replaces a wildcard bind address)."""
         labels = {"worker": self.worker_id, "site": self.site, "role": str(self.role)}
         self.registry.register(EngineCollector(lambda: engine_state(engine), labels))
+        if tls is not None:
+            self.registry.register(CertificateCollector(tls, labels))
         self.server = serve_metrics(self.registry, self.host, self.section.worker_metrics_port)
         return self.server.advertised(advertise) if self.server is not None else ""
 

@@ -22,6 +22,7 @@ import pytest
 import yaml
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.runtime.pki import (
     CA_CERT,
@@ -132,6 +133,13 @@ def _served(lc, address: str | None = None) -> x509.Certificate:
     return x509.load_der_x509_certificate(der)
 
 
+def _scrape(address: str) -> dict[str, float]:
+    """The certificate gauges a process's /metrics serves."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        families = text_string_to_metric_families(r.read().decode())
+    return {f.name: f.samples[0].value for f in families if f.name.startswith("kvrelay_tls_certificate")}
+
+
 def _served_at(address: str, lc) -> int:
     return _served(lc, address).serial_number
 
@@ -192,6 +200,12 @@ def test_certificates_renew_and_the_ca_rotates_under_streaming_requests(renewing
     assert all(streams.done[k] > renewed_before_rotation[k] for k in streams.done), streams.done
     assert {c.name: c.proc.pid for c in lc.children} == pids  # nothing restarted
     assert len(workers(lc)) == 2
+    # /metrics of each process: its certificate's end, and the renewals it took (lifetime, 3 rotation steps)
+    router = _scrape(lc.metrics_address)
+    assert router["kvrelay_tls_certificate_expiry_timestamp_seconds"] == _served(lc).not_valid_after_utc.timestamp()
+    for w in workers(lc).values():
+        assert _scrape(w.info.metrics_address)["kvrelay_tls_certificate_renewals"] >= 4
+    assert router["kvrelay_tls_certificate_renewals"] >= 4
 
 
 def test_a_serial_revoked_in_the_operators_config_reaches_router_and_workers(renewing):

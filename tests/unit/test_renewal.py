@@ -16,6 +16,7 @@ import stat
 import grpc
 import pytest
 from cryptography import x509
+from prometheus_client import CollectorRegistry
 
 from kvrelay.benchmarks.handshake_bench import format_handshakes, run_handshake_bench
 from kvrelay.launch.credentials import ClusterCredentials
@@ -25,6 +26,7 @@ from kvrelay.runtime.config import parse_config
 from kvrelay.runtime.files import write_private
 from kvrelay.runtime.kvcreds import CertCredentials
 from kvrelay.runtime.kvsecret import TLS_DIR_ENV
+from kvrelay.runtime.metrics import CertificateCollector
 from kvrelay.runtime.pki import (
     CA_CERT,
     CA_KEY,
@@ -285,3 +287,22 @@ def test_the_handshake_bench_times_new_channels_to_all_three_servers():
     assert "while renewing" in format_handshakes(res)
     with pytest.raises(ValueError, match="at least 1"):
         run_handshake_bench(connections=0)
+
+
+def test_the_certificate_collector_follows_renewals():
+    """/metrics tells when a process's certificate expires and how often it was renewed, read at each scrape."""
+    ca = new_ca()
+    cert, key = issue(ca, DECODE, days=1.0)
+    material = TLSMaterial(ca.pem, cert, key, DECODE)
+    registry = CollectorRegistry()
+    registry.register(CertificateCollector(material, {"worker": "local/decode/0"}))
+
+    def read() -> tuple[float | None, float | None]:
+        labels = {"worker": "local/decode/0"}
+        return (registry.get_sample_value("kvrelay_tls_certificate_expiry_timestamp_seconds", labels),
+                registry.get_sample_value("kvrelay_tls_certificate_renewals", labels))
+    first_end = x509.load_pem_x509_certificate(cert).not_valid_after_utc.timestamp()
+    assert read() == (first_end, 0.0)
+    later, later_key = issue(ca, DECODE, days=2.0)
+    material.renew(TLSMaterial(ca.pem, later, later_key, DECODE).pems)
+    assert read() == (x509.load_pem_x509_certificate(later).not_valid_after_utc.timestamp(), 1.0)
