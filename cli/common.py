@@ -50,12 +50,19 @@ def add_connect_flags(p: argparse.ArgumentParser, router_default: str | None = "
 
 
 def client_token(args: argparse.Namespace) -> str | None:
-    """The tenant token: $KVRELAY_API_KEY, else the OpenID token `kvrelay login` cached (refreshed
-    when about to expire), else the local default's (written by kvrelay serve)."""
-    token = os.environ.get("KVRELAY_API_KEY", "") or cached_token(args.cache_dir) or ""
-    if not token and (args.cache_dir / CLIENT_TOKEN).exists():
-        token = (args.cache_dir / CLIENT_TOKEN).read_text().strip()
-    return token or None
+    """The tenant token: $KVRELAY_API_KEY; else, for the local default (no ``--ca``: its CA and
+    token are in the cache folder, where `kvrelay serve` wrote them), the local token; else the
+    OpenID token `kvrelay login` cached (refreshed when about to expire), else the local token.
+    So a researcher signed in to an institution's cluster (named with ``--ca``) keeps using the
+    local default as before."""
+    token = os.environ.get("KVRELAY_API_KEY", "")
+    if token:
+        return token
+    local_file = args.cache_dir / CLIENT_TOKEN
+    local = local_file.read_text().strip() if local_file.exists() else ""
+    if local and getattr(args, "ca", None) is None:
+        return local
+    return cached_token(args.cache_dir) or local or None
 
 
 def dialer(args: argparse.Namespace, token: str | None) -> Dialer:

@@ -2,8 +2,10 @@
 device authorization grant (RFC 8628): the command shows a link and a code, the
 researcher signs in at their institution in any browser, and the token (with its
 refresh token) is cached in ``<cache dir>/oidc-token.json`` (0600). Client
-commands then send it (:func:`cached_token`), refreshing it when it is about to
-expire, so nobody types anything after the first time."""
+commands then send it (:func:`cached_token`) to a cluster named with ``--ca``
+(the local default keeps its own token: cli/common.py ``client_token``),
+refreshing it when it is about to expire, so nobody types anything after the
+first time."""
 
 from __future__ import annotations
 

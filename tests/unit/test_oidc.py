@@ -5,6 +5,7 @@ whose claims match no rule. The real provider's tokens: tests/integration/test_o
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -14,6 +15,9 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
 import kvrelay.router.core.oidc as oidc
+from kvrelay.cli.common import client_token
+from kvrelay.cli.login import save
+from kvrelay.launch.credentials import CLIENT_TOKEN
 from kvrelay.router.core.errors import ErrorKind, RouterError
 from kvrelay.router.core.oidc import OIDCVerifier
 from kvrelay.runtime.config import ClaimRule, OIDCProviderSection
@@ -97,3 +101,20 @@ def test_a_key_for_another_algorithm_and_claims_matching_no_rule():
     assert err.kind is ErrorKind.PERMISSION_DENIED
     assert "matches none of its rules (identity.oidc[].rules: groups=lab)" in err.message
     v.close()
+
+
+def test_the_cli_sends_the_local_token_to_the_local_default_and_the_openid_one_elsewhere(tmp_path, monkeypatch):
+    """After `kvrelay login`, the local default (no --ca) still gets its own token; a cluster named
+    with --ca gets the OpenID token; with no local token, the OpenID one goes everywhere."""
+    monkeypatch.delenv("KVRELAY_API_KEY", raising=False)
+    save(tmp_path, "https://idp.example", "kvrelay-cli", "https://idp.example/token", "urn:kvrelay",
+         {"access_token": "openid-token", "expires_in": 3600})
+    (tmp_path / CLIENT_TOKEN).write_text("local-token\n")
+    local = argparse.Namespace(cache_dir=tmp_path, ca=None)
+    remote = argparse.Namespace(cache_dir=tmp_path, ca=tmp_path / "their-ca.pem")
+    assert (client_token(local), client_token(remote)) == ("local-token", "openid-token")
+    monkeypatch.setenv("KVRELAY_API_KEY", "from-env")
+    assert (client_token(local), client_token(remote)) == ("from-env", "from-env")
+    monkeypatch.delenv("KVRELAY_API_KEY")
+    (tmp_path / CLIENT_TOKEN).unlink()
+    assert (client_token(local), client_token(remote)) == ("openid-token", "openid-token")
