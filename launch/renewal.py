@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 RENEW_AT = 2 / 3
 """The share of a certificate's life after which the launcher issues the next one."""
-MAX_WAIT_S = 5.0
+MAX_WAIT_S = 2.0
 """The longest the keeper sleeps between looks (it looks at the CA files then too)."""
 MIN_WAIT_S = 0.2
 

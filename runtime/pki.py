@@ -357,7 +357,7 @@ NEXT_KEY = "ca-next.key"
 """The new CA's key while the old one still issues (a rotation's first step)."""
 MIN_TRUST_S = 15.0
 """The least time between a rotation's first step and its second: every process that follows
-``ca.pem`` looks at it again within that (each looks every 2 s, a launcher every 5 s)."""
+``ca.pem`` looks at it again within that (each looks every 2 s, a launcher too)."""
 
 
 class RotationStep(StrEnum):
