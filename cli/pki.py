@@ -141,6 +141,9 @@ def cmd_pki_rotate_ca(args: argparse.Namespace) -> int:
             raise PKIError("--issue and --finish are two steps: one at a time")
         if args.force and not (args.issue or args.finish):
             raise PKIError("--force goes with --issue or --finish")
+        if (args.issue or args.finish) and (args.overlap_days is not None or args.days is not None):
+            raise PKIError("--overlap-days and --days go with the first step (kvrelay pki rotate-ca DIR): the "
+                           "rotation keeps the overlap it started with")
         if args.finish:
             done = finish_rotation(folder, force=args.force)
             print(f"kvrelay: {folder / CA_CERT} now holds only the new CA (serial {done.new_serial:x}); certificates "
@@ -152,7 +155,8 @@ def cmd_pki_rotate_ca(args: argparse.Namespace) -> int:
                   "issue every certificate again from it; renew others with kvrelay pki issue")
             print(f"both CAs stay trusted until {_utc(rotation.until)}; then: kvrelay pki rotate-ca {folder} --finish")
             return 0
-        ca, rotation = rotate_ca_dir(folder, args.overlap_days, days=args.days)
+        ca, rotation = rotate_ca_dir(folder, DEFAULT_CERT_DAYS if args.overlap_days is None else args.overlap_days,
+                                     days=CA_DAYS if args.days is None else args.days)
     except PKIError as exc:
         return _error(str(exc))
     print(f"kvrelay: new CA (serial {ca.cert.serial_number:x}, expires {_utc(ca.cert.not_valid_after_utc)}) added to "
@@ -239,10 +243,10 @@ def add_parsers(sub) -> None:
 
     rot = pki.add_parser("rotate-ca", help="roll a new CA in: trust it, issue with it, then drop the old one")
     rot.add_argument("dir", type=Path, help="the CA folder made by kvrelay pki init")
-    rot.add_argument("--overlap-days", type=float, default=DEFAULT_CERT_DAYS,
-                     help="how long both CAs stay trusted once the new one issues (default: %(default)g, a "
+    rot.add_argument("--overlap-days", type=float,
+                     help=f"how long both CAs stay trusted once the new one issues (default: {DEFAULT_CERT_DAYS:g}, a "
                           "certificate's lifetime)")
-    rot.add_argument("--days", type=float, default=CA_DAYS, help="the new CA's lifetime (default: %(default)g)")
+    rot.add_argument("--days", type=float, help=f"the new CA's lifetime (default: {CA_DAYS:g})")
     rot.add_argument("--issue", action="store_true", help="step 2: issue with the new CA (the overlap starts)")
     rot.add_argument("--finish", action="store_true", help="step 3, after the overlap: trust only the new CA")
     rot.add_argument("--force", action="store_true", help="with --issue or --finish: sooner than they allow")

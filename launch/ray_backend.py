@@ -32,9 +32,8 @@ import tempfile
 from pathlib import Path
 
 from kvrelay.runtime.addresses import is_loopback
-from kvrelay.runtime.files import write_private
 from kvrelay.runtime.kvsecret import TLS_DIR_ENV, TLS_ENV
-from kvrelay.runtime.renewal import TLS_DIR_FILES
+from kvrelay.runtime.renewal import write_material
 from kvrelay.runtime.tls import Pems
 
 log = logging.getLogger(__name__)
@@ -65,7 +64,7 @@ def _actor_class():
         def write_tls(self, ca: bytes, cert: bytes, key: bytes) -> None:
             """A renewed certificate into the process's folder (the launcher's keeper sends it)."""
             if self.tls_dir is not None:
-                write_tls_files(self.tls_dir, ca, cert, key)
+                write_material(self.tls_dir, ca, cert, key)
 
         def readline(self, timeout: float) -> str:
             """The process's next line of output ("" when none came within ``timeout``, or it ended)."""
@@ -105,16 +104,9 @@ def tls_folder(env: dict[str, str]) -> Path | None:
         return None
     folder = Path(tempfile.mkdtemp(prefix="kvrelay-tls-"))  # 0700
     atexit.register(shutil.rmtree, folder, True)
-    write_tls_files(folder, pem["ca"].encode(), pem["cert"].encode(), pem["key"].encode())
+    write_material(folder, pem["ca"].encode(), pem["cert"].encode(), pem["key"].encode())
     env[TLS_DIR_ENV] = str(folder)
     return folder
-
-
-def write_tls_files(folder: Path, ca: bytes, cert: bytes, key: bytes) -> None:
-    """The files a process follows (runtime/renewal.py), its certificate last."""
-    ca_file, cert_file, key_file = (folder / n for n in TLS_DIR_FILES)
-    for path, pem in ((ca_file, ca), (key_file, key), (cert_file, cert)):
-        write_private(path, pem)
 
 
 class RayWorker:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay.launch.credentials import ClusterCredentials, pem_env
-from kvrelay.runtime.files import private_folder, write_private
+from kvrelay.runtime.files import private_folder
 from kvrelay.runtime.kvsecret import TLS_DIR_ENV
 from kvrelay.runtime.pki import Identity, PKIError, cert_info, load_cert
-from kvrelay.runtime.renewal import TLS_DIR_FILES
+from kvrelay.runtime.renewal import TLS_DIR_FILES, write_material
 from kvrelay.runtime.tls import Pems
 
 log = logging.getLogger(__name__)
@@ -126,12 +126,7 @@ class CertKeeper:
             kept.deliver(pems)
             return
         private_folder(kept.folder)
-        ca, cert, key = (kept.folder / n for n in TLS_DIR_FILES)
-        # the certificate last: a process reading between two writes finds a pair that does not
-        # match, takes none of it and looks again (runtime/renewal.py)
-        write_private(ca, pems.ca_pem)
-        write_private(key, pems.key_pem)
-        write_private(cert, pems.cert_pem)
+        write_material(kept.folder, pems.ca_pem, pems.cert_pem, pems.key_pem)
         if kept.owner is not None:
             for path in (kept.folder, *(kept.folder / n for n in TLS_DIR_FILES)):
                 os.chown(path, *kept.owner)

@@ -4,8 +4,10 @@ forgets one."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 SQLITE_SIDE_FILES = ("", "-wal", "-shm")
@@ -20,6 +22,16 @@ def file_stamp(path: Path) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+async def polls(stop: asyncio.Event, interval_s: float) -> AsyncIterator[None]:
+    """Yields every ``interval_s`` until ``stop`` is set (what a follower of a file looks at it by)."""
+    while True:
+        try:
+            await asyncio.wait_for(stop.wait(), interval_s)
+            return
+        except TimeoutError:
+            yield
 
 
 def private_folder(folder: Path) -> None:

@@ -21,7 +21,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvrelay.runtime.files import file_stamp
+from kvrelay.runtime.files import file_stamp, polls, write_private
 from kvrelay.runtime.pki import PKIError, cert_info, load_cert, read_pem
 from kvrelay.runtime.tls import Pems, TLSMaterial, check_pems
 
@@ -64,6 +64,15 @@ class MaterialFiles:
         """The files' material, checked (:func:`~runtime.tls.check_pems`)."""
         pem = self.read()
         return check_pems(pem["ca"], pem.get("cert"), pem.get("key"), str(self.cert or self.ca), str(self.ca))
+
+
+def write_material(folder: Path, ca: bytes, cert: bytes, key: bytes) -> None:
+    """A process's material into its folder (:data:`TLS_DIR_FILES`, 0600), the certificate last: a
+    process reading between two writes finds a pair that does not match, takes none of it and looks
+    again (:func:`follow_material`)."""
+    ca_file, cert_file, key_file = (folder / n for n in TLS_DIR_FILES)
+    for path, pem in ((ca_file, ca), (key_file, key), (cert_file, cert)):
+        write_private(path, pem)
 
 
 def material_files(section: TLSSection, tls_dir: Path | None, launcher_pem: dict[str, bytes]) -> MaterialFiles | None:
@@ -127,12 +136,7 @@ async def follow_material(files: MaterialFiles | None, material: TLSMaterial | N
         return
     seen = [file_stamp(p) for p in files.paths]
     retry = False
-    while True:
-        try:
-            await asyncio.wait_for(stop.wait(), poll_s)
-            return
-        except TimeoutError:
-            pass
+    async for _ in polls(stop, poll_s):
         now = [file_stamp(p) for p in files.paths]
         if (now == seen and not retry) or None in now:
             continue
@@ -144,4 +148,4 @@ async def follow_material(files: MaterialFiles | None, material: TLSMaterial | N
 
 
 __all__ = ["POLL_S", "TLS_DIR_FILES", "Look", "MaterialFiles", "Renewed", "describe", "follow_material",
-           "material_files", "renew_from"]
+           "material_files", "renew_from", "write_material"]

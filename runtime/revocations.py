@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvrelay.runtime.config import ConfigError, load_config
-from kvrelay.runtime.files import file_stamp
+from kvrelay.runtime.files import file_stamp, polls
 from kvrelay.runtime.tls import RevokedSerials, parse_serials
 
 log = logging.getLogger(__name__)
@@ -43,12 +43,7 @@ async def follow_revocations(path: str | None, revoked: RevokedSerials | None, s
         return
     config = Path(path)
     seen = file_stamp(config)
-    while True:
-        try:
-            await asyncio.wait_for(stop.wait(), poll_s)
-            return
-        except TimeoutError:
-            pass
+    async for _ in polls(stop, poll_s):
         now = file_stamp(config)
         if now is None or now == seen:
             continue

@@ -184,6 +184,8 @@ def test_rotate_ca_in_three_steps_each_in_its_turn(ca_dir: Path, tmp_path: Path,
     assert "a rotation is in progress" in capsys.readouterr().err
     assert main(["pki", "rotate-ca", str(ca_dir), "--force"]) == 2
     assert "--force goes with --issue or --finish" in capsys.readouterr().err
+    assert main(["pki", "rotate-ca", str(ca_dir), "--issue", "--force", "--overlap-days", "9"]) == 2
+    assert "--overlap-days and --days go with the first step" in capsys.readouterr().err  # not ignored
     assert main(["pki", "rotate-ca", str(ca_dir), "--issue", "--force"]) == 0
     assert "issues now" in capsys.readouterr().out
     new = load_ca(ca_dir / CA_CERT, ca_dir / CA_KEY)

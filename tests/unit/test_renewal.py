@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from kvrelay.benchmarks.handshake_bench import format_handshakes, run_handshake_bench
 from kvrelay.launch.credentials import ClusterCredentials
-from kvrelay.launch.ray_backend import tls_folder, write_tls_files
+from kvrelay.launch.ray_backend import tls_folder
 from kvrelay.launch.renewal import CertKeeper
 from kvrelay.runtime.config import parse_config
 from kvrelay.runtime.files import write_private
@@ -43,7 +43,7 @@ from kvrelay.runtime.pki import (
     new_ca,
     rotate_ca_dir,
 )
-from kvrelay.runtime.renewal import Look, MaterialFiles, follow_material, renew_from
+from kvrelay.runtime.renewal import Look, MaterialFiles, follow_material, renew_from, write_material
 from kvrelay.runtime.tls import TLSMaterial, load_material
 
 ROUTER = Identity("local", CertRole.ROUTER, "main")
@@ -56,9 +56,7 @@ def _serial(pem: bytes) -> int:
 
 def _files(folder, ca, ident=ROUTER, days=1.0) -> MaterialFiles:
     cert, key = issue(ca, ident, days, ("127.0.0.1",))
-    write_private(folder / "ca.pem", ca.pem)
-    write_private(folder / "key.pem", key)
-    write_private(folder / "cert.pem", cert)
+    write_material(folder, ca.pem, cert, key)
     return MaterialFiles.in_folder(folder)
 
 
@@ -267,7 +265,7 @@ def test_the_keeper_delivers_renewals_to_a_process_on_another_node(tmp_path):
     delivered: list[int] = []
 
     def deliver(pems) -> None:
-        write_tls_files(node, pems.ca_pem, pems.cert_pem, pems.key_pem)
+        write_material(node, pems.ca_pem, pems.cert_pem, pems.key_pem)
         delivered.append(_serial(pems.cert_pem))
     keeper.attach("local/decode/0", deliver)
     assert keeper.renew_due(now=keeper.kept["local/decode/0"].due + 1) == ["local/decode/0"]
