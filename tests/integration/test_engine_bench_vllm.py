@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 def test_bench_engine_with_vllm_has_its_stable_fields(plumbing_model, tmp_path):
     if vllm_env.installed_version() is None:
-        pytest.skip("vllm is not installed (make test installs it: python -m kvrelay.launch.vllm_env install)")
+        pytest.skip("vllm is not installed (make test installs it: make vllm)")
     out = tmp_path / "engine.json"
     res = subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "engine", "--model", str(plumbing_model),
                           "--engine", "vllm", "--no-reference", "--batches", "1,4", "--new-tokens", "8",

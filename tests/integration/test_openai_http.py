@@ -268,7 +268,7 @@ def test_vllm_bench_serve_gets_every_request_served(http_cluster, smollm_path, t
     """vLLM's own benchmark client, installed by make test, against kvrelay's HTTPS API with a
     tenant's token: every request succeeds, each with the output length it asked for."""
     if vllm_env.installed_version() is None:
-        pytest.skip("vllm is not installed (make test installs it: python -m kvrelay.launch.vllm_env install)")
+        pytest.skip("vllm is not installed (make test installs it: make vllm)")
     env = {**os.environ, "OPENAI_API_KEY": TOKEN, "SSL_CERT_FILE": str(http_cluster.ca_file),
            "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     args = ["bench", "serve", "--backend", "openai", "--base-url", f"https://{http_cluster.http_address}",

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["engine", "kvtransfer", "runtime", "prefill_worker", "decode_worker", "router", "launch", "benchmarks",
-            "cli"]
+            "cli", "requirements"]
 MAX_FUNCTION_LINES = 60
 
 
@@ -39,7 +39,7 @@ def test_the_check_sees_a_long_function(tmp_path: Path):
 
 
 @pytest.mark.parametrize("pkg", ["engine", "kvtransfer", "runtime", "router", "benchmarks", "benchmarks/sim", "cli",
-                                 "launch", "prefill_worker", "decode_worker"])
+                                 "launch", "prefill_worker", "decode_worker", "requirements"])
 def test_package_has_a_module_map(pkg: str):
     text = (ROOT / pkg / "README.md").read_text()
     modules = sorted({p.name for p in (ROOT / pkg).rglob("*.py") if p.name not in ("__init__.py", "__main__.py")})
