@@ -45,7 +45,7 @@ from kvrelay.runtime.config import (
     dump_config,
     load_config,
 )
-from kvrelay.runtime.engines import pool_engine_problem
+from kvrelay.runtime.engines import EngineKind, pool_engine_problem
 from kvrelay.runtime.files import file_stamp, private_folder
 from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.roles import Role
@@ -84,7 +84,10 @@ class RouterProc(WorkerProc, Protocol):
 class WorkerBackend(Protocol):
     """Starts worker processes (``python -m <module> <args>``) at a site."""
 
-    def start(self, name: str, module: str, args: list[str], site: str, env: dict[str, str]) -> WorkerProc: ...
+    def start(self, name: str, module: str, args: list[str], site: str, env: dict[str, str], *,
+              preload_vllm: bool = False) -> WorkerProc:
+        """Starts a worker; ``preload_vllm``: it runs vLLM on the CPU (a backend may import vLLM ahead)."""
+        ...
     def start_router(self, name: str, args: list[str], site: str, env: dict[str, str]) -> RouterProc | None:
         """One of several routers (``python -m kvrelay.router <args>``) at ``site``; None: the
         launcher runs routers itself, on its own machine."""
@@ -102,9 +105,10 @@ class LocalBackend:
         self.cities = cities
         self.fork = fork and cities is None
 
-    def start(self, name: str, module: str, args: list[str], site: str, env: dict[str, str]) -> WorkerProc:
+    def start(self, name: str, module: str, args: list[str], site: str, env: dict[str, str], *,
+              preload_vllm: bool = False) -> WorkerProc:
         if self.fork:
-            return shared_zygote().start(module, args, {**os.environ, **env})
+            return shared_zygote().start(module, args, {**os.environ, **env}, preload_vllm=preload_vllm)
         prefix: list[str] = []
         if self.cities is not None:
             # `ip netns exec` execs in place: same pid, so signals and PDEATHSIG reach the worker
@@ -121,10 +125,9 @@ class LocalBackend:
         pass
 
 
-def _line_reader(proc: subprocess.Popen) -> Callable[[float], str]:
+def _line_reader(out: IO[str] | None) -> Callable[[float], str]:
     """``readline(timeout)`` over a process's piped stdout."""
-    out = proc.stdout
-    if out is None:  # started with stdout=PIPE
+    if out is None:  # started with its stdout a pipe
         raise RuntimeError("the router's stdout is not a pipe")
 
     def readline(timeout: float) -> str:
@@ -390,8 +393,10 @@ class LocalCluster:
         args = ["--config", str(self.config_path), "--model-path", str(self.model_path),
                 "--router", self.router_for(site), "--site", site, "--index", str(i), "--log-level", self.log_level]
         env = self._env(name, Identity(site, CertRole(role), str(i)), remote=not isinstance(self.backend, LocalBackend))
-        child = Child(name, self._started(name, self.backend.start(name, f"kvrelay.{role}_worker", args, site, env)),
-                      site, role)
+        pool = next(s for s in self.cfg.sites if s.name == site).pool(Role(role))
+        vllm_cpu = pool.engine is EngineKind.VLLM and (pool.device or self.cfg.model.device) == "cpu"
+        proc = self.backend.start(name, f"kvrelay.{role}_worker", args, site, env, preload_vllm=vllm_cpu)
+        child = Child(name, self._started(name, proc), site, role)
         with self._lock:
             self.children.append(child)
         return child
@@ -495,11 +500,17 @@ class LocalCluster:
                 # one of several: in its city's namespace (it reaches other cities' workers over the links)
                 prefix = (self.cities.exec_prefix(entry.site) if entry is not None
                           else list(self.cities.worker_drop().prefix))
-            router = subprocess.Popen([*prefix, sys.executable, "-m", "kvrelay.router", *args],
-                                      env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
+            router: WorkerProc
+            if not prefix and isinstance(self.backend, LocalBackend) and self.backend.fork:
+                router = forked = shared_zygote().start("kvrelay.router", args, {**os.environ, **env}, stdout=True)
+                out = forked.stdout
+            else:
+                router = popen = subprocess.Popen([*prefix, sys.executable, "-m", "kvrelay.router", *args],
+                                                  env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
+                out = popen.stdout
             with self._lock:
-                self.children.append(Child(child, router, stdout=router.stdout))
-            ready = self.routers[name] = self._await_ready(router, _line_reader(router), deadline)
+                self.children.append(Child(child, router, stdout=out))
+            ready = self.routers[name] = self._await_ready(router, _line_reader(out), deadline)
         if entry is None or entry is self.cfg.routers[0]:
             self.router_address, self.internal_address = ready.address, ready.internal
             self.http_address, self.metrics_address = ready.http, ready.metrics

@@ -240,7 +240,9 @@ class RayBackend:
                                f"nodes of each site with ray start --resources '{{\"site:<name>\": 8}}'")
         self._actor = _actor_class()
 
-    def start(self, name: str, module: str, args: list[str], site: str, env: dict[str, str]) -> RayWorker:
+    def start(self, name: str, module: str, args: list[str], site: str, env: dict[str, str], *,
+              preload_vllm: bool = False) -> RayWorker:
+        """A worker as an actor on a node of ``site`` (a process of its own: nothing to preload)."""
         actor = self._actor.options(resources={site_resource(site): 1}).remote(module, args, env)
         return RayWorker(name, actor)
 

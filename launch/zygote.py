@@ -6,7 +6,9 @@ does that import once, then forks a worker for each request the launcher
 sends: the fork runs the worker's ``main`` with its own arguments and
 environment, as ``python -m <module>`` would. The zygote is started fresh
 (not forked from the launcher, which has threads) and stays single-threaded,
-so every fork is of a process with nothing in flight. Scale-ups, replacements
+so every fork is of a process with nothing in flight; what it imported is
+frozen out of the garbage collector's reach (``gc.freeze``), so a worker's
+collections do not walk it (nor copy its pages). Scale-ups, replacements
 and test clusters start that much sooner (benchmarks/RESULTS.md).
 
 Lifetime: the zygote exits when the launcher closes its socket or dies
@@ -15,14 +17,25 @@ exits (runtime/lifetime.py). The zygote reaps its workers and tells the
 launcher each exit code. Workers started through a command prefix (``ip
 netns exec`` under emulated cities) are plain processes (launch/local.py).
 
+A worker that runs vLLM on the CPU spends about eleven seconds more
+importing vLLM: the launcher asks for it (``preload_vllm``), and the zygote
+imports vLLM once, before its first such fork, as the worker would
+(runtime/vllm_engine.py ``preload``), so later vLLM workers start without it.
+
+The router is forked the same way (its READY line through a pipe the
+launcher makes: its write end travels over the socket with the request).
+
 Wire: JSON lines over a socket pair. Launcher to zygote: ``{"module",
-"args", "env"}``; zygote to launcher: ``{"started": pid}``, ``{"refused":
+"args", "env", "preload_vllm", "stdout"}`` (``stdout``: the request's
+first bytes carry a descriptor, SCM_RIGHTS, the child's standard
+output); zygote to launcher: ``{"started": pid}``, ``{"refused":
 reason}``, ``{"exit": pid, "code": code}`` (a negative code: the signal)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -34,13 +47,16 @@ import subprocess
 import sys
 import threading
 import traceback
+from typing import IO
 
 from kvrelay.runtime.lifetime import die_with_parent
 
-PRELOAD = ("kvrelay.prefill_worker.main", "kvrelay.decode_worker.main")
-"""What every worker imports: imported once, by the zygote."""
-WORKER_MODULES = frozenset({"kvrelay.prefill_worker", "kvrelay.decode_worker"})
+PRELOAD = ("kvrelay.prefill_worker.main", "kvrelay.decode_worker.main", "kvrelay.router.main")
+"""What every worker and the router import: imported once, by the zygote."""
+WORKER_MODULES = frozenset({"kvrelay.prefill_worker", "kvrelay.decode_worker", "kvrelay.router"})
 """The modules a zygote starts (anything else is refused)."""
+MAX_FDS = 4
+"""File descriptors one message of the launcher may carry (a child's stdout)."""
 START_TIMEOUT_S = 120.0
 """How long a start may wait for the zygote's answer (the first includes its imports)."""
 REAP_INTERVAL_S = 0.1
@@ -51,12 +67,14 @@ class ZygoteWorker:
     """A worker forked by the zygote, with ``subprocess.Popen``'s interface
     as the launcher uses it (the ``WorkerProc`` protocol)."""
 
-    __slots__ = ("_exited", "pid", "returncode")
+    __slots__ = ("_exited", "pid", "returncode", "stdout")
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
         """The exit code (negative: the signal that ended it); None while it runs."""
+        self.stdout: IO[str] | None = None
+        """Its standard output, where it was started with ``stdout=True`` (the router's READY line)."""
         self._exited = threading.Event()
 
     def _exit(self, code: int) -> None:
@@ -102,19 +120,37 @@ class Zygote:
     def alive(self) -> bool:
         return self.proc.poll() is None and self._reader.is_alive()
 
-    def start(self, module: str, args: list[str], env: dict[str, str]) -> ZygoteWorker:
-        """Forks ``module``'s main with ``args`` and exactly ``env`` as its environment."""
+    def start(self, module: str, args: list[str], env: dict[str, str], *, preload_vllm: bool = False,
+              stdout: bool = False) -> ZygoteWorker:
+        """Forks ``module``'s main with ``args`` and exactly ``env`` as its environment; ``preload_vllm``:
+        from the zygote with vLLM imported (imported first if it is not yet); ``stdout``: its standard
+        output a pipe, read from the worker's ``stdout`` (else it is the zygote's, the launcher's)."""
         if module not in WORKER_MODULES:
             raise ValueError(f"the zygote starts only {sorted(WORKER_MODULES)}, not {module!r}")
+        req = json.dumps({"module": module, "args": args, "env": env, "preload_vllm": preload_vllm,
+                          "stdout": stdout}).encode() + b"\n"
+        read_end, write_end = os.pipe() if stdout else (-1, -1)
         with self._lock:
-            self.sock.sendall(json.dumps({"module": module, "args": args, "env": env}).encode() + b"\n")
+            try:
+                if stdout:  # the write end travels with the request's first bytes
+                    sent = socket.send_fds(self.sock, [req], [write_end])
+                    self.sock.sendall(req[sent:])
+                else:
+                    self.sock.sendall(req)
+            finally:
+                if stdout:
+                    os.close(write_end)
             try:
                 answer = self._answers.get(timeout=START_TIMEOUT_S)
             except queue.Empty:
-                raise TimeoutError(f"the zygote did not start {module} within {START_TIMEOUT_S:.0f} s") from None
+                answer = {"refused": f"no answer within {START_TIMEOUT_S:.0f} s"}
         worker = answer.get("worker")
         if not isinstance(worker, ZygoteWorker):
+            if stdout:
+                os.close(read_end)
             raise RuntimeError(f"the zygote could not start {module}: {answer.get('refused', answer)}")
+        if stdout:
+            worker.stdout = os.fdopen(read_end, "r")
         return worker
 
     def _read(self) -> None:
@@ -167,11 +203,15 @@ def _name_process(module: str) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
-def _child(sock: socket.socket, req: dict) -> None:
-    """In the fork: become the worker ``req`` names, then exit with its code."""
+def _child(sock: socket.socket, req: dict, stdout: int | None) -> None:
+    """In the fork: become the worker ``req`` names (``stdout``: the fd its standard output goes to),
+    then exit with its code."""
     code = 1
     try:
         sock.close()
+        if stdout is not None:
+            os.dup2(stdout, 1)
+            os.close(stdout)
         _name_process(req["module"])
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.clear()
@@ -202,14 +242,35 @@ def _reap(sock: socket.socket) -> None:
         sock.sendall(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
 
 
-def _fork(sock: socket.socket, line: bytes) -> None:
+def _refuse(sock: socket.socket, reason: str) -> None:
+    sock.sendall(json.dumps({"refused": reason}).encode() + b"\n")
+
+
+def _fork(sock: socket.socket, line: bytes, fds: list[int]) -> None:
+    """Forks the worker ``line`` asks for; ``fds``: descriptors received and not yet taken (a request
+    with ``stdout`` takes the first)."""
     req = json.loads(line)
-    if req.get("module") not in WORKER_MODULES:
-        sock.sendall(json.dumps({"refused": f"unknown module {req.get('module')!r}"}).encode() + b"\n")
+    stdout = fds.pop(0) if req.get("stdout") is True and fds else None
+    if req.get("stdout") is True and stdout is None:
+        _refuse(sock, "a request for a piped stdout came without its descriptor")
         return
+    if req.get("module") not in WORKER_MODULES:
+        if stdout is not None:
+            os.close(stdout)
+        _refuse(sock, f"unknown module {req.get('module')!r}")
+        return
+    if req.get("preload_vllm") is True:
+        try:
+            importlib.import_module("kvrelay.runtime.vllm_engine").preload()
+        except Exception as exc:  # the worker itself then meets (and reports) what failed
+            print(f"kvrelay zygote: vLLM not preloaded: {exc!r}", file=sys.stderr)
+    sys.stdout.flush()
+    gc.freeze()  # what the imports made stays out of every fork's collections (and its pages shared)
     pid = os.fork()
     if pid == 0:
-        _child(sock, req)
+        _child(sock, req, stdout)
+    if stdout is not None:
+        os.close(stdout)
     sock.sendall(json.dumps({"started": pid}).encode() + b"\n")
 
 
@@ -222,15 +283,17 @@ def serve(fd: int) -> None:
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     buf = b""
+    fds: list[int] = []
     while True:
         if sel.select(REAP_INTERVAL_S):
-            data = sock.recv(1 << 16)
+            data, received, _, _ = socket.recv_fds(sock, 1 << 16, MAX_FDS)
+            fds += received
             if not data:
                 return
             buf += data
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                _fork(sock, line)
+                _fork(sock, line, fds)
         _reap(sock)
 
 
