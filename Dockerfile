@@ -41,8 +41,8 @@ RUN if [ "$VARIANT" != cpu ] && [ "$VARIANT" != cuda ]; then \
  && python requirements/lock.py host \
  && pip install --require-hashes --no-deps -r requirements/uv.txt \
  && read -ra sources <<< "$(python requirements/lock.py sources "$VARIANT")" \
- && uv pip install --system --require-hashes --no-deps "${sources[@]}" -r "requirements/${VARIANT}-runtime.txt" \
- && uv pip install --system --no-deps --no-build-isolation . \
+ && uv pip install --system --require-hashes --no-deps --compile-bytecode "${sources[@]}" -r "requirements/${VARIANT}-runtime.txt" \
+ && uv pip install --system --no-deps --no-build-isolation --compile-bytecode . \
  && kvrelay model prepare --cache-dir /opt/kvrelay \
  && test -f /opt/kvrelay/models/SmolLM2-135M-Instruct/config.json
 

@@ -80,10 +80,13 @@ def make_engine():
 
 
 LONGEST_FIRST = (
-    "unit/test_default_model.py", "integration/test_cities.py", "integration/test_cli.py",
-    "integration/test_jobs.py", "integration/test_failover.py", "integration/test_e2e.py",
-    "integration/test_kv_bench_json.py", "integration/test_multisite.py", "integration/test_openai_http.py",
-    "integration/test_helm_pods.py", "integration/test_tracing.py", "integration/test_fuzz.py",
+    "integration/test_vllm_pools.py", "integration/test_openai_http.py",
+    "integration/test_routers.py", "integration/test_e2e.py", "unit/test_sim.py", "integration/test_kv_bench_json.py",
+    "integration/test_renewal.py", "integration/test_kv_tcp.py", "integration/test_cities.py",
+    "integration/test_failover.py", "integration/test_etcd.py", "unit/test_default_model.py",
+    "integration/test_tracing.py", "integration/test_oidc.py", "integration/test_cli.py",
+    "integration/test_shedding.py", "integration/test_fuzz.py", "integration/test_tenant_policy.py",
+    "integration/test_metrics.py", "integration/test_jobs.py", "integration/test_hardening.py",
 )
 """The modules that take longest when two pytest processes share the cores (make test's first step,
 a module per process at a time): handed out first, so none of them starts last and runs alone."""

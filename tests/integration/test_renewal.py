@@ -255,28 +255,3 @@ def test_workers_come_back_to_a_restarted_router_with_their_renewed_certificates
     with lc.client_dialer.sync(lc.router_address) as ch:
         assert any(r.token_ids for r in igrpc.InferenceStub(ch).Generate(
             ipb.GenerateRequest(prompt=PROMPT, max_tokens=4), timeout=60))
-
-
-@pytest.mark.serial  # Ray's nodes: alone
-def test_workers_on_ray_nodes_take_renewals_through_their_actors(plumbing_model, ray_two_sites):
-    """A worker on a Ray node gets its first certificate in its actor's environment; the actor
-    writes it, and each renewal the launcher sends, into a folder of that node's, which the
-    worker follows: each then presents its new certificate, and requests still go prefill -> KV
-    -> decode, each end checking the other's."""
-    from kvrelay.launch.ray_backend import RayBackend
-
-    raw = dict(CLUSTER_YAML, sites=[
-        {"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 1}, "decode": {"replicas": 0}},
-        {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0}, "decode": {"replicas": 1}}])
-    with running_cluster(raw, plumbing_model, reconcile=False, backend=RayBackend(["toronto", "montreal"])) as lc:
-        remote = {"toronto/prefill/0", "montreal/decode/0"}
-        assert {n for n, k in lc.keeper.kept.items() if k.deliver is not None} == remote
-        info = {w.info.worker_id: w.info for w in workers(lc).values()}
-        assert {n: _served_at(info[n].address, lc) for n in remote} == {n: lc.keeper.kept[n].serial for n in remote}
-        assert sorted(lc.keeper.renew_due(now=time.time() + 365 * 86400)) == sorted([*remote, "router"])
-        renewed = {n: lc.keeper.kept[n].serial for n in remote}
-        assert wait_until(lambda: {n: _served_at(info[n].address, lc) for n in remote} == renewed, 20)
-        with lc.client_dialer.sync(lc.router_address) as ch:
-            out = [r for r in igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(prompt=PROMPT, max_tokens=8),
-                                                                timeout=60) if r.token_ids]
-        assert out

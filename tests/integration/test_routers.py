@@ -458,27 +458,3 @@ def test_requests_in_progress_count_at_every_router(routers):
     assert refused is not None and running
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_concurrent quota (1 requests in progress)" in refused.details()
-
-
-@pytest.mark.serial  # Ray's start and a second cluster: measured alone
-def test_routers_on_ray_each_run_at_a_node_of_its_site(plumbing_model, ray_two_sites):
-    """`kvrelay serve --backend ray` with routers: each router is an actor on a node of its own site (as
-    workers are), they share etcd and PostgreSQL, and each places on workers the other registered."""
-    from kvrelay.launch.ray_backend import RayBackend
-
-    raw = three_routers()
-    raw["routers"] = [{"name": "qc", "site": "montreal"}, {"name": "ont", "site": "toronto"}]
-    raw["sites"] = [{"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 0},
-                     "decode": {"replicas": 1}},
-                    {"name": "toronto", "jurisdiction": "CA-ON", "prefill": {"replicas": 0}, "decode": {"replicas": 0}}]
-    nodes = ray_two_sites
-    lc = LocalCluster(parse_config(raw), plumbing_model, backend=RayBackend(["montreal", "toronto"]))
-    lc.start()
-    try:
-        on = {c.name: c.proc.node_id() for c in lc.children if c.name.startswith("router/")}
-        assert on == {"router/qc": nodes["montreal"].node_id, "router/ont": nodes["toronto"].node_id}
-        for name in ("qc", "ont"):  # the decode worker registered with qc (its site's router)
-            assert generate(lc, name).placement.decode_worker == "montreal/decode/0"
-        assert sorted(live_routers(lc, "ont")) == ["ont", "qc"]
-    finally:
-        lc.stop()
