@@ -77,13 +77,26 @@ class CallerAuth:
         self.oidc = OIDCVerifier(cfg.identity.oidc) if cfg.identity.oidc else None
         """Checks OpenID providers' tokens (None: no provider configured)."""
 
+    async def ready(self, authorization: str) -> None:
+        """Awaits, without blocking the event loop, the fetch of the OpenID keys the token in
+        ``authorization`` needs (a key id not yet known: router/core/oidc.py), so that the checks
+        below, which never wait, can answer for it. The asynchronous frontends call it first."""
+        token = self._jwt(authorization)
+        if token is not None and self.oidc is not None:
+            await self.oidc.ready(token)
+
     def federated(self, authorization: str) -> Principal | None:
         """The principal of an OpenID provider's token in ``authorization``; None when it
         holds none (or no provider is configured); RouterError when the token is refused."""
+        token = self._jwt(authorization)
+        return None if token is None or self.oidc is None else self.oidc.verify(token)
+
+    def _jwt(self, authorization: str) -> str | None:
+        """The JWT bearer token in ``authorization`` where a provider is configured, else None."""
         if self.oidc is None or not authorization.startswith("Bearer "):
             return None
         token = authorization[len("Bearer "):].strip()
-        return self.oidc.verify(token) if looks_like_jwt(token) else None
+        return token if looks_like_jwt(token) else None
 
     def tenant(self, authorization: str, cert: Identity | None = None) -> str:
         """The tenant of a client call; RouterError(UNAUTHENTICATED) without credentials."""

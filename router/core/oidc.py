@@ -9,9 +9,11 @@ at the first that fails:
 2. its ``iss`` is a configured provider's issuer, exactly;
 3. its ``kid`` is among that provider's keys, fetched from its ``jwks_uri`` (or
    the one its discovery document names) every ``jwks_refresh_s`` by a thread of
-   its own, and at once (at most every :data:`MIN_REFETCH_S`; the check waits
-   :data:`INLINE_WAIT_S` at most) for a ``kid`` not yet known: a rotated key is
-   picked up without a restart. A provider that
+   its own, and at once (at most every :data:`MIN_REFETCH_S`) for a ``kid`` not
+   yet known: a rotated key is picked up without a restart. That fetch is awaited
+   (:meth:`OIDCVerifier.ready`, :data:`INLINE_WAIT_S` at most, :data:`MAX_WAITERS`
+   at once) as a coroutine, never on the event loop's thread: a slow or hanging
+   provider delays only the tokens that need its new keys. A provider that
    cannot be reached leaves the keys already fetched in use until
    ``jwks_max_age_s`` after the last fetch that succeeded;
 4. the signature verifies against that key (a key whose own ``alg`` differs
@@ -26,6 +28,8 @@ requests with one token verifies it once."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -48,9 +52,11 @@ MIN_REFETCH_S = 2.0
 MAX_DOCUMENT_BYTES = 1 << 20
 """A discovery document or key set larger than this is refused."""
 INLINE_WAIT_S = 2.0
-"""Longest a check waits for the keys' thread to fetch a key id it does not know (the event loop
-waits with it, at most once per MIN_REFETCH_S: a provider slower than this makes that token fail,
-not the router stall; a busy 2-core host can take most of a second for a fetch on loopback)."""
+"""Longest a call awaits the keys' thread fetching a key id it does not know (a provider slower than
+this makes that token fail; a busy 2-core host can take most of a second for a fetch on loopback)."""
+MAX_WAITERS = 64
+"""Most calls awaiting one provider's fetch at once; the others are checked at once against the keys
+held (an unknown key id refused): what a flood of tokens with made-up key ids can hold is bounded."""
 RETRY_S = 10.0
 """Seconds between two fetches of a provider's keys while it cannot be reached."""
 MAX_REMEMBERED = 10_000
@@ -108,31 +114,22 @@ class KeySet:
         self._stop = threading.Event()
         self._wake = threading.Event()
         """Set to make the thread fetch now (a key id not yet known, keys past their age)."""
-        self._fetched = threading.Event()
-        """Set when no fetch is due or under way."""
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        """The calls awaiting the fetch under way (:meth:`fetched`), woken when it ends."""
         self._in_flight = True  # the thread's first fetch, at once
-        self._fetched.clear()
         self._thread = threading.Thread(target=self._run, name=f"oidc-keys-{provider.name}", daemon=True)
         self._thread.start()
 
     def key(self, kid: str) -> tuple[jwt.PyJWK, str | None]:
         """The key ``kid`` and the algorithm its JWK names; RouterError(UNAUTHENTICATED) naming
-        why there is none. A ``kid`` not yet known, or keys past ``jwks_max_age_s``, make the thread
-        fetch the keys first (at most every :data:`MIN_REFETCH_S`; waited for :data:`INLINE_WAIT_S` at most)."""
+        why there is none. Never waits: a ``kid`` not yet known, or keys past ``jwks_max_age_s``,
+        make the thread fetch the keys (at most every :data:`MIN_REFETCH_S`), and the answer is
+        what is held now (:meth:`fetched` awaits that fetch first)."""
         with self._lock:
-            now = time.monotonic()
-            stale = self._fetched_at is None or now - self._fetched_at > self.provider.jwks_max_age_s
-            need = kid not in self._keys or stale
-            start = need and not self._in_flight and now - self._tried_at >= MIN_REFETCH_S
-            if start:
-                self._claim()
-            wait = need and self._in_flight
+            start = self._due(kid)[1]
+            key, fetched, error, in_flight = self._keys.get(kid), self._fetched_at, self._error, self._in_flight
         if start:
             self._wake.set()
-        if wait:  # the thread fetches; this waits a moment for it, never a slow provider's whole fetch
-            self._fetched.wait(INLINE_WAIT_S)
-        with self._lock:
-            key, fetched, error = self._keys.get(kid), self._fetched_at, self._error
         name = self.provider.name
         if fetched is None:
             raise _refused(f"the keys of provider {name} could not be fetched yet: "
@@ -143,9 +140,35 @@ class KeySet:
                            f"jwks_max_age_s ({self.provider.jwks_max_age_s:g} s): {error}")
         if key is None:
             down = f"; the provider cannot be reached: {error}" if error else ""
+            again = "; its keys are being fetched again: retry in a moment" if in_flight else ""
             raise _refused(f"its key id {kid[:100]!r} is not among provider {name}'s keys (fetched {age:.0f} s "
-                           f"ago){down}")
+                           f"ago){down}{again}")
         return key
+
+    async def fetched(self, kid: str, timeout_s: float = INLINE_WAIT_S) -> None:
+        """Returns once the keys could answer for ``kid``: at once when they hold it (fresh) or no
+        fetch can be made yet, else when the fetch this starts or joins ends, or after ``timeout_s``,
+        or at once when :data:`MAX_WAITERS` calls already wait. Awaited on the event loop without
+        blocking it (the fetch thread wakes the loop)."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] | None = None
+        with self._lock:
+            need, start = self._due(kid)
+            if need and self._in_flight and len(self._waiters) < MAX_WAITERS:
+                waiter = loop.create_future()
+                self._waiters.append((loop, waiter))
+        if start:
+            self._wake.set()
+        if waiter is None:
+            return
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                if (loop, waiter) in self._waiters:
+                    self._waiters.remove((loop, waiter))
 
     def close(self) -> None:
         """Stops the refreshing thread."""
@@ -169,10 +192,19 @@ class KeySet:
                 ok = self._error is None and self._fetched_at is not None
             wait = self.provider.jwks_refresh_s if ok else min(self.provider.jwks_refresh_s, RETRY_S)
 
+    def _due(self, kid: str) -> tuple[bool, bool]:
+        """(the keys must be fetched to answer for ``kid``, a fetch starts now: claimed); the lock held."""
+        now = time.monotonic()
+        stale = self._fetched_at is None or now - self._fetched_at > self.provider.jwks_max_age_s
+        need = kid not in self._keys or stale
+        start = need and not self._in_flight and now - self._tried_at >= MIN_REFETCH_S
+        if start:
+            self._claim()
+        return need, start
+
     def _claim(self) -> None:
-        """Marks a fetch as due or under way (the lock held): checks that need it wait for its end."""
+        """Marks a fetch as due or under way (the lock held): calls that need it may await its end."""
         self._in_flight = True
-        self._fetched.clear()
 
     def _refresh(self) -> None:
         """Fetches the keys (in the thread, without holding the state's lock: a slow provider never
@@ -192,7 +224,10 @@ class KeySet:
         finally:
             with self._lock:
                 self._in_flight = False
-                self._fetched.set()
+                waiters, self._waiters = self._waiters, []
+            for loop, waiter in waiters:
+                with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                    loop.call_soon_threadsafe(_wake, waiter)
 
     def _download(self) -> dict[str, tuple[jwt.PyJWK, str | None]]:
         p = self.provider
@@ -219,6 +254,11 @@ class KeySet:
         return keys
 
 
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 def _json(body: bytes, url: str) -> dict:
     try:
         doc = json.loads(body)
@@ -243,14 +283,27 @@ class OIDCVerifier:
         self._verified: dict[str, Principal] = {}
         self._lock = threading.Lock()
 
+    async def ready(self, token: str) -> None:
+        """Awaits the fetch of the keys ``token`` needs where its key id is not yet known (see
+        :meth:`KeySet.fetched`), so that :meth:`verify` can answer; never raises (verify says why not)."""
+        if self._remembered(token) is not None:
+            return
+        try:
+            header, unverified = _unverified(token)
+        except jwt.PyJWTError:
+            return
+        iss, kid = unverified.get("iss"), header.get("kid")
+        keys = self.keys.get(iss) if isinstance(iss, str) else None
+        if keys is not None and isinstance(kid, str):
+            await keys.fetched(kid)
+
     def verify(self, token: str) -> Principal:
-        """Who ``token`` is; RouterError UNAUTHENTICATED (a check failed) or PERMISSION_DENIED (no rule)."""
-        digest = hashlib.sha256(token.encode()).hexdigest()
-        now = time.time()
-        with self._lock:
-            known = self._verified.get(digest)
-        if known is not None and known.expires > now:
+        """Who ``token`` is; RouterError UNAUTHENTICATED (a check failed) or PERMISSION_DENIED (no rule).
+        Never waits (a key id not yet fetched is refused: :meth:`ready` first awaits its fetch)."""
+        known = self._remembered(token)
+        if known is not None:
             return known
+        digest, now = _digest(token), time.time()
         principal = self._check(token)
         with self._lock:
             if len(self._verified) >= MAX_REMEMBERED:
@@ -263,10 +316,14 @@ class OIDCVerifier:
         for ks in self.keys.values():
             ks.close()
 
+    def _remembered(self, token: str) -> Principal | None:
+        with self._lock:
+            known = self._verified.get(_digest(token))
+        return known if known is not None and known.expires > time.time() else None
+
     def _check(self, token: str) -> Principal:
         try:
-            header = jwt.get_unverified_header(token)
-            unverified = jwt.decode(token, options={"verify_signature": False})
+            header, unverified = _unverified(token)
         except jwt.PyJWTError as exc:
             raise _refused(f"it is not a JWT ({exc})") from None
         iss = unverified.get("iss")
@@ -286,6 +343,15 @@ class OIDCVerifier:
             raise _refused(f"its algorithm {alg} is not that of provider {p.name}'s key {kid[:100]!r} ({key_alg})")
         claims = _decode(token, key, alg, p)
         return Principal(str(claims["sub"]), p.issuer, p.name, *_rule(claims, p), float(claims["exp"]))
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _unverified(token: str) -> tuple[dict, dict]:
+    """The header and claims of ``token``, nothing checked; jwt.PyJWTError when it is no JWT."""
+    return jwt.get_unverified_header(token), jwt.decode(token, options={"verify_signature": False})
 
 
 def _decode(token: str, key: jwt.PyJWK, alg: str, p: OIDCProviderSection) -> dict:
@@ -327,5 +393,5 @@ def _holds(value: object, rule: ClaimRule) -> bool:
     return False
 
 
-__all__ = ["INLINE_WAIT_S", "MIN_REFETCH_S", "RETRY_S", "KeySet", "OIDCVerifier", "Principal", "http_get",
-           "looks_like_jwt"]
+__all__ = ["INLINE_WAIT_S", "MAX_WAITERS", "MIN_REFETCH_S", "RETRY_S", "KeySet", "OIDCVerifier", "Principal",
+           "http_get", "looks_like_jwt"]

@@ -56,7 +56,7 @@ class AdminService(agrpc.AdminServicer):
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> str:
         try:
-            return self.auth.operator(context)
+            return await self.auth.operator(context)
         except RouterError as exc:
             self.core.audit_refused("admin", exc, "token" if authorization(context) else "none")
             await context.abort(STATUS[exc.kind], exc.message)
@@ -133,7 +133,7 @@ class AdminService(agrpc.AdminServicer):
         operator), and the operator calling (None: a tenant reading its own, audited here as a
         ``read`` record). PERMISSION_DENIED when a tenant asks for another tenant's."""
         try:
-            who, own = self.auth.reader(context)
+            who, own = await self.auth.reader(context)
         except RouterError as exc:
             self.core.audit_refused("admin", exc, "token" if authorization(context) else "none")
             await context.abort(STATUS[exc.kind], exc.message)

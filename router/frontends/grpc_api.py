@@ -43,7 +43,7 @@ class InferenceService(igrpc.InferenceServicer):
     async def Generate(self, request: ipb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             try:
-                caller = self.auth.caller(context)
+                caller = await self.auth.caller(context)
             except RouterError as exc:
                 self.core.audit_refused("grpc", exc, "token" if authorization(context) else "none")
                 raise
@@ -56,7 +56,7 @@ class InferenceService(igrpc.InferenceServicer):
 
     async def ListModels(self, request, context) -> ipb.ListModelsResponse:
         try:
-            self.auth.caller(context)
+            await self.auth.caller(context)
         except RouterError as exc:
             await abort(context, exc)
         lim = self.core.limits
@@ -71,7 +71,7 @@ class InferenceService(igrpc.InferenceServicer):
         m = self.core.membership
         out = ipb.ListRoutersResponse(routers=m.peers(), answered_by=m.me.name)
         try:
-            tenant = self.auth.caller(context).tenant
+            tenant = (await self.auth.caller(context)).tenant
         except RouterError:  # no credential, or not a tenant's: the list alone
             return out
         out.yours.extend(p.name for p in out.routers if self.core.reads_prompts_of(tenant, p.jurisdiction))

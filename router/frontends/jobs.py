@@ -170,7 +170,7 @@ class JobService(jgrpc.JobsServicer):
     async def _owner(self, context) -> str:
         """The calling tenant (a job belongs to its submitter)."""
         try:
-            return self.auth.caller(context).tenant
+            return (await self.auth.caller(context)).tenant
         except RouterError as exc:
             self.core.audit_refused("jobs", exc, "token" if authorization(context) else "none")
             await abort(context, exc)

@@ -144,7 +144,9 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> JSONResponse:
         try:
-            self.auth.tenant(request.headers.get("authorization", ""), self.cert(request))
+            how = request.headers.get("authorization", "")
+            await self.auth.ready(how)
+            self.auth.tenant(how, self.cert(request))
         except RouterError as exc:
             return api_error(exc).response()
         lim = self.core.limits
@@ -187,6 +189,7 @@ class OpenAIServer:
         how = request.headers.get("authorization", "")
         try:
             cert = self.cert(request)
+            await self.auth.ready(how)
             tenant = self.auth.tenant(how, cert)
         except RouterError as exc:
             self.core.audit_refused("http", exc, "certificate" if request.scope.get("extensions", {}).get("tls")

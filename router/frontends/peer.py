@@ -56,18 +56,21 @@ class GrpcCaller:
         except PeerRefused as exc:
             raise RouterError(ErrorKind.UNAUTHENTICATED, exc.message) from None
 
-    def caller(self, context: grpc.aio.ServicerContext, priority: Priority = Priority.INTERACTIVE) -> Caller:
+    async def caller(self, context: grpc.aio.ServicerContext, priority: Priority = Priority.INTERACTIVE) -> Caller:
         """The tenant calling, with the call's deadline; raises RouterError."""
         how, cert = authorization(context), self.cert(context)
+        await self.auth.ready(how)
         tenant = self.auth.tenant(how, cert)
         return Caller.with_timeout(tenant, context.time_remaining(), priority,
                                    credential=self.auth.credential(how, cert),
                                    traceparent=metadata_value(context, TRACEPARENT))
 
-    def operator(self, context: grpc.aio.ServicerContext) -> str:
+    async def operator(self, context: grpc.aio.ServicerContext) -> str:
         """The operator calling; raises RouterError."""
+        await self.auth.ready(authorization(context))
         return self.auth.operator(authorization(context), self.cert(context))
 
-    def reader(self, context: grpc.aio.ServicerContext) -> tuple[str, str | None]:
+    async def reader(self, context: grpc.aio.ServicerContext) -> tuple[str, str | None]:
         """Who reads usage or the statement: (operator, None) or (tenant, tenant); raises RouterError."""
+        await self.auth.ready(authorization(context))
         return self.auth.reader(authorization(context), self.cert(context))

@@ -168,7 +168,7 @@ class RegistryService(wgrpc.RegistryServicer):
 
     async def ListWorkers(self, request, context) -> wpb.ListWorkersResponse:
         try:
-            self.auth.operator(context)
+            await self.auth.operator(context)
         except RouterError as exc:
             await context.abort(STATUS[exc.kind], exc.message)
         now = time.monotonic()

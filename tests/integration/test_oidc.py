@@ -12,12 +12,14 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -169,6 +171,50 @@ def test_a_rotated_key_is_taken_without_restart_and_a_provider_down_leaves_fetch
         assert "cannot be reached" in err.value.details()
     finally:
         idp.start()
+
+
+def test_a_hanging_provider_holds_up_only_the_tokens_that_need_its_keys(oidc_cluster, idp):
+    """Issue 56, finding 4, on the real provider frozen (SIGSTOP: its socket still accepts, nothing
+    answers): seven unsigned tokens with made-up key ids held the router's event loop for the
+    whole fetch (5 s here), the health check and every tenant's call behind them. Now they wait
+    as coroutines and are refused; the health check and a tenant's call are served meanwhile."""
+    good = idp.token("lab-app")
+    assert grpc_generate(oidc_cluster, good)  # verified once, remembered
+    attacker = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    forged = [jwt.encode(_claims(good) | {"jti": f"forged-{i}"}, attacker, algorithm="RS256",
+                         headers={"kid": f"made-up-{i}"}) for i in range(7)]
+
+    def refusal(token: str) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_generate(oidc_cluster, token)
+        return err.value.code(), err.value.details()
+
+    def timed(call) -> float:
+        start = time.monotonic()
+        call()
+        return time.monotonic() - start
+
+    def health() -> None:
+        with oidc_cluster.dialer(good).sync(oidc_cluster.router_address) as ch:
+            assert igrpc.InferenceStub(ch).Health(ipb.HealthRequest(), timeout=30).decode_workers == 1
+
+    time.sleep(2.1)  # past the least interval between two fetches for an unknown key id
+    assert idp.proc is not None
+    idp.proc.send_signal(signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(len(forged)) as pool:
+            attacks = [pool.submit(refusal, t) for t in forged]
+            time.sleep(0.5)  # the attack is under way: the router awaits the frozen provider
+            health_s = timed(health)
+            generate_s = timed(lambda: grpc_generate(oidc_cluster, good))
+            refused = [a.result(60) for a in attacks]
+    finally:
+        idp.proc.send_signal(signal.SIGCONT)
+    assert all(code == grpc.StatusCode.UNAUTHENTICATED and "is not among provider test-idp's keys" in why
+               for code, why in refused), refused
+    assert health_s < 2.0, f"the health check waited {health_s:.1f} s behind the forged tokens"
+    assert generate_s < 4.0, f"a tenant's call waited {generate_s:.1f} s behind the forged tokens"
+    assert len(workers(oidc_cluster)) == 1  # its heartbeats were taken meanwhile
 
 
 def test_a_client_certificate_is_its_tenant_on_the_https_api(oidc_cluster, tmp_path):

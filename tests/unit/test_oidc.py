@@ -6,7 +6,9 @@ whose claims match no rule. The real provider's tokens: tests/integration/test_o
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import threading
 import time
 
 import jwt
@@ -52,9 +54,15 @@ class Served:
         return jwt.encode(body, self.key, algorithm="RS256", headers={"kid": "k1"})
 
 
+def checked(verifier: OIDCVerifier, token: str) -> oidc.Principal:
+    """As a frontend checks: the keys' fetch awaited (off the loop's thread), then the check."""
+    asyncio.run(verifier.ready(token))
+    return verifier.verify(token)
+
+
 def _refusal(verifier: OIDCVerifier, token: str) -> RouterError:
     with pytest.raises(RouterError) as err:
-        verifier.verify(token)
+        checked(verifier, token)
     return err.value
 
 
@@ -62,7 +70,7 @@ def test_a_good_token_maps_to_its_tenant_and_is_remembered():
     served = Served()
     v = OIDCVerifier([_provider()], fetch=served)
     token = served.token()
-    p = v.verify(token)
+    p = checked(v, token)
     assert (p.tenant, p.operator, p.subject) == ("lab", None, "alice")
     served.down = True
     assert v.verify(token) is p  # remembered until it expires
@@ -81,7 +89,7 @@ def test_a_discovery_document_naming_another_issuer_is_refused():
 def test_keys_past_their_max_age_are_refused_while_the_provider_is_down(monkeypatch):
     served = Served()
     v = OIDCVerifier([_provider(jwks_max_age_s=60, jwks_refresh_s=30)], fetch=served)
-    v.verify(served.token())
+    checked(v, served.token())
     served.down = True
     later = time.monotonic() + 120
     monkeypatch.setattr(oidc.time, "monotonic", lambda: later)
@@ -118,3 +126,74 @@ def test_the_cli_sends_the_local_token_to_the_local_default_and_the_openid_one_e
     monkeypatch.delenv("KVRELAY_API_KEY")
     (tmp_path / CLIENT_TOKEN).unlink()
     assert (client_token(local), client_token(remote)) == ("openid-token", "openid-token")
+
+
+class Hanging(Served):
+    """A provider whose fetches hang (until released) once ``hang`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hang, self.release = False, threading.Event()
+
+    def __call__(self, url: str, timeout_s: float, context) -> bytes:
+        if self.hang:
+            self.release.wait(30)
+        return super().__call__(url, timeout_s, context)
+
+
+def test_tokens_with_made_up_key_ids_never_hold_the_event_loop_while_the_provider_hangs(monkeypatch):
+    """Issue 56, finding 4: each token whose key id the router does not know waited for the keys'
+    fetch on the event loop (2 s each, heartbeats and every other call behind it). Now the fetch is
+    awaited as a coroutine, at most MAX_WAITERS at once (the others are answered at once), and a
+    token whose key is held is checked at once."""
+    monkeypatch.setattr(oidc, "MIN_REFETCH_S", 0.0)  # every unknown key id may start a fetch
+    monkeypatch.setattr(oidc, "MAX_WAITERS", 3)
+    served = Hanging()
+    v = OIDCVerifier([_provider()], fetch=served)
+    checked(v, served.token())  # the first fetch is done: k1 is held
+    attacker = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    claims = jwt.decode(served.token(), options={"verify_signature": False})
+    forged = [jwt.encode(claims, attacker, algorithm="RS256", headers={"kid": f"made-up-{i}"}) for i in range(7)]
+    served.hang = True
+
+    async def scenario():
+        loop, gaps, done = asyncio.get_running_loop(), [], asyncio.Event()
+
+        async def ticks():
+            last = loop.time()
+            while not done.is_set():
+                await asyncio.sleep(0.02)
+                gaps.append(loop.time() - last)
+                last = loop.time()
+
+        async def attack(token: str) -> tuple[float, RouterError]:
+            start = loop.time()
+            await v.ready(token)
+            with pytest.raises(RouterError) as err:
+                v.verify(token)
+            return loop.time() - start, err.value
+
+        ticker = asyncio.create_task(ticks())
+        attacks = asyncio.gather(*(attack(t) for t in forged))
+        await asyncio.sleep(0.2)
+        start = loop.time()
+        other = served.token(sub="bob")  # another tenant's token, its key held
+        await v.ready(other)
+        principal, took = v.verify(other), loop.time() - start
+        results = await attacks
+        done.set()
+        await ticker
+        return max(gaps), principal, took, results
+
+    try:
+        longest_gap, principal, took, results = asyncio.run(scenario())
+    finally:
+        served.release.set()
+        v.close()
+    assert longest_gap < 1.0, f"the event loop was held {longest_gap:.2f} s"
+    assert principal.subject == "bob" and took < 1.0
+    assert all(err.kind is ErrorKind.UNAUTHENTICATED and "is not among provider idp's keys" in err.message
+               for _, err in results)
+    waited = sorted(t for t, _ in results)
+    assert all(t >= oidc.INLINE_WAIT_S - 0.1 for t in waited[-3:]), waited  # MAX_WAITERS awaited the fetch
+    assert all(t < 1.0 for t in waited[:4]), waited  # the others were answered at once
