@@ -585,14 +585,19 @@ class ClaimRule(ConfigSection):
             raise FieldError("claim" if not self.claim else "value", "must not be empty")
 
 
-def _check_oidc_url(field_name: str, url: str) -> None:
-    """https, or http on a loopback host (a provider on this machine, as in tests)."""
+def oidc_url_allowed(url: str) -> bool:
+    """Whether an OpenID provider's document or keys may be fetched from ``url``: https, or http on
+    a loopback host (a provider on this machine, as in tests). Held to by the config's URLs, the
+    ``jwks_uri`` a discovery document names, and every redirect (router/core/oidc.py)."""
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme == "https" and parsed.hostname:
-        return
-    if parsed.scheme == "http" and parsed.hostname in ("127.0.0.1", "::1", "localhost"):
-        return
-    raise FieldError(field_name, f"must be an https URL (http only on a loopback host), got {url!r}")
+        return True
+    return parsed.scheme == "http" and parsed.hostname in ("127.0.0.1", "::1", "localhost")
+
+
+def _check_oidc_url(field_name: str, url: str) -> None:
+    if not oidc_url_allowed(url):
+        raise FieldError(field_name, f"must be an https URL (http only on a loopback host), got {url!r}")
 
 
 @dataclass(slots=True, config=SECTION_CONFIG)

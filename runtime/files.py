@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -43,13 +44,19 @@ def private_folder(folder: Path) -> None:
 
 def write_private(path: Path, data: bytes) -> None:
     """Writes ``data`` to ``path`` readable by this user only (folder 0700 if made
-    here), through a temporary file renamed into place."""
+    here), through a temporary file renamed into place. The temporary file is new
+    (``mkstemp``: a random name, O_EXCL, mode 0600, no link followed): one planted
+    beside ``path`` by someone who can write the folder is never written through."""
     private_folder(path.parent)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    tmp.rename(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def create_private(path: Path) -> None:

@@ -36,6 +36,7 @@ import logging
 import ssl
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import jwt
 
 from kvrelay.router.core.errors import ErrorKind, RouterError
-from kvrelay.runtime.config import ClaimRule, OIDCProviderSection
+from kvrelay.runtime.config import ClaimRule, OIDCProviderSection, oidc_url_allowed
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,21 @@ MAX_REMEMBERED = 10_000
 Fetch = Callable[[str, float, ssl.SSLContext | None], bytes]
 
 
+class _HttpsRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to a URL the provider's own may be (https; http on loopback)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if not oidc_url_allowed(newurl):
+            raise urllib.error.HTTPError(newurl, code, f"redirect from {req.full_url} to {newurl[:200]!r} refused: "
+                                         "not https", headers, fp)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 def http_get(url: str, timeout_s: float, context: ssl.SSLContext | None) -> bytes:
     """The body of a GET of ``url``; OSError (or ValueError for an oversized one) otherwise."""
     req = urllib.request.Request(url, headers={"Accept": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s, context=context) as resp:
+    opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context), _HttpsRedirects())
+    with opener.open(req, timeout=timeout_s) as resp:
         body = resp.read(MAX_DOCUMENT_BYTES + 1)
     if len(body) > MAX_DOCUMENT_BYTES:
         raise ValueError(f"{url}: larger than {MAX_DOCUMENT_BYTES} bytes")
@@ -238,6 +250,8 @@ class KeySet:
                 raise ValueError(f"{url} names issuer {doc.get('issuer')!r}, not {p.issuer!r}")
             if not isinstance(doc.get("jwks_uri"), str):
                 raise ValueError(f"{url} names no jwks_uri")
+            if not oidc_url_allowed(doc["jwks_uri"]):
+                raise ValueError(f"{url} names jwks_uri {doc['jwks_uri'][:200]!r}: not https (http only on loopback)")
             self._jwks_uri = doc["jwks_uri"]
         url = self._jwks_uri
         listed = _json(self._fetch(url, p.timeout_s, self._context), url).get("keys")

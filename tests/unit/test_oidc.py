@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.server
 import json
 import threading
 import time
@@ -197,3 +198,36 @@ def test_tokens_with_made_up_key_ids_never_hold_the_event_loop_while_the_provide
     waited = sorted(t for t, _ in results)
     assert all(t >= oidc.INLINE_WAIT_S - 0.1 for t in waited[-3:]), waited  # MAX_WAITERS awaited the fetch
     assert all(t < 1.0 for t in waited[:4]), waited  # the others were answered at once
+
+
+def test_a_discovery_document_naming_keys_over_plain_http_is_refused():
+    """Issue 56, finding 7: the ``jwks_uri`` a discovery document names is held to https (http only
+    on loopback) as the config's own URLs are: keys fetched over plain http could be anyone's."""
+    served = Served()
+    doc = served.docs[f"{ISSUER}/.well-known/openid-configuration"]
+    doc["jwks_uri"] = "http://keys.example.org/jwks"
+    v = OIDCVerifier([_provider()], fetch=served)
+    err = _refusal(v, served.token())
+    assert "names jwks_uri 'http://keys.example.org/jwks': not https" in err.message
+    v.close()
+
+
+def test_a_redirect_to_plain_http_is_not_followed():
+    """Issue 56, finding 7: urllib followed a provider's redirect from https to http."""
+    class Redirecting(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(302)
+            self.send_header("Location", "http://keys.example.org/jwks")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(OSError) as err:
+            oidc.http_get(f"http://127.0.0.1:{server.server_address[1]}/jwks", 5, None)
+    finally:
+        server.shutdown()
+    assert "to 'http://keys.example.org/jwks' refused: not https" in str(err.value)
