@@ -37,7 +37,7 @@ class _Caller:
 class _Auth:
     """Every caller is the tenant ""."""
 
-    def caller(self, context) -> _Caller:
+    async def caller(self, context) -> _Caller:
         return _Caller()
 
 

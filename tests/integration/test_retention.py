@@ -218,7 +218,7 @@ class _Caller:
 class _Auth:
     """The caller's tenant is its ``tenant`` metadata."""
 
-    def caller(self, context) -> _Caller:
+    async def caller(self, context) -> _Caller:
         return _Caller(dict(context.invocation_metadata()).get("tenant", ""))
 
 
