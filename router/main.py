@@ -32,7 +32,7 @@ from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.router.cluster.membership import EtcdMembership, Membership, SoloMembership
 from kvrelay.router.cluster.pools import PoolManager
 from kvrelay.router.cluster.registry import RETIRED_GRACE_S, WorkerRegistry
-from kvrelay.router.cluster.usage import UsageLedger
+from kvrelay.router.cluster.usage import UsageLedger, UsageNames
 from kvrelay.router.core.admission import FairQueue
 from kvrelay.router.core.auth import CallerAuth, TenantSalts
 from kvrelay.router.core.disk import DiskCollector, DiskReserve
@@ -44,7 +44,7 @@ from kvrelay.router.core.records import RecordKind
 from kvrelay.router.core.requests import ModelLimits
 from kvrelay.router.core.shared_jobs import SharedJobStore, conninfo
 from kvrelay.router.core.shared_quotas import QuotaExchange
-from kvrelay.router.core.tenancy import TenantPolicies
+from kvrelay.router.core.tenancy import ANONYMOUS, TenantPolicies
 from kvrelay.router.frontends.grpc_api import WORKER_CALLS, add_router_to_server
 from kvrelay.router.frontends.http_server import GuardedServer, serve_http
 from kvrelay.router.frontends.jobs import JobService, add_jobs_to_server
@@ -256,7 +256,7 @@ def core_parts(cfg: ClusterConfig, dialer: Dialer = PLAINTEXT, policy_seed: int 
     life). ``metrics``: the registry the process serves as /metrics (None: one
     of the core's own). ``jobs_db``: the jobs database (None: router.records.jobs_db)."""
     records = cfg.router.records
-    usage = UsageLedger(records.usage_db)
+    usage = UsageLedger(records.usage_db, names=UsageNames.of(cfg, ANONYMOUS))
     registry = WorkerRegistry(cfg, dialer, on_load=usage.take_heartbeat)
     telemetry = RouterTelemetry(tracing, metrics, durable=usage, links=registry.link_states)
     disk = DiskReserve({"jobs_db": jobs_db or records.jobs_db, "audit_log": records.audit_log,

@@ -27,8 +27,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from kvrelay.runtime.config import ClusterConfig
 from kvrelay.runtime.files import create_private
 from kvrelay.runtime.roles import Role
+from kvrelay.runtime.topology import link_name
 from kvrelay.v1 import admin_pb2 as apb
 from kvrelay.v1 import worker_pb2 as wpb
 
@@ -42,6 +44,8 @@ DEFAULT_BY = ("tenant", "site", "link")
 FLUSH_INTERVAL_S = 2.0
 SEEN_TTL_S = 7 * 86400.0
 """Last-seen counters of an incarnation silent this long are forgotten."""
+MAX_NOTED = 1_000
+"""Most (worker, tenant, link) names refused that are logged, once each."""
 
 Counts = tuple[int, ...]
 """One value per name in FIELDS."""
@@ -67,6 +71,31 @@ _ADD_ROW = (f"INSERT INTO usage (minute, tenant, site, link, role, worker, {', '
             + ", ".join(f"{f} = {f} + excluded.{f}" for f in FIELDS))
 _SET_SEEN = (f"INSERT OR REPLACE INTO seen (worker, incarnation, tenant, link, {', '.join(FIELDS)}, updated) "
              f"VALUES ({', '.join('?' * (5 + len(FIELDS)))})")
+
+
+@dataclass(slots=True, frozen=True)
+class UsageNames:
+    """The tenants and links a worker's counters may name: the config's (a worker cannot charge a
+    tenant that does not exist, nor a link between sites there are not)."""
+
+    tenants: frozenset[str]
+    links: frozenset[str]
+    """Every pair of the config's sites ("local" within one), and "" (no KV moved)."""
+
+    @classmethod
+    def of(cls, cfg: ClusterConfig, anonymous: str) -> UsageNames:
+        """The names of ``cfg``; ``anonymous``: what anonymous callers are counted as."""
+        sites = [s.name for s in cfg.sites]
+        return cls(frozenset({anonymous, *(t.name for t in cfg.tenants)}),
+                   frozenset({"", *(link_name(a, b) for a in sites for b in sites)}))
+
+    def refusal(self, u: wpb.TenantUsage) -> str | None:
+        """Why ``u`` is not taken (None: it is)."""
+        if u.tenant not in self.tenants:
+            return f"tenant {u.tenant[:100]!r} is not in the config's tenants"
+        if u.link not in self.links:
+            return f"link {u.link[:100]!r} is not between two of the config's sites"
+        return None
 
 
 @dataclass(slots=True, frozen=True)
@@ -146,9 +175,15 @@ def open_private_db(path: str | None) -> sqlite3.Connection:
 
 class UsageLedger:
     def __init__(self, path: str | None, clock: Callable[[], float] = time.time,
-                 flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
-        """``path``: the SQLite file (None: in memory, lost with the router); ``clock``: unix time."""
+                 flush_interval_s: float = FLUSH_INTERVAL_S, names: UsageNames | None = None) -> None:
+        """``path``: the SQLite file (None: in memory, lost with the router); ``clock``: unix time;
+        ``names``: the tenants and links counters may name (the router passes its config's; None:
+        any, for a ledger read on its own)."""
         self.clock = clock
+        self.names = names
+        self.refused = 0
+        """Counter entries not taken because they named what the config does not hold."""
+        self._noted: set[tuple[str, str, str]] = set()
         self.flush_interval_s = flush_interval_s
         self.db = open_private_db(path)
         self.db.executescript(_SCHEMA)
@@ -186,6 +221,9 @@ class UsageLedger:
                 return
             self._touched[(worker_id, inc)] = now
             for u in load.usage:
+                if self.names is not None and (why := self.names.refusal(u)) is not None:
+                    self._refuse(worker_id, u, why)
+                    continue
                 key = (worker_id, inc, u.tenant, u.link)
                 cur = counts_of(u)
                 d = delta(cur, self._last.get(key, ZERO))
@@ -195,6 +233,14 @@ class UsageLedger:
                 self._pending[row] = _add(self._pending.get(row, ZERO), d)
                 self._last[key] = cur
                 self._dirty.add(key)
+
+    def _refuse(self, worker_id: str, u: wpb.TenantUsage, why: str) -> None:
+        """Counts (and logs once per worker, tenant and link) an entry not taken; the lock held."""
+        self.refused += 1
+        noted = (worker_id, u.tenant, u.link)
+        if noted not in self._noted and len(self._noted) < MAX_NOTED:
+            self._noted.add(noted)
+            log.warning("usage counters of worker %s not taken: %s", worker_id, why)
 
     def take_heartbeat(self, worker_id: str, site: str, role: Role, load: wpb.WorkerLoad) -> None:
         """A worker's reported load (the registry's ``on_load``): its counters

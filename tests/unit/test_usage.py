@@ -14,7 +14,8 @@ import pytest
 
 from kvrelay.cli.usage import parse_since
 from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.router.cluster.usage import UsageLedger, grouping, usage_response
+from kvrelay.router.cluster.usage import UsageLedger, UsageNames, grouping, usage_response
+from kvrelay.runtime.config import parse_config
 from kvrelay.runtime.usage_meter import UsageKey, UsageMeter, kv_link, split_ns
 from kvrelay.v1 import worker_pb2 as wpb
 
@@ -198,3 +199,23 @@ def test_since_takes_durations_and_iso_times():
     assert parse_since("2027-01-15T08:00:00+00:00", now) == 1_800_000_000.0
     with pytest.raises(ValueError, match="yesterday"):
         parse_since("yesterday", now)
+
+
+def test_counters_naming_a_tenant_or_link_the_config_lacks_are_not_taken(tmp_path, caplog):
+    """Issue 56, finding 7: the ledger took any tenant or link string a worker reported, so a
+    worker could charge a tenant that does not exist, or bill a link between sites there are not."""
+    cfg = parse_config({"sites": [{"name": "montreal"}, {"name": "toronto"}],
+                        "tenants": [{"name": "lab-a"}, {"name": "lab-b"}]})
+    names = UsageNames.of(cfg, "anonymous")
+    assert names.links == {"", "local", "montreal-toronto"}
+    led, d = UsageLedger(str(tmp_path / "u.sqlite"), Clock(), names=names), "montreal/decode/0"
+    forged = load(d, "i1", lab_a__montreal_toronto=(1, 0, 4, 0, 1000, 0), stranger__=(5, 50, 5, 0, 0, 0),
+                  lab_b__montreal_ottawa=(1, 10, 1, 0, 500, 0))
+    led.observe(d, "montreal", "decode", forged)
+    led.observe(d, "montreal", "decode", forged)  # the same again: counted, logged once
+    got = totals(led, by=["tenant", "link"])
+    assert got == {("lab-a", "", "montreal-toronto", "", ""): (1, 0, 4, 0, 1000, 0.0, 0.0)}
+    assert led.refused == 4
+    refusals = [r.getMessage() for r in caplog.records if "not taken" in r.getMessage()]
+    assert len(refusals) == 2 and any("tenant 'stranger' is not in the config's tenants" in m for m in refusals)
+    assert any("link 'montreal-ottawa' is not between two of the config's sites" in m for m in refusals)
