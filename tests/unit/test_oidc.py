@@ -191,13 +191,14 @@ def test_tokens_with_made_up_key_ids_never_hold_the_event_loop_while_the_provide
     finally:
         served.release.set()
         v.close()
-    assert longest_gap < 1.0, f"the event loop was held {longest_gap:.2f} s"
-    assert principal.subject == "bob" and took < 1.0
+    # the old check held the loop INLINE_WAIT_S (2 s) per token; these bounds hold on a busy host
+    assert longest_gap < 1.5, f"the event loop was held {longest_gap:.2f} s"
+    assert principal.subject == "bob" and took < 1.5
     assert all(err.kind is ErrorKind.UNAUTHENTICATED and "is not among provider idp's keys" in err.message
                for _, err in results)
     waited = sorted(t for t, _ in results)
     assert all(t >= oidc.INLINE_WAIT_S - 0.1 for t in waited[-3:]), waited  # MAX_WAITERS awaited the fetch
-    assert all(t < 1.0 for t in waited[:4]), waited  # the others were answered at once
+    assert all(t < 1.5 for t in waited[:4]), waited  # the others were answered at once
 
 
 def test_a_discovery_document_naming_keys_over_plain_http_is_refused():
