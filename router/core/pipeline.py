@@ -289,6 +289,15 @@ class RouterCore:
         allowed = self.tenants.of(tenant).jurisdictions
         return not allowed or jurisdiction in allowed
 
+    def barred_here(self) -> frozenset[str]:
+        """The configured tenants whose prompts may not enter at this router (door() refuses
+        them): none with one router or a router without a site."""
+        site = self.cfg.router.site
+        if not self.cfg.routers or site is None:
+            return frozenset()
+        here = self.registry.jurisdiction.get(site, "")
+        return frozenset(t.name for t in self.cfg.tenants if not self.reads_prompts_of(t.name, here))
+
     def door(self, tenant: str, api: str) -> None:
         """RouterError (CONSTRAINT) when ``tenant``'s prompts may not enter here: with several routers
         (``routers:``), this router's site is outside the tenant's jurisdictions. The message names the

@@ -1,6 +1,7 @@
 """Batch jobs shared by the routers of a deployment with several: the same store as
 jobs_store.py (the same methods, states and guarantees), kept in PostgreSQL so that
-no job lives on one router's disk and any router continues another's.
+no job lives on one router's disk and any router continues another's (any that may
+read the job's tenant's prompts: router/frontends/jobs.py skips the others' owners).
 
 Why PostgreSQL and not etcd: a job holds its prompts and results (up to a tenant's
 ``max_stored_job_bytes``, gigabytes in all), past what etcd is built for (1.5 MiB a

@@ -5,9 +5,12 @@ ones, at lower priority: it starts a job request only while no interactive
 request is waiting for room, and keeps at most ``router.admission.job_concurrency`` in
 flight, so jobs fill idle capacity.
 
-With several routers the store is shared (router/core/shared_jobs.py): every router
-runs any job's requests, a job submitted at one is read and followed at any other,
-and every RECLAIM_S a router takes back the requests held by routers whose etcd
+With several routers the store is shared (router/core/shared_jobs.py): a router runs
+the requests of the tenants whose prompts may enter at its site (RouterCore.door: the
+tenant's jurisdictions) and never takes another's, so a job runs only in its tenant's
+jurisdictions; every call of a tenant barred here is refused unread
+(FAILED_PRECONDITION naming the routers to use), so its jobs are submitted, read and
+followed only there; every RECLAIM_S a router takes back the requests held by routers whose etcd
 lease ended, so a router's death costs its requests in flight and about a lease
 period. A request whose result or release cannot be written while the database is
 away stays running here: it runs again when this router restarts or leaves."""
@@ -132,6 +135,8 @@ class JobService(jgrpc.JobsServicer):
         self._paused_until = 0.0
         self._owner_paused: dict[str, float] = {}
         """Owner -> until when its jobs wait (it was over a quota)."""
+        self._barred = core.barred_here()
+        """Tenants whose job requests this router never takes (their jurisdictions exclude its site)."""
 
     @property
     def _store(self) -> JobStorage:
@@ -168,12 +173,18 @@ class JobService(jgrpc.JobsServicer):
 
     # -- API -------------------------------------------------------------------
     async def _owner(self, context) -> str:
-        """The calling tenant (a job belongs to its submitter)."""
+        """The calling tenant (a job belongs to its submitter), if its prompts may enter here: a
+        tenant barred at this router (RouterCore.door) submits, reads and deletes nothing here."""
         try:
-            return (await self.auth.caller(context)).tenant
+            owner = (await self.auth.caller(context)).tenant
         except RouterError as exc:
             self.core.audit_refused("jobs", exc, "token" if authorization(context) else "none")
             await abort(context, exc)
+        try:
+            self.core.door(owner, "jobs")
+        except RouterError as exc:
+            await abort(context, exc)
+        return owner
 
     @_store_errors
     async def SubmitJob(self, request: jpb.SubmitJobRequest, context) -> jpb.Job:
@@ -183,10 +194,6 @@ class JobService(jgrpc.JobsServicer):
         quota (a submission counts as one request; its requests count again as they run) or
         whose stored jobs would go past its max_stored_jobs or max_stored_job_bytes."""
         owner = await self._owner(context)
-        try:
-            self.core.door(owner, "jobs")
-        except RouterError as exc:
-            await abort(context, exc)
         if not request.requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a job needs at least one request")
         problem = job_limit_error(request.name, request.requests)
@@ -368,9 +375,9 @@ class JobService(jgrpc.JobsServicer):
                 continue  # nothing can serve now (e.g. a router that just restarted)
             room = self.concurrency - len(self.inflight)
             now = loop.time()
-            paused = frozenset(o for o, until in self._owner_paused.items() if until > now)
+            skipped = self._barred | frozenset(o for o, until in self._owner_paused.items() if until > now)
             try:
-                claimed = await self._db(self._store.claim, room, paused)
+                claimed = await self._db(self._store.claim, room, skipped)
             except JobStoreUnavailable as exc:
                 log.warning("jobs wait: %s", exc)
                 self._paused_until = loop.time() + BACKOFF_S

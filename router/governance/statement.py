@@ -307,10 +307,11 @@ def _entry_routers(d: Deployment, t: TenantSection) -> list[dict] | None:
 def _entry_text(entry: list[dict]) -> str:
     inside = [f"{r['name']} at {r['site']} ({r['jurisdiction']})" for r in entry if r["reads_its_prompts"]]
     outside = [r["name"] for r in entry if not r["reads_its_prompts"]]
-    text = f"Its prompts enter, are tokenized, and its outputs returned only at the routers in its jurisdictions: " \
-           f"{_names(inside, 'none')}"
+    text = f"Its prompts enter, are tokenized, and its outputs returned only at the routers in its jurisdictions " \
+           f"(its batch jobs' requests too: only those take and run them): {_names(inside, 'none')}"
     if outside:
-        text += f"; the others ({_names(outside)}) refuse its requests before reading them (kvrelay routers)"
+        text += (f"; the others ({_names(outside)}) refuse its requests and its jobs' before reading them "
+                 f"(kvrelay routers)")
     return text + (". Each router keeps its own files (below) on its host at its site"
                    if inside else "")
 

@@ -51,6 +51,10 @@ class JobGates:
     def door(self, tenant: str, api: str) -> None:
         """One router: every tenant's prompts may enter (the core's rule with several: test_routers.py)."""
 
+    def barred_here(self) -> frozenset[str]:
+        """One router: no tenant is barred."""
+        return frozenset()
+
 
 @contextlib.contextmanager
 def running_cluster(raw: dict, model_path, **kw):

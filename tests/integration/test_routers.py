@@ -338,6 +338,48 @@ def test_a_tenant_pinned_to_qc_is_refused_unread_in_ontario_and_served_in_quebec
     assert [(r["tenant"], r["router"], r["outcome"]) for r in refusals] == [("lab-qc", "ont", "failed_precondition")]
 
 
+def test_a_qc_tenants_job_runs_and_is_read_only_in_quebec(routers):
+    """Issue 56, finding 1: a CA-QC tenant's job submitted at qc. Every router's job runner polls the
+    shared store, but ont and bc never take its requests (their audit logs hold no record of the
+    tenant's requests and none of its prompts; while it ran, no request of it was held by them), and
+    every Jobs call of the tenant there is refused unread, naming qc. (Before: ont and bc took
+    and ran some of its requests, logging their prompts, and read its results to anyone.)"""
+    n = 12
+    secret = "a-lab-qc-job-prompt-that-stays-in-quebec"
+    reqs = [ipb.GenerateRequest(prompt=f"{secret} {i}", max_tokens=6, ignore_eos=True) for i in range(n)]
+    with routers.dialer(TOKENS["lab-qc"]).sync(routers.routers["qc"].address) as ch:
+        job = jgrpc.JobsStub(ch).SubmitJob(jpb.SubmitJobRequest(name="qc-only", requests=reqs), timeout=60)
+        pg, holders = routers.postgres, set()
+        assert pg is not None
+        held = f"SELECT string_agg(DISTINCT holder, ',') FROM items WHERE job = '{job.id}'"
+        end = time.monotonic() + 120
+        while jgrpc.JobsStub(ch).GetJob(jpb.GetJobRequest(id=job.id), timeout=10).state != jpb.JOB_STATE_DONE:
+            assert time.monotonic() < end, "the job did not finish within 120 s"
+            holders |= set(filter(None, pg.replayed(0, held).split(",")))
+            time.sleep(0.05)
+        results = list(jgrpc.JobsStub(ch).JobResults(jpb.JobResultsRequest(id=job.id), timeout=60))
+    assert sorted(r.index for r in results) == list(range(n)) and [r.error for r in results if r.error] == []
+    assert holders <= {"qc"}, holders
+    assert wait_until(lambda: audit_of(routers, "qc").count(secret) >= n, 10)  # logged where it ran
+    for name in ("ont", "bc"):
+        with routers.dialer(TOKENS["lab-qc"]).sync(routers.routers[name].address) as ch:
+            stub = jgrpc.JobsStub(ch)
+            calls = [("GetJob", jpb.GetJobRequest(id=job.id)), ("JobResults", jpb.JobResultsRequest(id=job.id)),
+                     ("ListJobs", jpb.ListJobsRequest()), ("SubmitJob", jpb.SubmitJobRequest(requests=reqs[:1])),
+                     ("DeleteJob", jpb.DeleteJobRequest(id=job.id))]
+            for what, msg in calls:
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(getattr(stub, what)(msg, timeout=10)) if what == "JobResults" else \
+                        getattr(stub, what)(msg, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, what
+                assert f"this router ({name})" in refused.value.details() and "qc (montreal, CA-QC)" in \
+                    refused.value.details(), what
+        log = audit_of(routers, name)
+        assert secret not in log
+        ran = [r for r in map(json.loads, log.splitlines()) if r.get("tenant") == "lab-qc" and r["kind"] != "refusal"]
+        assert ran == [], ran[:2]
+
+
 def test_http_refuses_before_the_body(routers):
     """A body that never comes: the answer comes anyway, so the router did not wait to read it."""
     host, port = routers.routers["ont"].http.rsplit(":", 1)
