@@ -150,11 +150,13 @@ async def _attempts(stubs: list, first: int, req: ipb.GenerateRequest, t0: float
                     rec: ReplayRecord) -> bool:
     """Sends ``req`` (to ``stubs[first]``) until it succeeds (True) or a retry rule gives up (False, ``rec.error``
     set). With several routers, one that goes away (UNAVAILABLE) hands the request to the next at once: resumed
-    after the tokens already received (``resume_token_ids``), or sent afresh if none came."""
+    after the tokens already received (``resume_token_ids``, with the last one's ``resume_ticket``), or sent
+    afresh if none came."""
     backoff, at, hops = RETRY_BACKOFF_S[0], first, 0
     while True:
         if not req.resume_token_ids:
             rec.token_times, rec.token_ids = [], []
+            req.ClearField("resume_ticket")  # afresh: no stream to resume
         rec.error = None
         try:
             await _stream(stubs[at % len(stubs)], req, t0, cfg, rec)
@@ -204,6 +206,8 @@ async def _stream(stub, req: ipb.GenerateRequest, t0: float, cfg: ReplayConfig, 
         now = time.perf_counter() - t0
         rec.token_times += [now] * len(msg.token_ids)
         rec.token_ids.extend(msg.token_ids)
+        if msg.resume_ticket:
+            req.resume_ticket = msg.resume_ticket  # what another router asks of a resumption after these tokens
         if msg.HasField("finish"):
             p = msg.finish.placement
             rec.placement = {"prefill_site": p.prefill_site, "decode_site": p.decode_site,

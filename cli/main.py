@@ -91,7 +91,8 @@ class _Unanswered(Exception):
 def _stream(dialer, address: str, req: ipb.GenerateRequest, timeout_s: float) -> ipb.Finish | None:
     """Prints the answer from the router at ``address`` as it streams; its finish. _Unanswered when the
     router could not be reached or went away (UNAVAILABLE), so another may be tried; the tokens that
-    came are added to ``req.resume_token_ids`` (another router continues after them)."""
+    came are added to ``req.resume_token_ids``, with the last message's ``resume_ticket`` (another router
+    continues after them)."""
     finish = None
     with dialer.sync(address) as ch:
         try:
@@ -100,8 +101,9 @@ def _stream(dialer, address: str, req: ipb.GenerateRequest, timeout_s: float) ->
                 sys.stdout.flush()
                 if msg.HasField("finish"):
                     finish = msg.finish
-                else:
+                elif msg.token_ids:
                     req.resume_token_ids.extend(msg.token_ids)
+                    req.resume_ticket = msg.resume_ticket  # the proof another router asks for
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 raise _Unanswered(exc) from None

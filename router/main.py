@@ -42,6 +42,7 @@ from kvrelay.router.core.pipeline import CoreParts, RouterCore
 from kvrelay.router.core.quotas import Quotas
 from kvrelay.router.core.records import RecordKind
 from kvrelay.router.core.requests import ModelLimits
+from kvrelay.router.core.resume import ResumeTickets
 from kvrelay.router.core.shared_jobs import SharedJobStore, conninfo
 from kvrelay.router.core.shared_quotas import QuotaExchange
 from kvrelay.router.core.tenancy import ANONYMOUS, TenantPolicies
@@ -262,7 +263,8 @@ def core_parts(cfg: ClusterConfig, dialer: Dialer = PLAINTEXT, policy_seed: int 
     disk = DiskReserve({"jobs_db": jobs_db or records.jobs_db, "audit_log": records.audit_log,
                         "usage_db": records.usage_db}, records)
     telemetry.registry.register(DiskCollector(disk))
-    return CoreParts(salts=TenantSalts(salt_key or secrets.token_bytes(32), cfg.tenants),
+    key = salt_key or secrets.token_bytes(32)
+    return CoreParts(salts=TenantSalts(key, cfg.tenants), tickets=ResumeTickets(key),
                      tenants=TenantPolicies(cfg), quotas=Quotas(), queue=FairQueue(), topology=Topology(cfg),
                      usage=usage, registry=registry, pools=PoolManager(cfg, registry),
                      policy=make_policy(cfg.router.placement.policy, policy_seed),

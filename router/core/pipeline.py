@@ -47,6 +47,7 @@ from kvrelay.router.core.requests import (
     Request,
     parse_request,
 )
+from kvrelay.router.core.resume import ResumeTickets
 from kvrelay.router.core.tenancy import TenantPolicies
 from kvrelay.router.placement.errors import PlacementError, PlacementFailure, Wait
 from kvrelay.router.placement.place import Placement, PlacementRequest, Policy, place
@@ -140,6 +141,8 @@ class CoreParts:
 
     salts: TenantSalts
     """Each tenant's prefix-cache salt (router/core/auth.py)."""
+    tickets: ResumeTickets
+    """Issues and checks the tickets that let a stream resume at another router (router/core/resume.py)."""
     tenants: TenantPolicies
     quotas: Quotas
     queue: FairQueue
@@ -173,6 +176,7 @@ class RouterCore:
         self.tok = tokenizer
         self.limits = limits
         self.salts = parts.salts
+        self.tickets = parts.tickets
         self.tenants = parts.tenants
         self.quotas = parts.quotas
         self.queue = parts.queue
@@ -228,6 +232,12 @@ class RouterCore:
         req.work.batch = caller.priority is Priority.BATCH  # engines admit it after waiting interactive ones
         req.allowed_jurisdictions = self.tenants.jurisdictions(caller.tenant, req.allowed_jurisdictions)
         self.tenants.check_context(caller.tenant, len(req.work.prompt_token_ids), req.work.max_tokens)
+        req.binding = self.tickets.bind(caller.tenant, self.limits.name, req.work)
+        if req.resume:  # prompt it would compute: only after tokens this tenant really received
+            self.tickets.check(req.binding, req.resume, msg.resume_ticket, caller.tenant)
+        elif msg.resume_ticket:
+            raise RouterError(ErrorKind.INVALID, "resume_ticket is given without resume_token_ids: send both to "
+                                                 "resume a stream, neither to start one")
         req.block_hashes = hash_blocks(req.work.prompt_token_ids, self.cfg.cache.block_size, req.work.salt)
         return req
 
@@ -336,10 +346,14 @@ class RouterCore:
         record = self._record(msg or ipb.GenerateRequest(request_id=req.client_id), caller)
         record.admitted(req)
         record.fields["jurisdictions_requested"] = sorted(req.requested_jurisdictions or ()) or None
+        record.resumed(req.resume, self.tok.decode(req.resume) if record.output is not None else None)
+        # what it computes: its prompt, then the tokens it resumes after (prefilled as prompt), then its output
+        computed = len(req.work.prompt_token_ids) + len(req.resume)
         cost = len(req.work.prompt_token_ids) + req.work.max_tokens
         error: BaseException | None = None
         grant = None
         obs = self.telemetry.observe(req, caller, self.limits.name)
+        tickets = self.tickets.stream(req.binding, req.resume)
         try:
             grant = self.quotas.admit(policy, cost)
             recovery = Recovery(req.work)
@@ -348,13 +362,15 @@ class RouterCore:
             async for out in self._attempts(flight):
                 obs.message(out)
                 record.saw(out)
+                if out.token_ids:
+                    out.resume_ticket = tickets.after(out.token_ids)
                 yield out
         except BaseException as exc:
             error = exc
             raise
         finally:
             if grant is not None:
-                self.quotas.release(grant, len(req.work.prompt_token_ids) + record.completion)
+                self.quotas.release(grant, computed + record.completion)
             self._audit(record.record(error))
             obs.finish(error)
 

@@ -2,7 +2,7 @@
 who (tenant, credential, API), what (model, request id, priority,
 jurisdictions asked for and in force), where (prefill and decode site and
 worker, the link and transport the KV crossed), how much (prompt,
-completion and cached tokens, KV bytes, retries, migrations), how it ended
+resumed, completion and cached tokens, KV bytes, retries, migrations), how it ended
 and when. Never the prompt or output text, unless the tenant's policy says
 ``log_prompts``."""
 
@@ -59,6 +59,14 @@ class RequestRecord:
         """The request passed validation: its size and the jurisdictions in force."""
         self.fields |= {"work_id": req.work.request_id, "prompt_tokens": len(req.work.prompt_token_ids),
                         "max_tokens": req.work.max_tokens, "jurisdictions": _sorted(req.allowed_jurisdictions)}
+
+    def resumed(self, ids: list[int], text: str | None) -> None:
+        """It resumes a stream after ``ids`` (prefilled here with its prompt; charged as prompt):
+        ``resumed_tokens`` counts them and, for a tenant whose prompts are logged, ``resumed_output``
+        holds their ``text`` (the router that streamed them may have died before its record)."""
+        self.fields["resumed_tokens"] = len(ids)
+        if text is not None and ids:
+            self.fields["resumed_output"] = text
 
     def saw(self, msg: ipb.GenerateResponse) -> None:
         """One message of the answer on its way to the client."""

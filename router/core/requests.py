@@ -99,6 +99,8 @@ class Request:
     tokens, off the event loop); None = not computed."""
     resume: list[int] = field(default_factory=list)
     """Output the client already has (``resume_token_ids``): the first attempt continues after it."""
+    binding: bytes = b""
+    """What its stream's resume tickets are bound to (router/core/resume.py): tenant, model, request."""
 
 
 def prompt_bytes(req: ipb.GenerateRequest) -> int:

@@ -244,6 +244,8 @@ class JobService(jgrpc.JobsServicer):
         for i, r in enumerate(requests, start):
             if r.sampling.logprobs or r.sampling.top_logprobs:
                 return f"requests[{i}]: logprobs are not kept in job results; submit without them"
+            if r.resume_token_ids or r.resume_ticket:
+                return f"requests[{i}]: resume_token_ids and resume_ticket resume a stream; a job's request has none"
             try:
                 self.core.prepare(r, caller)
             except RouterError as exc:

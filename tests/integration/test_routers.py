@@ -380,6 +380,48 @@ def test_a_qc_tenants_job_runs_and_is_read_only_in_quebec(routers):
         assert ran == [], ran[:2]
 
 
+def test_a_stream_resumes_only_with_its_ticket_and_what_it_resumes_is_audited(routers):
+    """Issue 56, finding 5: resume_token_ids without the stream's ticket, or with a ticket for other
+    tokens, are refused PERMISSION_DENIED before anything is computed (before: a two-token prompt with
+    390 made-up "received" tokens was served, charged two tokens and audited without them); the
+    stream's own ticket resumes it, and the record counts and (log_prompts) logs what it resumed."""
+    prompt = "a-lab-qc-stream-that-resumes"
+    req = ipb.GenerateRequest(prompt=prompt, max_tokens=30, ignore_eos=True)
+    ids: list[int] = []
+    ticket = b""
+    with routers.dialer(TOKENS["lab-qc"]).sync(routers.routers["qc"].address) as ch:
+        call = igrpc.InferenceStub(ch).Generate(req, timeout=60)
+        for msg in call:
+            ids += msg.token_ids
+            ticket = msg.resume_ticket or ticket
+            if len(ids) >= 8:
+                break
+        call.cancel()
+        stub = igrpc.InferenceStub(ch)
+        attacks = {"need the resume_ticket": ipb.GenerateRequest(prompt=prompt, max_tokens=400, ignore_eos=True,
+                                                                 resume_token_ids=[7] * 390),
+                   "does not match": ipb.GenerateRequest(prompt=prompt, max_tokens=30, ignore_eos=True,
+                                                         resume_token_ids=[*ids, 7], resume_ticket=ticket)}
+        for why, attack in attacks.items():
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(attack, timeout=30))
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and why in refused.value.details()
+        resumed = ipb.GenerateRequest(prompt=prompt, max_tokens=30, ignore_eos=True, request_id="resumed-stream",
+                                      resume_token_ids=ids, resume_ticket=ticket)
+        rest = list(stub.Generate(resumed, timeout=60))
+    assert sum(len(m.token_ids) for m in rest) == 30 - len(ids) and rest[-1].finish.usage.completion_tokens == 30
+    assert all(m.resume_ticket for m in rest if m.token_ids)
+
+    def record():
+        return next((r for r in map(json.loads, audit_of(routers, "qc").splitlines())
+                     if r.get("request_id") == "resumed-stream"), None)
+
+    assert wait_until(lambda: record() is not None, 10)
+    rec = record()
+    assert rec["resumed_tokens"] == len(ids) and rec["completion_tokens"] == 30 - len(ids)
+    assert rec["resumed_output"] and rec["prompt"] == prompt
+
+
 def test_http_refuses_before_the_body(routers):
     """A body that never comes: the answer comes anyway, so the router did not wait to read it."""
     host, port = routers.routers["ont"].http.rsplit(":", 1)

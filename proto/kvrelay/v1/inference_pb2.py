@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvrelay/v1/inference.proto\x12\nkvrelay.v1\"\x7f\n\nRouterPeer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x18\n\x10internal_address\x18\x04 \x01(\t\x12\x14\n\x0chttp_address\x18\x05 \x01(\t\x12\x14\n\x0cjurisdiction\x18\x06 \x01(\t\"\x14\n\x12ListRoutersRequest\"b\n\x13ListRoutersResponse\x12\'\n\x07routers\x18\x01 \x03(\x0b\x32\x16.kvrelay.v1.RouterPeer\x12\x13\n\x0b\x61nswered_by\x18\x02 \x01(\t\x12\r\n\x05yours\x18\x03 \x03(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x97\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\r\n\x05min_p\x18\n \x01(\x02\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x85\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x12\n\nraw_prompt\x18\x0b \x01(\x08\x12\x1d\n\x15\x61llowed_jurisdictions\x18\x0c \x03(\t\x12\x18\n\x10resume_token_ids\x18\r \x03(\x05\x42\x07\n\x05inputB\r\n\x0b_max_tokens\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xf6\x03\n\tPlacement\x12\x16\n\x0eprefill_worker\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x14\n\x0cprefill_site\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_site\x18\x04 \x01(\t\x12\x11\n\tcolocated\x18\x05 \x01(\x08\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x19\n\x11\x65stimated_ttft_ms\x18\t \x01(\x01\x12\x0e\n\x06policy\x18\n \x01(\t\x12\x1d\n\x15prefill_cached_blocks\x18\x0b \x01(\x05\x12\x1c\n\x14\x64\x65\x63ode_cached_blocks\x18\x0c \x01(\x05\x12\x0c\n\x04link\x18\r \x01(\t\x12\x16\n\x0ekv_transfer_ms\x18\x0e \x01(\x01\x12\x12\n\nprefill_ms\x18\x0f \x01(\x01\x12\x0f\n\x07retries\x18\x10 \x01(\x05\x12\x12\n\nmigrations\x18\x11 \x01(\x05\x12\x10\n\x08trace_id\x18\x12 \x01(\t\x12\x10\n\x08kv_codec\x18\x13 \x01(\t\x12\x11\n\tlink_gbps\x18\x14 \x01(\x01\x12\x18\n\x10link_rate_source\x18\x15 \x01(\t\x12\x1a\n\x12link_measured_gbps\x18\x16 \x01(\x01\x12\x12\n\nlink_bound\x18\x17 \x01(\x08\"~\n\x06\x46inish\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.kvrelay.v1.Usage\x12(\n\tplacement\x18\x03 \x01(\x0b\x32\x15.kvrelay.v1.Placement\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\"\n\x06\x66inish\x18\x05 \x01(\x0b\x32\x12.kvrelay.v1.Finish\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.kvrelay.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x13\n\x11ListModelsRequest\"?\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\x05\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvrelay.v1.ModelInfo\"\x0f\n\rHealthRequest\"R\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x17\n\x0fprefill_workers\x18\x02 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x03 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xb2\x02\n\tInference\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponse\x12?\n\x06Health\x12\x19.kvrelay.v1.HealthRequest\x1a\x1a.kvrelay.v1.HealthResponse\x12N\n\x0bListRouters\x12\x1e.kvrelay.v1.ListRoutersRequest\x1a\x1f.kvrelay.v1.ListRoutersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvrelay/v1/inference.proto\x12\nkvrelay.v1\"\x7f\n\nRouterPeer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x18\n\x10internal_address\x18\x04 \x01(\t\x12\x14\n\x0chttp_address\x18\x05 \x01(\t\x12\x14\n\x0cjurisdiction\x18\x06 \x01(\t\"\x14\n\x12ListRoutersRequest\"b\n\x13ListRoutersResponse\x12\'\n\x07routers\x18\x01 \x03(\x0b\x32\x16.kvrelay.v1.RouterPeer\x12\x13\n\x0b\x61nswered_by\x18\x02 \x01(\t\x12\r\n\x05yours\x18\x03 \x03(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x97\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\r\n\x05min_p\x18\n \x01(\x02\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x9c\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x12\n\nraw_prompt\x18\x0b \x01(\x08\x12\x1d\n\x15\x61llowed_jurisdictions\x18\x0c \x03(\t\x12\x18\n\x10resume_token_ids\x18\r \x03(\x05\x12\x15\n\rresume_ticket\x18\x0e \x01(\x0c\x42\x07\n\x05inputB\r\n\x0b_max_tokens\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xf6\x03\n\tPlacement\x12\x16\n\x0eprefill_worker\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x14\n\x0cprefill_site\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_site\x18\x04 \x01(\t\x12\x11\n\tcolocated\x18\x05 \x01(\x08\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x19\n\x11\x65stimated_ttft_ms\x18\t \x01(\x01\x12\x0e\n\x06policy\x18\n \x01(\t\x12\x1d\n\x15prefill_cached_blocks\x18\x0b \x01(\x05\x12\x1c\n\x14\x64\x65\x63ode_cached_blocks\x18\x0c \x01(\x05\x12\x0c\n\x04link\x18\r \x01(\t\x12\x16\n\x0ekv_transfer_ms\x18\x0e \x01(\x01\x12\x12\n\nprefill_ms\x18\x0f \x01(\x01\x12\x0f\n\x07retries\x18\x10 \x01(\x05\x12\x12\n\nmigrations\x18\x11 \x01(\x05\x12\x10\n\x08trace_id\x18\x12 \x01(\t\x12\x10\n\x08kv_codec\x18\x13 \x01(\t\x12\x11\n\tlink_gbps\x18\x14 \x01(\x01\x12\x18\n\x10link_rate_source\x18\x15 \x01(\t\x12\x1a\n\x12link_measured_gbps\x18\x16 \x01(\x01\x12\x12\n\nlink_bound\x18\x17 \x01(\x08\"~\n\x06\x46inish\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.kvrelay.v1.Usage\x12(\n\tplacement\x18\x03 \x01(\x0b\x32\x15.kvrelay.v1.Placement\"\xc3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\"\n\x06\x66inish\x18\x05 \x01(\x0b\x32\x12.kvrelay.v1.Finish\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.kvrelay.v1.TopLogprobs\x12\x15\n\rresume_ticket\x18\x07 \x01(\x0c\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x13\n\x11ListModelsRequest\"?\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x02 \x01(\x05\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvrelay.v1.ModelInfo\"\x0f\n\rHealthRequest\"R\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x17\n\x0fprefill_workers\x18\x02 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x03 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xb2\x02\n\tInference\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponse\x12?\n\x06Health\x12\x19.kvrelay.v1.HealthRequest\x1a\x1a.kvrelay.v1.HealthResponse\x12N\n\x0bListRouters\x12\x1e.kvrelay.v1.ListRoutersRequest\x1a\x1f.kvrelay.v1.ListRoutersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2294
-  _globals['_FINISHREASON']._serialized_end=2414
+  _globals['_FINISHREASON']._serialized_start=2340
+  _globals['_FINISHREASON']._serialized_end=2460
   _globals['_ROUTERPEER']._serialized_start=42
   _globals['_ROUTERPEER']._serialized_end=169
   _globals['_LISTROUTERSREQUEST']._serialized_start=171
@@ -48,27 +48,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=424
   _globals['_SAMPLINGPARAMS']._serialized_end=703
   _globals['_GENERATEREQUEST']._serialized_start=706
-  _globals['_GENERATEREQUEST']._serialized_end=1095
-  _globals['_USAGE']._serialized_start=1097
-  _globals['_USAGE']._serialized_end=1184
-  _globals['_PLACEMENT']._serialized_start=1187
-  _globals['_PLACEMENT']._serialized_end=1689
-  _globals['_FINISH']._serialized_start=1691
-  _globals['_FINISH']._serialized_end=1817
-  _globals['_GENERATERESPONSE']._serialized_start=1820
-  _globals['_GENERATERESPONSE']._serialized_end=1992
-  _globals['_TOPLOGPROBS']._serialized_start=1994
-  _globals['_TOPLOGPROBS']._serialized_end=2044
-  _globals['_LISTMODELSREQUEST']._serialized_start=2046
-  _globals['_LISTMODELSREQUEST']._serialized_end=2065
-  _globals['_MODELINFO']._serialized_start=2067
-  _globals['_MODELINFO']._serialized_end=2130
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2132
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2191
-  _globals['_HEALTHREQUEST']._serialized_start=2193
-  _globals['_HEALTHREQUEST']._serialized_end=2208
-  _globals['_HEALTHRESPONSE']._serialized_start=2210
-  _globals['_HEALTHRESPONSE']._serialized_end=2292
-  _globals['_INFERENCE']._serialized_start=2417
-  _globals['_INFERENCE']._serialized_end=2723
+  _globals['_GENERATEREQUEST']._serialized_end=1118
+  _globals['_USAGE']._serialized_start=1120
+  _globals['_USAGE']._serialized_end=1207
+  _globals['_PLACEMENT']._serialized_start=1210
+  _globals['_PLACEMENT']._serialized_end=1712
+  _globals['_FINISH']._serialized_start=1714
+  _globals['_FINISH']._serialized_end=1840
+  _globals['_GENERATERESPONSE']._serialized_start=1843
+  _globals['_GENERATERESPONSE']._serialized_end=2038
+  _globals['_TOPLOGPROBS']._serialized_start=2040
+  _globals['_TOPLOGPROBS']._serialized_end=2090
+  _globals['_LISTMODELSREQUEST']._serialized_start=2092
+  _globals['_LISTMODELSREQUEST']._serialized_end=2111
+  _globals['_MODELINFO']._serialized_start=2113
+  _globals['_MODELINFO']._serialized_end=2176
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2178
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2237
+  _globals['_HEALTHREQUEST']._serialized_start=2239
+  _globals['_HEALTHREQUEST']._serialized_end=2254
+  _globals['_HEALTHRESPONSE']._serialized_start=2256
+  _globals['_HEALTHRESPONSE']._serialized_end=2338
+  _globals['_INFERENCE']._serialized_start=2463
+  _globals['_INFERENCE']._serialized_end=2769
 # @@protoc_insertion_point(module_scope)
