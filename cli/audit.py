@@ -23,7 +23,13 @@ from pathlib import Path
 from kvrelay.cli.common import table
 from kvrelay.router.core.records import RecordKind
 from kvrelay.router.governance.audit import parse_time, query, verify
-from kvrelay.router.governance.audit_heads import SignedHead, check_heads, load_public_key, read_heads
+from kvrelay.router.governance.audit_heads import (
+    HeadsResult,
+    SignedHead,
+    check_heads,
+    load_public_key,
+    read_heads,
+)
 
 AUDIT_FILE = "audit.jsonl"
 """The audit log's name in the cache folder (``kvrelay serve``'s default ``router.records.audit_log``)."""
@@ -83,8 +89,18 @@ def _verify_signed(path: str, name: str, heads: list[SignedHead]) -> int:
         return 1
     tail = f"; {result.uncovered} records after it not yet covered" if result.uncovered else ""
     print(f"{name}ok: {result.chain.records} records, head {result.chain.head}; {result.heads} signed heads agree "
-          f"(up to seq {result.covered}{tail})")
+          f"(up to seq {result.covered}{tail}); {_expected(result)}")
     return 0
+
+
+def _expected(result: HeadsResult) -> str:
+    """Which heads verify expected, and what the file cannot show (heads cut off after its last)."""
+    old = (f"{result.unchained} heads signed before heads were chained (one taken out of those is not seen), then "
+           if result.unchained else "")
+    if not result.chained:
+        return old.removesuffix(", then ") or "no heads"
+    return (f"{old}heads 1..{result.chained} expected and found in order; heads signed after head {result.chained} "
+            f"and cut off with the log's tail are seen only against a copy of the heads kept elsewhere")
 
 
 def _since(text: str):

@@ -11,17 +11,32 @@ file for another party to keep: another host's mount, a collector) and logged
 (logger ``kvrelay.audit.heads``) for a log shipper::
 
     {"log": "audit.jsonl", "seq": 812, "head": "<hex sha-256>", "time": "...Z",
-     "state": "open" | "running" | "closed", "key": "<key id>", "sig": "<base64>"}
+     "state": "open" | "running" | "closed", "key": "<key id>", "n": 41,
+     "prev": "<hex sha-256 of head 40>", "sig": "<base64>"}
 
 ``sig`` signs the line's other fields as :func:`payload` writes them; ``key``
-is the first 16 hex digits of the SHA-256 of the raw public key.
+is the first 16 hex digits of the SHA-256 of the raw public key. The heads are
+chained too: ``n`` numbers them from 1, ``prev`` is the previous head's
+:func:`digest` (:data:`GENESIS_HEAD` for the first), and the signer continues
+the chain from the last head in its file when the router starts again.
 
 :func:`check_heads` verifies each head's signature against the public key
-given, then the log against them: a head whose record the log does not hold
-as signed (the tail was rewritten), one past the log's end (cut off), records
-after a ``closed`` head and before the next ``open`` one (written while the
-router was stopped). Records after the last signed head of a running router
-are only counted: no head covers them yet."""
+given, the heads' own chain (a head removed from the middle or the start of
+the file, or heads reordered, is named with the numbers it expected), then the
+log against them: a head whose record the log does not hold as signed (the
+tail was rewritten), one past the log's end (cut off), records after a
+``closed`` head and before the next ``open`` one (written while the router was
+stopped). Records after the last signed head of a running router are only
+counted: no head covers them yet.
+
+What a heads file proves, and what it cannot: against a copy kept where the
+log's writer cannot write (another host, a collector fed by the
+``kvrelay.audit.heads`` logger), any change to the log up to its last head. A
+heads file kept beside the log, by someone who can write both, proves the log
+against edits that leave the heads file alone, and its chain shows heads taken
+out of its middle or start; but the last heads can be cut off with the log's
+tail, and nothing in the file shows it. Only the copy elsewhere (or a head noted
+elsewhere, ``--head``) does."""
 
 from __future__ import annotations
 
@@ -54,7 +69,11 @@ log = logging.getLogger(__name__)
 heads_log = logging.getLogger("kvrelay.audit.heads")
 """Where each signed head is logged too, as ``audit head {json}`` at INFO (for a log shipper)."""
 
-_FIELDS = ("log", "seq", "head", "time", "state", "key")
+_FIELDS = ("log", "seq", "head", "time", "state", "key", "n", "prev")
+_UNCHAINED = _FIELDS[:6]
+"""A head signed before heads were chained (no ``n``, ``prev``): read, never written."""
+GENESIS_HEAD = "0" * 64
+"""The ``prev`` of a chain's first head."""
 
 
 class HeadState(StrEnum):
@@ -80,7 +99,13 @@ def key_id(public: Ed25519PublicKey) -> str:
 
 def payload(head: dict) -> bytes:
     """The bytes a head's ``sig`` signs: its other fields, in :data:`_FIELDS` order, compact JSON."""
-    return json.dumps({k: head[k] for k in _FIELDS}, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    fields = _FIELDS if "n" in head else _UNCHAINED
+    return json.dumps({k: head[k] for k in fields}, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def digest(head: dict) -> str:
+    """What the next head's ``prev`` holds: SHA-256 of this head's payload and signature."""
+    return hashlib.sha256(payload(head) + b"." + str(head["sig"]).encode("ascii", "replace")).hexdigest()
 
 
 def heads_path(audit_log: str | Path) -> Path:
@@ -157,14 +182,18 @@ class HeadSigner:
         self.signed: tuple[int, str] | None = None
         """(seq, head) of the last head signed."""
         self._lock = threading.Lock()
+        self._n, self._prev = last_head(self.out)
+        """The number and digest of the last head in the file: the chain goes on from it."""
 
     def sign(self, state: HeadState, seq: int, head: str, when: str) -> dict:
-        """Signs (seq, head) at time ``when`` (ISO-8601) in ``state``; the signed head, also written out."""
-        line = {"log": self.log_name, "seq": seq, "head": head, "time": when, "state": state.value,
-                "key": self.key_id}
-        line["sig"] = base64.b64encode(self._key.sign(payload(line))).decode("ascii")
-        text = json.dumps(line, separators=(",", ":"), ensure_ascii=False)
+        """Signs (seq, head) at time ``when`` (ISO-8601) in ``state``, the next head of the chain; the
+        signed head, also written out."""
         with self._lock:
+            line = {"log": self.log_name, "seq": seq, "head": head, "time": when, "state": state.value,
+                    "key": self.key_id, "n": self._n + 1, "prev": self._prev}
+            line["sig"] = base64.b64encode(self._key.sign(payload(line))).decode("ascii")
+            text = json.dumps(line, separators=(",", ":"), ensure_ascii=False)
+            self._n, self._prev = self._n + 1, digest(line)
             self.signed = (seq, head)
             try:
                 fd = os.open(self.out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -180,6 +209,31 @@ class HeadSigner:
         return line
 
 
+def last_head(path: Path) -> tuple[int, str]:
+    """(n, digest) of the last head in the heads file at ``path``, to chain the next one to; (0,
+    GENESIS_HEAD) when there is none. A file that cannot be read, or whose last line is not a head,
+    is logged: the chain starts again, and `kvrelay audit verify` names where."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - 64 * 1024))
+            tail = [x for x in f.read().split(b"\n") if x.strip()]
+    except FileNotFoundError:
+        return 0, GENESIS_HEAD
+    except OSError as exc:
+        log.error("audit heads %s: cannot read its last head (%s): a new chain of heads starts", path,
+                  exc.strerror or exc)
+        return 0, GENESIS_HEAD
+    if not tail:
+        return 0, GENESIS_HEAD
+    try:
+        head = json.loads(tail[-1])
+        return (int(head["n"]) if "n" in head else 0), digest(head)
+    except (ValueError, KeyError, TypeError):
+        log.error("audit heads %s: its last line is not a head: a new chain of heads starts", path)
+        return 0, GENESIS_HEAD
+
+
 @dataclass(slots=True, frozen=True)
 class SignedHead:
     """One verified line of a heads file."""
@@ -189,6 +243,12 @@ class SignedHead:
     head: str
     time: str
     state: HeadState
+    n: int = 0
+    """Its number in the chain of heads (0: signed before heads were chained)."""
+    prev: str = ""
+    """The previous head's digest, as it signed it."""
+    digest: str = ""
+    """Its own digest (what the next head's ``prev`` must hold)."""
 
 
 def read_heads(path: str | Path, public: Ed25519PublicKey) -> list[SignedHead]:
@@ -209,12 +269,14 @@ def _verified(path: Path, lines: Iterable[bytes], public: Ed25519PublicKey) -> I
             continue
         try:
             head = json.loads(raw)
-            ok = (isinstance(head, dict) and all(k in head for k in (*_FIELDS, "sig"))
-                  and type(head["seq"]) is int and head["seq"] >= 0 and head["state"] in {s.value for s in HeadState})
+            ok = (isinstance(head, dict) and all(k in head for k in (*_UNCHAINED, "sig"))
+                  and type(head["seq"]) is int and head["seq"] >= 0 and head["state"] in {s.value for s in HeadState}
+                  and ("n" not in head or (type(head["n"]) is int and head["n"] >= 1 and "prev" in head)))
         except ValueError:
             ok = False
         if not ok:
-            raise HeadsError(f"{path} line {no} is not a signed head (log, seq, head, time, state, key, sig)")
+            raise HeadsError(f"{path} line {no} is not a signed head (log, seq, head, time, state, key, n, prev, "
+                             "sig)")
         if head["key"] != kid:
             raise HeadsError(f"{path} line {no} was signed by key {head['key']}, not by the key given ({kid})")
         try:
@@ -222,7 +284,8 @@ def _verified(path: Path, lines: Iterable[bytes], public: Ed25519PublicKey) -> I
         except (InvalidSignature, ValueError):
             raise HeadsError(f"{path} line {no}: its signature does not verify: the head was forged or "
                              f"altered") from None
-        yield SignedHead(no, head["seq"], str(head["head"]), str(head["time"]), HeadState(head["state"]))
+        yield SignedHead(no, head["seq"], str(head["head"]), str(head["time"]), HeadState(head["state"]),
+                         head.get("n", 0), str(head.get("prev", "")), digest(head))
 
 
 @dataclass(slots=True)
@@ -237,6 +300,10 @@ class HeadsResult:
     """The highest seq a signed head covers."""
     uncovered: int = 0
     """Records after the last signed head (a router still running; none when it closed the log)."""
+    chained: int = 0
+    """The number of the last head (heads 1..chained were expected, in order, and found)."""
+    unchained: int = 0
+    """Heads before the chain began (signed by a kvrelay that did not chain them: their removal is not seen)."""
 
     @property
     def ok(self) -> bool:
@@ -259,11 +326,35 @@ def check_heads(log_path: str | Path, heads: list[SignedHead]) -> HeadsResult:
             return HeadsResult(checker.broken(exc), len(heads))
     chain = checker.result()
     last = checker.last.record["seq"] if checker.last else 0
-    result = HeadsResult(chain, len(heads), covered=max(wanted, default=0))
+    unchained = next((i for i, h in enumerate(heads) if h.n), len(heads))
+    result = HeadsResult(chain, len(heads), covered=max(wanted, default=0), unchained=unchained,
+                         chained=heads[-1].n if heads else 0)
     if chain.ok:
-        result.problem = _against(heads, links, last)
+        result.problem = _heads_chain(heads, unchained) or _against(heads, links, last)
         result.uncovered = max(0, last - result.covered) if heads and heads[-1].state != HeadState.CLOSED else 0
     return result
+
+
+def _heads_chain(heads: list[SignedHead], unchained: int) -> str | None:
+    """The first break in the heads' own chain, naming the head expected; None when heads 1..n
+    follow each other (after the ``unchained`` heads signed before chaining, if any)."""
+    before: SignedHead | None = heads[unchained - 1] if unchained else None
+    for h in heads[unchained:]:
+        if not h.n:
+            return f"heads line {h.line} is not chained (no n, prev) but follows chained heads: it was moved there"
+        if before is None or not before.n:  # the chain's first head: it follows nothing, or unchained heads
+            want_n, prevs, where = 1, {GENESIS_HEAD, before.digest if before else GENESIS_HEAD}, "first"
+        else:
+            want_n, prevs, where = before.n + 1, {before.digest}, f"after head {before.n} (heads line {before.line})"
+        if h.n != want_n:
+            gap = (f"heads {want_n}..{h.n - 1} were removed" if h.n > want_n else
+                   "the heads were reordered, or a new chain began")
+            return f"expected head {want_n} {where}, found head {h.n} at heads line {h.line}: {gap}"
+        if h.prev not in prevs:
+            return (f"head {h.n} (heads line {h.line}) does not follow the head before it in the file: heads were "
+                    "replaced or spliced in from elsewhere")
+        before = h
+    return None
 
 
 def _against(heads: list[SignedHead], links: dict[int, tuple[str, int]], last: int) -> str | None:
@@ -287,6 +378,6 @@ def _against(heads: list[SignedHead], links: dict[int, tuple[str, int]], last: i
     return None
 
 
-__all__ = ["HeadSigner", "HeadState", "HeadsError", "HeadsResult", "SignedHead", "check_heads",
-           "generate_signing_key", "heads_path", "key_id", "load_public_key", "load_signing_key", "payload",
-           "read_heads"]
+__all__ = ["GENESIS_HEAD", "HeadSigner", "HeadState", "HeadsError", "HeadsResult", "SignedHead", "check_heads",
+           "digest", "generate_signing_key", "heads_path", "key_id", "last_head", "load_public_key",
+           "load_signing_key", "payload", "read_heads"]

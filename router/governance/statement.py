@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from enum import IntEnum
+from pathlib import Path
 from typing import Any
 
 from kvrelay.router.core.auth import ANONYMOUS
@@ -380,9 +381,15 @@ def _heads_text(rs) -> str:
     if not rs.audit_signing_key:
         return ("The log's head is not signed (router.records.audit_signing_key is not set): whoever can "
                 "write the file can rewrite its tail undetected, unless its head was noted elsewhere. ")
+    where = rs.audit_heads or rs.audit_log + ".heads"
+    beside = rs.audit_heads is None or Path(rs.audit_heads).parent == Path(rs.audit_log).parent
     return (f"The log's head is signed with a key kept apart from it, when the router opens and closes the "
-            f"log and every {rs.audit_head_interval_s:g} s, into {rs.audit_heads or rs.audit_log + '.heads'} "
-            f"(and the router's log), so a rewritten or cut tail is found against heads kept elsewhere. ")
+            f"log and every {rs.audit_head_interval_s:g} s, into {where} (and the router's log), each head "
+            f"numbered and signing the one before: against a copy of the heads kept where the log's writer "
+            f"cannot write, a rewritten or cut tail is found. "
+            + ("That heads file is beside the log: whoever can write both can cut its last heads with the log's "
+               "tail unseen (heads removed from its start or middle are still found), so only a copy kept "
+               "elsewhere (the router's log shipped off the host) proves the tail. " if beside else ""))
 
 
 def retention(d: Deployment, t: TenantSection, r: Reach) -> dict:

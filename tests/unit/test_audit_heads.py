@@ -5,6 +5,7 @@ while the router was stopped, which the hash chain alone cannot."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import time
@@ -16,13 +17,17 @@ from kvrelay.cli.main import main
 from kvrelay.launch.credentials import ensure_audit_key
 from kvrelay.router.core.records import RecordKind
 from kvrelay.router.governance.audit_heads import (
+    GENESIS_HEAD,
     HeadsError,
     HeadSigner,
     check_heads,
+    digest,
     generate_signing_key,
     heads_path,
+    key_id,
     load_public_key,
     load_signing_key,
+    payload,
     read_heads,
 )
 from kvrelay.router.governance.audit_writer import AuditWriter
@@ -169,6 +174,80 @@ def test_an_altered_or_foreign_head_is_refused(run, tmp_path):
         read_heads(run.heads, load_public_key(run.pub))
 
 
+def test_the_heads_are_chained_across_the_routers_restarts(run):
+    heads = [json.loads(x) for x in _lines(run.heads)]
+    assert [h["n"] for h in heads] == [1, 2, 3, 4]
+    assert heads[0]["prev"] == GENESIS_HEAD
+    assert [h["prev"] for h in heads[1:]] == [digest(h) for h in heads[:-1]]  # each signs the one before
+    result = run.check()
+    assert result.ok and result.chained == 4 and result.unchained == 0
+
+
+def test_hiding_records_written_while_stopped_by_removing_the_closed_head_is_named(tmp_path):
+    """Issue 56, finding 6: records forged into the log while the router was stopped, then the head it
+    signed closing the log taken out of the heads file, so no closed head precedes them. Before the
+    heads were chained this passed (every remaining head verified and agreed); now the gap is named."""
+    r = Run(tmp_path)
+    r.session(4)
+    unsigned = AuditWriter(r.log)
+    unsigned.append(RecordKind.OPERATOR, {"operator": "x", "action": "scale"})
+    unsigned.close()
+    r.session(2)
+    lines = _lines(r.heads)
+    assert [json.loads(x)["state"] for x in lines] == ["open", "closed", "open", "closed"]
+    _write(r.heads, [lines[0], *lines[2:]])
+    result = r.check()
+    assert result.chain.ok and not result.ok
+    assert result.problem == ("expected head 2 after head 1 (heads line 1), found head 3 at heads line 2: "
+                              "heads 2..2 were removed")
+
+
+def test_heads_removed_from_the_start_or_reordered_are_named(run):
+    lines = _lines(run.heads)
+    _write(run.heads, lines[1:])
+    assert "expected head 1 first, found head 2 at heads line 1: heads 1..1 were removed" in run.check().problem
+    _write(run.heads, [lines[0], lines[2], lines[1], lines[3]])
+    assert "expected head 2 after head 1 (heads line 1), found head 3" in run.check().problem
+
+
+def test_heads_of_another_chain_spliced_in_are_named(run, tmp_path):
+    """A head of the same key and number from another log's heads (or an earlier copy) put in place of one."""
+    other = Run(tmp_path / "other")
+    other.key, other.pub = run.key, run.pub  # the same router key, another chain
+    other.session(10)
+    other.session(5)
+    mine, theirs = _lines(run.heads), _lines(other.heads)
+    _write(run.heads, [*mine[:2], theirs[2], mine[3]])
+    assert "head 3 (heads line 3) does not follow the head before it" in run.check().problem
+
+
+def test_heads_signed_before_chaining_are_read_and_the_chain_goes_on_from_them(tmp_path):
+    r = Run(tmp_path)
+    key = load_signing_key(r.key)
+    writer = AuditWriter(r.log)
+    for i in range(3):
+        writer.append(RecordKind.REQUEST, _request(i))
+    writer.close()
+    seq, head = 3, json.loads(_lines(r.log)[-1])
+    legacy = {"log": r.log.name, "seq": seq, "head": hashlib.sha256(_lines(r.log)[-1]).hexdigest(),
+              "time": head["time"], "state": "closed", "key": key_id(key.public_key())}
+    legacy["sig"] = base64.b64encode(key.sign(payload(legacy))).decode()  # a head as kvrelay signed it before
+    r.heads.write_text(json.dumps(legacy) + "\n")
+    r.session(2)
+    heads = [json.loads(x) for x in _lines(r.heads)]
+    assert heads[1]["n"] == 1 and heads[1]["prev"] == digest(legacy)
+    result = r.check()
+    assert result.ok, result.problem
+    assert result.unchained == 1 and result.chained == 2
+
+
+def test_a_signer_that_cannot_read_its_last_head_starts_a_chain_that_verify_names(run, caplog):
+    lines = _lines(run.heads)
+    _write(run.heads, [*lines, b"{not a head"])
+    assert HeadSigner(load_signing_key(run.key), run.heads, run.log.name)._n == 0
+    assert "its last line is not a head: a new chain of heads starts" in caplog.text
+
+
 def test_keys_that_are_not_ed25519_keys_are_named(tmp_path):
     bad = tmp_path / "k.pem"
     bad.write_text("-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n")
@@ -183,7 +262,10 @@ def test_keys_that_are_not_ed25519_keys_are_named(tmp_path):
 def test_cli_verify_with_heads(run, capsys):
     args = ["audit", "verify", str(run.log), "--heads", str(run.heads), "--key", str(run.pub)]
     assert main(args) == 0
-    assert "ok: 15 records" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ok: 15 records" in out
+    assert "heads 1..4 expected and found in order; heads signed after head 4 and cut off with the log's tail are " \
+           "seen only against a copy of the heads kept elsewhere" in out
     assert main(["audit", "verify", str(run.log), "--heads", str(run.heads)]) == 2
     assert "--heads needs --key" in capsys.readouterr().err
     _write(run.log, _lines(run.log)[:14])

@@ -451,3 +451,21 @@ def test_the_statement_lists_exactly_the_admin_calls_that_are_audited():
     from kvrelay.router.governance.statement import AUDITED_ACTIONS
     source = (Path(__file__).parents[2] / "router" / "frontends" / "admin.py").read_text()
     assert set(re.findall(r'self\._audit\(who, "([^"]+)"', source)) == set(AUDITED_ACTIONS)
+
+
+def test_the_retention_answer_says_what_the_signed_heads_prove_where_they_are_kept():
+    def signed(heads: str | None):
+        def edit(raw):
+            raw.setdefault("router", {})["records"] = {"audit_log": "/var/lib/kvrelay/audit.jsonl",
+                                                       "audit_signing_key": "/etc/kvrelay/audit.key",
+                                                       **({"audit_heads": heads} if heads else {})}
+        return edit
+
+    beside = _answer(_doc(signed(None)), "uni-on", Question.RETENTION)["answer"]
+    assert "into /var/lib/kvrelay/audit.jsonl.heads" in beside and "each head numbered and signing the one before" \
+        in beside
+    assert "That heads file is beside the log: whoever can write both can cut its last heads" in beside
+    apart = _answer(_doc(signed("/mnt/collector/audit.heads")), "uni-on", Question.RETENTION)["answer"]
+    assert "into /mnt/collector/audit.heads" in apart and "beside the log" not in apart
+    unsigned = _answer(_doc(), "uni-on", Question.RETENTION)["answer"]
+    assert "The log's head is not signed (router.records.audit_signing_key is not set)" in unsigned
