@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from kvrelay.cli.login import cached_token
+from kvrelay.cli.login import OIDC_TOKEN, Bound, cached_token
 from kvrelay.launch.credentials import CLIENT_TOKEN, LOCAL_PKI
 from kvrelay.runtime.files import write_private
 from kvrelay.runtime.pki import CA_CERT, PKIError, check_pair, read_pem
@@ -52,7 +52,8 @@ def add_connect_flags(p: argparse.ArgumentParser, router_default: str | None = "
 def client_token(args: argparse.Namespace) -> str | None:
     """The tenant token: $KVRELAY_API_KEY; else, for the local default (no ``--ca``: its CA and
     token are in the cache folder, where `kvrelay serve` wrote them), the local token; else the
-    OpenID token `kvrelay login` cached (refreshed when about to expire), else the local token.
+    OpenID token `kvrelay login` cached for these routers and this CA (refreshed when about to
+    expire; LoginError if it was cached for others), else the local token.
     So a researcher signed in to an institution's cluster (named with ``--ca``) keeps using the
     local default as before."""
     token = os.environ.get("KVRELAY_API_KEY", "")
@@ -62,7 +63,21 @@ def client_token(args: argparse.Namespace) -> str | None:
     local = local_file.read_text().strip() if local_file.exists() else ""
     if local and getattr(args, "ca", None) is None:
         return local
-    return cached_token(args.cache_dir) or local or None
+    if not (args.cache_dir / OIDC_TOKEN).exists():
+        return local or None
+    return cached_token(args.cache_dir, _bound(args)) or local or None
+
+
+def _bound(args: argparse.Namespace) -> Bound:
+    """The routers this command reaches and the CA that verifies them (what a cached token must be bound to)."""
+    if getattr(args, "plaintext", False):
+        return Bound.of(router_addresses(args), None)
+    ca = getattr(args, "ca", None) or args.cache_dir / LOCAL_PKI / CA_CERT
+    try:
+        pem = ca.read_bytes()
+    except OSError as exc:
+        raise PKIError(f"{ca}: {exc.strerror or exc} (pass --ca with the cluster's CA bundle)") from None
+    return Bound.of(router_addresses(args), pem)
 
 
 def dialer(args: argparse.Namespace, token: str | None) -> Dialer:
@@ -143,7 +158,7 @@ def write_secret(path: Path, value: str) -> None:
 
 def router_addresses(args: argparse.Namespace) -> list[str]:
     """``--router``'s addresses, in the order given."""
-    return [a.strip() for a in (args.router or "").split(",") if a.strip()]
+    return [a.strip() for a in (getattr(args, "router", None) or "").split(",") if a.strip()]
 
 
 class NoRouter(RuntimeError):

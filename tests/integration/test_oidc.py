@@ -246,7 +246,8 @@ def test_kvrelay_login_signs_in_by_device_flow_and_client_commands_send_and_refr
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k != "KVRELAY_API_KEY"}
     login = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "--cache-dir", str(cache), "login", "--issuer",
-                              idp.issuer], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                              idp.issuer, "--router", oidc_cluster.router_address, "--ca", str(oidc_cluster.ca_file)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert login.stdout is not None
         shown = login.stdout.readline()  # "To sign in, open URL and enter the code CODE"
@@ -273,4 +274,9 @@ def test_kvrelay_login_signs_in_by_device_flow_and_client_commands_send_and_refr
         lines = Path(oidc_cluster.cfg.router.records.audit_log).read_text().splitlines()
         return [r["credential"] for r in map(json.loads, lines) if r["kind"] == "request"]
     assert wait_until(lambda: f"oidc test-idp sub=alice iss={idp.issuer}" in audited(), 10)
+    elsewhere = ["--cache-dir", str(cache), "generate", "hi", "--max-tokens", "2", "--router",
+                 f"127.0.0.2:{oidc_cluster.router_address.rpartition(':')[2]}", "--ca", str(oidc_cluster.ca_file)]
+    capsys.readouterr()
+    assert kvrelay(elsewhere) != 0  # a router the login did not name: the token is not sent to it
+    assert "it is not sent there" in capsys.readouterr().err
     assert kvrelay(["--cache-dir", str(cache), "logout"]) == 0 and not cached.exists()

@@ -19,7 +19,7 @@ from jwt.algorithms import RSAAlgorithm
 
 import kvrelay.router.core.oidc as oidc
 from kvrelay.cli.common import client_token
-from kvrelay.cli.login import save
+from kvrelay.cli.login import OIDC_TOKEN, Bound, LoginError, save
 from kvrelay.launch.credentials import CLIENT_TOKEN
 from kvrelay.router.core.errors import ErrorKind, RouterError
 from kvrelay.router.core.oidc import OIDCVerifier
@@ -112,21 +112,44 @@ def test_a_key_for_another_algorithm_and_claims_matching_no_rule():
     v.close()
 
 
-def test_the_cli_sends_the_local_token_to_the_local_default_and_the_openid_one_elsewhere(tmp_path, monkeypatch):
-    """After `kvrelay login`, the local default (no --ca) still gets its own token; a cluster named
-    with --ca gets the OpenID token; with no local token, the OpenID one goes everywhere."""
+def test_the_cli_sends_the_local_token_to_the_local_default_and_the_openid_one_to_its_routers(tmp_path, monkeypatch):
+    """After `kvrelay login`, the local default (no --ca) still gets its own token; the routers the
+    login named, verified by its CA, get the OpenID token; with no local token, they still do."""
     monkeypatch.delenv("KVRELAY_API_KEY", raising=False)
+    ca = tmp_path / "their-ca.pem"
+    ca.write_bytes(b"their CA bundle")
     save(tmp_path, "https://idp.example", "kvrelay-cli", "https://idp.example/token", "urn:kvrelay",
-         {"access_token": "openid-token", "expires_in": 3600})
+         {"access_token": "openid-token", "expires_in": 3600}, Bound.of(["r1:50051", "r2:50051"], ca.read_bytes()))
     (tmp_path / CLIENT_TOKEN).write_text("local-token\n")
-    local = argparse.Namespace(cache_dir=tmp_path, ca=None)
-    remote = argparse.Namespace(cache_dir=tmp_path, ca=tmp_path / "their-ca.pem")
+    local = argparse.Namespace(cache_dir=tmp_path, ca=None, router="127.0.0.1:50051")
+    remote = argparse.Namespace(cache_dir=tmp_path, ca=ca, router="r2:50051,r1:50051")
     assert (client_token(local), client_token(remote)) == ("local-token", "openid-token")
     monkeypatch.setenv("KVRELAY_API_KEY", "from-env")
     assert (client_token(local), client_token(remote)) == ("from-env", "from-env")
     monkeypatch.delenv("KVRELAY_API_KEY")
     (tmp_path / CLIENT_TOKEN).unlink()
-    assert (client_token(local), client_token(remote)) == ("openid-token", "openid-token")
+    assert client_token(remote) == "openid-token"
+
+
+def test_a_cached_openid_token_is_never_sent_to_a_router_it_was_not_obtained_for(tmp_path, monkeypatch):
+    """Issue 56, finding 7: the token `kvrelay login` cached went to any router named with --ca (one of
+    another deployment under the shared default audience could replay it). Now a router not in the
+    login's --router, or one verified by another CA, is refused before the command dials."""
+    monkeypatch.delenv("KVRELAY_API_KEY", raising=False)
+    ca, other_ca = tmp_path / "ca.pem", tmp_path / "other-ca.pem"
+    ca.write_bytes(b"the cluster's CA")
+    other_ca.write_bytes(b"another deployment's CA")
+    save(tmp_path, "https://idp.example", "kvrelay-cli", "https://idp.example/token", "urn:kvrelay",
+         {"access_token": "openid-token", "expires_in": 3600}, Bound.of(["r1:50051"], ca.read_bytes()))
+    for router, bundle in (("evil.example:50051", ca), ("r1:50051,evil.example:50051", ca), ("r1:50051", other_ca)):
+        with pytest.raises(LoginError) as err:
+            client_token(argparse.Namespace(cache_dir=tmp_path, ca=bundle, router=router))
+        assert "is for r1:50051 (CA sha256" in str(err.value) and "it is not sent there" in str(err.value)
+    record = json.loads((tmp_path / OIDC_TOKEN).read_text())
+    del record["routers"], record["ca_sha256"]  # cached by a kvrelay login before tokens were bound
+    (tmp_path / OIDC_TOKEN).write_text(json.dumps(record))
+    with pytest.raises(LoginError, match="is for no router \\(cached by an older kvrelay login\\)"):
+        client_token(argparse.Namespace(cache_dir=tmp_path, ca=ca, router="r1:50051"))
 
 
 class Hanging(Served):
