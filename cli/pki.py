@@ -15,6 +15,8 @@ import re
 import sys
 from pathlib import Path
 
+from kvrelay.launch.etcd_auth import router_commands
+from kvrelay.runtime.config import load_config
 from kvrelay.runtime.pki import (
     CA,
     CA_CERT,
@@ -216,8 +218,20 @@ def cmd_pki_show(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_pki_etcd_users(args: argparse.Namespace) -> int:
+    """Prints the etcdctl commands that let only the config's routers use an etcd kvrelay does not start."""
+    cfg = load_config(args.config)
+    routers = [i for r in cfg.routers if (i := Identity.parse(r.uri)) is not None]
+    if len(routers) < 2:
+        return _error(f"{args.config}: routers: lists {len(routers)} router(s); etcd serves two or more")
+    print(f"# etcd's users and roles for {len(routers)} routers under {cfg.etcd.prefix} (launch/etcd_auth.py): "
+          "run once, with etcdctl's --endpoints, --cacert, --cert and --key of an administrator")
+    print("\n".join(router_commands(cfg.etcd.prefix, routers)))
+    return 0
+
+
 def add_parsers(sub) -> None:
-    """``kvrelay pki init | issue | show``."""
+    """``kvrelay pki init | issue | rotate-ca | show | etcd-users``."""
     pki = sub.add_parser("pki", help="the cluster CA and component certificates").add_subparsers(
         dest="pki_command", required=True)
     init = pki.add_parser("init", help="make the cluster CA in a folder (ca.pem, ca.key)")
@@ -256,3 +270,8 @@ def add_parsers(sub) -> None:
     show.add_argument("file", type=Path, help="certificate (PEM)")
     show.add_argument("--ca", type=Path, help="also check that this CA (bundle) issued it")
     show.set_defaults(func=cmd_pki_show)
+
+    eu = pki.add_parser("etcd-users", help="the etcdctl commands that admit only the config's routers to your "
+                                           "etcd (each router's certificate CN a user of the routers' role)")
+    eu.add_argument("--config", required=True, type=Path, help="the cluster config (its routers: and etcd.prefix)")
+    eu.set_defaults(func=cmd_pki_etcd_users)

@@ -24,6 +24,7 @@ from kvrelay.runtime.pki import (
     CA_KEY,
     Identity,
     PKIError,
+    crl_pem,
     init_ca_dir,
     issue,
     load_ca,
@@ -85,6 +86,12 @@ def pem_env(pems: Pems) -> dict[str, str]:
         raise PKIError("a process needs a certificate and key, not only the CA")
     return {TLS_ENV["ca"]: pems.ca_pem.decode(), TLS_ENV["cert"]: pems.cert_pem.decode(),
             TLS_ENV["key"]: pems.key_pem.decode()}
+
+
+CRL_FILE = "crl.pem"
+"""The revocation list beside cert.pem, key.pem and ca.pem in a server's folder (etcd, PostgreSQL)."""
+CRL_LIFE = 2.0
+"""A revocation list's validity, in certificate lifetimes (servers refuse every client once it expires)."""
 
 
 class ClusterCredentials:
@@ -155,14 +162,20 @@ class ClusterCredentials:
         return TLSMaterial(pems.ca_pem, pems.cert_pem, pems.key_pem, ident, RevokedSerials(self.revoked))
 
     def write_files(self, ident: Identity, hosts: tuple[str, ...], folder: Path) -> None:
-        """A new certificate for ``ident`` in ``folder`` as cert.pem, key.pem and ca.pem (0600), for a
-        program that reads files (etcd, PostgreSQL)."""
+        """A new certificate for ``ident`` in ``folder`` as cert.pem, key.pem and ca.pem (0600), and the
+        revocation list as crl.pem, for a program that reads files (etcd, PostgreSQL)."""
         mat = self.material(ident, hosts)
         if mat.cert_pem is None or mat.key_pem is None:  # material() issues both
             raise RuntimeError(f"no certificate and key were issued for {ident}")
         write_private(folder / "cert.pem", mat.cert_pem)
         write_private(folder / "key.pem", mat.key_pem)
         write_private(folder / "ca.pem", mat.ca_pem)
+        write_private(folder / CRL_FILE, self.crl())
+
+    def crl(self) -> bytes:
+        """The issuing CA's revocation list of the revoked serials (PEM), valid CRL_LIFE certificate
+        lifetimes: a server's certificate is renewed, and its crl.pem with it, well before it ends."""
+        return crl_pem(self.ca, self.revoked, self.days * CRL_LIFE)
 
     def env(self, ident: Identity, hosts: tuple[str, ...] = ()) -> dict[str, str]:
         """The environment that hands a child process a new certificate (not renewed: see launch/renewal.py)."""

@@ -2,8 +2,9 @@
 (`kvrelay serve`, the tests): Debian's ``etcd`` (``etcd-server``), ``members``
 processes on loopback, each with a certificate from the cluster CA for its
 client and peer listeners, admitting only clients that present one from the
-same CA (``--client-cert-auth``). With TLS off (one machine, comparisons), plain
-HTTP on loopback."""
+same CA (``--client-cert-auth``), and of those only the routers' (users and
+roles, launch/etcd_auth.py: :meth:`EtcdCluster.secure`). With TLS off (one
+machine, comparisons), plain HTTP on loopback."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrelay.launch.credentials import ClusterCredentials
+from kvrelay.launch.credentials import CRL_FILE, ClusterCredentials
+from kvrelay.launch.etcd_auth import secure
 from kvrelay.launch.renewal import CertKeeper
 from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.etcd import EtcdClient, EtcdError
@@ -84,7 +86,8 @@ class EtcdCluster:
             tls = {"cert-file": "cert.pem", "key-file": "key.pem", "trusted-ca-file": "ca.pem"}
             for prefix in ("", "peer-"):
                 args += [x for flag, f in tls.items() for x in (f"--{prefix}{flag}", str(m.folder / f))]
-            args += ["--client-cert-auth", "--peer-client-cert-auth"]
+            crl = str(m.folder / CRL_FILE)  # read at every handshake: a serial revoked is refused at once
+            args += ["--client-cert-auth", "--peer-client-cert-auth", "--client-crl-file", crl, "--peer-crl-file", crl]
         return args
 
     def _spawn(self, m: EtcdMember, state: str) -> None:
@@ -103,6 +106,23 @@ class EtcdCluster:
             self.stop()
             raise
         return self.endpoints
+
+    def secure(self, dialer: Dialer, prefix: str, routers: list[Identity]) -> None:
+        """Only ``routers`` may read and write under ``prefix`` from now on (launch/etcd_auth.py);
+        ``dialer``: a certificate the members admit. TLS only: without it etcd has no names to check."""
+        if self.creds is None:
+            raise RuntimeError("etcd's users are named by their certificates: plaintext etcd has none")
+
+        async def run() -> None:
+            client = EtcdClient(self.endpoints, dialer, timeout_s=10.0)
+            try:
+                await secure(client, prefix, routers)
+            finally:
+                await client.close()
+        try:
+            asyncio.run(run())
+        except EtcdError as exc:
+            raise RuntimeError(f"could not give etcd its users and roles: {exc}") from None
 
     async def _await_leader(self, dialer: Dialer, timeout_s: float) -> None:
         client = EtcdClient(self.endpoints, dialer, timeout_s=2.0)
@@ -128,6 +148,29 @@ class EtcdCluster:
             return (m.folder / "etcd.log").read_text(errors="replace")[-600:]
         except OSError:
             return "(no log)"
+
+    def cut_connections(self, dialer: Dialer, timeout_s: float = 30.0) -> None:
+        """Restarts the members one at a time, each back and in the cluster before the next (a
+        majority always serves): the connections open now, a revoked certificate's among them, end,
+        and every client connects again through a handshake that checks the revocation list."""
+        for i, m in enumerate(self.members):
+            self.restart(i)
+            asyncio.run(self._await_member(m, dialer, timeout_s))
+
+    async def _await_member(self, m: EtcdMember, dialer: Dialer, timeout_s: float) -> None:
+        client = EtcdClient([m.endpoint], dialer, timeout_s=2.0)
+        end = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    if (await client.status()).leader:
+                        return
+                except EtcdError as exc:
+                    if time.monotonic() > end:
+                        raise RuntimeError(f"etcd member {m.name} was not back within {timeout_s:g} s: {exc}") from None
+                await asyncio.sleep(0.1)
+        finally:
+            await client.close()
 
     def kill(self, index: int) -> None:
         """SIGKILL member ``index`` (a crash)."""

@@ -460,14 +460,39 @@ class LocalCluster:
             return False
         if serials == self.cfg.tls.revoked_serials:
             return False
+        added = parse_serials(serials) - self.creds.revoked
         self.cfg.tls.revoked_serials = list(serials)
         self.creds.revoked = parse_serials(serials)
+        self._revoke_at_stores(added)
         dump_config(self.cfg, self.config_path)
         for entry in self.cfg.routers:
             if entry.name in self.routers:
                 dump_config(router_config(self.cfg, entry, self.routers[entry.name]), self._router_config(entry))
         log.warning("tls.revoked_serials changed in %s: passed on to the router and workers", self._config_file)
         return True
+
+    def _revoke_at_stores(self, added: frozenset[int]) -> None:
+        """The revoked serials to the routers' etcd and PostgreSQL: a new revocation list in each
+        server's folder (PostgreSQL reloads it, etcd reads it at each handshake), then, for serials
+        newly revoked, the sessions they hold ended (PostgreSQL's backends; etcd's members restarted
+        one at a time), so a revoked router certificate keeps no connection either."""
+        if self.keeper is not None:
+            self.keeper.revoked_changed()
+        if not added:
+            return
+        if self.postgres is not None:
+            try:
+                ended = self.postgres.cut_revoked(self.creds.revoked if self.creds else frozenset())
+                log.warning("ended %d PostgreSQL session(s) of revoked certificates", ended)
+            except RuntimeError as exc:
+                log.error("could not end the PostgreSQL sessions of revoked certificates: %s", exc)
+        ident = Identity.parse(self.cfg.routers[0].uri) if self.cfg.routers else None
+        if self.etcd is not None and self.creds is not None and ident is not None:
+            try:
+                self.etcd.cut_connections(Dialer(self.creds.material(ident)))
+                log.warning("etcd's members restarted one at a time: connections of revoked certificates ended")
+            except RuntimeError as exc:
+                log.error("could not end etcd's connections of revoked certificates: %s", exc)
 
     def _start_router(self, deadline: float, entry: RouterEntrySection | None = None) -> None:
         """Starts the router (``entry``: router ``entry.name`` of ``routers:``) and waits for its READY line."""

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrelay.launch.credentials import ClusterCredentials
+from kvrelay.launch.credentials import CRL_FILE, ClusterCredentials
 from kvrelay.launch.renewal import CertKeeper
 from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.pki import CertRole, Identity
@@ -128,7 +128,8 @@ class PostgresCluster:
                  "fsync = on", "synchronous_commit = on", "log_min_messages = warning"]
         if self.creds is not None:
             lines += ["ssl = on", f"ssl_cert_file = '{s.folder / 'cert.pem'}'",
-                      f"ssl_key_file = '{s.folder / 'key.pem'}'", f"ssl_ca_file = '{s.folder / 'ca.pem'}'"]
+                      f"ssl_key_file = '{s.folder / 'key.pem'}'", f"ssl_ca_file = '{s.folder / 'ca.pem'}'",
+                      f"ssl_crl_file = '{s.folder / CRL_FILE}'"]  # read again at each reload
         return "\n".join(lines) + "\n"
 
     def _hba(self) -> str:
@@ -184,6 +185,20 @@ class PostgresCluster:
             self._run([pg_bin("pg_ctl"), "-D", str(s.data), "reload"], 30)
         except RuntimeError as exc:
             raise OSError(f"PostgreSQL server {s.name} did not reload its certificate: {exc}") from None
+
+    def cut_revoked(self, serials: frozenset[int]) -> int:
+        """Ends every session, on every server, of a client whose certificate serial is in ``serials``
+        (revoked since it connected: the revocation list refuses it only at the next handshake); how many."""
+        if not serials:
+            return 0
+        listed = ",".join(str(s) for s in sorted(serials))
+        ended = 0
+        for s in self.servers:
+            if (s.data / "postmaster.pid").exists():
+                out = self._sql(s, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_ssl "
+                                   f"WHERE client_serial IN ({listed})")
+                ended += int(out.strip() or 0)
+        return ended
 
     def _sql(self, s: PgServer, sql: str) -> str:
         """``sql`` run by the server's superuser over its Unix socket."""

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrelay.launch.credentials import ClusterCredentials, pem_env
-from kvrelay.runtime.files import private_folder
+from kvrelay.launch.credentials import CRL_FILE, ClusterCredentials, pem_env
+from kvrelay.runtime.files import private_folder, write_private
 from kvrelay.runtime.kvsecret import TLS_DIR_ENV
 from kvrelay.runtime.pki import Identity, PKIError, cert_info, load_cert
 from kvrelay.runtime.renewal import TLS_DIR_FILES, write_material
@@ -47,6 +47,8 @@ class Kept:
     """How a renewed certificate reaches a process on another node (its Ray actor writes it there)."""
     after: Callable[[], None] | None = None
     """What makes the process read its files again, for one that does not follow them (PostgreSQL's reload)."""
+    crl: bool = False
+    """The folder holds the revocation list too (crl.pem: a server kvrelay does not write, etcd, PostgreSQL)."""
     due: float = 0.0
     """When (time.time()) the next certificate is issued."""
     serial: int = 0
@@ -80,7 +82,7 @@ class CertKeeper:
         """A new certificate for a program that reads files (etcd, PostgreSQL) in ``folder``
         (``cert.pem``, ``key.pem``, ``ca.pem``), renewed there; ``after``: run after each renewal
         (a program that reads them only when told)."""
-        kept = Kept(ident, hosts, folder, owner, after=after)
+        kept = Kept(ident, hosts, folder, owner, after=after, crl=True)
         self._write(kept)
         with self._lock:
             self.kept[name] = kept
@@ -127,11 +129,36 @@ class CertKeeper:
             return
         private_folder(kept.folder)
         write_material(kept.folder, pems.ca_pem, pems.cert_pem, pems.key_pem)
+        if kept.crl:
+            self._write_crl(kept)
         if kept.owner is not None:
             for path in (kept.folder, *(kept.folder / n for n in TLS_DIR_FILES)):
                 os.chown(path, *kept.owner)
         if kept.after is not None and first:  # a renewal, not the first certificate
             kept.after()
+
+    def _write_crl(self, kept: Kept) -> None:
+        assert kept.folder is not None  # only folders of programs that read files hold one
+        path = kept.folder / CRL_FILE
+        write_private(path, self.creds.crl())
+        if kept.owner is not None:
+            os.chown(path, *kept.owner)
+
+    def revoked_changed(self) -> list[str]:
+        """The revocation list again in every server's folder (the launcher's revoked serials changed),
+        each server told to read it (``after``); the names of those that could not be (logged)."""
+        failed = []
+        with self._lock:
+            servers = [(n, k) for n, k in self.kept.items() if k.crl]
+        for name, kept in servers:
+            try:
+                self._write_crl(kept)
+                if kept.after is not None:
+                    kept.after()
+            except (PKIError, OSError) as exc:
+                log.error("could not hand %s the new revocation list: %s", name, exc)
+                failed.append(name)
+        return failed
 
     def renew_due(self, now: float | None = None) -> list[str]:
         """Renews every certificate that is due (all of them after the CA changed); their names."""

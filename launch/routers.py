@@ -81,7 +81,14 @@ def start_etcd(cfg: ClusterConfig, creds: ClusterCredentials | None, folder: Pat
     etcd = EtcdCluster(cfg.etcd.members, folder, creds, site, host, keeper)
     ident = Identity.parse(cfg.routers[0].uri)
     dialer = Dialer(creds.material(ident)) if creds is not None and ident is not None else Dialer()
-    cfg.etcd.endpoints = etcd.start(dialer, timeout_s)
+    endpoints = etcd.start(dialer, timeout_s)
+    if creds is not None:  # only the routers' certificates may use it (issue 56, finding 2)
+        try:
+            etcd.secure(dialer, cfg.etcd.prefix, [i for r in cfg.routers if (i := Identity.parse(r.uri)) is not None])
+        except BaseException:
+            etcd.stop()
+            raise
+    cfg.etcd.endpoints = endpoints
     return etcd
 
 

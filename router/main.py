@@ -32,6 +32,7 @@ from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.router.cluster.membership import EtcdMembership, Membership, SoloMembership
 from kvrelay.router.cluster.pools import PoolManager
 from kvrelay.router.cluster.registry import RETIRED_GRACE_S, WorkerRegistry
+from kvrelay.router.cluster.shared_values import SharedNames
 from kvrelay.router.cluster.usage import UsageLedger, UsageNames
 from kvrelay.router.core.admission import FairQueue
 from kvrelay.router.core.auth import CallerAuth, TenantSalts
@@ -438,8 +439,15 @@ def membership(cfg: ClusterConfig, tls: TLSMaterial | None, registry: WorkerRegi
     etcd is configured), else not at all."""
     if len(cfg.routers) > 1 or (cfg.routers and cfg.etcd.endpoints):
         client = EtcdClient(cfg.etcd.endpoints, Dialer(tls), cfg.etcd.timeout_s)
-        return EtcdMembership(cfg.etcd, client, registry, pools)
+        return EtcdMembership(cfg.etcd, client, registry, pools, SharedNames.of(cfg))
     return SoloMembership()
+
+
+def _audit_refused_value(core: RouterCore, router: str, key: str, revision: int, why: str) -> None:
+    """A value of the routers' shared store this router did not apply, in its audit log."""
+    if core.audit is not None:
+        core.audit.append(RecordKind.SHARED_VALUE, {"router": router, "key": key, "revision": revision,
+                                                    "outcome": "not applied", "error": why[:400]})
 
 
 def announced(cfg: ClusterConfig, name: str | None, public: str, internal: str, http: str) -> ipb.RouterPeer:
@@ -454,6 +462,8 @@ async def join(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, core: Route
     """Announces this router (listening now) to the others; SystemExit naming etcd when it cannot."""
     site = next((s for s in cfg.sites if s.name == me.site), None)
     me.jurisdiction = site.jurisdiction if site is not None else ""
+    if isinstance(core.membership, EtcdMembership):  # each value etcd holds that is not applied, audited
+        core.membership.on_refused = functools.partial(_audit_refused_value, core, me.name)
     try:
         await core.membership.start(me)
     except EtcdError as exc:
@@ -463,7 +473,7 @@ async def join(stack: contextlib.AsyncExitStack, cfg: ClusterConfig, core: Route
     m = core.membership
     if isinstance(m, EtcdMembership):  # tenants' quotas hold across the routers (router/core/shared_quotas.py)
         exchange = QuotaExchange(m.client, cfg.etcd.prefix, me.name, core.quotas, core.tenants, lambda: m.lease,
-                                 core.queue)
+                                 core.queue, frozenset(r.name for r in cfg.routers))
         m.on_quotas = exchange.take  # the membership's watch brings the others' figures
         task = asyncio.create_task(exchange.run(), name="quota-exchange")
         stack.push_async_callback(_cancelled, task)

@@ -83,6 +83,7 @@ class _Endpoint:
         self.lease = egrpc.LeaseStub(self.channel)
         self.watch = egrpc.WatchStub(self.channel)
         self.maintenance = egrpc.MaintenanceStub(self.channel)
+        self.auth = egrpc.AuthStub(self.channel)
 
 
 async def _read_into(call, answers: asyncio.Queue) -> None:
@@ -169,6 +170,13 @@ class EtcdClient:
                 return ep.address, _why(exc)
             return ep.address, "ok" if st.leader else "no leader"
         return list(await asyncio.gather(*(one(ep) for ep in self._endpoints)))
+
+    async def auth(self, method: str, request, token: str = ""):
+        """One call of etcd's Auth service (``method``: ``RoleAdd``, ``UserAdd``, ``AuthEnable``, ...),
+        as our certificate's user, or ``token``'s (from ``Authenticate``); its answer."""
+        metadata = (("token", token),) if token else None
+        return await self._call(lambda ep: getattr(ep.auth, method)(request, timeout=self.timeout_s,
+                                                                   metadata=metadata))
 
     async def get_prefix(self, prefix: str) -> tuple[list[Entry], int]:
         """Every key under ``prefix`` (a quorum read) and the store's revision then."""

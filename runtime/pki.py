@@ -19,6 +19,7 @@ import datetime as dt
 import ipaddress
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -160,6 +161,18 @@ def _now() -> dt.datetime:
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
+
+
+def crl_pem(ca: CA, serials: Iterable[int], days: float) -> bytes:
+    """A certificate revocation list of ``ca`` naming ``serials`` (PEM), valid ``days``: what
+    servers kvrelay does not write itself (etcd, PostgreSQL) refuse certificates by."""
+    now = _now()
+    builder = (x509.CertificateRevocationListBuilder().issuer_name(ca.cert.subject)
+               .last_update(now - dt.timedelta(minutes=5)).next_update(now + dt.timedelta(days=days)))
+    for serial in sorted(serials):
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build())
+    return builder.sign(ca.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
 
 
 def new_ca(common_name: str = "kvrelay cluster CA", days: float = CA_DAYS) -> CA:

@@ -15,7 +15,10 @@ One router (the default): :class:`SoloMembership`, nothing shared. Several
   on them, and a worker leaves once every router it heartbeats says its
   requests there are done.
 
-Every router watches both prefixes and applies them to its own registry: a
+Every value read is checked first (router/cluster/shared_values.py): one that
+fails is skipped, with an audit record (``on_refused``) naming its key and why, and
+the watch goes on past it; only the routers may write these keys (etcd's roles,
+launch/etcd_auth.py). Every router watches both prefixes and applies them to its own registry: a
 worker learned from etcd is dialled but counts as healthy only once its own
 heartbeat arrives here (each worker heartbeats every live router, which it
 learns from the routers' answers). Placement reads the registry only, never
@@ -33,8 +36,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from kvrelay.router.cluster import shared_values
 from kvrelay.router.cluster.pools import PoolManager
 from kvrelay.router.cluster.registry import WorkerRegistry
+from kvrelay.router.cluster.shared_values import SharedNames
 from kvrelay.runtime.config import EtcdSection
 from kvrelay.runtime.etcd import Change, EtcdClient, EtcdError
 from kvrelay.runtime.roles import Role
@@ -127,8 +132,12 @@ class EtcdMembership:
     """Routers and workers shared through etcd (module docstring)."""
 
     def __init__(self, section: EtcdSection, client: EtcdClient, registry: WorkerRegistry,
-                 pools: PoolManager) -> None:
+                 pools: PoolManager, names: SharedNames) -> None:
+        """``names``: the routers and sites the config lists, which the values read must name."""
         self.section, self.client, self.registry, self.pools = section, client, registry, pools
+        self.names = names
+        self.on_refused: Callable[[str, int, str], None] | None = None
+        """Told of each value not applied: (key, revision, why) (the router audits it)."""
         self.drains: set[str] = set()
         """Workers some router drains (applied to each as this router learns it)."""
         self.on_quotas: Callable[[str, bytes | None], None] | None = None
@@ -180,17 +189,25 @@ class EtcdMembership:
         self.drains = set()
         for e in entries:
             kind, _, name = e.key[len(self.section.prefix):].partition("/")
-            if kind == "routers":
-                routers[name] = ipb.RouterPeer.FromString(e.value)
-            elif kind == "workers":
-                workers[name] = wpb.WorkerInfo.FromString(e.value)
-            else:
-                self._apply_other(kind, name, e.value)
+            try:
+                if kind == "routers":
+                    routers[name] = shared_values.router_peer(self.names, name, e.value)
+                elif kind == "workers":
+                    workers[name] = shared_values.worker_info(self.names, name, e.value)
+                else:
+                    self._apply_other(kind, name, e.value)
+            except shared_values.BadValue as exc:
+                self._refused(e.key, e.mod_revision, str(exc))
         self.routers = routers
         for worker_id in [w for w in self.registry.workers if w not in workers]:
             await self.registry.deregister(worker_id)
         for info in workers.values():
             await self._learn(info)
+
+    def _refused(self, key: str, revision: int, why: str) -> None:
+        log.warning("not applying etcd's %s (revision %d): %s", key[:200], revision, why)
+        if self.on_refused is not None:
+            self.on_refused(key[:200], revision, why)
 
     async def _learn(self, info: wpb.WorkerInfo) -> None:
         await self.registry.learn(info)
@@ -198,8 +215,8 @@ class EtcdMembership:
             self.pools.start_drain(self.registry.workers[info.worker_id])
 
     def _apply_other(self, kind: str, name: str, value: bytes | None) -> None:
-        """A pool's desired size or a drain another router decided (ignored if it names nothing known), or
-        a router's quota figures (to ``on_quotas``)."""
+        """A pool's desired size or a drain another router decided (a pool the config lacks is refused),
+        or a router's quota figures (to ``on_quotas``, which checks them). BadValue: not applied."""
         if kind == "quotas":
             if self.on_quotas is not None:
                 self.on_quotas(name, value)
@@ -207,33 +224,40 @@ class EtcdMembership:
             if value is None:
                 self.drains.discard(name)
                 return
-            self.drains.add(name)
+            self.drains.add(shared_values.drain(name, value))
             rec = self.registry.workers.get(name)
             if rec is not None:
                 self.pools.start_drain(rec)
-        elif kind == "pools" and value is not None:
-            site, _, role = name.partition("/")
-            key = (site, Role(role)) if role in tuple(Role) else None
-            if key in self.pools.desired and value.isdigit():
-                self.pools.desired[key] = int(value)
+        elif kind == "pools":
+            if value is not None:
+                key, size = shared_values.pool_size(self.names, name, value)
+                if key in self.pools.desired:
+                    self.pools.desired[key] = size
+        else:
+            raise shared_values.BadValue(f"{kind[:40]!r} is not a kind of key the routers keep")
 
     async def _apply(self, ch: Change) -> None:
+        """One change, checked and applied; a value that fails its check is skipped (and audited)."""
         kind, _, name = ch.key[len(self.section.prefix):].partition("/")
-        if kind == "routers":
-            if ch.value is None:
-                if self.routers.pop(name, None) is not None:
-                    log.warning("router %s left the deployment (its etcd lease ended)", name)
+        try:
+            if kind == "routers":
+                if ch.value is None:
+                    if self.routers.pop(name, None) is not None:
+                        log.warning("router %s left the deployment (its etcd lease ended)", name)
+                else:
+                    self.routers[name] = shared_values.router_peer(self.names, name, ch.value)
+            elif kind == "workers":
+                if ch.value is None:
+                    if await self.registry.deregister(name):
+                        log.info("worker %s left (etcd)", name)
+                else:
+                    await self._learn(shared_values.worker_info(self.names, name, ch.value))
             else:
-                self.routers[name] = ipb.RouterPeer.FromString(ch.value)
-        elif kind == "workers":
-            if ch.value is None:
-                if await self.registry.deregister(name):
-                    log.info("worker %s left (etcd)", name)
-            else:
-                await self._learn(wpb.WorkerInfo.FromString(ch.value))
-        else:
-            self._apply_other(kind, name, ch.value)
-        self.revision = max(self.revision, ch.revision)
+                self._apply_other(kind, name, ch.value)
+        except shared_values.BadValue as exc:
+            self._refused(ch.key, ch.revision, str(exc))
+        finally:  # applied or skipped, never read again: the watch goes on past it
+            self.revision = max(self.revision, ch.revision)
 
     async def _watch(self) -> None:
         """Applies every change as it happens; a broken watch moves to the next member at once

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -148,6 +148,22 @@ def worker_identity(info: wpb.WorkerInfo) -> Identity | None:
     if site != info.site or ident.role.value != Role.of(info.role).value:
         return None
     return ident
+
+
+def worker_problem(info: wpb.WorkerInfo, sites: Iterable[str]) -> str | None:
+    """Why ``info`` may not be registered (None: it may): Register's checks, which the routers apply
+    to a worker learned from etcd too (router/cluster/shared_values.py). Its site and role must be those
+    its worker id spells, the certificate identity every channel to it is pinned to."""
+    if info.site not in sites:
+        return f"unknown site {info.site[:80]!r}"
+    try:
+        role = Role.of(info.role)
+    except ValueError:
+        return "role must be prefill or decode"
+    if worker_identity(info) is None:
+        return (f"worker id {info.worker_id[:200]!r} must be <site>/<role>/<name> with site {info.site!r} and "
+                f"role {role}")
+    return None
 
 
 LoadSink = Callable[[str, str, Role, wpb.WorkerLoad], None]

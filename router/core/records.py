@@ -23,6 +23,8 @@ class RecordKind(StrEnum):
     """A call refused before it had a tenant (missing or wrong credentials), rate-limited."""
     READ = "read"
     """A tenant read its own usage or data-handling statement (Admin.Usage, Admin.Governance)."""
+    SHARED_VALUE = "shared_value"
+    """A value in the routers' shared store (etcd) not applied: its key, revision and why."""
 
 
 class Auditor(Protocol):

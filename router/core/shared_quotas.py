@@ -32,6 +32,7 @@ import json
 import logging
 from collections.abc import Callable
 
+from kvrelay.router.cluster.shared_values import BadValue
 from kvrelay.router.core.admission import FairQueue
 from kvrelay.router.core.quotas import Quotas
 from kvrelay.router.core.tenancy import TenantPolicies
@@ -43,13 +44,38 @@ EXCHANGE_S = 1.0
 """How often a router writes its figures and reads the others'."""
 
 
+MAX_FIGURE = 1 << 53
+MAX_FIGURES_BYTES = 1 << 20
+
+
+def parse_figures(value: bytes) -> dict[str, list[int]]:
+    """One router's figures, checked (BadValue naming what is wrong)."""
+    if len(value) > MAX_FIGURES_BYTES:
+        raise BadValue(f"{len(value)} bytes of quota figures, over {MAX_FIGURES_BYTES}")
+    try:
+        figures = json.loads(value)
+    except ValueError:
+        raise BadValue("not JSON: not a router's quota figures") from None
+    if not isinstance(figures, dict):
+        raise BadValue("not a JSON object of tenant -> figures")
+    for tenant, fig in figures.items():
+        if not (isinstance(fig, list) and len(fig) in (3, 4)
+                and all(type(x) is int and 0 <= x <= MAX_FIGURE for x in fig)):
+            raise BadValue(f"tenant {tenant[:80]!r}: figures must be [requests, tokens, running, admitted], counts "
+                           f"in 0..{MAX_FIGURE}")
+    return figures
+
+
 class QuotaExchange:
     """One router's side of the exchange (module docstring)."""
 
     def __init__(self, client: EtcdClient, prefix: str, me: str, quotas: Quotas, tenants: TenantPolicies,
-                 lease: Callable[[], int], queue: FairQueue | None = None) -> None:
+                 lease: Callable[[], int], queue: FairQueue | None = None,
+                 routers: frozenset[str] | None = None) -> None:
         """``lease``: this router's current etcd lease (its key goes when the router does); ``queue``: the fair
-        queue the others' service is charged to."""
+        queue the others' service is charged to; ``routers``: the configured routers, whose figures alone
+        are taken (None: any name)."""
+        self.routers = routers
         self.client, self.key, self.prefix = client, f"{prefix}quotas/{me}", f"{prefix}quotas/"
         self.quotas, self.tenants, self.lease, self.queue = quotas, tenants, lease, queue
         self.seen: dict[str, dict[str, tuple[int, int, int]]] = {}
@@ -71,7 +97,7 @@ class QuotaExchange:
             first = router not in self.seen  # a router seen for the first time: its past is not charged
             seen = self.seen.setdefault(router, {})
             for tenant, fig in figures.items():
-                if not self.tenants.known(tenant) or not isinstance(fig, list) or len(fig) < 3:
+                if not self.tenants.known(tenant):
                     continue
                 requests, tokens, now_running, admitted = (*fig[:3], fig[3] if len(fig) > 3 else 0)
                 before = seen.get(tenant, (0, 0, 0))
@@ -95,20 +121,16 @@ class QuotaExchange:
 
     def take(self, router: str, value: bytes | None) -> None:
         """A router's figures as etcd changed them (None: its key went with its lease); this router's own
-        are ignored."""
+        are ignored. BadValue (nothing taken) unless ``router`` is a configured router's and the value
+        its figures: tenant -> [requests, tokens, running(, admitted)], counts in 0..2**53."""
         if self.prefix + router == self.key:
             return
         if value is None:
             self.latest.pop(router, None)
             return
-        try:
-            figures = json.loads(value)
-        except ValueError:
-            figures = None
-        if not isinstance(figures, dict):
-            log.warning("ignoring %s%s: not a router's quota figures", self.prefix, router)
-            return
-        self.latest[router] = figures
+        if self.routers is not None and router not in self.routers:
+            raise BadValue(f"router {router[:80]!r} is not one of the config's routers")
+        self.latest[router] = parse_figures(value)
 
     async def exchange(self) -> None:
         """One round: apply the others' latest figures, write this router's."""

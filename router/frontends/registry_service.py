@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from kvrelay.router.cluster.registry import worker_identity
+from kvrelay.router.cluster.registry import worker_problem
 from kvrelay.router.core.errors import ErrorKind, RouterError
 from kvrelay.router.core.pipeline import RouterCore
 from kvrelay.router.core.records import Auditor, RecordKind
@@ -60,15 +60,10 @@ class RegistryService(wgrpc.RegistryServicer):
                               f"{what} for {worker_id!r} refused: the caller's certificate is for {cert.path!r}")
 
     def _check_register(self, info: wpb.WorkerInfo, context) -> Role:
-        if info.site not in self.topology.jurisdiction:
-            raise RouterError(ErrorKind.INVALID, f"unknown site {info.site!r}")
-        try:
-            role = Role.of(info.role)
-        except ValueError:
-            raise RouterError(ErrorKind.INVALID, "role must be prefill or decode") from None
-        if worker_identity(info) is None:
-            raise RouterError(ErrorKind.INVALID, f"worker id {info.worker_id!r} must be <site>/<role>/<name> "
-                                                 f"with site {info.site!r} and role {role}")
+        problem = worker_problem(info, self.topology.jurisdiction)
+        if problem is not None:
+            raise RouterError(ErrorKind.INVALID, problem)
+        role = Role.of(info.role)
         self._own(context, info.worker_id, "Register")
         holder = self.registry.holder(info.worker_id)
         if holder is not None and holder.info.address != info.address:

@@ -524,8 +524,43 @@ def access(d: Deployment, t: TenantSection, r: Reach) -> dict:
         text += f" Its KV is readable on the wire of {_names(readable)} (protection: integrity)."
     if nixl:
         text += f" Over {_names(nixl)} (NIXL), any authenticated decode worker can read the senders' whole KV memory."
+    shared = _shared_stores(cfg)
+    if shared is not None:
+        facts["shared_stores"], words = shared
+        text += " " + words
     text += f" Vendor staff and host administrators: {NOT_RECORDED}."
     return _answer(Question.ACCESS, text, facts)
+
+
+def _shared_stores(cfg: ClusterConfig) -> tuple[dict, str] | None:
+    """With several routers, what their etcd and PostgreSQL hold and whom they admit (None with one)."""
+    if len(cfg.routers) < 2:
+        return None
+    ours_etcd, ours_pg = not cfg.etcd.endpoints, not cfg.postgres.endpoints
+    started = "started by kvrelay serve at " + cfg.routers[0].site
+    facts = {"etcd": {"holds": "membership, workers, pool sizes, drains, quota figures; no prompt",
+                      "servers": started if ours_etcd else list(cfg.etcd.endpoints),
+                      "admits": "the routers' certificates only (a user per router, a role on etcd.prefix)" if ours_etcd
+                      else NOT_RECORDED + " (your etcd: kvrelay pki etcd-users prints the users and roles to make)",
+                      "revoked_certificates": "refused (its revocation list, read at each handshake; open "
+                                              "connections ended)" if ours_etcd else NOT_RECORDED},
+             "postgres": {"holds": "every tenant's batch jobs: prompts and outputs",
+                          "servers": started if ours_pg else list(cfg.postgres.endpoints),
+                          "admits": "the routers' certificates, as one database role: any router may read every "
+                                    "tenant's jobs there (each takes and serves only those of the tenants whose "
+                                    "prompts may enter at its site)",
+                          "revoked_certificates": "refused (its revocation list, reloaded; sessions of a serial newly "
+                                                  "revoked ended)" if ours_pg else NOT_RECORDED}}
+    e, pg = facts["etcd"], facts["postgres"]
+    words = (f"The routers share state in etcd ({_servers_text(e['servers'])}: {e['holds']}), which admits "
+             f"{e['admits']}; revoked certificates there: {e['revoked_certificates']}. Batch jobs are in PostgreSQL "
+             f"({_servers_text(pg['servers'])}), which holds {pg['holds']} and admits {pg['admits']}; revoked "
+             f"certificates there: {pg['revoked_certificates']}; its administrators: {NOT_RECORDED}.")
+    return facts, words
+
+
+def _servers_text(servers: str | list[str]) -> str:
+    return servers if isinstance(servers, str) else "your servers at " + ", ".join(servers)
 
 
 def _policy(d: Deployment, t: TenantSection) -> dict:

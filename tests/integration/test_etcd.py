@@ -22,7 +22,7 @@ from kvrelay.launch.renewal import CertKeeper
 from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.config import TLSSection
 from kvrelay.runtime.etcd import EtcdClient, EtcdError, prefix_end
-from kvrelay.runtime.pki import CertRole, Identity
+from kvrelay.runtime.pki import CertRole, Identity, cert_info, load_cert
 from kvrelay.runtime.rpc import Dialer
 from tests.integration.helpers import wait_until
 
@@ -216,3 +216,50 @@ def test_members_present_their_renewed_certificates_without_a_restart(etcd):
         finally:
             await client.close()
     run(scenario())
+
+
+def test_a_revoked_certificate_is_refused_by_etcd_and_loses_its_open_connection(etcd):
+    """Issue 56, finding 3: etcd had no revocation list, so a revoked router certificate kept reaching
+    it. Now every member reads the launcher's crl.pem at each handshake: once a serial is revoked (the
+    keeper rewrites the list), a new connection with it is refused, and the members restarted one at
+    a time (the launcher does so for serials newly revoked) end the one it had open; another router's
+    certificate goes on."""
+    cluster, dialer, _, keeper = etcd
+    creds = keeper.creds
+    stolen = creds.material(Identity("montreal", CertRole.ROUTER, "stolen"))
+    assert stolen.cert_pem is not None
+    serial = cert_info(load_cert(stolen.cert_pem, "stolen")).serial
+
+    async def scenario() -> tuple[str, str, str]:
+        held = EtcdClient(cluster.endpoints, Dialer(stolen), timeout_s=3.0)
+        others = EtcdClient(cluster.endpoints, dialer, timeout_s=5.0)
+        try:
+            await held.put("/revoked/before", b"1")  # connected, and allowed, before the revocation
+            creds.revoked = frozenset({serial})
+            assert keeper.revoked_changed() == []
+            fresh = EtcdClient(cluster.endpoints, Dialer(stolen), timeout_s=3.0)
+            try:
+                await fresh.put("/revoked/fresh", b"1")
+                refused_new = "written"
+            except EtcdError as exc:
+                refused_new = str(exc)
+            finally:
+                await fresh.close()
+            await asyncio.to_thread(cluster.cut_connections, dialer)
+            try:
+                await held.put("/revoked/after", b"1")
+                refused_held = "written"
+            except EtcdError as exc:
+                refused_held = str(exc)
+            await others.put("/revoked/other", b"1")
+            return refused_new, refused_held, (await others.get("/revoked/other")).value.decode()
+        finally:
+            creds.revoked = frozenset()
+            keeper.revoked_changed()
+            await held.close()
+            await others.close()
+
+    refused_new, refused_held, other = run(scenario())
+    assert "UNAVAILABLE" in refused_new or "TLS refused" in refused_new, refused_new
+    assert refused_held != "written", "the revoked certificate's open connection went on"
+    assert other == "1"

@@ -30,6 +30,7 @@ from kvrelay.launch.local import LocalCluster
 from kvrelay.launch.postgres import installed as postgres_installed
 from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.config import TLSSection, dump_config, parse_config
+from kvrelay.runtime.etcd import EtcdClient, EtcdError
 from kvrelay.runtime.pki import CertRole, Identity
 from kvrelay.runtime.rpc import Dialer
 from kvrelay.runtime.tokens import token_sha256
@@ -420,6 +421,93 @@ def test_a_stream_resumes_only_with_its_ticket_and_what_it_resumes_is_audited(ro
     rec = record()
     assert rec["resumed_tokens"] == len(ids) and rec["completion_tokens"] == 30 - len(ids)
     assert rec["resumed_output"] and rec["prompt"] == prompt
+
+
+def etcd_as(lc: LocalCluster, ident: Identity) -> EtcdClient:
+    """A client of the routers' etcd presenting a certificate of ``ident`` from the cluster CA."""
+    assert lc.creds is not None
+    return EtcdClient(lc.cfg.etcd.endpoints, Dialer(lc.creds.material(ident)), timeout_s=5.0)
+
+
+def test_only_the_routers_certificates_may_use_etcd(routers):
+    """Issue 56, finding 2 (a): a worker's, a tenant's and an operator's certificates, all from the
+    cluster CA, are refused every read and write of the routers' keys (before: any of them could drain
+    every worker or delete a live router's key); the routers go on as before."""
+    prefix = routers.cfg.etcd.prefix
+    attackers = [Identity("montreal", CertRole.DECODE, "0"), Identity("montreal", CertRole.CLIENT, "anywhere"),
+                 Identity("montreal", CertRole.OPERATOR, "noc")]
+
+    async def attempts(ident: Identity) -> dict[str, str]:
+        client, out = etcd_as(routers, ident), {}
+        calls = {"drain a worker": lambda: client.put(f"{prefix}drains/montreal/decode/0", b""),
+                 "hide a router": lambda: client.delete(f"{prefix}routers/qc"),
+                 "forge quotas": lambda: client.put(f"{prefix}quotas/ont", b'{"metered": [9999, 0, 0, 0]}'),
+                 "read the workers": lambda: client.get_prefix(f"{prefix}workers/")}
+        try:
+            for what, call in calls.items():
+                try:
+                    await call()
+                    out[what] = "done"
+                except EtcdError as exc:
+                    out[what] = str(exc)
+        finally:
+            await client.close()
+        return out
+
+    for ident in attackers:
+        out = asyncio.run(attempts(ident))
+        assert all("PERMISSION_DENIED" in why for why in out.values()), (ident, out)
+    assert live_routers(routers, "bc") == ["bc", "ont", "qc"]
+    assert generate(routers, "ont").placement.decode_worker == "montreal/decode/0"  # not drained
+
+
+def test_values_in_etcd_are_checked_and_the_watch_goes_on(routers):
+    """Issue 56, finding 2 (b-d), with a router's certificate (the only kind etcd admits): a value that
+    does not parse, a router the config lacks, a worker that puts itself in another site than its id's,
+    a drain of no worker, a pool of no site, malformed and forged quota figures. Each router skips every
+    one with an audit record and watches on: it still follows bc leaving and coming back, bc restarted
+    over them joins, and the quota exchange goes on. (Before: the first bad value stopped every
+    router's watch at its revision for ever, and a router started after it crashed.)"""
+    prefix = routers.cfg.etcd.prefix
+    evil = wpb.WorkerInfo(worker_id="toronto/decode/evil", site="montreal", role=wpb.ROLE_DECODE,
+                          address="127.0.0.1:1", kv_endpoint="127.0.0.1:2")
+    bad = {"workers/montreal/decode/9": b"\xff\xff\xff not a WorkerInfo",
+           "routers/ghost": ipb.RouterPeer(name="ghost", site="montreal", address="127.0.0.1:1",
+                                           internal_address="127.0.0.1:2").SerializeToString(),
+           "workers/toronto/decode/evil": evil.SerializeToString(),
+           "drains/nobody": b"",
+           "pools/atlantis/decode": b"5",
+           "quotas/bc": b'{"metered": ["a", "b", "c"]}',
+           "quotas/ghost": b'{"metered": [9999, 0, 0, 0]}'}
+
+    async def write(values: dict[str, bytes | None]) -> int:
+        client = etcd_as(routers, Identity("montreal", CertRole.ROUTER, "qc"))
+        try:
+            for key, value in values.items():
+                await (client.delete(prefix + key) if value is None else client.put(prefix + key, value))
+            return (await client.get(f"{prefix}quotas/qc")).mod_revision
+        finally:
+            await client.close()
+
+    try:
+        before = asyncio.run(write(bad))
+        routers.restart_router(name="bc")  # it reads every bad value at start
+        assert wait_until(lambda: live_routers(routers, "qc") == ["bc", "ont", "qc"], 30)
+        assert wait_until(lambda: asyncio.run(write({})) > before, 10)  # qc's quota exchange writes on
+        for name in ("qc", "ont", "bc"):
+            def refused(name=name):
+                return {r["key"].removeprefix(prefix) for r in map(json.loads, audit_of(routers, name).splitlines())
+                        if r["kind"] == "shared_value"}
+            assert wait_until(lambda: set(bad) - {"quotas/bc"} <= refused(), 10), (name, refused())
+            assert "toronto/decode/evil" not in {w.info.worker_id for w in status(routers, name).workers}
+        records = [r for r in map(json.loads, audit_of(routers, "ont").splitlines()) if r["kind"] == "shared_value"]
+        why = {r["key"].removeprefix(prefix): r["error"] for r in records}
+        assert "must be <site>/<role>/<name> with site 'montreal'" in why["workers/toronto/decode/evil"]
+        assert "not one of the config's routers" in why["routers/ghost"]
+        assert "does not parse" in why["workers/montreal/decode/9"]
+        assert generate(routers, "ont").placement.decode_worker == "montreal/decode/0"
+    finally:
+        asyncio.run(write({k: None for k in bad if not k.startswith("quotas/bc")}))
 
 
 def test_http_refuses_before_the_body(routers):

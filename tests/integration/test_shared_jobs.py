@@ -44,13 +44,21 @@ def pg(tmp_path_factory):
 
 def store(pg, holder: str, role: CertRole = CertRole.ROUTER, endpoints: list[str] | None = None) -> SharedJobStore:
     """A router's store, connecting with a certificate of ``role`` named ``holder``."""
+    return store_and_serial(pg, holder, role, endpoints)[0]
+
+
+def store_and_serial(pg, holder: str, role: CertRole = CertRole.ROUTER,
+                     endpoints: list[str] | None = None) -> tuple[SharedJobStore, int]:
+    """:func:`store`, and the serial of the certificate it connects with."""
     cluster, creds, folder = pg
     mat = creds.material(Identity("montreal", role, holder))
+    assert mat.cert_pem is not None
+    serial = x509.load_pem_x509_certificate(mat.cert_pem).serial_number
     files = tuple(str(folder / f"{holder}-{role}.{k}") for k in ("ca", "crt", "key"))
     for path, pem in zip(files, (mat.ca_pem, mat.cert_pem, mat.key_pem), strict=True):
         write_private(Path(path), pem)
     eps = endpoints or cluster.endpoints
-    return SharedJobStore(conninfo(eps, "kvrelay", "kvrelay", files), holder, ", ".join(eps), timeout_s=3.0)
+    return SharedJobStore(conninfo(eps, "kvrelay", "kvrelay", files), holder, ", ".join(eps), timeout_s=3.0), serial
 
 
 def test_two_routers_never_take_the_same_request(pg):
@@ -175,3 +183,42 @@ def test_servers_present_their_renewed_certificates_after_a_reload_not_a_restart
     assert [(s.data / "postmaster.pid").read_text().split()[0] for s in cluster.servers] == pids
     job = store(pg, "renewed").submit("after", [b"r0"], "t1").id
     assert job
+
+
+def test_a_revoked_router_certificate_loses_the_jobs_database(pg):
+    """Issue 56, finding 3: PostgreSQL had no revocation list, so a revoked router certificate kept the
+    routers' database role (every prompt and result). Now each server has the launcher's crl.pem (re-read
+    on the reload the keeper asks for): once the serial is revoked, a new connection with it is refused,
+    and the session it had open is ended (the launcher ends those of serials newly revoked); another
+    router's certificate goes on."""
+    cluster, creds, _ = pg
+    keeper = cluster.keeper
+    assert keeper is not None
+    held, serial = store_and_serial(pg, "stolen")
+    other = store(pg, "honest")
+    job = held.submit("before", [b"r0"], "t-revoked").id  # its database role, before the revocation
+    try:
+        creds.revoked = frozenset({serial})
+        assert keeper.revoked_changed() == []
+        assert wait_until(lambda: _refused(pg, "stolen"), 10)  # the reload is asynchronous
+        assert cluster.cut_revoked(creds.revoked) >= 1
+        with pytest.raises(JobStoreUnavailable):
+            held.get(job)  # its open session was ended; connecting again is refused
+        assert other.get(job) is not None
+    finally:
+        creds.revoked = frozenset()
+        keeper.revoked_changed()
+    assert wait_until(lambda: not _refused(pg, "stolen"), 10)  # unrevoked: the same certificate is let in again
+
+
+def _refused(pg, holder: str) -> bool:
+    """A new connection with the certificate files :func:`store` last wrote for ``holder`` is refused."""
+    cluster, _, folder = pg
+    files = tuple(str(folder / f"{holder}-{CertRole.ROUTER}.{k}") for k in ("ca", "crt", "key"))
+    eps = cluster.endpoints
+    try:
+        s = SharedJobStore(conninfo(eps, "kvrelay", "kvrelay", files), holder, ", ".join(eps), timeout_s=3.0)
+    except JobStoreUnavailable:
+        return True
+    s.close()
+    return False

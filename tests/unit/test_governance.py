@@ -469,3 +469,23 @@ def test_the_retention_answer_says_what_the_signed_heads_prove_where_they_are_ke
     assert "into /mnt/collector/audit.heads" in apart and "beside the log" not in apart
     unsigned = _answer(_doc(), "uni-on", Question.RETENTION)["answer"]
     assert "The log's head is not signed (router.records.audit_signing_key is not set)" in unsigned
+
+
+def test_the_access_answer_says_whom_the_routers_etcd_and_postgresql_admit():
+    def routers(endpoints: bool):
+        def edit(raw):
+            raw["routers"] = [{"name": "qc", "site": "montreal"}, {"name": "ont", "site": "toronto"}]
+            if endpoints:
+                raw["etcd"] = {"endpoints": ["etcd.example:2379"]}
+                raw["postgres"] = {"endpoints": ["pg.example:5432"]}
+        return edit
+
+    ours = _answer(_doc(routers(False)), "uni-on", Question.ACCESS)
+    etcd, pg = ours["facts"]["shared_stores"]["etcd"], ours["facts"]["shared_stores"]["postgres"]
+    assert etcd["admits"].startswith("the routers' certificates only") and "refused" in etcd["revoked_certificates"]
+    assert pg["holds"] == "every tenant's batch jobs: prompts and outputs" and "refused" in pg["revoked_certificates"]
+    assert "The routers share state in etcd (started by kvrelay serve at montreal" in ours["answer"]
+    theirs = _answer(_doc(routers(True)), "uni-on", Question.ACCESS)["facts"]["shared_stores"]
+    assert theirs["etcd"]["servers"] == ["etcd.example:2379"] and NOT_RECORDED in theirs["etcd"]["admits"]
+    assert theirs["postgres"]["revoked_certificates"] == NOT_RECORDED
+    assert "shared_stores" not in _answer(_doc(), "uni-on", Question.ACCESS)["facts"]

@@ -354,3 +354,109 @@ class MemberListResponse(_message.Message):
     header: ResponseHeader
     members: _containers.RepeatedCompositeFieldContainer[Member]
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
+
+class Permission(_message.Message):
+    __slots__ = ("permType", "key", "range_end")
+    class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        READ: _ClassVar[Permission.Type]
+        WRITE: _ClassVar[Permission.Type]
+        READWRITE: _ClassVar[Permission.Type]
+    READ: Permission.Type
+    WRITE: Permission.Type
+    READWRITE: Permission.Type
+    PERMTYPE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    RANGE_END_FIELD_NUMBER: _ClassVar[int]
+    permType: Permission.Type
+    key: bytes
+    range_end: bytes
+    def __init__(self, permType: _Optional[_Union[Permission.Type, str]] = ..., key: _Optional[bytes] = ..., range_end: _Optional[bytes] = ...) -> None: ...
+
+class UserAddOptions(_message.Message):
+    __slots__ = ("no_password",)
+    NO_PASSWORD_FIELD_NUMBER: _ClassVar[int]
+    no_password: bool
+    def __init__(self, no_password: _Optional[bool] = ...) -> None: ...
+
+class AuthEnableRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AuthEnableResponse(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: ResponseHeader
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
+
+class AuthenticateRequest(_message.Message):
+    __slots__ = ("name", "password")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PASSWORD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    password: str
+    def __init__(self, name: _Optional[str] = ..., password: _Optional[str] = ...) -> None: ...
+
+class AuthenticateResponse(_message.Message):
+    __slots__ = ("header", "token")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    header: ResponseHeader
+    token: str
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., token: _Optional[str] = ...) -> None: ...
+
+class AuthUserAddRequest(_message.Message):
+    __slots__ = ("name", "password", "options")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PASSWORD_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    password: str
+    options: UserAddOptions
+    def __init__(self, name: _Optional[str] = ..., password: _Optional[str] = ..., options: _Optional[_Union[UserAddOptions, _Mapping]] = ...) -> None: ...
+
+class AuthUserAddResponse(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: ResponseHeader
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
+
+class AuthUserGrantRoleRequest(_message.Message):
+    __slots__ = ("user", "role")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    user: str
+    role: str
+    def __init__(self, user: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+
+class AuthUserGrantRoleResponse(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: ResponseHeader
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
+
+class AuthRoleAddRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class AuthRoleAddResponse(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: ResponseHeader
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...
+
+class AuthRoleGrantPermissionRequest(_message.Message):
+    __slots__ = ("name", "perm")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PERM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    perm: Permission
+    def __init__(self, name: _Optional[str] = ..., perm: _Optional[_Union[Permission, _Mapping]] = ...) -> None: ...
+
+class AuthRoleGrantPermissionResponse(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: ResponseHeader
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ...) -> None: ...

@@ -598,3 +598,290 @@ class Cluster:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AuthStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AuthEnable = channel.unary_unary(
+                '/etcdserverpb.Auth/AuthEnable',
+                request_serializer=kvrelay_dot_v1_dot_etcd__pb2.AuthEnableRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_etcd__pb2.AuthEnableResponse.FromString,
+                _registered_method=True)
+        self.Authenticate = channel.unary_unary(
+                '/etcdserverpb.Auth/Authenticate',
+                request_serializer=kvrelay_dot_v1_dot_etcd__pb2.AuthenticateRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_etcd__pb2.AuthenticateResponse.FromString,
+                _registered_method=True)
+        self.UserAdd = channel.unary_unary(
+                '/etcdserverpb.Auth/UserAdd',
+                request_serializer=kvrelay_dot_v1_dot_etcd__pb2.AuthUserAddRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_etcd__pb2.AuthUserAddResponse.FromString,
+                _registered_method=True)
+        self.UserGrantRole = channel.unary_unary(
+                '/etcdserverpb.Auth/UserGrantRole',
+                request_serializer=kvrelay_dot_v1_dot_etcd__pb2.AuthUserGrantRoleRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_etcd__pb2.AuthUserGrantRoleResponse.FromString,
+                _registered_method=True)
+        self.RoleAdd = channel.unary_unary(
+                '/etcdserverpb.Auth/RoleAdd',
+                request_serializer=kvrelay_dot_v1_dot_etcd__pb2.AuthRoleAddRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_etcd__pb2.AuthRoleAddResponse.FromString,
+                _registered_method=True)
+        self.RoleGrantPermission = channel.unary_unary(
+                '/etcdserverpb.Auth/RoleGrantPermission',
+                request_serializer=kvrelay_dot_v1_dot_etcd__pb2.AuthRoleGrantPermissionRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_etcd__pb2.AuthRoleGrantPermissionResponse.FromString,
+                _registered_method=True)
+
+
+class AuthServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def AuthEnable(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Authenticate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UserAdd(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UserGrantRole(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RoleAdd(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RoleGrantPermission(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AuthServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AuthEnable': grpc.unary_unary_rpc_method_handler(
+                    servicer.AuthEnable,
+                    request_deserializer=kvrelay_dot_v1_dot_etcd__pb2.AuthEnableRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_etcd__pb2.AuthEnableResponse.SerializeToString,
+            ),
+            'Authenticate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Authenticate,
+                    request_deserializer=kvrelay_dot_v1_dot_etcd__pb2.AuthenticateRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_etcd__pb2.AuthenticateResponse.SerializeToString,
+            ),
+            'UserAdd': grpc.unary_unary_rpc_method_handler(
+                    servicer.UserAdd,
+                    request_deserializer=kvrelay_dot_v1_dot_etcd__pb2.AuthUserAddRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_etcd__pb2.AuthUserAddResponse.SerializeToString,
+            ),
+            'UserGrantRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.UserGrantRole,
+                    request_deserializer=kvrelay_dot_v1_dot_etcd__pb2.AuthUserGrantRoleRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_etcd__pb2.AuthUserGrantRoleResponse.SerializeToString,
+            ),
+            'RoleAdd': grpc.unary_unary_rpc_method_handler(
+                    servicer.RoleAdd,
+                    request_deserializer=kvrelay_dot_v1_dot_etcd__pb2.AuthRoleAddRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_etcd__pb2.AuthRoleAddResponse.SerializeToString,
+            ),
+            'RoleGrantPermission': grpc.unary_unary_rpc_method_handler(
+                    servicer.RoleGrantPermission,
+                    request_deserializer=kvrelay_dot_v1_dot_etcd__pb2.AuthRoleGrantPermissionRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_etcd__pb2.AuthRoleGrantPermissionResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'etcdserverpb.Auth', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('etcdserverpb.Auth', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Auth:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def AuthEnable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/etcdserverpb.Auth/AuthEnable',
+            kvrelay_dot_v1_dot_etcd__pb2.AuthEnableRequest.SerializeToString,
+            kvrelay_dot_v1_dot_etcd__pb2.AuthEnableResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Authenticate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/etcdserverpb.Auth/Authenticate',
+            kvrelay_dot_v1_dot_etcd__pb2.AuthenticateRequest.SerializeToString,
+            kvrelay_dot_v1_dot_etcd__pb2.AuthenticateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UserAdd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/etcdserverpb.Auth/UserAdd',
+            kvrelay_dot_v1_dot_etcd__pb2.AuthUserAddRequest.SerializeToString,
+            kvrelay_dot_v1_dot_etcd__pb2.AuthUserAddResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UserGrantRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/etcdserverpb.Auth/UserGrantRole',
+            kvrelay_dot_v1_dot_etcd__pb2.AuthUserGrantRoleRequest.SerializeToString,
+            kvrelay_dot_v1_dot_etcd__pb2.AuthUserGrantRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RoleAdd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/etcdserverpb.Auth/RoleAdd',
+            kvrelay_dot_v1_dot_etcd__pb2.AuthRoleAddRequest.SerializeToString,
+            kvrelay_dot_v1_dot_etcd__pb2.AuthRoleAddResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RoleGrantPermission(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/etcdserverpb.Auth/RoleGrantPermission',
+            kvrelay_dot_v1_dot_etcd__pb2.AuthRoleGrantPermissionRequest.SerializeToString,
+            kvrelay_dot_v1_dot_etcd__pb2.AuthRoleGrantPermissionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
