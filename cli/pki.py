@@ -29,6 +29,7 @@ from kvrelay.runtime.pki import (
     PKIError,
     cert_info,
     check_issued_by,
+    crl_pem,
     finish_rotation,
     init_ca_dir,
     issue,
@@ -41,6 +42,7 @@ from kvrelay.runtime.pki import (
     rotate_ca_dir,
     write_private,
 )
+from kvrelay.runtime.tls import parse_serials
 
 
 def _error(message: str) -> int:
@@ -77,8 +79,8 @@ def _issuing_ca(args: argparse.Namespace) -> CA:
             raise PKIError("give either --ca-dir or --ca and --ca-key, not both")
         return load_ca(args.ca_dir / CA_CERT, args.ca_dir / CA_KEY)
     if args.ca is None or args.ca_key is None:
-        raise PKIError("kvrelay pki issue needs the CA that signs: --ca-dir DIR (made by kvrelay pki init), "
-                       "or --ca FILE and --ca-key FILE")
+        raise PKIError(f"kvrelay pki {args.pki_command} needs the CA that signs: --ca-dir DIR (made by kvrelay pki "
+                       "init), or --ca FILE and --ca-key FILE")
     return load_ca(args.ca, args.ca_key)
 
 
@@ -218,6 +220,20 @@ def cmd_pki_show(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_pki_crl(args: argparse.Namespace) -> int:
+    """Writes the CA's revocation list of the config's ``tls.revoked_serials`` (PEM) to ``args.out``."""
+    try:
+        ca = _issuing_ca(args)
+        serials = parse_serials(load_config(args.config).tls.revoked_serials)
+        write_private(args.out, crl_pem(ca, serials, args.days))
+    except PKIError as exc:
+        return _error(str(exc))
+    print(f"kvrelay: {args.out}: {len(serials)} revoked serial(s), valid {args.days:g} days; give it to your etcd "
+          "(--client-crl-file, --peer-crl-file: read at each handshake) and PostgreSQL (ssl_crl_file, then "
+          "pg_ctl reload), and make it again before then and whenever tls.revoked_serials changes")
+    return 0
+
+
 def cmd_pki_etcd_users(args: argparse.Namespace) -> int:
     """Prints the etcdctl commands that let only the config's routers use an etcd kvrelay does not start."""
     cfg = load_config(args.config)
@@ -231,7 +247,7 @@ def cmd_pki_etcd_users(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub) -> None:
-    """``kvrelay pki init | issue | rotate-ca | show | etcd-users``."""
+    """``kvrelay pki init | issue | rotate-ca | show | crl | etcd-users``."""
     pki = sub.add_parser("pki", help="the cluster CA and component certificates").add_subparsers(
         dest="pki_command", required=True)
     init = pki.add_parser("init", help="make the cluster CA in a folder (ca.pem, ca.key)")
@@ -270,6 +286,17 @@ def add_parsers(sub) -> None:
     show.add_argument("file", type=Path, help="certificate (PEM)")
     show.add_argument("--ca", type=Path, help="also check that this CA (bundle) issued it")
     show.set_defaults(func=cmd_pki_show)
+
+    crl = pki.add_parser("crl", help="the CA's revocation list of the config's tls.revoked_serials, for an etcd "
+                                     "or PostgreSQL kvrelay does not start")
+    crl.add_argument("--config", required=True, type=Path, help="the cluster config (its tls.revoked_serials)")
+    crl.add_argument("--out", required=True, type=Path, help="where to write the list (PEM)")
+    crl.add_argument("--ca-dir", type=Path, help="the CA folder made by kvrelay pki init")
+    crl.add_argument("--ca", type=Path, help="CA certificate (instead of --ca-dir)")
+    crl.add_argument("--ca-key", type=Path, help="CA key (instead of --ca-dir)")
+    crl.add_argument("--days", type=float, default=7.0, help="how long the list is valid (servers refuse every "
+                                                             "client once it expires; default: %(default)g)")
+    crl.set_defaults(func=cmd_pki_crl)
 
     eu = pki.add_parser("etcd-users", help="the etcdctl commands that admit only the config's routers to your "
                                            "etcd (each router's certificate CN a user of the routers' role)")

@@ -532,6 +532,9 @@ def access(d: Deployment, t: TenantSection, r: Reach) -> dict:
     return _answer(Question.ACCESS, text, facts)
 
 
+_YOUR_CRL = NOT_RECORDED + " (your server: kvrelay pki crl makes the revocation list to give it)"
+
+
 def _shared_stores(cfg: ClusterConfig) -> tuple[dict, str] | None:
     """With several routers, what their etcd and PostgreSQL hold and whom they admit (None with one)."""
     if len(cfg.routers) < 2:
@@ -543,14 +546,14 @@ def _shared_stores(cfg: ClusterConfig) -> tuple[dict, str] | None:
                       "admits": "the routers' certificates only (a user per router, a role on etcd.prefix)" if ours_etcd
                       else NOT_RECORDED + " (your etcd: kvrelay pki etcd-users prints the users and roles to make)",
                       "revoked_certificates": "refused (its revocation list, read at each handshake; open "
-                                              "connections ended)" if ours_etcd else NOT_RECORDED},
+                                              "connections ended)" if ours_etcd else _YOUR_CRL},
              "postgres": {"holds": "every tenant's batch jobs: prompts and outputs",
                           "servers": started if ours_pg else list(cfg.postgres.endpoints),
                           "admits": "the routers' certificates, as one database role: any router may read every "
                                     "tenant's jobs there (each takes and serves only those of the tenants whose "
                                     "prompts may enter at its site)",
                           "revoked_certificates": "refused (its revocation list, reloaded; sessions of a serial newly "
-                                                  "revoked ended)" if ours_pg else NOT_RECORDED}}
+                                                  "revoked ended)" if ours_pg else _YOUR_CRL}}
     e, pg = facts["etcd"], facts["postgres"]
     words = (f"The routers share state in etcd ({_servers_text(e['servers'])}: {e['holds']}), which admits "
              f"{e['admits']}; revoked certificates there: {e['revoked_certificates']}. Batch jobs are in PostgreSQL "
