@@ -22,16 +22,18 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
 
 from kvrelay.benchmarks.replay import ReplayConfig, replay
 from kvrelay.benchmarks.traces import SAMPLE_AZURE, build_prompts, load_trace
 from kvrelay.launch.credentials import ClusterCredentials
 from kvrelay.launch.local import LocalCluster
 from kvrelay.launch.postgres import installed as postgres_installed
+from kvrelay.router.core.shared_jobs import JobStoreUnavailable, SharedJobStore, conninfo
 from kvrelay.runtime.addresses import free_port
 from kvrelay.runtime.config import TLSSection, dump_config, parse_config
 from kvrelay.runtime.etcd import EtcdClient, EtcdError
-from kvrelay.runtime.pki import CertRole, Identity
+from kvrelay.runtime.pki import CertRole, Identity, write_private
 from kvrelay.runtime.rpc import Dialer
 from kvrelay.runtime.tokens import token_sha256
 from kvrelay.v1 import admin_pb2 as apb
@@ -508,6 +510,58 @@ def test_values_in_etcd_are_checked_and_the_watch_goes_on(routers):
         assert generate(routers, "ont").placement.decode_worker == "montreal/decode/0"
     finally:
         asyncio.run(write({k: None for k in bad if not k.startswith("quotas/bc")}))
+
+
+def test_revoking_a_router_certificate_ends_its_etcd_and_postgresql_connections(routers):
+    """The launcher's path for a serial newly revoked (issue 56, finding 3): the revocation list
+    rewritten in every server's folder, PostgreSQL's sessions of the serial ended, etcd's members
+    restarted one at a time. A stolen router certificate connected to both loses both; the three
+    routers serve on through the rolling restart."""
+    assert routers.creds is not None and routers.postgres is not None
+    stolen = routers.creds.material(Identity("montreal", CertRole.ROUTER, "qc"))
+    assert stolen.cert_pem is not None
+    serial = x509.load_pem_x509_certificate(stolen.cert_pem).serial_number
+    pg = routers.postgres
+    sessions = f"SELECT count(*) FROM pg_stat_ssl WHERE client_serial = {serial}"
+    folder = Path(routers._tmp.name) / "stolen"
+    folder.mkdir()
+    files = [folder / n for n in ("ca.pem", "cert.pem", "key.pem")]
+    for path, pem in zip(files, (stolen.ca_pem, stolen.cert_pem, stolen.key_pem), strict=True):
+        write_private(path, pem)
+    store = SharedJobStore(conninfo(routers.cfg.postgres.endpoints, routers.cfg.postgres.database,
+                                    routers.cfg.postgres.user, tuple(map(str, files))), "stolen", "pg", 5.0)
+
+    async def etcd_put(client: EtcdClient) -> str:
+        try:
+            await client.put(f"{routers.cfg.etcd.prefix}drains/montreal/decode/9", b"")
+            return "written"
+        except EtcdError as exc:
+            return str(exc)
+
+    async def scenario() -> tuple[str, str]:
+        client = EtcdClient(routers.cfg.etcd.endpoints, Dialer(stolen), timeout_s=5.0)
+        try:
+            before = await client.get_prefix(f"{routers.cfg.etcd.prefix}routers/")
+            assert len(before[0]) == 3
+            store.list()
+            assert pg.replayed(0, sessions) == "1"
+            routers.creds.revoked = routers.creds.revoked | {serial}
+            await asyncio.to_thread(routers._revoke_at_stores, frozenset({serial}))
+            return await etcd_put(client), pg.replayed(0, sessions)
+        finally:
+            await client.close()
+
+    try:
+        etcd_after, sessions_after = asyncio.run(scenario())
+        assert etcd_after != "written" and sessions_after == "0"
+        with pytest.raises(JobStoreUnavailable):
+            store.list()
+        assert wait_until(lambda: live_routers(routers, "bc") == ["bc", "ont", "qc"], 30)
+        assert generate(routers, "ont").placement.decode_worker == "montreal/decode/0"
+    finally:
+        store.close()
+        routers.creds.revoked = routers.creds.revoked - {serial}
+        asyncio.run(asyncio.to_thread(routers._revoke_at_stores, frozenset()))
 
 
 def test_http_refuses_before_the_body(routers):
