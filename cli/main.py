@@ -111,7 +111,7 @@ def _stream(dialer, address: str, req: ipb.GenerateRequest, timeout_s: float) ->
     return finish
 
 
-PARSER_MODULES = ("admin", "login", "pki", "jobs", "usage", "governance", "audit", "trace", "sim")
+PARSER_MODULES = ("admin", "login", "pki", "stores", "jobs", "usage", "governance", "audit", "trace", "sim")
 """The cli modules whose ``add_parsers(sub)`` add top-level commands, in the order `kvrelay --help` lists
 them (cli/cities.py adds its own and bench's)."""
 CLIENT_COMMANDS = {"status": "admin", "routers": "admin", "scale": "admin", "drain": "admin", "pools": "admin",

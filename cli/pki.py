@@ -15,8 +15,6 @@ import re
 import sys
 from pathlib import Path
 
-from kvrelay.launch.etcd_auth import router_commands
-from kvrelay.runtime.config import load_config
 from kvrelay.runtime.pki import (
     CA,
     CA_CERT,
@@ -29,7 +27,6 @@ from kvrelay.runtime.pki import (
     PKIError,
     cert_info,
     check_issued_by,
-    crl_pem,
     finish_rotation,
     init_ca_dir,
     issue,
@@ -42,7 +39,6 @@ from kvrelay.runtime.pki import (
     rotate_ca_dir,
     write_private,
 )
-from kvrelay.runtime.tls import parse_serials
 
 
 def _error(message: str) -> int:
@@ -72,14 +68,14 @@ def cmd_pki_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _issuing_ca(args: argparse.Namespace) -> CA:
+def issuing_ca(args: argparse.Namespace, command: str = "kvrelay pki issue") -> CA:
     """The CA ``--ca-dir`` or ``--ca``/``--ca-key`` names; PKIError when neither (or both) is given."""
     if args.ca_dir is not None:
         if args.ca is not None or args.ca_key is not None:
             raise PKIError("give either --ca-dir or --ca and --ca-key, not both")
         return load_ca(args.ca_dir / CA_CERT, args.ca_dir / CA_KEY)
     if args.ca is None or args.ca_key is None:
-        raise PKIError(f"kvrelay pki {args.pki_command} needs the CA that signs: --ca-dir DIR (made by kvrelay pki "
+        raise PKIError(f"{command} needs the CA that signs: --ca-dir DIR (made by kvrelay pki "
                        "init), or --ca FILE and --ca-key FILE")
     return load_ca(args.ca, args.ca_key)
 
@@ -112,7 +108,7 @@ def cmd_pki_issue(args: argparse.Namespace) -> int:
     """Issues a certificate and key for one component into ``args.out``; exit 2 for bad input."""
     try:
         identity = Identity(args.site, CertRole(args.role), args.name)
-        ca = _issuing_ca(args)
+        ca = issuing_ca(args)
         cert_pem, key_pem = issue(ca, identity, days=args.days, hosts=tuple(args.host or ()))
     except PKIError as exc:
         return _error(str(exc))
@@ -220,34 +216,8 @@ def cmd_pki_show(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def cmd_pki_crl(args: argparse.Namespace) -> int:
-    """Writes the CA's revocation list of the config's ``tls.revoked_serials`` (PEM) to ``args.out``."""
-    try:
-        ca = _issuing_ca(args)
-        serials = parse_serials(load_config(args.config).tls.revoked_serials)
-        write_private(args.out, crl_pem(ca, serials, args.days))
-    except PKIError as exc:
-        return _error(str(exc))
-    print(f"kvrelay: {args.out}: {len(serials)} revoked serial(s), valid {args.days:g} days; give it to your etcd "
-          "(--client-crl-file, --peer-crl-file: read at each handshake) and PostgreSQL (ssl_crl_file, then "
-          "pg_ctl reload), and make it again before then and whenever tls.revoked_serials changes")
-    return 0
-
-
-def cmd_pki_etcd_users(args: argparse.Namespace) -> int:
-    """Prints the etcdctl commands that let only the config's routers use an etcd kvrelay does not start."""
-    cfg = load_config(args.config)
-    routers = [i for r in cfg.routers if (i := Identity.parse(r.uri)) is not None]
-    if len(routers) < 2:
-        return _error(f"{args.config}: routers: lists {len(routers)} router(s); etcd serves two or more")
-    print(f"# etcd's users and roles for {len(routers)} routers under {cfg.etcd.prefix} (launch/etcd_auth.py): "
-          "run once, with etcdctl's --endpoints, --cacert, --cert and --key of an administrator")
-    print("\n".join(router_commands(cfg.etcd.prefix, routers)))
-    return 0
-
-
 def add_parsers(sub) -> None:
-    """``kvrelay pki init | issue | rotate-ca | show | crl | etcd-users``."""
+    """``kvrelay pki init | issue | rotate-ca | show``."""
     pki = sub.add_parser("pki", help="the cluster CA and component certificates").add_subparsers(
         dest="pki_command", required=True)
     init = pki.add_parser("init", help="make the cluster CA in a folder (ca.pem, ca.key)")
@@ -287,18 +257,3 @@ def add_parsers(sub) -> None:
     show.add_argument("--ca", type=Path, help="also check that this CA (bundle) issued it")
     show.set_defaults(func=cmd_pki_show)
 
-    crl = pki.add_parser("crl", help="the CA's revocation list of the config's tls.revoked_serials, for an etcd "
-                                     "or PostgreSQL kvrelay does not start")
-    crl.add_argument("--config", required=True, type=Path, help="the cluster config (its tls.revoked_serials)")
-    crl.add_argument("--out", required=True, type=Path, help="where to write the list (PEM)")
-    crl.add_argument("--ca-dir", type=Path, help="the CA folder made by kvrelay pki init")
-    crl.add_argument("--ca", type=Path, help="CA certificate (instead of --ca-dir)")
-    crl.add_argument("--ca-key", type=Path, help="CA key (instead of --ca-dir)")
-    crl.add_argument("--days", type=float, default=7.0, help="how long the list is valid (servers refuse every "
-                                                             "client once it expires; default: %(default)g)")
-    crl.set_defaults(func=cmd_pki_crl)
-
-    eu = pki.add_parser("etcd-users", help="the etcdctl commands that admit only the config's routers to your "
-                                           "etcd (each router's certificate CN a user of the routers' role)")
-    eu.add_argument("--config", required=True, type=Path, help="the cluster config (its routers: and etcd.prefix)")
-    eu.set_defaults(func=cmd_pki_etcd_users)

@@ -124,8 +124,10 @@ class EtcdCluster:
         except EtcdError as exc:
             raise RuntimeError(f"could not give etcd its users and roles: {exc}") from None
 
-    async def _await_leader(self, dialer: Dialer, timeout_s: float) -> None:
-        client = EtcdClient(self.endpoints, dialer, timeout_s=2.0)
+    async def _await_leader(self, dialer: Dialer, timeout_s: float, only: EtcdMember | None = None) -> None:
+        """Until the members (``only``: that one) answer with a leader; RuntimeError naming a member
+        that exited, or after ``timeout_s``."""
+        client = EtcdClient([only.endpoint] if only else self.endpoints, dialer, timeout_s=2.0)
         end = time.monotonic() + timeout_s
         try:
             while True:
@@ -137,8 +139,9 @@ class EtcdCluster:
                         return
                 except EtcdError as exc:
                     if time.monotonic() > end:
-                        raise RuntimeError(f"etcd had no leader within {timeout_s:g} s: {exc}") from None
-                await asyncio.sleep(0.2)
+                        what = f"member {only.name} was not back" if only else "had no leader"
+                        raise RuntimeError(f"etcd {what} within {timeout_s:g} s: {exc}") from None
+                await asyncio.sleep(0.1)
         finally:
             await client.close()
 
@@ -155,22 +158,7 @@ class EtcdCluster:
         and every client connects again through a handshake that checks the revocation list."""
         for i, m in enumerate(self.members):
             self.restart(i)
-            asyncio.run(self._await_member(m, dialer, timeout_s))
-
-    async def _await_member(self, m: EtcdMember, dialer: Dialer, timeout_s: float) -> None:
-        client = EtcdClient([m.endpoint], dialer, timeout_s=2.0)
-        end = time.monotonic() + timeout_s
-        try:
-            while True:
-                try:
-                    if (await client.status()).leader:
-                        return
-                except EtcdError as exc:
-                    if time.monotonic() > end:
-                        raise RuntimeError(f"etcd member {m.name} was not back within {timeout_s:g} s: {exc}") from None
-                await asyncio.sleep(0.1)
-        finally:
-            await client.close()
+            asyncio.run(self._await_leader(dialer, timeout_s, only=m))
 
     def kill(self, index: int) -> None:
         """SIGKILL member ``index`` (a crash)."""

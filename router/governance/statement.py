@@ -532,7 +532,7 @@ def access(d: Deployment, t: TenantSection, r: Reach) -> dict:
     return _answer(Question.ACCESS, text, facts)
 
 
-_YOUR_CRL = NOT_RECORDED + " (your server: kvrelay pki crl makes the revocation list to give it)"
+_YOUR_CRL = NOT_RECORDED + " (your server: kvrelay stores crl makes the revocation list to give it)"
 
 
 def _shared_stores(cfg: ClusterConfig) -> tuple[dict, str] | None:
@@ -544,7 +544,7 @@ def _shared_stores(cfg: ClusterConfig) -> tuple[dict, str] | None:
     facts = {"etcd": {"holds": "membership, workers, pool sizes, drains, quota figures; no prompt",
                       "servers": started if ours_etcd else list(cfg.etcd.endpoints),
                       "admits": "the routers' certificates only (a user per router, a role on etcd.prefix)" if ours_etcd
-                      else NOT_RECORDED + " (your etcd: kvrelay pki etcd-users prints the users and roles to make)",
+                      else NOT_RECORDED + " (your etcd: kvrelay stores etcd-users prints the users and roles to make)",
                       "revoked_certificates": "refused (its revocation list, read at each handshake; open "
                                               "connections ended)" if ours_etcd else _YOUR_CRL},
              "postgres": {"holds": "every tenant's batch jobs: prompts and outputs",

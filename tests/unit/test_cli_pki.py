@@ -204,12 +204,12 @@ def test_crl_lists_the_configs_revoked_serials_signed_by_the_ca(ca_dir, tmp_path
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text("tls:\n  revoked_serials: ['0a', 'ff:01']\n")
     out = tmp_path / "crl.pem"
-    assert main(["pki", "crl", "--config", str(cfg), "--ca-dir", str(ca_dir), "--out", str(out), "--days", "3"]) == 0
+    assert main(["stores", "crl", "--config", str(cfg), "--ca-dir", str(ca_dir), "--out", str(out), "--days", "3"]) == 0
     assert "2 revoked serial(s), valid 3 days" in capsys.readouterr().out
     crl = x509.load_pem_x509_crl(out.read_bytes())
     ca = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
     assert crl.is_signature_valid(ca.public_key()) and crl.issuer == ca.subject
     assert sorted(r.serial_number for r in crl) == [0x0A, 0xFF01]
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
-    assert main(["pki", "crl", "--config", str(cfg), "--out", str(out)]) == 2
+    assert main(["stores", "crl", "--config", str(cfg), "--out", str(out)]) == 2
     assert "needs the CA that signs" in capsys.readouterr().err

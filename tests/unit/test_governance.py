@@ -487,6 +487,6 @@ def test_the_access_answer_says_whom_the_routers_etcd_and_postgresql_admit():
     assert "The routers share state in etcd (started by kvrelay serve at montreal" in ours["answer"]
     theirs = _answer(_doc(routers(True)), "uni-on", Question.ACCESS)["facts"]["shared_stores"]
     assert theirs["etcd"]["servers"] == ["etcd.example:2379"] and NOT_RECORDED in theirs["etcd"]["admits"]
-    assert theirs["postgres"]["revoked_certificates"].startswith(NOT_RECORDED) and "kvrelay pki crl" in \
+    assert theirs["postgres"]["revoked_certificates"].startswith(NOT_RECORDED) and "kvrelay stores crl" in \
         theirs["postgres"]["revoked_certificates"]
     assert "shared_stores" not in _answer(_doc(), "uni-on", Question.ACCESS)["facts"]

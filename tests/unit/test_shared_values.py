@@ -74,7 +74,7 @@ def test_quota_figures():
 def test_etcd_users_prints_a_user_per_configured_router(tmp_path, capsys):
     path = tmp_path / "cluster.yaml"
     dump_config(CFG, path)
-    assert main(["pki", "etcd-users", "--config", str(path)]) == 0
+    assert main(["stores", "etcd-users", "--config", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "etcdctl role grant-permission kvrelay-router --prefix=true readwrite '/kvrelay/'" in lines
     assert [x for x in lines if x.startswith("etcdctl user add '")] == [

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from kvrelay.router.cluster.shared_values import BadValue
 from kvrelay.router.core.admission import PUMP_TRIES, FairQueue
 from kvrelay.router.core.auth import TenantSalts
 from kvrelay.router.core.errors import ErrorKind, RouterError
@@ -149,7 +150,8 @@ def test_the_routers_exchange_what_they_took_of_a_quota():
     assert here.state["a"].remote_running == 0
     ex.take("there", _figures(there).encode())  # as the membership watch hands them over
     ex.take("here", b"{}")  # this router's own key: not another's
-    ex.take("junk", b"[1, 2]")  # not figures: ignored (and said in the log)
+    with pytest.raises(BadValue, match="not a JSON object"):  # not figures: not taken (the membership audits it)
+        ex.take("junk", b"[1, 2]")
     assert set(ex.latest) == {"there"} and ex.latest["there"]["a"][0] == 5
     ex.take("there", None)  # its lease ended
     assert ex.latest == {}
