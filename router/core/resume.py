@@ -15,8 +15,10 @@ prompt token ids, sampling, limits and stop rules: the worker request without it
 random id), so a ticket resumes only the same request of the same tenant, after
 exactly the tokens it was issued for, for TICKET_TTL_S. ``key`` is derived from the
 deployment's KV secret, the one every router already holds for the tenants'
-prefix-cache salts (router/core/auth.py); a tenant never has it. The resuming
-router charges and audits the resumed tokens as what they are: prompt it computed."""
+prefix-cache salts (router/core/auth.py); a tenant never has it. (The workers hold
+that secret too, for their KV connections: a worker in the wrong hands could make
+tickets, but it already reads every prompt it serves.) The resuming router charges
+and audits the resumed tokens as what they are: prompt it computed."""
 
 from __future__ import annotations
 
