@@ -46,10 +46,19 @@ class CuttableLink:
     dead after the restore (what a connection deep in its retransmission
     backoff, or one whose state a middlebox lost, is for its sender: its
     bytes stop being taken), new ones pass. Listens on loopback and forwards
-    each connection to ``target``."""
+    each connection to ``target``. Its side of each connection keeps a fixed
+    receive buffer of ``RCVBUF`` bytes (as a WAN path's window bounds what is
+    in flight): with the kernel's autotuning a cut link could swallow up to
+    ``net.ipv4.tcp_rmem``'s maximum (32 MiB on some hosts) before the sender
+    blocks."""
+
+    RCVBUF = 1 << 18
 
     def __init__(self, target: str) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.RCVBUF)  # accepted ones inherit it
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
         self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.target = target
         self.connections = 0
