@@ -80,7 +80,7 @@ def make_engine():
 
 
 LONGEST_FIRST = (
-    "integration/test_vllm_pools.py", "integration/test_openai_http.py",
+    "integration/test_vllm_pools.py", "integration/test_openai_http.py", "integration/test_sim_fidelity.py",
     "integration/test_routers.py", "integration/test_e2e.py", "unit/test_sim.py", "integration/test_kv_bench_json.py",
     "integration/test_renewal.py", "integration/test_kv_tcp.py", "integration/test_cities.py",
     "integration/test_failover.py", "integration/test_etcd.py", "unit/test_default_model.py",

@@ -66,8 +66,13 @@ def renewing(plumbing_model, tmp_path_factory):
         yield lc, pki, config
 
 
+PAUSE_S = 0.2
+"""Between two requests of a thread: without it the three threads kept both cores busy for the whole
+test (35 s of CPU on two cores); with it each still sends several requests a second through every step."""
+
+
 class Streams:
-    """Requests without pause on three threads until stopped: gRPC streams on one channel kept
+    """Requests on three threads, PAUSE_S apart, until stopped: gRPC streams on one channel kept
     open, gRPC streams each on a new channel (a new handshake each), HTTPS completions each on a
     new connection. Every failure is kept."""
 
@@ -115,6 +120,7 @@ class Streams:
                     self.done[kind] += 1
                 except Exception as exc:  # every failure is the test's finding
                     self.failures.append(f"{kind}: {exc!r}"[:400])
+                self.stop.wait(PAUSE_S)
         finally:
             if kept is not None:
                 kept.close()
