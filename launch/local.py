@@ -41,6 +41,7 @@ from kvrelay.runtime.config import (
     ClusterConfig,
     ConfigError,
     Credential,
+    PoolSection,
     RouterEntrySection,
     dump_config,
     load_config,
@@ -60,8 +61,8 @@ from kvrelay.v1 import worker_pb2_grpc as wgrpc
 log = logging.getLogger(__name__)
 
 RECONCILE_INTERVAL_S = 0.5
-WORKER_START_TIMEOUT_S = 240.0
-"""A started worker that has not registered by then is killed (and replaced)."""
+ROUTER_START_TIMEOUT_S = 180.0
+"""What start() allows at least (the routers' start); more where a pool's start_timeout_s is longer."""
 
 
 class WorkerProc(Protocol):
@@ -393,7 +394,7 @@ class LocalCluster:
         args = ["--config", str(self.config_path), "--model-path", str(self.model_path),
                 "--router", self.router_for(site), "--site", site, "--index", str(i), "--log-level", self.log_level]
         env = self._env(name, Identity(site, CertRole(role), str(i)), remote=not isinstance(self.backend, LocalBackend))
-        pool = next(s for s in self.cfg.sites if s.name == site).pool(Role(role))
+        pool = self._pool(site, role)
         vllm_cpu = pool.engine is EngineKind.VLLM and (pool.device or self.cfg.model.device) == "cpu"
         proc = self.backend.start(name, f"kvrelay.{role}_worker", args, site, env, preload_vllm=vllm_cpu)
         child = Child(name, self._started(name, proc), site, role)
@@ -401,8 +402,15 @@ class LocalCluster:
             self.children.append(child)
         return child
 
-    def start(self, timeout_s: float = 180.0) -> str:
-        """Starts everything; returns the router address once every worker registered."""
+    def _pool(self, site: str, role: str) -> PoolSection:
+        return next(s for s in self.cfg.sites if s.name == site).pool(Role(role))
+
+    def start(self, timeout_s: float | None = None) -> str:
+        """Starts everything; returns the router address once every worker registered, within
+        ``timeout_s`` (None: the slowest started pool's start_timeout_s, ROUTER_START_TIMEOUT_S at least)."""
+        if timeout_s is None:
+            timeout_s = max([ROUTER_START_TIMEOUT_S, *(s.pool(r).start_timeout() for s in self.cfg.sites
+                                                       for r in Role if s.pool(r).replicas)])
         shared_host = "127.0.0.1"
         if self.cities is not None:  # the router on the bridge; several: each in its city, etcd and PostgreSQL
             self.cfg.router.host = shared_host = self.cities.gateway  # on the bridge, which every city reaches
@@ -639,8 +647,10 @@ class LocalCluster:
                 how = "left after draining" if c.proc.poll() == 0 else f"exited with code {c.proc.poll()}"
                 (log.info if c.proc.poll() == 0 else log.warning)("%s %s", c.name, how)
             for c in self.children:
-                if c.role and not c.seen and now - c.started > WORKER_START_TIMEOUT_S:
-                    log.warning("%s did not register within %.0f s; stopping it", c.name, WORKER_START_TIMEOUT_S)
+                limit = self._pool(c.site, c.role).start_timeout() if c.role else 0.0
+                if c.role and not c.seen and now - c.started > limit:
+                    log.warning("%s did not register within %.0f s (its pool's start_timeout_s); stopping it",
+                                c.name, limit)
                     c.proc.kill()
             # a pool's members: our live children of it that are not draining (registered or
             # still starting), plus active workers someone else started

@@ -396,6 +396,11 @@ class RouterSection(ConfigSection):
     """Bounds of the public API: prompt bytes, gRPC message size and concurrent calls, tokenizer threads."""
 
 
+BUILTIN_START_TIMEOUT_S = 240.0
+VLLM_START_TIMEOUT_S = 1_800.0
+"""Defaults of ``PoolSection.start_timeout_s``."""
+
+
 @dataclass(slots=True, config=SECTION_CONFIG)
 class PoolSection(ConfigSection):
     replicas: StrictInt = Field(default=1, le=_MAX_REPLICAS, json_schema_extra={"minimum": 0})
@@ -412,6 +417,17 @@ class PoolSection(ConfigSection):
     """What computes this pool's requests: builtin (kvrelay's engine) or vllm (needs vLLM installed)."""
     vllm: VllmSection | None = None
     """vLLM's engine arguments (engine: vllm only); None = every default."""
+    start_timeout_s: StrictFloat | None = Field(default=None, gt=0, le=_DAY_S)
+    """How long a worker of this pool may take from its start to its registration before the launcher
+    (local processes or Ray) stops it and starts another; None = 240 s for the builtin engine, 1,800 s
+    for vLLM (a large checkpoint's load, its compilation and CUDA graph capture on a GPU). On
+    Kubernetes the chart's probes.startupSeconds does this."""
+
+    def start_timeout(self) -> float:
+        """start_timeout_s, or its default for the pool's engine."""
+        if self.start_timeout_s is not None:
+            return self.start_timeout_s
+        return VLLM_START_TIMEOUT_S if self.engine is EngineKind.VLLM else BUILTIN_START_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.vllm is not None and self.engine is not EngineKind.VLLM:

@@ -59,7 +59,7 @@ class VllmSection(ConfigSection):
     max_num_seqs: StrictInt | None = Field(default=None, ge=1, le=65_536)
     """Sequences per step; None = scheduler.max_num_seqs."""
     max_num_batched_tokens: StrictInt | None = Field(default=None, ge=16, le=MAX_TOKENS)
-    """Tokens per step; None = scheduler.max_num_batched_tokens."""
+    """Tokens per step; None = scheduler.max_num_batched_tokens. A longer prompt is computed in chunks of it."""
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size % 16:

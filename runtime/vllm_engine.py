@@ -108,7 +108,10 @@ def engine_args(spec: VllmSpec):
         kv_cache_memory_bytes=int(kv_gib * 2**30) if kv_gib else None,
         enable_prefix_caching=s.enable_prefix_caching, max_num_seqs=s.max_num_seqs or sched.max_num_seqs,
         scheduling_policy="priority",  # kvrelay's priorities: 0 interactive before 1 batch, as vLLM orders them
-        max_num_batched_tokens=max(s.max_num_batched_tokens or sched.max_num_batched_tokens, max_len or 0) or None,
+        # a step's token budget as configured, a prompt longer than it computed in chunks (each chunk's
+        # finished blocks stream as it ends: StepSend.end); forcing it up to max_model_len made every long
+        # prompt one step, its activations sized to the context window
+        max_num_batched_tokens=s.max_num_batched_tokens or sched.max_num_batched_tokens, enable_chunked_prefill=True,
         kv_transfer_config=KVTransferConfig(kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE,
                                             kv_role="kv_both", engine_id=spec.engine_id),
         # events on, published nowhere: VllmEngine puts its own publisher in (runtime/vllm_events.py)

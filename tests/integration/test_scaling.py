@@ -6,7 +6,9 @@ are checked."""
 
 from __future__ import annotations
 
+import copy
 import re
+import signal
 import threading
 import time
 
@@ -215,3 +217,28 @@ def test_launcher_keeps_reconciling_with_configured_operators(tmp_path):
         assert auth.who("Bearer guess") is None
     finally:
         lc._tmp.cleanup()
+
+
+def test_a_worker_that_does_not_register_within_its_pools_start_timeout_is_replaced(plumbing_model):
+    """Montreal's decode pool allows its workers 3 s to register. Scaled to 2, the new worker is
+    stopped (SIGSTOP) as it starts, before it can register: the launcher kills it once its pool's
+    start_timeout_s has passed and starts another, which registers; Toronto's pool keeps its default."""
+    raw = copy.deepcopy(CONFIG)
+    raw["sites"][1]["decode"]["start_timeout_s"] = 3.0
+    with running_cluster(raw, plumbing_model) as lc:
+        assert lc.cfg.sites[0].prefill.start_timeout() == 240.0
+        _admin(lc, "Scale", apb.ScaleRequest(site="montreal", role="decode", replicas=2))
+        end = time.monotonic() + 60
+        child = None
+        while child is None and time.monotonic() < end:
+            child = next((c for c in lc.children if c.name == "montreal/decode/1"), None)
+            time.sleep(0.01)
+        assert child is not None, [c.name for c in lc.children]
+        child.proc.send_signal(signal.SIGSTOP)  # a start that hangs (a load or compile that never ends)
+        stopped_at = time.monotonic()
+        assert wait_until(lambda: child.proc.poll() is not None, 60)
+        assert child.proc.poll() == -signal.SIGKILL
+        assert time.monotonic() - stopped_at >= 2.5  # not before its pool's 3 s (from its start)
+        assert "montreal/decode/1" not in workers(lc)
+        assert wait_until(lambda: "montreal/decode/2" in workers(lc) and workers(lc)["montreal/decode/2"].healthy, 60)
+        assert _pool(lc, "montreal", "decode").desired == 2

@@ -3,8 +3,9 @@ engine (the CPU build `make test` installs), with kvrelay's connector
 moving the KV over its sealed TCP transport.
 
 One module-scoped cluster (vLLM engines take seconds to start) on the
-plumbing model, two sites: toronto (CA-ON) has a vLLM prefill pool and two
-vLLM decode workers; montreal (CA-QC) a builtin prefill pool beside a vLLM
+plumbing model, two sites: toronto (CA-ON) has a vLLM prefill pool (whose
+step budget is below the long prompt: chunked prefill) and two vLLM decode
+workers; montreal (CA-QC) a builtin prefill pool beside a vLLM
 decode pool, whose layouts differ. What is asserted is who computes what,
 what moves, what is freed, where, and that the answer is vLLM's own: the
 reference is vLLM alone (``vllm.LLM``, greedy) in a child process, on the
@@ -49,6 +50,8 @@ TEXTS = ["Hello there, how are you?", "Tell me about Toronto and its winters. " 
 MAX_TOKENS = 12
 LONG_TOKENS = 300
 """The stream a decode worker is killed in."""
+CHUNK = 64
+"""Toronto's prefill pool computes at most this many tokens a step: a longer prompt, in chunks."""
 
 @pytest.fixture(scope="module")
 def span_dir(tmp_path_factory):
@@ -61,7 +64,8 @@ def vllm_cluster(plumbing_model, span_dir):
     raw["telemetry"] = {"traces": "file", "file": str(span_dir / "{process}.jsonl")}
     raw["router"]["placement"]["policy"] = "prefix_aware"
     raw["sites"] = [
-        {"name": "toronto", "jurisdiction": "CA-ON", "prefill": dict(VLLM_POOL),
+        {"name": "toronto", "jurisdiction": "CA-ON",
+         "prefill": {**VLLM_POOL, "vllm": {**VLLM_POOL["vllm"], "max_num_batched_tokens": CHUNK}},
          "decode": {**VLLM_POOL, "replicas": 2}},
         {"name": "montreal", "jurisdiction": "CA-QC", "prefill": {"replicas": 1}, "decode": dict(VLLM_POOL)}]
     raw["links"] = [{"between": ["toronto", "montreal"], "rtt_ms": 5, "gbps": 10}]
@@ -97,6 +101,8 @@ def test_disaggregated_answer_is_vllms_and_the_prompt_was_moved(vllm_cluster, re
     p = ws[TORONTO_P].info
     assert all(ws[d].info.layout_hash == p.layout_hash for d in (*TORONTO_D, MONTREAL_D)) and p.block_size == 128
     assert ws[MONTREAL_P].info.layout_hash != p.layout_hash, "the builtin pool registers its own layout"
+    # the long prompt fits no step of the prefill worker's: vLLM computes it in chunks, each streamed as it ends
+    assert len(prompts[1]) > CHUNK
     before = computed_prompt_tokens(vllm_cluster)
     for prompt, want in zip(prompts, expected):
         tokens, fin = generate(vllm_cluster, token_request(prompt, allowed_jurisdictions=["CA-ON"]))
@@ -119,8 +125,8 @@ def test_a_disaggregated_request_on_vllm_pools_is_one_trace_across_three_process
     placement = msgs[-1].finish.placement
     assert placement.prefill_worker == TORONTO_P and placement.kv_bytes > 0, placement
     trace_id = placement.trace_id
-    want = {"kvrelay.request", "kvrelay.attempt", "kvrelay.prefill", "kvrelay.decode", "kvrelay.kv.send",
-            "kvrelay.kv.receive", "kvrelay.decode.generate"}
+    want = {"kvrelay.request", "kvrelay.attempt", "kvrelay.prefill", "kvrelay.prefill.chunk", "kvrelay.decode",
+            "kvrelay.kv.send", "kvrelay.kv.receive", "kvrelay.decode.generate"}
     found: list[dict] = []
 
     def ready() -> bool:
@@ -132,6 +138,9 @@ def test_a_disaggregated_request_on_vllm_pools_is_one_trace_across_three_process
     assert wait_until(ready, 30), sorted(s["name"] for s in found)
     assert {s["trace_id"] for s in found} == {trace_id}, found
     assert {s["service"] for s in found} == {"kvrelay-router", "kvrelay-prefill", "kvrelay-decode"}, found
+    # chunked prefill: vLLM computed the 200 tokens in steps of at most the pool's budget
+    chunks = [s["attributes"]["kvrelay.tokens"] for s in found if s["name"] == "kvrelay.prefill.chunk"]
+    assert sum(chunks) == len(prompt) and max(chunks) <= CHUNK and len(chunks) >= 4, chunks
     send = next(s for s in found if s["name"] == "kvrelay.kv.send")
     recv = next(s for s in found if s["name"] == "kvrelay.kv.receive")
     assert send["attributes"]["kvrelay.kv.bytes"] == recv["attributes"]["kvrelay.kv.bytes"] > 0, (send, recv)

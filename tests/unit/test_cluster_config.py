@@ -240,6 +240,20 @@ def test_a_pool_chooses_its_engine_and_vllms_arguments_are_typed():
             parse_config(raw)
 
 
+
+def test_a_pools_start_timeout_defaults_by_engine_and_is_checked():
+    """How long the launcher lets a worker take to register: 240 s builtin, 1,800 s vLLM (a GPU's load,
+    compile and graph capture), or the pool's start_timeout_s; start() waits for the slowest pool."""
+    cfg = parse_config(_vllm_site())
+    assert (cfg.sites[0].prefill.start_timeout(), cfg.sites[0].decode.start_timeout()) == (240.0, 1800.0)
+    cfg = parse_config(_vllm_site(start_timeout_s=3600.0))
+    assert cfg.sites[0].decode.start_timeout() == 3600.0
+    for value, match in [(0, "must be positive or null, got 0"), (-5.0, "must be positive or null"),
+                         (2 * 86_400.0, "must be <= 86400"),
+                         ("soon", "expected a number, got 'soon'")]:
+        with pytest.raises(ConfigError, match=rf"sites\[0\]\.decode\.start_timeout_s: {match}"):
+            parse_config(_vllm_site(start_timeout_s=value))
+
 def test_a_link_names_its_kv_codec_and_a_tenant_may_forbid_lossy_ones():
     """links[].kv_codec: a known codec or a ConfigError naming the field; never with a transport that pulls
     or beside a vLLM pool; a tenant with kv_lossy false always gets none (runtime/topology.py)."""
