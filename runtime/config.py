@@ -421,7 +421,7 @@ class PoolSection(ConfigSection):
     """How long a worker of this pool may take from its start to its registration before the launcher
     (local processes or Ray) stops it and starts another; None = 240 s for the builtin engine, 1,800 s
     for vLLM (a large checkpoint's load, its compilation and CUDA graph capture on a GPU). On
-    Kubernetes the chart's probes.startupSeconds does this."""
+    Kubernetes it bounds the pool's pods' startup probe (None there: the chart's probes.startupSeconds)."""
 
     def start_timeout(self) -> float:
         """start_timeout_s, or its default for the pool's engine."""

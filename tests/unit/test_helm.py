@@ -362,3 +362,21 @@ def test_an_audit_signing_key_secret_is_mounted_apart_from_the_log_and_named_in_
     assert not any(v["name"] == "audit-key" for pod in pods for v in pod["volumes"])
     out = chart.template([], ["config.router.records.audit_signing_key=/x"], helm_bin)
     assert out.returncode != 0 and "audit_signing_key" in out.stderr
+
+
+def test_every_pool_field_reaches_the_config_and_a_start_timeout_bounds_its_pods_startup(helm_bin: Path,
+                                                                                        tmp_path: Path):
+    """A pool's config fields (engine, vllm, start_timeout_s beside replicas...) reach the ConfigMap the pods
+    read (the chart's own keys, resources and placement, do not); start_timeout_s sets that pool's startup
+    probe, every other pod keeps probes.startupSeconds (600 s: 60 periods of 10 s)."""
+    sets = ["sites[0].decode.engine=vllm", "sites[0].decode.vllm.max_model_len=4096",
+            "sites[0].decode.start_timeout_s=3600", "sites[0].decode.resources.limits.cpu=2"]
+    out = chart.template([chart.EXAMPLES / "one-site" / "values.yaml"], sets, helm_bin)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    decode = cluster_config(docs, tmp_path).sites[0].decode
+    assert (decode.engine, decode.vllm and decode.vllm.max_model_len, decode.start_timeout()) == ("vllm", 4096, 3600.0)
+    startup = {d["metadata"]["name"].removeprefix(f"{chart.RELEASE}-"):
+               _containers(d)[-1]["startupProbe"]["failureThreshold"] for d in docs if d["kind"] == "Deployment"}
+    assert startup.pop("local-decode") == 360
+    assert startup and set(startup.values()) == {60}, startup

@@ -155,7 +155,7 @@ ports, files, TLS, scaling). The schema refuses those fields under `config`.
 {{- $site := dict "name" $s.name "jurisdiction" $s.jurisdiction -}}
 {{- range $role := list "prefill" "decode" -}}
 {{- $pool := get $s $role | default dict -}}
-{{- $_ := set $site $role (pick $pool "replicas" "max_replicas" "min_replicas" "device" "tenants") -}}
+{{- $_ := set $site $role (omit $pool "resources" "nodeSelector" "tolerations") -}}{{/* every key but the chart's own */}}
 {{- end -}}
 {{- $sites = append $sites $site -}}
 {{- end -}}
@@ -324,13 +324,15 @@ The init container that gives a pod its certificate (tls.mode issuer):
 {{- end }}
 {{- end -}}
 
-{{/* Probes on /livez and /readyz (runtime/health.py). */}}
+{{/* Probes on /livez and /readyz (runtime/health.py): root, the chart's context; startup, the seconds a
+pod may take to start (a pool's start_timeout_s; none: probes.startupSeconds). */}}
 {{- define "kvrelay.probes" -}}
-{{- $period := .Values.probes.periodSeconds -}}
+{{- $period := .root.Values.probes.periodSeconds -}}
+{{- $startup := int (ceil (.startup | default .root.Values.probes.startupSeconds)) -}}
 startupProbe:
   httpGet: {path: /livez, port: health}
   periodSeconds: {{ $period }}
-  failureThreshold: {{ div (add .Values.probes.startupSeconds $period -1) $period }}
+  failureThreshold: {{ div (add $startup $period -1) $period }}
 livenessProbe:
   httpGet: {path: /livez, port: health}
   periodSeconds: {{ $period }}
