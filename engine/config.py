@@ -5,15 +5,20 @@ built; everything below receives these objects, never raw dicts.
 The KV cache and the scheduler are also sections of the cluster config file
 (``cache:``, ``scheduler:``; runtime/config.py), so the building blocks every
 section of that file shares live here, in the lowest layer that has one:
-:data:`SECTION_CONFIG` (pydantic: unknown keys and NaN/inf refused, field
-docstrings kept as descriptions), :class:`ConfigSection` (a raw mapping's keys
+:data:`SECTION_CONFIG` (pydantic: unknown keys and NaN/inf refused),
+:func:`field_docs` (a section's field docstrings, read from its source), :class:`ConfigSection` (a raw mapping's keys
 checked before its fields), :class:`FieldError` and :func:`choice`."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import itertools
 import json
 import reprlib
+import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,8 +164,25 @@ class ModelConfig:
         return cls.from_dict(raw, name=name or Path(path).parent.name)
 
 
-SECTION_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
-"""pydantic's settings of every config section: an unknown key, NaN or an infinity is refused."""
+SECTION_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
+"""pydantic's settings of every config section: an unknown key, NaN or an infinity is refused.
+(Not ``use_attribute_docstrings``: that reads every section's source as the module is imported,
+~0.13 s of every process's start; what wants the docstrings asks :func:`field_docs`.)"""
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstrings of ``cls``'s fields (a string literal right after a field's
+    annotated assignment in the class body), by field name, read from its source."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(body, ast.ClassDef), cls
+    out: dict[str, str] = {}
+    for field_stmt, doc in itertools.pairwise(body.body):
+        if (isinstance(field_stmt, ast.AnnAssign) and isinstance(field_stmt.target, ast.Name)
+                and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)):
+            out[field_stmt.target.id] = inspect.cleandoc(doc.value.value)
+    return out
 
 MAX_TOKENS = 10_000_000
 """Bound of token counts in the config: well past any model's context window."""

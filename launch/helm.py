@@ -28,7 +28,7 @@ from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
-from kvrelay.engine.config import DType
+from kvrelay.engine.config import DType, field_docs
 from kvrelay.runtime.config import (
     ClusterConfig,
     EtcdSection,
@@ -37,7 +37,6 @@ from kvrelay.runtime.config import (
     PostgresSection,
     TLSSection,
     bounds,
-    field_info,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +118,7 @@ def section_schema(cls: type, exclude: AbstractSet[str] = frozenset(), path: str
             schema = section_schema(tp, path=sub)
         else:
             schema = type_schema(tp, bounds(cls, f.name))
-        doc = field_info(cls, f.name).description
+        doc = field_docs(cls).get(f.name)
         if doc:
             schema = {"description": " ".join(doc.split()), **schema}
         props[f.name] = schema

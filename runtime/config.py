@@ -1023,7 +1023,7 @@ def _bounds_of(info: FieldInfo) -> dict[str, float]:
 
 
 def field_info(cls: type, name: str) -> FieldInfo:
-    """What pydantic holds of field ``name`` of section ``cls`` (its docstring as ``description``)."""
+    """What pydantic holds of field ``name`` of section ``cls`` (its docstring: engine/config.py ``field_docs``)."""
     return _fields(cls)[name]
 
 

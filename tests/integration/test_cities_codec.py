@@ -4,7 +4,9 @@ times faster than that, so the link sets the pace on a loaded machine too).
 The first transfers cross as they are (the configured rate says the link
 keeps up with the prefill), are
 timed link-bound at the shaped rate, and once ``min_samples`` of them arrived
-the router uses the measured rate: the next long prompt's KV crosses int8.
+the router uses the measured rate: the next long prompt's KV crosses int8
+(3.9x fewer bytes, so on a busy machine the prefill, not the link, may set
+that transfer's pace: it need not be link-bound).
 `kvrelay status`, each placement and the audit log's request records say
 which rate placement used and where it came from; the coded request's
 greedy answer equals the reference's. Needs root (CI runs as root)."""
@@ -82,9 +84,13 @@ def test_auto_codes_once_the_link_measures_slow(tmp_path, smollm_path, reference
     finally:
         assert cities.down(tmp_path / "cities") == []
     placed = [p for _, p in runs]
-    for p in placed:
-        assert p.link == "montreal-toronto" and not p.colocated and p.link_bound, p
-        assert 0.3 * SHAPED <= p.link_measured_gbps <= 1.15 * SHAPED, p
+    assert all(p.link == "montreal-toronto" and not p.colocated for p in placed), placed
+    for p in placed[:2]:  # the uncoded transfers the measurement is made of: link-bound however busy the machine
+        assert p.link_bound and 0.3 * SHAPED <= p.link_measured_gbps <= 1.15 * SHAPED, p
+    # int8 KV is 3.9x fewer bytes: a busy machine's prefill may then set the pace (its sample a lower bound)
+    coded = placed[2]
+    assert coded.link_measured_gbps <= 1.15 * SHAPED, coded
+    assert not coded.link_bound or coded.link_measured_gbps >= 0.3 * SHAPED, coded
     assert [(p.kv_codec, p.link_rate_source) for p in placed] == [
         ("none", "configured"), ("none", "configured"), ("int8", "measured")], placed
     assert placed[0].link_gbps == CONFIGURED and 0.3 * SHAPED <= placed[2].link_gbps <= 1.15 * SHAPED

@@ -6,7 +6,9 @@ attempt, the prefill and its KV send, the decode and its KV receive
 (linked to the send), with durations that nest and the KV's arrival before
 the first token. A migrated request keeps both attempts in one trace; a
 client's ``traceparent`` (gRPC metadata or HTTP header) is a link of the
-root, never its trace; no prompt text is in any span."""
+root, never its trace; no prompt text is in any span. The clusters serve the
+plumbing model (SmolLM2's tokens, a fourteenth of its cost per token): what
+is asserted is the trace, not the answer."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import json
 import signal
 import threading
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import openai
@@ -68,8 +71,8 @@ def event_time(span: dict, name: str) -> int:
     return next(e["time_unix_nano"] for e in span["events"] if e["name"] == name)
 
 
-def check_disaggregated(spans: list[dict], trace_id: str) -> None:
-    """The tree of one disaggregated request, its parent links, times and attributes."""
+def check_disaggregated(spans: list[dict], trace_id: str, model: Path) -> None:
+    """The tree of one disaggregated request (served by ``model``), its parent links, times and attributes."""
     assert {s["trace_id"] for s in spans} == {trace_id}
     by_id = {s["span_id"]: s for s in spans}
     root, attempt = one(spans, "kvrelay.request"), one(spans, "kvrelay.attempt")
@@ -91,7 +94,8 @@ def check_disaggregated(spans: list[dict], trace_id: str) -> None:
     assert recv["end_unix_nano"] <= event_time(gen, "first_token") + SLACK_NS
     assert recv["end_unix_nano"] <= event_time(root, "kvrelay.first_token") + SLACK_NS
     assert send["attributes"]["kvrelay.kv.bytes"] == recv["attributes"]["kvrelay.kv.bytes"] > 0
-    assert sum(e["name"] == "layer" for e in send["events"]) >= 30  # every layer of the model, once at least
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    assert sum(e["name"] == "layer" for e in send["events"]) >= layers  # every layer of the model, once at least
     a = root["attributes"]
     assert a["gen_ai.request.model"] and a["gen_ai.usage.input_tokens"] > 0 and a["gen_ai.usage.output_tokens"] == 8
     assert attempt["attributes"]["kvrelay.placement.mode"] == "disaggregated"
@@ -100,10 +104,10 @@ def check_disaggregated(spans: list[dict], trace_id: str) -> None:
 
 # -- the file exporter: one cluster with two decode workers ------------------------------------------------------
 @pytest.fixture(scope="module")
-def traced(smollm_path, tmp_path_factory):
+def traced(plumbing_model, tmp_path_factory):
     folder = tmp_path_factory.mktemp("traces")
     raw = config({"traces": "file", "file": str(folder / "{process}.jsonl")}, decode=2)
-    with running_cluster(raw, smollm_path, reconcile=False) as lc:
+    with running_cluster(raw, plumbing_model, reconcile=False) as lc:
         yield lc, folder
 
 
@@ -128,7 +132,7 @@ def test_a_disaggregated_request_is_one_trace_across_three_processes(traced, cap
     msgs = generate(lc, "trace-one")
     trace_id = msgs[-1].finish.placement.trace_id
     assert len(trace_id) == 32
-    check_disaggregated(spans_in(folder, "trace-one", ALL), trace_id)
+    check_disaggregated(spans_in(folder, "trace-one", ALL), trace_id, lc.model_path)
     capsys.readouterr()
     assert kvrelay(["trace", "trace-one", "--dir", str(folder)]) == 0
     shown = capsys.readouterr().out
@@ -173,11 +177,11 @@ def test_a_migrated_request_shows_both_attempts_in_one_trace(traced):
     killed = None
     with lc.channel() as ch:
         call = igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
-            prompt=PROMPT, max_tokens=64, ignore_eos=True, request_id="trace-migrated"), timeout=300)
+            prompt=PROMPT, max_tokens=400, ignore_eos=True, request_id="trace-migrated"), timeout=300)
         msgs = []
         for msg in call:
             msgs.append(msg)
-            if killed is None and sum(len(m.token_ids) for m in msgs) >= 4:  # 60 tokens left: seconds
+            if killed is None and sum(len(m.token_ids) for m in msgs) >= 4:  # 396 tokens left: seconds
                 busy = [w for w, s in workers(lc).items() if s.info.role == 2 and s.inflight > 0]
                 killed = busy[0]
                 child = next(c for c in lc.children if c.name == killed)
@@ -238,21 +242,21 @@ class Receiver(tsgrpc.TraceServiceServicer):
                 "status": {0: "UNSET", 1: "OK", 2: "ERROR"}[s.status.code]}
 
 
-def test_otlp_export_to_a_collector_gives_the_same_trace(smollm_path):
+def test_otlp_export_to_a_collector_gives_the_same_trace(plumbing_model):
     receiver = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(4))
     tsgrpc.add_TraceServiceServicer_to_server(receiver, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        with running_cluster(config({"traces": "otlp", "endpoint": f"http://127.0.0.1:{port}"}), smollm_path) as lc:
+        with running_cluster(config({"traces": "otlp", "endpoint": f"http://127.0.0.1:{port}"}), plumbing_model) as lc:
             msgs = generate(lc, "trace-otlp")
 
             def spans() -> list[dict]:
                 with receiver.lock:
                     return trace_of(list(receiver.spans), "trace-otlp")
             assert wait_until(lambda: {s["name"] for s in spans()} >= ALL, 30)
-            check_disaggregated(spans(), msgs[-1].finish.placement.trace_id)
+            check_disaggregated(spans(), msgs[-1].finish.placement.trace_id, plumbing_model)
     finally:
         server.stop(0)
 
