@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
+import multiprocessing.process
 import os
 import socket
 import statistics
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kvrelay.benchmarks import kv_limit
+from kvrelay.benchmarks import kv_limit, kv_peer
 from kvrelay.benchmarks.kv_limit import PLAIN
 from kvrelay.benchmarks.kv_peer import SECRET, mooncake_engine
 from kvrelay.engine.blocks import blocks_for
@@ -68,8 +70,57 @@ PEER_HOST: str | None = None
 """The address peers listen on there."""
 
 
-def _peer(*args: str, full: bool = False, module: str = "kv_peer") -> tuple[subprocess.Popen, str]:
-    """A peer process (``module``: kv_peer, or kv_limit for the raw-socket receiver) and its endpoint."""
+PEER_START_S = 120.0
+"""How long a peer may take to say it is ready (the first forked one includes the forkserver's imports)."""
+_FORKS = multiprocessing.get_context("forkserver")
+_FORKS.set_forkserver_preload(["kvrelay.benchmarks.kv_peer"])
+
+
+class ForkedPeer:
+    """A kv_peer forked by multiprocessing's forkserver (which imported kv_peer once), with the
+    two calls of ``subprocess.Popen`` the measurements make."""
+
+    __slots__ = ("_proc",)
+
+    def __init__(self, proc: multiprocessing.process.BaseProcess) -> None:
+        self._proc = proc
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def wait(self, timeout: float = 30.0) -> int | None:
+        self._proc.join(timeout)
+        return self._proc.exitcode
+
+
+def _forked_peer(args: Sequence[str]) -> tuple[ForkedPeer, str]:
+    """A kv_peer forked from the forkserver, and its ready line."""
+    ready, theirs = _FORKS.Pipe(duplex=False)
+    proc = _FORKS.Process(target=kv_peer.serve, args=(list(args), theirs), daemon=True)
+    proc.start()
+    theirs.close()
+    peer = ForkedPeer(proc)
+    try:
+        if not ready.poll(PEER_START_S):
+            raise RuntimeError(f"benchmark peer {args[0]} did not start within {PEER_START_S:.0f} s")
+        return peer, ready.recv()
+    except (EOFError, RuntimeError) as exc:
+        peer.kill()
+        raise RuntimeError(f"benchmark peer {args[0]} failed to start (exit code {peer.wait()}): {exc}") from None
+    finally:
+        ready.close()
+
+
+def _peer(*args: str, full: bool = False, module: str = "kv_peer") -> tuple[subprocess.Popen | ForkedPeer, str]:
+    """A peer process (``module``: kv_peer, or kv_limit for the raw-socket receiver) and its endpoint:
+    forked (kv_peer on this host) or started as a command (kv_limit, a lighter process; or a peer in
+    PEER_NETNS, started through ``ip netns exec``)."""
+    if module == "kv_peer" and not PEER_NETNS:
+        fork, line = _forked_peer(args)
+        if not line.startswith("ENDPOINT"):
+            fork.kill()
+            raise RuntimeError(f"benchmark peer failed to start: {line!r}")
+        return fork, (line.split(maxsplit=1)[1].strip() if full else line.split()[1])
     where = ["ip", "netns", "exec", PEER_NETNS] if PEER_NETNS else []
     host = [f"host={PEER_HOST}"] if PEER_HOST else []
     proc = subprocess.Popen([*where, sys.executable, "-m", f"kvrelay.benchmarks.{module}", *args, *host],

@@ -15,12 +15,19 @@ kill one side. SPEC is ``dtype,layers,kv_heads,head_dim,block_size,num_blocks[,m
 Receivers listen on 127.0.0.1, or on ADDR given as ``host=ADDR`` anywhere
 on the command line. The raw-socket receiver the limits are measured with is
 benchmarks/kv_limit.py (a lighter process: no torch).
+
+``kvrelay bench kv`` forks its peers from a process that imported this module
+once (:func:`serve`, multiprocessing's forkserver): a peer's imports (torch,
+NIXL, the transports: ~3 s) are not paid again for each of them.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -58,63 +65,79 @@ def mooncake_engine():
     return engine
 
 
-def mooncake_target(nbytes: int) -> None:
+Announce = Callable[[str], None]
+"""How a peer says it is ready (its ENDPOINT or SENT line): printed, or sent to the bench that forked it."""
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def mooncake_target(nbytes: int, announce: Announce) -> None:
     engine = mooncake_engine()
     buf = torch.ones(nbytes, dtype=torch.uint8)
     if engine.register_memory(buf.data_ptr(), nbytes) != 0:
         raise RuntimeError("Mooncake failed to register memory")
-    print("ENDPOINT", f"127.0.0.1:{engine.get_rpc_port()}", buf.data_ptr(), flush=True)
+    announce(f"ENDPOINT 127.0.0.1:{engine.get_rpc_port()} {buf.data_ptr()}")
     time.sleep(3600)
 
 
-def nixl_target(nbytes: int) -> None:
+def nixl_target(nbytes: int, announce: Announce) -> None:
     """A bare NIXL agent (the same progress-thread setting as ours) with NBYTES registered."""
     from nixl._api import nixl_agent, nixl_agent_config
 
     agent = make_agent(nixl_agent, nixl_agent_config, "bare-target")
     buf = torch.ones(nbytes, dtype=torch.uint8)
     agent.register_memory(buf)
-    print("ENDPOINT", agent.get_agent_metadata().hex(), buf.data_ptr(), flush=True)
+    announce(f"ENDPOINT {agent.get_agent_metadata().hex()} {buf.data_ptr()}")
     time.sleep(3600)
 
 
-def main() -> None:
+def run(argv: list[str], announce: Announce = _print) -> None:
+    """The peer ``argv`` (the command line above, without the program) asks for; serves until killed."""
     global HOST
-    hosts = [a for a in sys.argv if a.startswith("host=")]
-    for a in hosts:
-        sys.argv.remove(a)
+    for a in [a for a in argv if a.startswith("host=")]:
+        argv.remove(a)
         HOST = a.split("=", 1)[1]
-    role = sys.argv[1]
+    role = argv[0]
     if role == "nixl-target":
-        nixl_target(int(sys.argv[2]))
+        nixl_target(int(argv[1]), announce)
         return
     if role == "mooncake-target":
-        mooncake_target(int(sys.argv[2]))
+        mooncake_target(int(argv[1]), announce)
         return
-    spec = sys.argv[2]
+    spec = argv[1]
     if role == "receiver":
         cache = make_cache(spec, seed=None)
         rx: NixlKVReceiver | TcpKVReceiver
-        if len(sys.argv) > 4 and sys.argv[4] == "nixl":
-
+        if len(argv) > 3 and argv[3] == "nixl":
             rx = NixlKVReceiver(cache, HOST, cfg=RECEIVER)
         else:
             rx = TcpKVReceiver(cache, HOST, cfg=RECEIVER)
-        for i in range(int(sys.argv[3])):
+        for i in range(int(argv[2])):
             rx.expect(f"t{i}", list(range(cache.num_blocks)))
-        print("ENDPOINT", rx.endpoint, flush=True)
+        announce(f"ENDPOINT {rx.endpoint}")
         time.sleep(3600)
     else:
         cache = make_cache(spec)
-        endpoint, tid, n, layers = sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+        endpoint, tid, n, layers = argv[2], argv[3], int(argv[4]), int(argv[5])
         tx = TcpKVSender(cache, TransferConfig(secret=SECRET, streams=1))
         h = tx.open(TransferTarget(endpoint, tid, tuple(range(n)), cache.layout.compat_hash()))
         for layer in range(layers):
             h.send_layer(layer, list(range(n)), 0)
         time.sleep(1.0)
-        print("SENT", flush=True)
+        announce("SENT")
         time.sleep(3600)
 
 
+def serve(argv: list[str], conn: Connection) -> None:
+    """A peer forked by the bench (multiprocessing's forkserver): its ready line goes to ``conn``; what NIXL
+    or Mooncake print goes nowhere (a peer run from the command line prints it: nobody reads it there either)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    run(argv, conn.send)
+
+
 if __name__ == "__main__":
-    main()
+    run(sys.argv[1:])
