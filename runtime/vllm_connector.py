@@ -41,6 +41,7 @@ from vllm.v1.request import RequestStatus
 
 from kvrelay.engine.kv_cache import KVCache, KVLayout
 from kvrelay.runtime.vllm_bridge import PARAMS_KEY, LayerSends, StepSend, bridge_for
+from kvrelay.runtime.vllm_families import refusal
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,11 @@ class KvrelayConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.bridge = bridge_for(vllm_config.kv_transfer_config.engine_id)
+        if kv_cache_config is not None:  # what vLLM made of the model's attention: refused here, before a request
+            why = refusal(self.bridge.model_name,
+                          [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups])
+            if why is not None:
+                raise ValueError(why)
         self.block_size = vllm_config.cache_config.block_size
         self._sends: dict[str, tuple[str, int, list[int]]] = {}
         """Scheduler side: internal id -> (kvrelay id, prompt tokens, blocks so far) of send requests."""

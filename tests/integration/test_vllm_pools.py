@@ -14,6 +14,7 @@ same prompt tokens."""
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 import subprocess
 import time
@@ -23,6 +24,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrelay.engine.tiny import write_tiny_checkpoint
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.runtime.engines import vllm_installed
 from kvrelay.runtime.tracing import read_spans
@@ -324,3 +326,36 @@ def test_a_vllm_engine_that_dies_takes_its_worker_out_and_the_request_recovers(p
         gone = [c for c in lc.left if c.name == "local/decode/0"]
         assert gone and gone[0].proc.poll() == 1
         assert "local/decode/0" not in workers(lc)
+
+
+def _sliding_window_model(root, plumbing_model, window: int):
+    """A seeded random Mistral whose every layer attends over the last ``window`` tokens (vLLM's
+    SlidingWindowSpec: it frees the blocks behind the window), with SmolLM2's tokens."""
+    folder = write_tiny_checkpoint(root / "swa", "mistral", seed=3, num_layers=2, hidden_size=128, num_heads=2,
+                                   num_kv_heads=2, max_position_embeddings=4096, tokenizer_from=plumbing_model)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": window}))
+    return folder
+
+
+def test_a_sliding_window_models_kv_moves_and_answers_as_the_decode_worker_computing_it(plumbing_model, tmp_path):
+    """Prompts 5-11x the window: vLLM has freed the blocks behind it by the prompt's end, the connector moves
+    the ones it holds, and the greedy answer is the one the same decode worker gives when it computes the
+    prompt itself (its prefill pool gone; its prefix cache off, so nothing moved earlier is reused)."""
+    model = _sliding_window_model(tmp_path, plumbing_model, window=64)
+    raw = copy.deepcopy(CLUSTER_YAML)
+    raw["sites"][0] |= {"prefill": dict(VLLM_POOL), "decode": {**VLLM_POOL, "vllm": {
+        **VLLM_POOL["vllm"], "enable_prefix_caching": False}}}
+    raw["router"] |= {"liveness": {"heartbeat_interval_s": 0.25, "worker_timeout_s": 2.0}}
+    prompts = [[100 + (i * 37) % 5000 for i in range(n)] for n in (300, 700)]
+    with running_cluster(raw, model, reconcile=False) as lc:
+        moved = [generate(lc, token_request(p)) for p in prompts]
+        assert all(not fin.placement.colocated and fin.placement.kv_bytes > 0 for _, fin in moved), moved
+        prefill = next(c for c in lc.children if c.name == "local/prefill/0")
+        prefill.proc.kill()
+        prefill.proc.wait(30)
+        assert wait_until(lambda: not getattr(workers(lc).get("local/prefill/0"), "healthy", False), 30, 0.1)
+        computed = [generate(lc, token_request(p)) for p in prompts]
+    assert all(fin.placement.colocated for _, fin in computed), computed
+    assert [tokens for tokens, _ in moved] == [tokens for tokens, _ in computed]
+
