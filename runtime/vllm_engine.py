@@ -254,9 +254,12 @@ class VllmEngine:
 
     # -- stepping ------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        """Work a step would advance (requests parked for their KV need none)."""
+        """Work a step would advance (requests parked for their KV need none), or a step vLLM's batch
+        queue still holds (async scheduling, on GPUs: its outputs come with a later step; vLLM's own
+        ``EngineCore.has_work`` counts it too; CPU builds run without one)."""
         parked = sum(1 for r in self._awaiting if r not in self.bridge.reservations)
-        return self._poke or self._core.scheduler.get_num_unfinished_requests() > parked
+        return (self._poke or self._core.scheduler.get_num_unfinished_requests() > parked
+                or bool(self._core.batch_queue))
 
     @property
     def num_reserved(self) -> int:
