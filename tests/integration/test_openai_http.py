@@ -4,7 +4,7 @@ worker processes), compared with the gRPC API on the same requests; bad
 inputs get OpenAI-shaped errors with the right HTTP statuses, and the
 service keeps serving. What is asserted is the API's shape, not what the
 model says: the cluster serves the plumbing model (SmolLM2's tokens and
-model id, a fourteenth of its cost per token)."""
+model id, about a twelfth of its cost per token)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ attempt, the prefill and its KV send, the decode and its KV receive
 the first token. A migrated request keeps both attempts in one trace; a
 client's ``traceparent`` (gRPC metadata or HTTP header) is a link of the
 root, never its trace; no prompt text is in any span. The clusters serve the
-plumbing model (SmolLM2's tokens, a fourteenth of its cost per token): what
+plumbing model (SmolLM2's tokens, about a twelfth of its cost per token): what
 is asserted is the trace, not the answer."""
 
 from __future__ import annotations

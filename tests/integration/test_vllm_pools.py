@@ -119,7 +119,8 @@ def test_disaggregated_answer_is_vllms_and_the_prompt_was_moved(vllm_cluster, re
     assert after[TORONTO_P] - before[TORONTO_P] == sum(map(len, prompts))
 
 
-def test_a_disaggregated_request_on_vllm_pools_is_one_trace_across_three_processes(vllm_cluster, span_dir):
+def test_a_disaggregated_request_on_vllm_pools_is_one_trace_across_three_processes(vllm_cluster, span_dir,
+                                                                                  plumbing_model):
     prompt = [200 + (i * 31) % 20000 for i in range(200)]  # cached nowhere: all of it moves
     with vllm_cluster.channel() as ch:
         msgs = list(igrpc.InferenceStub(ch).Generate(token_request(
@@ -146,7 +147,9 @@ def test_a_disaggregated_request_on_vllm_pools_is_one_trace_across_three_process
     send = next(s for s in found if s["name"] == "kvrelay.kv.send")
     recv = next(s for s in found if s["name"] == "kvrelay.kv.receive")
     assert send["attributes"]["kvrelay.kv.bytes"] == recv["attributes"]["kvrelay.kv.bytes"] > 0, (send, recv)
-    assert {e["attributes"]["kvrelay.layer"] for e in send["events"] if e["name"] == "layer"} == set(range(4)), send
+    layers = json.loads((plumbing_model / "config.json").read_text())["num_hidden_layers"]  # one event each
+    sent = {e["attributes"]["kvrelay.layer"] for e in send["events"] if e["name"] == "layer"}
+    assert sent == set(range(layers)), send
 
 
 def test_logprobs_and_top_logprobs_come_from_vllm_per_token(vllm_cluster, references):
