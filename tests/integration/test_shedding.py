@@ -22,7 +22,7 @@ pytestmark = pytest.mark.model
 TOKEN = "token-of-the-shedding-tenant-0123"
 LONG = 1300
 """Output tokens of each long stream: the refusal's margin is one stream's length against the 2 s
-deadline (about 8 s here at ~6.5 ms a token through the cluster, ~4 s on the fastest hosts measured)."""
+deadline (about 8 s here at ~6.5 ms a token through the cluster, ~4 s estimated on the fastest host measured)."""
 
 
 @pytest.fixture(scope="module")

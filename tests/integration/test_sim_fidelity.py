@@ -13,7 +13,7 @@ The two 40% comparisons are measurements (a live run's latency against a
 profile taken minutes earlier: a machine busy in one and not the other moves
 them), so they are marked slow (`make test-slow`) and their figures live in
 benchmarks/RESULTS.md. CI runs the bounded sibling: the same pipeline on
-fewer requests, asserting what holds on a busy machine too (the simulator
+fewer requests and the plumbing model, asserting what holds on a busy machine too (the simulator
 replays the live slice request for request, to the token, and its medians are
 within a factor of LOOSE of the live ones). Only the two measurements are
 marked serial (run alone): the sibling runs beside the other tests, whose load
@@ -48,9 +48,9 @@ def kvrelay(*args: str, cache: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=900, cwd=ROOT, env=env)
 
 
-def _profile(out: Path, smollm_path: Path, repeats: int) -> Path:
-    got = kvrelay("profile", "--model", str(smollm_path), "--threads", "1", "--sharing", "2", "--quick",
-                  "--repeats", str(repeats), "--out", str(out), cache=smollm_path.parent)
+def _profile(out: Path, model: Path, repeats: int) -> Path:
+    got = kvrelay("profile", "--model", str(model), "--threads", "1", "--sharing", "2", "--quick",
+                  "--repeats", str(repeats), "--out", str(out), cache=model.parent)
     assert got.returncode == 0, got.stderr[-3000:]
     return out
 
@@ -66,10 +66,10 @@ def medians(report: Path) -> dict[str, float]:
     return {"ttft": s["ttft_ms"]["p50"], "tpot": s["tpot_ms"]["p50"]}
 
 
-def replay_both(config: str, profile: Path, tmp: Path, smollm_path: Path, *live_flags: str,
+def replay_both(config: str, profile: Path, tmp: Path, model: Path, *live_flags: str,
                 trace_slice: list[str] = SLICE, warmup: int = 4) -> None:
     """A live replay of the slice into ``tmp/live``, its simulation into ``tmp/sim``."""
-    cache = smollm_path.parent
+    cache = model.parent
     live = kvrelay("bench", "replay", "--config", config, *trace_slice, "--warmup", str(warmup), "--no-progress",
                    *live_flags, "--out", str(tmp / "live"), cache=cache)
     assert live.returncode == 0, live.stderr[-3000:]
@@ -86,10 +86,10 @@ def compare(config: str, profile: Path, tmp: Path, smollm_path: Path, *live_flag
     return errors
 
 
-def _config(tmp: Path, name: str, smollm_path: Path) -> str:
+def _config(tmp: Path, name: str, model: Path) -> str:
     """The example config with the model folder the tests use, its router on any free ports."""
     raw = yaml.safe_load((ROOT / "examples" / "sim" / name).read_text())
-    raw["model"]["path"] = str(smollm_path)
+    raw["model"]["path"] = str(model)
     raw["router"]["port"] = 0
     (tmp / name).write_text(yaml.safe_dump(raw))
     return str(tmp / name)
