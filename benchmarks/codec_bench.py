@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvrelay.benchmarks.kv_bench import emit_report, machine
+from kvrelay.benchmarks.machine import emit_report, machine
 from kvrelay.kvtransfer.base import KVCodec
 from kvrelay.kvtransfer.codecs import decode, encode, encoded_bytes
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kvrelay.benchmarks.engine_bench import offline_vllm
-from kvrelay.benchmarks.kv_bench import emit_report, machine
+from kvrelay.benchmarks.machine import emit_report, machine
 
 HOOK_FILES = ("runtime/vllm_connector.py", "runtime/vllm_bridge.py", "attention/kv_transfer_utils.py",
               "kv_transfer/kv_transfer_state.py", "kv_connector/v1/base.py", "kv_connector_model_runner_mixin.py")

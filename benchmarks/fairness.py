@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from kvrelay.benchmarks.kv_bench import machine
+from kvrelay.benchmarks.machine import machine
 from kvrelay.benchmarks.overload import quantile
 from kvrelay.launch.local import LocalCluster
 from kvrelay.router.core.auth import token_sha256

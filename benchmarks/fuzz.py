@@ -29,7 +29,7 @@ from kvrelay.benchmarks.fuzz_targets import (
     KVTarget,
     Outcome,
 )
-from kvrelay.benchmarks.kv_bench import machine
+from kvrelay.benchmarks.machine import machine
 from kvrelay.benchmarks.probes import run_probes
 from kvrelay.kvtransfer.handshake import SenderHello
 from kvrelay.kvtransfer.protection import Protection

@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from kvrelay.benchmarks.kv_bench import emit_report, machine
 from kvrelay.benchmarks.kv_peer import SECRET
+from kvrelay.benchmarks.machine import emit_report, machine
 from kvrelay.engine.kv_cache import KVCache, KVLayout
 from kvrelay.kvtransfer.base import KVCodec, TransferState, TransferTarget
 from kvrelay.kvtransfer.codecs import decode, encode

@@ -33,6 +33,7 @@ import torch
 from kvrelay.benchmarks import kv_limit, kv_peer
 from kvrelay.benchmarks.kv_limit import PLAIN
 from kvrelay.benchmarks.kv_peer import SECRET, mooncake_engine
+from kvrelay.benchmarks.machine import machine
 from kvrelay.engine.blocks import blocks_for
 from kvrelay.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvrelay.engine.kv_cache import KVCache, KVLayout
@@ -420,27 +421,6 @@ def kv_json(res: KVBenchResult, command: str) -> dict:
            "overlap_fraction": round(res.overlap["fraction"], 4) if res.overlap else None,
            "wan_link_ratio": res.wan_link_ratio, **res.extra}
     return out
-
-
-def emit_report(report: dict, json_path: str | None) -> None:
-    """Prints a benchmark's report as JSON and, with ``json_path``, writes it there too."""
-    text = json.dumps(report, indent=1)
-    print(text)
-    if json_path:
-        Path(json_path).write_text(text + "\n")
-
-
-def machine() -> dict:
-    """CPU model and the flags that matter for these numbers (lscpu)."""
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        text = ""
-    info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    flags = set(info.get("Flags", "").split())
-    return {"cpu": info.get("Model name", "?").strip(), "cpus": os.cpu_count(),
-            "flags": sorted(flags & {"aes", "vaes", "avx2", "avx512f", "avx512_bf16", "pclmulqdq", "vpclmulqdq",
-                                     "sha_ni"})}
 
 
 def format_kv(res: KVBenchResult) -> str:

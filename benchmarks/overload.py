@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from kvrelay.benchmarks.kv_bench import machine
+from kvrelay.benchmarks.machine import machine
 from kvrelay.launch.local import LocalCluster
 from kvrelay.runtime.config import parse_config
 from kvrelay.v1 import inference_pb2 as ipb

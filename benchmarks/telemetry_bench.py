@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrelay.benchmarks.kv_bench import machine
+from kvrelay.benchmarks.machine import machine
 from kvrelay.launch.local import LocalCluster
 from kvrelay.runtime.config import parse_config
 from kvrelay.runtime.tracing import read_spans

@@ -43,7 +43,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.benchmarks import vllm_nixl
-from kvrelay.benchmarks.kv_bench import machine
+from kvrelay.benchmarks.machine import machine
 from kvrelay.benchmarks.traces import load_trace
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.launch import vllm_env

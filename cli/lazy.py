@@ -28,6 +28,11 @@ def local(name: str) -> Lazy:
     return Lazy("kvrelay.cli.local", name)
 
 
+def compute(name: str) -> Lazy:
+    """A function of cli/compute.py (the commands that run torch in this process)."""
+    return Lazy("kvrelay.cli.compute", name)
+
+
 def command_module(name: str) -> ModuleType:
     """The cli module ``name`` (cli/<name>.py), imported when a command it parses is used."""
     return importlib.import_module(f"kvrelay.cli.{name}")

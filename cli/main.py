@@ -27,7 +27,7 @@ from kvrelay.cli.common import (
     grpc_error,
     routers_for,
 )
-from kvrelay.cli.lazy import Lazy, command_module, local
+from kvrelay.cli.lazy import Lazy, command_module, compute, local
 from kvrelay.engine.errors import EngineError
 from kvrelay.v1 import inference_pb2 as ipb
 from kvrelay.v1 import inference_pb2_grpc as igrpc
@@ -168,7 +168,7 @@ def _add_model_parsers(sub) -> None:
     tiny.add_argument("--arch", default="llama", choices=["llama", "llama3", "qwen2", "mistral"])
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.set_defaults(func=local("cmd_model_tiny"))
+    tiny.set_defaults(func=compute("cmd_model_tiny"))
 
 
 def _add_serve_parser(sub, cities_flag: AddFlags) -> None:
@@ -222,7 +222,7 @@ def _add_bench_engine_parser(bench) -> None:
     be.add_argument("--vllm-rounds", type=int, default=1,
                     help="vLLM without and with kvrelay's connector, this many times in turn (medians)")
     be.add_argument("--json", help="also write results to this path (.<dtype>.json)")
-    be.set_defaults(func=local("cmd_bench_engine"))
+    be.set_defaults(func=compute("cmd_bench_engine"))
 
 
 def _add_bench_vllm_pd_parser(bench) -> None:
@@ -238,7 +238,7 @@ def _add_bench_vllm_pd_parser(bench) -> None:
     bv.add_argument("--systems", default="vllm_alone,vllm_nixl_pd,kvrelay_vllm,kvrelay_builtin",
                     help="comma-separated systems to run, in this order")
     bv.add_argument("--json", help="also write the report to this file")
-    bv.set_defaults(func=local("cmd_bench_vllm_pd"))
+    bv.set_defaults(func=compute("cmd_bench_vllm_pd"))
 
 
 def _add_bench_kv_codec_parser(bench) -> None:
@@ -254,7 +254,7 @@ def _add_bench_kv_codec_parser(bench) -> None:
     bkc.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens that must match per prompt")
     bkc.add_argument("--mib", type=int, default=64, help="bf16 KV per speed measurement")
     bkc.add_argument("--json", help="also write the report to this file")
-    bkc.set_defaults(func=local("cmd_bench_kv_codec"))
+    bkc.set_defaults(func=compute("cmd_bench_kv_codec"))
 
 
 def _add_bench_routers_parser(bench) -> None:
@@ -284,7 +284,7 @@ def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> N
     bk.add_argument("--repeat", type=int, default=3)
     bk.add_argument("--model", help="checkpoint for the overlap measurement (default: the embedded model)")
     bk.add_argument("--no-overlap", action="store_true", help="skip the 4k-token layer-wise overlap run")
-    bk.set_defaults(func=local("cmd_bench_kv"))
+    bk.set_defaults(func=compute("cmd_bench_kv"))
 
     bp = bench.add_parser("placement", help="placement decision and prefix-index lookup time")
     bp.add_argument("--workers", default="1000", help="worker counts, comma-separated (e.g. 1000,10000)")
@@ -300,7 +300,7 @@ def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> N
     bte.add_argument("--seed", type=int, default=0)
     bte.add_argument("--model", help="checkpoint folder (default: the embedded model)")
     bte.add_argument("--json", help="also write the report to this file")
-    bte.set_defaults(func=local("cmd_bench_telemetry"))
+    bte.set_defaults(func=compute("cmd_bench_telemetry"))
 
     _add_bench_kv_codec_parser(bench)
     _add_bench_routers_parser(bench)
@@ -312,7 +312,7 @@ def _add_bench_parsers(bench, cities_flag: AddFlags, chaos_flags: AddFlags) -> N
     bg.add_argument("--transfers", type=int, default=20, help="transfers, quiet and then under the flood")
     bg.add_argument("--idle", type=int, default=200, help="idle connections the flood holds open")
     bg.add_argument("--json", help="also write the result to this file")
-    bg.set_defaults(func=local("cmd_bench_kv_gate"))
+    bg.set_defaults(func=compute("cmd_bench_kv_gate"))
 
     bt = bench.add_parser("tls", help="TTFT and gRPC round trip with TLS against the same build with TLS off")
     bt.add_argument("--config", help="cluster of both runs (default: the embedded default)")
@@ -390,7 +390,7 @@ def _add_generate_local_parser(sub) -> None:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--raw", action="store_true", help="no chat template")
-    gen.set_defaults(func=local("cmd_generate_local"))
+    gen.set_defaults(func=compute("cmd_generate_local"))
 
 
 def main(argv: list[str] | None = None) -> int:

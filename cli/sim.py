@@ -18,7 +18,7 @@ from kvrelay.benchmarks.sim.profile import ProfileError, load_profile
 from kvrelay.benchmarks.sim.run import Objectives, simulate
 from kvrelay.benchmarks.sim.workload import arrivals
 from kvrelay.benchmarks.traces import TraceError, load_trace
-from kvrelay.cli.lazy import local
+from kvrelay.cli.lazy import compute
 from kvrelay.runtime.config import ConfigError, load_config
 
 _FAIL = re.compile(r"^(worker|link):(?P<target>[^@]+)@(?P<at>[0-9.]+)(\+(?P<for>[0-9.]+))?$")
@@ -150,7 +150,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median counts)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (tests)")
     p.add_argument("--out", required=True, help="profile file to write (JSON)")
-    p.set_defaults(func=local("cmd_profile"))
+    p.set_defaults(func=compute("cmd_profile"))
     add_plan_parser(sub)
     add_report_parser(sub)
 

@@ -16,10 +16,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from safetensors.torch import save_file
+from safetensors.numpy import save_file  # the same file as torch's writer, without importing torch (3 s)
 from tokenizers import (
     AddedToken,
     Tokenizer,
@@ -136,9 +135,9 @@ def _open_llama_gguf(gguf_path: Path) -> GGUFReader:
     return reader
 
 
-def _hf_weights(reader: GGUFReader, n_head: int, n_kv: int) -> dict[str, torch.Tensor]:
+def _hf_weights(reader: GGUFReader, n_head: int, n_kv: int) -> dict[str, np.ndarray]:
     """Dequantized float32 tensors under Hugging Face names, q/k in HF's rotary layout."""
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
@@ -148,7 +147,7 @@ def _hf_weights(reader: GGUFReader, n_head: int, n_kv: int) -> dict[str, torch.T
             w = _unpermute(w, n_head)
         elif t.name.endswith("attn_k.weight"):
             w = _unpermute(w, n_kv)
-        weights[name] = torch.from_numpy(np.ascontiguousarray(w))
+        weights[name] = np.ascontiguousarray(w)
     return weights
 
 
@@ -194,7 +193,7 @@ def _tokenizer_config(reader: GGUFReader, tokens: list, config: dict) -> dict:
     }
 
 
-def _write_checkpoint(out_dir: Path, weights: dict[str, torch.Tensor], files: dict[str, str]) -> None:
+def _write_checkpoint(out_dir: Path, weights: dict[str, np.ndarray], files: dict[str, str]) -> None:
     """Writes the weights and the text ``files`` into a temporary folder beside
     ``out_dir``, then puts it in place of ``out_dir`` (removed on failure)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)

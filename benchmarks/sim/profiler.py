@@ -24,7 +24,7 @@ from typing import cast
 
 import numpy as np
 
-from kvrelay.benchmarks.kv_bench import machine
+from kvrelay.benchmarks.machine import machine
 from kvrelay.benchmarks.sim.profile import MeasuredProfile, ModelSpec, attention_pairs
 from kvrelay.engine.config import CacheConfig, DType, EngineConfig, SchedulerConfig
 from kvrelay.engine.llm_engine import LLMEngine, StepUsage

@@ -320,6 +320,7 @@ def test_status_and_down_with_nothing_up(tmp_path, capsys):
 
 @needs_root
 @pytest.mark.model
+@pytest.mark.slow  # 41 s; CI brings up the same namespaces, links and cluster in the serial tests above
 def test_demo_runs_three_cities_and_cleans_up(tmp_path, capsys):
     assert main(["demo", "--requests", "4", "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out

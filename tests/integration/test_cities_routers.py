@@ -46,6 +46,10 @@ def _netns_inode(pid: int) -> int:
     return os.stat(f"/proc/{pid}/ns/net").st_ino
 
 
+
+# 26 s alone; in CI: routers sharing etcd and PostgreSQL on loopback (test_routers.py), and workers in the
+# emulated cities reached over their links (test_cities.py)
+@pytest.mark.slow
 def test_a_router_in_every_city_in_its_namespace(tmp_path, plumbing_model):
     for ns in (f"{PREFIX}-toronto", f"{PREFIX}-montreal"):  # what an interrupted run left
         if Path(f"/run/netns/{ns}").exists():

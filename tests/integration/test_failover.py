@@ -48,16 +48,17 @@ def test_decode_worker_killed_mid_stream_is_migrated(failover_cluster, reference
     assert wait_until(lambda: not workers(failover_cluster)[killed].healthy, 30)  # worker_timeout_s (5 s), then some
 
 
-def test_a_decode_worker_whose_engine_dies_leaves_and_is_replaced(smollm_path, reference_engine):
+def test_a_decode_worker_whose_engine_dies_leaves_and_is_replaced(plumbing_model, plumbing_reference):
     """The engine thread of local/decode/0 fails at its 4th step (fault injection):
     the worker deregisters and exits non-zero, the launcher starts local/decode/1,
-    and the request, waiting for it, finishes with the reference output."""
+    and the request, waiting for it, finishes with the reference output. (The fault comes at a step,
+    not a time: the plumbing model, the cheapest that serves it.)"""
     raw = dict(CONFIG, sites=[dict(CONFIG["sites"][0], decode={"replicas": 1})],
                workers={"threads": 1, "fail_engine_worker": "local/decode/0", "fail_engine_at_step": 4},
                router=dict(CONFIG["router"], admission={"unavailable_wait_s": 120.0}))
-    prompt = reference_engine.tokenizer.encode("Name three research and education networks")
-    want = reference_engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
-    with running_cluster(raw, smollm_path) as lc, lc.channel() as ch:
+    prompt = plumbing_reference.tokenizer.encode("Name three research and education networks")
+    want = plumbing_reference.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    with running_cluster(raw, plumbing_model) as lc, lc.channel() as ch:
         msgs = list(igrpc.InferenceStub(ch).Generate(ipb.GenerateRequest(
             token_ids=ipb.TokenIds(ids=prompt), max_tokens=12, ignore_eos=True), timeout=300))
         assert [t for m in msgs for t in m.token_ids] == want

@@ -30,8 +30,8 @@ N = 120
 
 
 @pytest.fixture(scope="module")
-def jobs_cluster(smollm_path):
-    with running_cluster(CONFIG, smollm_path) as lc:
+def jobs_cluster(plumbing_model):
+    with running_cluster(CONFIG, plumbing_model) as lc:
         yield lc
 
 
@@ -60,8 +60,9 @@ def test_router_restart_mid_job_every_result_exactly_once(jobs_cluster):
     with ch:
         job = stub.SubmitJob(jpb.SubmitJobRequest(name="restart", requests=reqs), timeout=60)
     assert job.total == N and job.state == jpb.JOB_STATE_QUEUED
-    assert wait_until(lambda: len(_results(jobs_cluster, job.id)) >= 24, 180, 0.5)
+    assert wait_until(lambda: len(_results(jobs_cluster, job.id)) >= 24, 180, 0.05)
     before = {r.index: r for r in _results(jobs_cluster, job.id)}
+    print(f"{len(before)} of {N} results before the restart")
     assert len(before) < N  # the restart comes mid-job
     jobs_cluster.restart_router(kill=True)
     # workers find the new router on their next heartbeat; the job resumes from the database

@@ -1,4 +1,5 @@
-"""A link that names a KV codec, on real processes with the real model: Toronto
+"""A link that names a KV codec, on real processes with the plumbing model (its heads
+are 64 wide, as SmolLM2's: a codec's bytes per block are the same): Toronto
 computes every prompt (it has the only prefill worker) and Montreal decodes
 them (the only decode worker), so every prompt's KV crosses the link, which
 names int8. Tenant lab-a takes what the link names; lab-b forbids lossy
@@ -54,8 +55,8 @@ def _generate(lc, tenant: str, prompt: str) -> tuple[list[int], ipb.Placement]:
     return [t for m in msgs for t in m.token_ids], msgs[-1].finish.placement
 
 
-def test_a_link_codec_carries_lossy_tenants_kv_coded_and_never_a_strict_tenants(smollm_path):
-    with running_cluster(config(), smollm_path) as lc:
+def test_a_link_codec_carries_lossy_tenants_kv_coded_and_never_a_strict_tenants(plumbing_model):
+    with running_cluster(config(), plumbing_model) as lc:
         assert wait_until(lambda: sum(w.healthy for w in workers(lc).values()) == 2, 90)
         same = 0
         for prompt in PROMPTS:

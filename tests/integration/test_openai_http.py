@@ -273,6 +273,7 @@ def test_a_request_shaped_as_vllm_bench_serve_sends_it_is_served(http_cluster):
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"])
 
 
+@pytest.mark.slow  # 19 s (vLLM's CLI starting); in CI: the request it sends, served (above)
 def test_vllm_bench_serve_gets_every_request_served(http_cluster, plumbing_model, tmp_path):
     """vLLM's own benchmark client, installed by make test, against kvrelay's HTTPS API with a
     tenant's token: every request succeeds, each with the output length it asked for."""

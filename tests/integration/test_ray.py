@@ -52,6 +52,8 @@ def test_workers_on_ray_nodes_take_renewals_through_their_actors(plumbing_model,
 
 @needs_etcd_and_postgres[0]
 @needs_etcd_and_postgres[1]
+@pytest.mark.slow  # 24 s; in CI: workers as actors at a node of their site (below), routers sharing etcd
+# (test_routers.py)
 def test_routers_on_ray_each_run_at_a_node_of_its_site(plumbing_model, ray_two_sites):
     """`kvrelay serve --backend ray` with routers: each router is an actor on a node of its own site (as
     workers are), they share etcd and PostgreSQL, and each places on workers the other registered."""

@@ -310,6 +310,8 @@ def test_a_decode_worker_killed_mid_stream_is_migrated(faulty_cluster, reference
     assert fin.usage.completion_tokens == LONG_TOKENS
 
 
+@pytest.mark.slow  # 31 s, a cluster of its own; in CI: the builtin engine's death (test_failover.py), a vLLM
+# decode worker killed mid-stream and migrated (above)
 def test_a_vllm_engine_that_dies_takes_its_worker_out_and_the_request_recovers(plumbing_model, references):
     """local/decode/0's vLLM engine fails at its 6th step, mid-stream (fault injection: its step raises):
     the worker deregisters and exits non-zero, the launcher starts local/decode/1, and the stream,

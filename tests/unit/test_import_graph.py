@@ -278,6 +278,22 @@ def test_a_client_call_reads_its_arguments_without_the_simulator_or_the_config_v
         assert f"usage: kvrelay {command}" in res.stdout, (command, res.stdout[:300])
 
 
+def test_the_commands_that_run_no_model_here_start_without_torch():
+    """cli/local.py (serve, model prepare, demo, placement...) imports neither torch nor vLLM: its
+    import took 5.7 s, 3 s of it torch's, before the commands that run torch here moved to
+    cli/compute.py (and the GGUF conversion wrote its safetensors with numpy's writer). A refused
+    argument is answered by the command itself. It fails on a torch module imported at its top."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom kvrelay.cli import local\nfrom kvrelay.cli.main import main\n"
+             "rc = main(['bench', 'placement', '--workers', 'ten'])\n"
+             "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm'))[:3])")
+    res = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == "2 []", res.stdout[-800:] + res.stderr[-800:]
+    assert "--workers takes comma-separated counts" in res.stderr
+
+
 def test_a_client_command_parsed_alone_is_parsed_as_in_the_whole_parser():
     """The light parser of each client command (its module alone) gives the same help, so the same
     arguments, as the parser of every command."""
