@@ -80,14 +80,16 @@ def make_engine():
         assert_no_leaks(eng)
 
 
-LONGEST_FIRST = (
-    "integration/test_vllm_pools.py", "integration/test_openai_http.py", "integration/test_sim_fidelity.py",
-    "integration/test_routers.py", "integration/test_e2e.py", "unit/test_sim.py", "integration/test_kv_bench_json.py",
-    "integration/test_renewal.py", "integration/test_kv_tcp.py", "integration/test_cities.py",
-    "integration/test_failover.py", "integration/test_etcd.py", "unit/test_default_model.py",
-    "integration/test_tracing.py", "integration/test_oidc.py", "integration/test_cli.py",
-    "integration/test_shedding.py", "integration/test_fuzz.py", "integration/test_tenant_policy.py",
-    "integration/test_metrics.py", "integration/test_jobs.py", "integration/test_hardening.py",
+LONGEST_FIRST = (  # by their time in make test's first step (session 27: --durations=0, summed per module)
+    "integration/test_vllm_pools.py", "integration/test_transfer_faults.py", "integration/test_routers.py",
+    "integration/test_e2e.py", "integration/test_failover.py", "unit/test_default_model.py", "unit/test_sim.py",
+    "integration/test_shedding.py", "integration/test_renewal.py", "integration/test_chaos.py",
+    "integration/test_sim_fidelity.py", "integration/test_kv_tcp.py", "integration/test_job_limits.py",
+    "unit/test_kv_codecs.py", "integration/test_oidc.py", "unit/test_import_graph.py",
+    "integration/test_scaling.py", "integration/test_etcd.py", "unit/test_config_fuzz.py",
+    "integration/test_fuzz.py", "integration/test_kv_bench_json.py", "unit/test_helm.py",
+    "integration/test_tracing.py", "integration/test_tenant_policy.py", "integration/test_openai_http.py",
+    "integration/test_cli.py", "integration/test_metrics.py", "integration/test_hardening.py",
 )
 """The modules that take longest when two pytest processes share the cores (make test's first step,
 a module per process at a time): handed out first, so none of them starts last and runs alone."""

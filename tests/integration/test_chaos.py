@@ -32,7 +32,8 @@ def any_free_ports(example: Path, tmp: Path, model: Path | None = None) -> Path:
     return copy
 
 
-@pytest.mark.serial  # workers killed at random instants of a timed replay: run alone
+# Not serial: the faults come at instants of the replay's clock, and what is asserted (nothing lost, no
+# output changed, at least three faults) holds however busy the machine: a slower replay sees more faults.
 def test_chaos_replay_loses_nothing_and_changes_no_output(tmp_path, plumbing_model, capsys):
     """On the plumbing model: what is checked is that every request's greedy tokens survive the
     faults, not what they say (the trace's timing, not the model's speed, spreads the faults)."""

@@ -297,7 +297,10 @@ def test_a_job_continues_at_the_other_routers_when_its_router_dies(routers, tmp_
 
 @pytest.mark.parametrize("problem", ["unreachable", "foreign CA"])
 def test_a_router_that_cannot_use_its_etcd_exits_naming_it(routers, plumbing_model, tmp_path, problem):
-    cfg = parse_config(three_routers())
+    raw = three_routers()
+    for r in raw["routers"]:  # any free ports: the defaults (50051, 50052) may be bound by a test beside this one
+        r |= {"port": 0, "internal_port": 0, "http_port": None}
+    cfg = parse_config(raw)
     endpoint = f"127.0.0.1:{free_port()}" if problem == "unreachable" else routers.etcd.endpoints[1]
     cfg.etcd.endpoints, cfg.etcd.timeout_s = [endpoint], 2.0
     cfg.postgres.endpoints = routers.cfg.postgres.endpoints

@@ -25,7 +25,9 @@ from tests.integration.helpers import (
     worker_stats,
 )
 
-pytestmark = [pytest.mark.model, pytest.mark.serial]
+# Not serial: every bound here is a fraction of a deadline (STALLED_S) or the deadline itself plus
+# seconds; a busy machine only widens the transfer window each case interrupts.
+pytestmark = pytest.mark.model
 
 LONG_PROMPT = "Describe the history of research networks in detail. " * 220  # ~2,400 tokens
 
